@@ -1,0 +1,190 @@
+"""Tiny random Qwen2 / Qwen3 model directories, built locally with no network.
+
+A directory holds what a Hugging Face checkpoint holds: ``config.json``, ``model.safetensors``
+with HF key names and [out, in] linear weights, and a tokenizer (``tokenizer.json`` plus
+``tokenizer_config.json``) trained here with ``tokenizers``. Tests, examples and benchmarks
+use these in place of hub downloads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+# The engine's safetensors loader pads head_dim to a multiple of 128 and its model code does
+# not, so head_dim stays 128 for every tiny model (see the field notes on sglang-jax 0.0.2).
+TINY_HEAD_DIM = 128
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# Text the tiny tokenizer is trained on: digits, arithmetic and a few words, enough for toy tasks.
+_TOKENIZER_CORPUS = (
+    [f"{a}+{b}={a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
+    + ["the answer is", "hello world", "question: answer:", "copy: reverse: sum:"]
+    + [" ".join(str(d) for d in range(k, k + 10)) for k in range(10)]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of a tiny model. Defaults give a 2-layer GQA Qwen2 with biases and tied embeddings."""
+
+    architecture: str = "qwen2"  # "qwen2" or "qwen3"
+    vocab_size: int = 320
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.architecture not in ("qwen2", "qwen3"):
+            raise ValueError(f"architecture must be 'qwen2' or 'qwen3', got {self.architecture!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return TINY_HEAD_DIM
+
+    def hf_config(self) -> dict:
+        is_qwen3 = self.architecture == "qwen3"
+        return {
+            "architectures": ["Qwen3ForCausalLM" if is_qwen3 else "Qwen2ForCausalLM"],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_hidden_layers,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": not is_qwen3,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": "float32",
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "pad_token_id": 0,
+        }
+
+
+def random_hf_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
+    """Random float32 weights under HF Qwen2/Qwen3 key names ([out, in] linear layout).
+
+    Scales give logits with a spread of about one unit: far from uniform, so a wrong mapping
+    shows up in greedy tokens, yet temperature sampling still varies.
+    """
+    rng = np.random.default_rng(spec.seed)
+    hidden, inter, head_dim = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q_out = spec.num_attention_heads * head_dim
+    kv_out = spec.num_key_value_heads * head_dim
+
+    def linear(out_features: int, in_features: int) -> np.ndarray:
+        return rng.normal(0.0, in_features**-0.5, (out_features, in_features)).astype(np.float32)
+
+    def norm(size: int) -> np.ndarray:
+        return (1.0 + rng.normal(0.0, 0.1, size)).astype(np.float32)
+
+    def bias(size: int) -> np.ndarray:
+        return rng.normal(0.0, 0.1, size).astype(np.float32)
+
+    embedding = rng.normal(0.0, 0.05, (spec.vocab_size, hidden)).astype(np.float32)
+    weights = {"model.embed_tokens.weight": embedding}
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights[p + "self_attn.q_proj.weight"] = linear(q_out, hidden)
+        weights[p + "self_attn.k_proj.weight"] = linear(kv_out, hidden)
+        weights[p + "self_attn.v_proj.weight"] = linear(kv_out, hidden)
+        weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_out)
+        if spec.architecture == "qwen2":
+            weights[p + "self_attn.q_proj.bias"] = bias(q_out)
+            weights[p + "self_attn.k_proj.bias"] = bias(kv_out)
+            weights[p + "self_attn.v_proj.bias"] = bias(kv_out)
+        else:
+            weights[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            weights[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
+        weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
+        weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+        weights[p + "input_layernorm.weight"] = norm(hidden)
+        weights[p + "post_attention_layernorm.weight"] = norm(hidden)
+    weights["model.norm.weight"] = norm(hidden)
+    if not spec.tie_word_embeddings:
+        weights["lm_head.weight"] = linear(spec.vocab_size, hidden)
+    return weights
+
+
+def train_tiny_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on a small built-in corpus (no network)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
+    return tokenizer
+
+
+def write_tiny_model(
+    path: str | Path, spec: TinyModelSpec = TinyModelSpec(), *, with_tokenizer: bool = True
+) -> Path:
+    """Write a tiny random HF model directory at ``path`` and return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(spec.hf_config(), indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "pad_token_id": 0}))
+    save_file(random_hf_weights(spec), str(path / "model.safetensors"), metadata={"format": "pt"})
+    if with_tokenizer:
+        write_tiny_tokenizer(path, spec)
+    return path
+
+
+def write_tiny_tokenizer(path: Path, spec: TinyModelSpec) -> None:
+    tokenizer = train_tiny_tokenizer(spec.vocab_size)
+    if tokenizer.get_vocab_size() > spec.vocab_size:
+        raise ValueError(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={spec.vocab_size}"
+        )
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": SPECIAL_TOKENS[0],
+                "pad_token": SPECIAL_TOKENS[0],
+                "bos_token": None,
+                "model_max_length": spec.max_position_embeddings,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )

@@ -1,0 +1,91 @@
+"""Rollout batches: what ``RolloutWorker.generate`` returns to a trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    """Completions for ``len(prompts)`` prompts, ``n`` samples each, in prompt-major order.
+
+    Row ``i`` is sample ``i % n`` of prompt ``prompt_index[i] == i // n``. The padded arrays
+    put every prompt right-aligned in the first ``prompt_width`` columns (left padding) and
+    every completion left-aligned after it, so completion ``j`` of every row sits in column
+    ``prompt_width + j``; the completion region is ``max_new_tokens`` wide, a fixed shape for a
+    jitted train step.
+    """
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    prompt_index: np.ndarray  # [B] int32
+    finish_reasons: list[str]
+    tokens: np.ndarray  # [B, T] int32, pad_token_id where padded
+    attention_mask: np.ndarray  # [B, T] bool, True on prompt and completion tokens
+    completion_mask: np.ndarray  # [B, T] bool, True on completion tokens
+    positions: np.ndarray  # [B, T] int32, position of each token in its own sequence
+    prompt_width: int
+    n: int
+    weight_version: int
+    seeds: np.ndarray  # [B] int64, the sampling seed of each row
+    completion_texts: list[str] | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.completions)
+
+    @property
+    def completion_lengths(self) -> np.ndarray:
+        return np.array([len(c) for c in self.completions], dtype=np.int32)
+
+
+def pack_rollouts(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    n: int,
+    completion_width: int,
+    pad_token_id: int,
+    finish_reasons: Sequence[str],
+    weight_version: int,
+    seeds: np.ndarray,
+    completion_texts: list[str] | None = None,
+) -> RolloutBatch:
+    """Lay out prompt-major completions as left-padded prompts followed by completions."""
+    rows = len(completions)
+    if rows != len(prompts) * n:
+        raise ValueError(f"expected {len(prompts) * n} completions ({len(prompts)} prompts x n={n}), got {rows}")
+    prompt_width = max(len(p) for p in prompts)
+    longest = max((len(c) for c in completions), default=0)
+    if longest > completion_width:
+        raise ValueError(f"a completion has {longest} tokens, more than the width {completion_width}")
+    width = prompt_width + completion_width
+    tokens = np.full((rows, width), pad_token_id, dtype=np.int32)
+    attention = np.zeros((rows, width), dtype=bool)
+    completion_mask = np.zeros((rows, width), dtype=bool)
+    prompt_index = np.repeat(np.arange(len(prompts), dtype=np.int32), n)
+    for row, (p, c) in enumerate(zip((prompts[i] for i in prompt_index), completions)):
+        start = prompt_width - len(p)
+        tokens[row, start:prompt_width] = p
+        tokens[row, prompt_width : prompt_width + len(c)] = c
+        attention[row, start : prompt_width + len(c)] = True
+        completion_mask[row, prompt_width : prompt_width + len(c)] = True
+    positions = np.maximum(np.cumsum(attention, axis=1) - 1, 0).astype(np.int32)
+    return RolloutBatch(
+        prompts=[list(map(int, p)) for p in prompts],
+        completions=[list(map(int, c)) for c in completions],
+        prompt_index=prompt_index,
+        finish_reasons=list(finish_reasons),
+        tokens=tokens,
+        attention_mask=attention,
+        completion_mask=completion_mask,
+        positions=positions,
+        prompt_width=prompt_width,
+        n=n,
+        weight_version=weight_version,
+        seeds=np.asarray(seeds, dtype=np.int64),
+        completion_texts=completion_texts,
+    )

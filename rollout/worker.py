@@ -1,0 +1,232 @@
+"""The rollout worker: an sglang-jax engine in the trainer's process."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from .batch import RolloutBatch, pack_rollouts
+from .config import WorkerConfig
+from .sglang_engine import MAX_SAMPLING_SEED, EngineHandle
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    """Generates rollouts with an in-process sglang-jax engine.
+
+    Use it as a context manager, or call :meth:`close` (idempotent) when done.
+    """
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self._engine = EngineHandle(config.engine_options())
+        self._lock = threading.RLock()
+        self._rng = np.random.default_rng(config.seed)
+        self.weight_version = 0
+        tokenizer = self._engine.tokenizer
+        self.pad_token_id = _pad_token_id(tokenizer)
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> RolloutWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the engine and free what it holds. Safe to call more than once."""
+        with self._lock:
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
+
+    @property
+    def closed(self) -> bool:
+        return self._engine is None
+
+    @property
+    def engine(self) -> EngineHandle:
+        if self._engine is None:
+            raise RuntimeError("the RolloutWorker is closed")
+        return self._engine
+
+    @property
+    def tokenizer(self):
+        """The model directory's HF tokenizer, or None when it has none."""
+        return self.engine.tokenizer
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        max_new_tokens: int = 128,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        seed: int | None = None,
+    ) -> RolloutBatch:
+        """Sample ``n`` completions for every prompt (token-id lists, or strings).
+
+        ``temperature=0`` is greedy decoding. Each row gets its own sampling seed, derived from
+        ``seed`` (or from the worker's own random stream when ``seed`` is None), so the same
+        seed gives the same completions and no two rows share a random stream.
+        """
+        engine = self.engine
+        prompt_ids = self._prompt_ids(prompts)
+        _check_sampling(n, temperature, top_p, top_k, min_p, max_new_tokens, seed)
+        self._check_lengths(prompt_ids, max_new_tokens)
+        stop_ids = self._stop_token_ids(stop_token_ids)
+
+        with self._lock:
+            base_seed = int(self._rng.integers(MAX_SAMPLING_SEED)) if seed is None else int(seed)
+            seeds = _row_seeds(base_seed, len(prompt_ids) * n)
+            params = []
+            for row_seed in seeds:
+                p = {
+                    "max_new_tokens": max_new_tokens,
+                    "temperature": float(temperature),
+                    "top_p": float(top_p),
+                    "top_k": int(top_k),
+                    "min_p": float(min_p),
+                    "ignore_eos": bool(ignore_eos),
+                    "sampling_seed": int(row_seed),
+                    "no_stop_trim": True,
+                }
+                if stop_ids:
+                    p["stop_token_ids"] = list(stop_ids)
+                params.append(p)
+            # 0.0.2 ignores n for a single prompt: every sample is its own request.
+            rows = [ids for ids in prompt_ids for _ in range(n)]
+            outputs = engine.generate(rows, params)
+            version = self.weight_version
+
+        completions = [_completion_ids(i, out)[:max_new_tokens] for i, out in enumerate(outputs)]
+        tokenizer = engine.tokenizer
+        texts = None
+        if tokenizer is not None:
+            texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        return pack_rollouts(
+            prompt_ids,
+            completions,
+            n=n,
+            completion_width=max_new_tokens,
+            pad_token_id=self.pad_token_id,
+            finish_reasons=[o.finish_reason for o in outputs],
+            weight_version=version,
+            seeds=seeds,
+            completion_texts=texts,
+        )
+
+    def _prompt_ids(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError(
+                f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}"
+            )
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty")
+        vocab = self.engine.vocab_size
+        ids = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                tokenizer = self.engine.tokenizer
+                if tokenizer is None:
+                    raise ValueError(
+                        f"prompts[{i}] is a string but the model directory {self.config.model_path} has no "
+                        "tokenizer: pass token ids"
+                    )
+                prompt = tokenizer.encode(prompt, add_special_tokens=False)
+            tokens = [int(t) for t in np.asarray(prompt).reshape(-1)]
+            if not tokens:
+                raise ValueError(f"prompts[{i}] is empty")
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab}): {bad[:5]}")
+            ids.append(tokens)
+        return ids
+
+    def _check_lengths(self, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+        context = self.engine.context_length
+        limit = self.engine.max_request_input_len
+        for i, tokens in enumerate(prompt_ids):
+            if len(tokens) >= limit:
+                raise ValueError(
+                    f"prompts[{i}] has {len(tokens)} tokens; the engine accepts prompts of at most "
+                    f"{limit - 1} tokens (context length {context})"
+                )
+            if len(tokens) + max_new_tokens > context:
+                raise ValueError(
+                    f"prompts[{i}] has {len(tokens)} tokens and max_new_tokens={max_new_tokens}: "
+                    f"{len(tokens) + max_new_tokens} exceeds the context length {context}"
+                )
+
+    def _stop_token_ids(self, stop_token_ids) -> list[int]:
+        if stop_token_ids is None:
+            return []
+        vocab = self.engine.vocab_size
+        ids = [int(t) for t in stop_token_ids]
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids has ids outside [0, {vocab}): {bad}")
+        return ids
+
+
+def _completion_ids(row: int, out) -> list[int]:
+    """The sampled tokens, stop token included (a trainer must learn to emit it).
+
+    With a tokenizer loaded, 0.0.2 drops a matched stop token from ``output_ids`` while still
+    counting it in ``completion_tokens``; without one it keeps it.
+    """
+    ids = list(out.output_ids[: out.completion_tokens])
+    stopped_on_token = out.finish_reason == "stop" and isinstance(out.matched_stop, int)
+    if stopped_on_token and len(ids) == out.completion_tokens - 1:
+        ids.append(out.matched_stop)
+    if len(ids) != out.completion_tokens:
+        logger.warning(
+            "row %d: engine returned %d output ids but counted %d completion tokens",
+            row, len(out.output_ids), out.completion_tokens,
+        )
+    return ids
+
+
+def _check_sampling(n, temperature, top_p, top_k, min_p, max_new_tokens, seed) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
+        raise ValueError(f"top_k must be -1 (all tokens) or an int >= 1, got {top_k!r}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+    if seed is not None and (not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SAMPLING_SEED):
+        raise ValueError(f"seed must be an int in [0, {MAX_SAMPLING_SEED}], got {seed!r}")
+
+
+def _row_seeds(base_seed: int, rows: int) -> np.ndarray:
+    """Independent per-row sampling seeds derived from one base seed."""
+    state = np.random.SeedSequence(base_seed).generate_state(rows, dtype=np.uint32)
+    return (state & np.uint32(MAX_SAMPLING_SEED)).astype(np.int64)
+
+
+def _pad_token_id(tokenizer) -> int:
+    for attr in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            return int(value)
+    return 0

@@ -1,0 +1,33 @@
+"""Test set-up: JAX on CPU with 4 fake devices, tiny model dirs shared by the session."""
+
+import os
+
+# Before JAX is imported anywhere: several CPU devices so sharding code paths really run.
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+
+import pytest  # noqa: E402
+
+from models.tiny import TinyModelSpec, write_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    """Qwen2: biases, GQA (2 heads, 1 KV head), tied embeddings, with a tokenizer."""
+    return write_tiny_model(tmp_path_factory.mktemp("qwen2"), TinyModelSpec())
+
+
+@pytest.fixture(scope="session")
+def qwen2_untied_dir(tmp_path_factory):
+    return write_tiny_model(
+        tmp_path_factory.mktemp("qwen2_untied"), TinyModelSpec(tie_word_embeddings=False, seed=1)
+    )
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    """Qwen3: qk-norm, no biases, multi-head (2 KV heads), no tokenizer files."""
+    spec = TinyModelSpec(architecture="qwen3", num_key_value_heads=2, seed=2)
+    return write_tiny_model(tmp_path_factory.mktemp("qwen3"), spec, with_tokenizer=False)

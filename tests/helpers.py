@@ -1,0 +1,18 @@
+"""Shared test helpers."""
+
+from rollout import WorkerConfig
+
+
+def tiny_worker_config(model_dir, **overrides) -> WorkerConfig:
+    """Small engine limits that start fast on a 2-core CPU."""
+    settings = dict(
+        model_path=str(model_dir),
+        dtype="float32",
+        max_total_tokens=2048,
+        context_length=256,
+        max_running_requests=16,
+        max_prefill_tokens=512,
+        chunked_prefill_size=512,
+    )
+    settings.update(overrides)
+    return WorkerConfig(**settings)

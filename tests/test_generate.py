@@ -1,0 +1,154 @@
+"""RolloutWorker.generate on a tiny Qwen2 (with tokenizer) and a tiny Qwen3 (token ids only)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rollout import RolloutWorker
+from tests.helpers import tiny_worker_config
+
+PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
+
+
+@pytest.fixture(scope="module")
+def worker(qwen2_dir):
+    with RolloutWorker(tiny_worker_config(qwen2_dir)) as w:
+        yield w
+
+
+def test_greedy_is_deterministic(worker):
+    first = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    second = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=12, ignore_eos=True, n=2)
+    assert all(len(c) == 12 for c in first.completions)
+    assert second.completions[0::2] == first.completions
+    assert second.completions[1::2] == first.completions
+    # A random model does not emit a constant: greedy decoding really ran the model.
+    assert len({tuple(c) for c in first.completions}) == len(PROMPTS)
+
+
+def test_temperature_sampling_is_fresh_per_call_and_repeats_with_a_seed(worker):
+    kwargs = dict(temperature=1.0, max_new_tokens=12, ignore_eos=True, n=4)
+    a = worker.generate(PROMPTS, **kwargs)
+    b = worker.generate(PROMPTS, **kwargs)
+    assert a.completions != b.completions
+    c = worker.generate(PROMPTS, seed=1234, **kwargs)
+    d = worker.generate(PROMPTS, seed=1234, **kwargs)
+    assert c.completions == d.completions
+    np.testing.assert_array_equal(c.seeds, d.seeds)
+    e = worker.generate(PROMPTS, seed=1235, **kwargs)
+    assert e.completions != c.completions
+
+
+def test_seeded_samples_do_not_depend_on_batch_composition(worker):
+    kwargs = dict(temperature=1.0, max_new_tokens=10, ignore_eos=True, n=3, seed=77)
+    alone = worker.generate(PROMPTS[:1], **kwargs)
+    together = worker.generate(PROMPTS[:1] + [[9, 9, 9]], **kwargs)
+    assert together.completions[:3] == alone.completions
+
+
+def test_n_samples_per_prompt_are_independent_and_prompt_major(worker):
+    batch = worker.generate(PROMPTS, n=5, temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    assert batch.size == 15 and batch.n == 5
+    np.testing.assert_array_equal(batch.prompt_index, np.repeat([0, 1, 2], 5))
+    for p in range(3):
+        group = {tuple(c) for c in batch.completions[5 * p : 5 * p + 5]}
+        assert len(group) == 5, "samples of one prompt must differ"
+    assert len(set(batch.seeds.tolist())) == 15
+
+
+def test_padded_arrays_line_up_with_the_token_lists(worker):
+    batch = worker.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    width = batch.prompt_width
+    assert width == max(len(p) for p in PROMPTS)
+    assert batch.tokens.shape == (6, width + 8)
+    for row in range(batch.size):
+        prompt = PROMPTS[batch.prompt_index[row]]
+        completion = batch.completions[row]
+        assert batch.tokens[row, width - len(prompt) : width].tolist() == prompt
+        assert batch.tokens[row, width : width + len(completion)].tolist() == completion
+        assert batch.completion_mask[row].sum() == len(completion)
+        assert batch.attention_mask[row].sum() == len(prompt) + len(completion)
+        real = batch.positions[row][batch.attention_mask[row]]
+        assert real.tolist() == list(range(len(prompt) + len(completion)))
+    assert not (batch.completion_mask & ~batch.attention_mask).any()
+
+
+def test_string_prompts_and_texts(worker):
+    batch = worker.generate(["12+34=", "hello world"], temperature=0.0, max_new_tokens=6)
+    tokenizer = worker.tokenizer
+    assert batch.prompts[0] == tokenizer.encode("12+34=", add_special_tokens=False)
+    assert batch.completion_texts == [tokenizer.decode(c, skip_special_tokens=True) for c in batch.completions]
+
+
+def test_stop_token_ends_the_completion(worker):
+    free = worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    stop = free.completions[0][3]
+    first = free.completions[0].index(stop)
+    batch = worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=12, stop_token_ids=[stop])
+    assert batch.completions[0] == free.completions[0][: first + 1]
+    assert batch.finish_reasons == ["stop"]
+    assert free.finish_reasons == ["length"]
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, message",
+    [
+        ([], {}, "prompts is empty"),
+        ("a string", {}, "list of strings or of token-id lists"),
+        ([[1, 2], []], {}, r"prompts\[1\] is empty"),
+        ([[1, 2, 999999]], {}, r"prompts\[0\] has token ids outside"),
+        ([list(range(1, 250))], {"max_new_tokens": 64}, "exceeds the context length"),
+        ([list(range(1, 300))], {}, "the engine accepts prompts of at most"),
+        ([[1, 2]], {"n": 0}, "n must be an int >= 1"),
+        ([[1, 2]], {"temperature": -1.0}, "temperature must be"),
+        ([[1, 2]], {"temperature": float("nan")}, "temperature must be"),
+        ([[1, 2]], {"top_p": 0.0}, "top_p must be"),
+        ([[1, 2]], {"top_k": 0}, "top_k must be"),
+        ([[1, 2]], {"min_p": 1.5}, "min_p must be"),
+        ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens must be"),
+        ([[1, 2]], {"seed": -3}, "seed must be"),
+        ([[1, 2]], {"stop_token_ids": [10**7]}, "stop_token_ids has ids outside"),
+    ],
+)
+def test_bad_input_is_a_clear_value_error(worker, prompts, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        worker.generate(prompts, **kwargs)
+
+
+def test_worker_idles_quietly(worker):
+    worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=2)
+    start_cpu, start_wall = time.process_time(), time.perf_counter()
+    time.sleep(2.0)
+    busy = (time.process_time() - start_cpu) / (time.perf_counter() - start_wall)
+    assert busy < 0.05, f"idle worker used {busy:.1%} of a core"
+
+
+def test_qwen3_token_ids_only_and_close(qwen3_dir):
+    before = {t.ident for t in threading.enumerate()}
+    worker = RolloutWorker(tiny_worker_config(qwen3_dir))
+    assert worker.tokenizer is None
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        worker.generate(["text"])
+    greedy = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    again = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    assert greedy.completions == again.completions
+    assert greedy.completion_texts is None
+    sampled = worker.generate(PROMPTS, n=3, temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, max_new_tokens=8)
+    assert sampled.size == 9
+    worker.close()
+    worker.close()
+    assert worker.closed
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("sglang")]
+    assert left == []
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.generate(PROMPTS)
+
+
+def test_eos_stop_keeps_the_eos_token(worker):
+    batch = worker.generate(PROMPTS, n=16, temperature=1.5, max_new_tokens=48, seed=3)
+    stopped = [c for c, r in zip(batch.completions, batch.finish_reasons) if r == "stop"]
+    assert stopped, "seed 3 gives at least one eos-terminated sample"
+    assert all(c[-1] == worker.eos_token_id for c in stopped)
+    assert all(worker.eos_token_id not in c[:-1] for c in stopped)
