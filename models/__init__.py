@@ -1,6 +1,22 @@
-"""Per-architecture model code: tiny random model dirs (tests, examples), Flax trainer models,
-HF loading and mapping tables to sglang-jax."""
+"""Per-architecture model code: Flax trainer models (MLLM-JAX layout), mapping tables to HF and
+sglang-jax, and tiny random model dirs for tests and examples."""
 
+from .mapping import Condition, EngineTransform, ParamMapping, expand_mappings
+from .qwen_flax import QwenConfig, QwenForCausalLM, greedy_decode
+from .registry import MAPPINGS, mappings_for
 from .tiny import TinyModelSpec, random_hf_weights, write_tiny_model
 
-__all__ = ["TinyModelSpec", "random_hf_weights", "write_tiny_model"]
+__all__ = [
+    "MAPPINGS",
+    "Condition",
+    "EngineTransform",
+    "ParamMapping",
+    "QwenConfig",
+    "QwenForCausalLM",
+    "TinyModelSpec",
+    "expand_mappings",
+    "greedy_decode",
+    "mappings_for",
+    "random_hf_weights",
+    "write_tiny_model",
+]

@@ -15,7 +15,6 @@ request is waiting, running or half-prefilled, so it never races a forward pass.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -28,6 +27,7 @@ import socket
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -253,6 +253,9 @@ def _patch_start_up(engine_module) -> None:
         module.configure_logger = leave_logging_alone
     # No SIGCHLD/SIGQUIT handlers, no ulimit change, resource tracker left alone.
     engine_module._set_envs_and_config = lambda server_args: None
+    # Engine.__init__ registers its process-tree-killing shutdown at exit, even when start-up
+    # then fails; EngineHandle.close does the shutdown instead.
+    engine_module.atexit = types.SimpleNamespace(register=lambda *args, **kwargs: None)
     engine_module.run_scheduler_loop_thread_after_create = _start_scheduler_thread
     engine_module.run_detokenizer_thread = _run_detokenizer_thread
     scheduler.Scheduler.watchdog_thread = _watchdog_thread
@@ -519,7 +522,6 @@ class EngineHandle:
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         with _preserved_process_state():
             self._engine = Engine(**kwargs)
-        atexit.unregister(self._engine.shutdown)
 
         self._scheduler = self._engine.scheduler_info["scheduler"]
         self._control = _SchedulerControl.of(self._scheduler)
@@ -638,7 +640,7 @@ class EngineHandle:
             )
         specs = []
         for (path, _), leaf in zip(flat, leaves):
-            name = ".".join(_key_name(k) for k in path)
+            name = ".".join(_key_name(k) for k in path).removesuffix(".value")
             specs.append(LeafSpec(name, tuple(leaf.shape), leaf.dtype, leaf.sharding, int(leaf.nbytes)))
         return specs
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 
+import jax
 import numpy as np
+
+from models import mappings_for
+from trainer_bridge import EngineLeaf, SyncError, SyncPlan, SyncReport, build_plan, flatten_params, plan_key
 
 from .batch import RolloutBatch, pack_rollouts
 from .config import WorkerConfig
@@ -28,6 +33,12 @@ class RolloutWorker:
         self._lock = threading.RLock()
         self._rng = np.random.default_rng(config.seed)
         self.weight_version = 0
+        self._plans: dict[tuple, SyncPlan] = {}
+        self._engine_leaves = [
+            EngineLeaf(i, spec.path, spec.shape, spec.dtype, spec.sharding)
+            for i, spec in enumerate(self._engine.leaf_specs())
+        ]
+        self._mappings = mappings_for(self._engine.hf_config)
         tokenizer = self._engine.tokenizer
         self.pad_token_id = _pad_token_id(tokenizer)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -62,6 +73,76 @@ class RolloutWorker:
         """The model directory's HF tokenizer, or None when it has none."""
         return self.engine.tokenizer
 
+    # ---- weights ---------------------------------------------------------------------------
+
+    def sync_params(
+        self, params: Mapping, *, allow_cast: bool = True, check_finite: bool = False
+    ) -> SyncReport:
+        """Make the engine generate with ``params`` (MLLM-JAX layout; ``{'params': ...}`` too).
+
+        Leaves whose shape, dtype and placement already match the engine's are used as they
+        are (zero copy); the rest are cast / transposed / resharded on device in one jitted
+        call. On any error nothing changes: the previous weights keep serving and the version
+        stays. The engine may keep using the trainer's buffers until the next sync: a train
+        step that donates them must be followed by a sync before the next generate.
+        """
+        start = time.perf_counter()
+        engine = self.engine
+        try:
+            flat = flatten_params(params)
+        except TypeError as exc:
+            raise SyncError(str(exc)) from None
+        key = (plan_key(flat), allow_cast)
+        plan = self._plans.get(key)
+        if plan is None:
+            leaves = build_plan(flat, self._engine_leaves, self._mappings, head_dim=self._head_dim, allow_cast=allow_cast)
+            plan = self._plans[key] = SyncPlan(leaves, self._head_dim)
+        plan.check_inputs(flat, check_finite)
+        updates = plan.execute(flat)
+        new_leaves = engine.weight_leaves()
+        for index, array in updates.items():
+            new_leaves[index] = array
+        self._check_engine_layout(new_leaves)
+        jax.block_until_ready(list(updates.values()))
+
+        def swap():
+            engine.replace_weight_leaves(new_leaves)
+            engine.flush_prefix_cache()
+
+        with self._lock:
+            engine.call(swap)
+            self.weight_version += 1
+            version = self.weight_version
+        report = plan.report(version, time.perf_counter() - start)
+        logger.info("sync_params: %s", report)
+        return report
+
+    @property
+    def _head_dim(self) -> int:
+        config = self.engine.hf_config
+        return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+    def _check_engine_layout(self, leaves: list) -> None:
+        for leaf, expected in zip(leaves, self._engine_leaves):
+            if (
+                tuple(leaf.shape) != expected.shape
+                or leaf.dtype != expected.dtype
+                or leaf.sharding != expected.sharding
+            ):
+                raise SyncError(
+                    f"internal: engine leaf '{expected.path}' would change from "
+                    f"{expected.shape} {expected.dtype} {expected.sharding} to "
+                    f"{tuple(leaf.shape)} {leaf.dtype} {leaf.sharding}"
+                )
+
+    def _check_weights_alive(self) -> None:
+        dead = [spec.path for spec, leaf in zip(self._engine_leaves, self.engine.weight_leaves()) if leaf.is_deleted()]
+        if dead:
+            raise RuntimeError(
+                f"the engine's weights were freed ({len(dead)} leaves, e.g. '{dead[0]}'): the trainer "
+                "donated buffers the engine was using. Call worker.sync_params(params) before generate."
+            )
+
     # ---- generation ------------------------------------------------------------------------
 
     def generate(
@@ -89,6 +170,7 @@ class RolloutWorker:
         _check_sampling(n, temperature, top_p, top_k, min_p, max_new_tokens, seed)
         self._check_lengths(prompt_ids, max_new_tokens)
         stop_ids = self._stop_token_ids(stop_token_ids)
+        self._check_weights_alive()
 
         with self._lock:
             base_seed = int(self._rng.integers(MAX_SAMPLING_SEED)) if seed is None else int(seed)

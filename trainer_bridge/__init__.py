@@ -1,0 +1,21 @@
+"""Trainer param trees -> engine weights: mapping plans, zero-copy sync, checkpoint loading."""
+
+from .hf import load_hf_params, safetensors_files
+from .sync import EngineLeaf, LeafAction, LeafPlan, SyncError, SyncPlan, SyncReport, build_plan, plan_key
+from .tree import flatten_params, unflatten_params, unwrap_params
+
+__all__ = [
+    "EngineLeaf",
+    "LeafAction",
+    "LeafPlan",
+    "SyncError",
+    "SyncPlan",
+    "SyncReport",
+    "build_plan",
+    "flatten_params",
+    "load_hf_params",
+    "plan_key",
+    "safetensors_files",
+    "unflatten_params",
+    "unwrap_params",
+]

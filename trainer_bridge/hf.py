@@ -1,0 +1,67 @@
+"""HF safetensors directories -> trainer param trees (MLLM-JAX layout), without torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from models import mappings_for
+
+from .tree import unflatten_params
+
+_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
+    """HF tensor name -> the file holding it (single file or sharded with an index json)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    index = model_dir / _INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ValueError(f"{index} is not a valid safetensors index: {exc}") from exc
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+    names = {}
+    for file in files:
+        for name in _open(file).keys():
+            names[name] = file
+    return names
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"cannot read safetensors file {file}: {exc}") from exc
+
+
+def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
+    """Read an HF Qwen2/Qwen3 checkpoint into a nested trainer param dict of numpy arrays."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    located = safetensors_files(model_dir)
+    handles: dict[Path, object] = {}
+    flat = {}
+    for entry in mappings_for(config):
+        file = located.get(entry.hf)
+        if file is None:
+            raise ValueError(f"{model_dir}: tensor '{entry.hf}' (for '{entry.trainer}') is missing")
+        if file not in handles:
+            handles[file] = _open(file)
+        try:
+            tensor = handles[file].get_tensor(entry.hf)
+        except Exception as exc:  # safetensors raises its own error types on truncated data
+            raise ValueError(f"{file}: cannot read tensor '{entry.hf}': {exc}") from exc
+        if entry.hf_transposed:
+            tensor = tensor.T
+        flat[entry.trainer] = np.ascontiguousarray(tensor, dtype=dtype)
+    return unflatten_params(flat)

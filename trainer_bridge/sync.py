@@ -1,0 +1,248 @@
+"""Sync plans: a trainer param tree -> the engine's weight leaves, zero-copy wherever possible.
+
+A plan is compiled once per (tree structure, leaf shapes, dtypes and placements, engine). Per
+engine leaf it chooses:
+
+- ``alias``: the trainer's array is used as it is (same shape, dtype and sharding object);
+- ``relabel``: same buffers, wrapped in the engine's sharding object after checking that every
+  device holds the same slice under both (zero bytes moved; the engine's jit cache needs its
+  own sharding object to hit);
+- ``copy``: cast / transpose / KV-head repeat / reshard, all such leaves in one jitted function
+  whose out_shardings are the engine's shardings.
+
+Validation happens before anything changes; errors name the trainer path, what was found and
+what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import EngineTransform, ParamMapping
+
+
+class SyncError(ValueError):
+    """The param tree cannot be synced; nothing was changed."""
+
+
+class LeafAction(enum.Enum):
+    ALIAS = "alias"
+    RELABEL = "relabel"
+    COPY = "copy"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLeaf:
+    """What the engine expects at one leaf position."""
+
+    index: int
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    trainer_path: str
+    engine: EngineLeaf
+    transform: EngineTransform
+    kv_repeat: int
+    cast: bool
+    action: LeafAction
+    nbytes: int  # bytes of the engine leaf
+
+    @property
+    def reshard_only(self) -> bool:
+        """A copy made only because the trainer's placement differs from the engine's."""
+        return self.transform is not EngineTransform.TRANSPOSE and self.kv_repeat == 1 and not self.cast
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncReport:
+    version: int
+    leaves_aliased: int  # alias + relabel: the engine uses the trainer's buffers
+    leaves_relabeled: int  # of which wrapped in the engine's sharding object
+    leaves_copied: int
+    leaves_resharded: int  # of the copied, those copied only because placement differed
+    bytes_aliased: int
+    bytes_copied: int
+    seconds: float
+
+
+def _leaf_signature(leaf) -> tuple:
+    if isinstance(leaf, jax.Array):
+        return ("jax", tuple(leaf.shape), str(leaf.dtype), leaf.sharding)
+    return (type(leaf).__name__, tuple(np.shape(leaf)), str(np.asarray(leaf).dtype) if hasattr(leaf, "dtype") else "?")
+
+
+def plan_key(flat: Mapping[str, object]) -> tuple:
+    return tuple((path, _leaf_signature(leaf)) for path, leaf in flat.items())
+
+
+def _normalized_index(index: tuple, shape: tuple[int, ...]) -> tuple:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def same_slices(array: jax.Array, sharding: jax.sharding.Sharding) -> bool:
+    """True when every device of ``sharding`` holds, in ``array``, exactly its slice."""
+    shape = tuple(array.shape)
+    expected = {d: _normalized_index(i, shape) for d, i in sharding.devices_indices_map(shape).items()}
+    held = {s.device: _normalized_index(s.index, shape) for s in array.addressable_shards}
+    return all(held.get(device) == index for device, index in expected.items())
+
+
+def relabel(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """The same device buffers as ``array``, as an array carrying ``sharding`` (no copy)."""
+    by_device = {s.device: s.data for s in array.addressable_shards}
+    devices = sharding.addressable_devices_indices_map(tuple(array.shape))
+    return jax.make_array_from_single_device_arrays(
+        tuple(array.shape), sharding, [by_device[d] for d in devices]
+    )
+
+
+def _expected_trainer_shape(
+    path: str, transform: EngineTransform, engine_shape: tuple[int, ...], found: tuple[int, ...], head_dim: int
+) -> tuple[tuple[int, ...], int]:
+    """(trainer shape the engine leaf implies, KV repeat factor); SyncError if incompatible."""
+    if transform is EngineTransform.TRANSPOSE:
+        return tuple(reversed(engine_shape)), 1
+    if transform is EngineTransform.REPEAT_KV_HEADS and len(found) == len(engine_shape) and found:
+        lead_ok = tuple(found[:-1]) == tuple(engine_shape[:-1])
+        width, engine_width = found[-1], engine_shape[-1]
+        if lead_ok and width and width % head_dim == 0 and engine_width % width == 0:
+            return tuple(found), engine_width // width
+    return tuple(engine_shape), 1
+
+
+def build_plan(
+    flat: Mapping[str, object],
+    engine_leaves: Sequence[EngineLeaf],
+    mappings: Sequence[ParamMapping],
+    *,
+    head_dim: int,
+    allow_cast: bool = True,
+) -> list[LeafPlan]:
+    """Check a flat trainer tree against the mapping and the engine; decide each leaf's action."""
+    by_engine_path = {leaf.path: leaf for leaf in engine_leaves}
+    expected_paths = [m.trainer for m in mappings]
+    seen_trainer, seen_engine = set(), set()
+    for m in mappings:
+        if m.trainer in seen_trainer:
+            raise SyncError(f"mapping table lists trainer path '{m.trainer}' twice")
+        if m.engine in seen_engine:
+            raise SyncError(f"mapping table maps two trainer paths to engine leaf '{m.engine}'")
+        seen_trainer.add(m.trainer)
+        seen_engine.add(m.engine)
+        if m.engine not in by_engine_path:
+            raise SyncError(f"mapping table names engine leaf '{m.engine}', which the engine does not have")
+    missing = [p for p in expected_paths if p not in flat]
+    extra = [p for p in flat if p not in seen_trainer]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} expected path(s): {', '.join(missing[:8])}")
+        if extra:
+            parts.append(f"{len(extra)} unexpected path(s): {', '.join(extra[:8])}")
+        raise SyncError("param tree does not match the model: " + "; ".join(parts))
+    unmapped = [
+        leaf.path
+        for leaf in engine_leaves
+        if leaf.path not in seen_engine and not leaf.path.startswith("rng.")
+    ]
+    if unmapped:
+        raise SyncError(f"engine leaves with no mapping entry: {', '.join(unmapped[:8])}")
+
+    plans = []
+    for m in mappings:
+        leaf, engine = flat[m.trainer], by_engine_path[m.engine]
+        found_shape = tuple(np.shape(leaf))
+        dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else None
+        expected_shape, repeat = _expected_trainer_shape(m.trainer, m.engine_transform, engine.shape, found_shape, head_dim)
+        if found_shape != expected_shape:
+            raise SyncError(f"'{m.trainer}' has shape {found_shape}, expected {expected_shape} (engine leaf '{m.engine}' is {engine.shape})")
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise SyncError(f"'{m.trainer}' has dtype {dtype}, expected a floating dtype ({engine.dtype})")
+        cast = dtype != engine.dtype
+        if cast and not allow_cast:
+            raise SyncError(f"'{m.trainer}' has dtype {dtype}, expected {engine.dtype} (casting is disabled)")
+        as_is = m.engine_transform is not EngineTransform.TRANSPOSE and repeat == 1 and not cast
+        if as_is and isinstance(leaf, jax.Array) and leaf.sharding == engine.sharding:
+            action = LeafAction.ALIAS
+        elif as_is and isinstance(leaf, jax.Array) and same_slices(leaf, engine.sharding):
+            action = LeafAction.RELABEL
+        else:
+            action = LeafAction.COPY
+        nbytes = int(np.prod(engine.shape, dtype=np.int64)) * np.dtype(engine.dtype).itemsize
+        plans.append(LeafPlan(m.trainer, engine, m.engine_transform, repeat, cast, action, nbytes))
+    return plans
+
+
+def _transform(x, plan: LeafPlan, head_dim: int):
+    if plan.transform is EngineTransform.TRANSPOSE:
+        x = x.T
+    elif plan.kv_repeat > 1:
+        heads = x.shape[-1] // head_dim
+        x = x.reshape(*x.shape[:-1], heads, head_dim)
+        x = jnp.repeat(x, plan.kv_repeat, axis=-2).reshape(*x.shape[:-2], heads * plan.kv_repeat * head_dim)
+    return x.astype(plan.engine.dtype)
+
+
+class SyncPlan:
+    """A compiled plan: executes a sync for trees with the plan's exact structure."""
+
+    def __init__(self, plans: list[LeafPlan], head_dim: int):
+        self.leaves = plans
+        self.copies = [p for p in plans if p.action is LeafAction.COPY]
+        copies = self.copies
+
+        def transform_all(*arrays):
+            return tuple(_transform(x, p, head_dim) for x, p in zip(arrays, copies))
+
+        self._copy_fn = jax.jit(transform_all, out_shardings=tuple(p.engine.sharding for p in copies))
+
+    def check_inputs(self, flat: Mapping[str, object], check_finite: bool) -> None:
+        for p in self.leaves:
+            leaf = flat[p.trainer_path]
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise SyncError(f"'{p.trainer_path}' has been deleted (donated to a train step?); pass live params")
+        if check_finite:
+            arrays = [flat[p.trainer_path] for p in self.leaves]
+            finite = jax.jit(lambda *xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))(*arrays)
+            bad = [p.trainer_path for p, ok in zip(self.leaves, np.asarray(finite)) if not ok]
+            if bad:
+                raise SyncError(f"non-finite values (nan/inf) in: {', '.join(bad[:8])}")
+
+    def execute(self, flat: Mapping[str, object]) -> dict[int, jax.Array]:
+        """New engine leaves by engine index. Trainer arrays are never modified."""
+        out: dict[int, jax.Array] = {}
+        for p in self.leaves:
+            if p.action is LeafAction.ALIAS:
+                out[p.engine.index] = flat[p.trainer_path]
+            elif p.action is LeafAction.RELABEL:
+                out[p.engine.index] = relabel(flat[p.trainer_path], p.engine.sharding)
+        if self.copies:
+            results = self._copy_fn(*[flat[p.trainer_path] for p in self.copies])
+            for p, array in zip(self.copies, results):
+                out[p.engine.index] = array
+        return out
+
+    def report(self, version: int, seconds: float) -> SyncReport:
+        aliased = [p for p in self.leaves if p.action is not LeafAction.COPY]
+        return SyncReport(
+            version=version,
+            leaves_aliased=len(aliased),
+            leaves_relabeled=sum(p.action is LeafAction.RELABEL for p in self.leaves),
+            leaves_copied=len(self.copies),
+            leaves_resharded=sum(p.reshard_only for p in self.copies),
+            bytes_aliased=sum(p.nbytes for p in aliased),
+            bytes_copied=sum(p.nbytes for p in self.copies),
+            seconds=seconds,
+        )
+

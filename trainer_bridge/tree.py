@@ -1,0 +1,43 @@
+"""Nested param dicts <-> flat dotted paths (``model.layers_0.self_attn.q_proj.kernel``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def unwrap_params(tree: Mapping) -> Mapping:
+    """Accept both ``{'params': {...}}`` (Flax variables) and the bare param dict."""
+    if isinstance(tree, Mapping) and set(tree) == {"params"}:
+        return tree["params"]
+    return tree
+
+
+def flatten_params(tree: Mapping) -> dict[str, Any]:
+    """Leaves by dotted path, in sorted order; non-dict containers are rejected with their path."""
+    flat: dict[str, Any] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, Mapping):
+            for key in sorted(node, key=str):
+                if not isinstance(key, str):
+                    raise TypeError(f"param tree key {key!r} under '{prefix or '<root>'}' is not a string")
+                walk(node[key], f"{prefix}.{key}" if prefix else key)
+        elif isinstance(node, (list, tuple)):
+            raise TypeError(f"param tree node '{prefix}' is a {type(node).__name__}; expected nested dicts of arrays")
+        else:
+            flat[prefix] = node
+
+    walk(unwrap_params(tree), "")
+    return flat
+
+
+def unflatten_params(flat: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for path, leaf in flat.items():
+        node = tree
+        *parents, last = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = leaf
+    return tree
