@@ -31,6 +31,7 @@ class RolloutBatch:
     n: int
     weight_version: int
     seeds: np.ndarray  # [B] int64, the sampling seed of each row
+    cache_miss_count: int = 0  # jit cache misses (compilations) the engine reported; 0 = none
     completion_texts: list[str] | None = None
 
     @property
@@ -52,6 +53,7 @@ def pack_rollouts(
     finish_reasons: Sequence[str],
     weight_version: int,
     seeds: np.ndarray,
+    cache_miss_count: int = 0,
     completion_texts: list[str] | None = None,
 ) -> RolloutBatch:
     """Lay out prompt-major completions as left-padded prompts followed by completions."""
@@ -87,5 +89,6 @@ def pack_rollouts(
         n=n,
         weight_version=weight_version,
         seeds=np.asarray(seeds, dtype=np.int64),
+        cache_miss_count=cache_miss_count,
         completion_texts=completion_texts,
     )

@@ -62,7 +62,6 @@ class WorkerConfig:
             page_size=self.page_size,
             seed=self.seed,
             load_format=self.load_format,
-            skip_tokenizer_init=not has_tokenizer_files(self.model_path),
             precompile=self.precompile,
             precompile_token_paddings=self.precompile_token_paddings,
             precompile_bs_paddings=self.precompile_bs_paddings,

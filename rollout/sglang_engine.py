@@ -88,6 +88,12 @@ WORKAROUNDS: dict[str, str] = {
         "bfloat16 and compute logits in it whatever the model dtype. The head's dtype and "
         "weight are set to the model dtype before the first forward is compiled."
     ),
+    "detokenizer-output-ids": (
+        "With a tokenizer loaded, the detokenizer path returns output_ids that silently drop "
+        "special tokens (EOS mid-sequence under ignore_eos, a matched stop token), so "
+        "len(output_ids) < completion_tokens. The engine always runs with skip_tokenizer_init "
+        "and exact token ids; the worker encodes prompts and decodes completions itself."
+    ),
     "flush-cache": (
         "Engine.flush_cache and release/resume_memory_occupation raise TypeError and the "
         "scheduler has no handler for them. Cache flush and KV drop/rebuild are done directly "
@@ -130,7 +136,6 @@ class EngineOptions:
     page_size: int = 1
     seed: int = 0
     load_format: str = "auto"
-    skip_tokenizer_init: bool = False
     precompile: bool = False
     precompile_token_paddings: tuple[int, ...] | None = None
     precompile_bs_paddings: tuple[int, ...] | None = None
@@ -501,7 +506,10 @@ class EngineHandle:
             page_size=options.page_size,
             random_seed=options.seed,
             load_format=options.load_format,
-            skip_tokenizer_init=options.skip_tokenizer_init,
+            # Token ids in, token ids out: with a tokenizer loaded, 0.0.2's detokenizer path
+            # returns output_ids that drop special tokens mid-sequence (len(output_ids) <
+            # completion_tokens). The worker encodes and decodes text itself.
+            skip_tokenizer_init=True,
             enable_single_process=True,
             # Weight swaps and KV work run between forwards on the scheduler thread; the overlap
             # scheduler would keep a batch in flight on another thread.
@@ -581,11 +589,6 @@ class EngineHandle:
     @property
     def hf_config(self):
         return self._model_runner.model_config.hf_config
-
-    @property
-    def tokenizer(self):
-        """The HF tokenizer the engine loaded, or None when started without one."""
-        return self._tokenizer_manager.tokenizer
 
     @property
     def alive(self) -> bool:

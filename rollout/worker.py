@@ -15,7 +15,7 @@ from models import mappings_for
 from trainer_bridge import EngineLeaf, SyncError, SyncPlan, SyncReport, build_plan, flatten_params, plan_key
 
 from .batch import RolloutBatch, pack_rollouts
-from .config import WorkerConfig
+from .config import WorkerConfig, has_tokenizer_files
 from .sglang_engine import MAX_SAMPLING_SEED, EngineHandle
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,9 @@ class RolloutWorker:
             for i, spec in enumerate(self._engine.leaf_specs())
         ]
         self._mappings = mappings_for(self._engine.hf_config)
-        tokenizer = self._engine.tokenizer
-        self.pad_token_id = _pad_token_id(tokenizer)
-        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self._tokenizer = _load_tokenizer(config.model_path)
+        self.pad_token_id = _pad_token_id(self._tokenizer)
+        self.eos_token_ids = _eos_token_ids(self._tokenizer, self._engine.hf_config)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -71,7 +71,7 @@ class RolloutWorker:
     @property
     def tokenizer(self):
         """The model directory's HF tokenizer, or None when it has none."""
-        return self.engine.tokenizer
+        return self._tokenizer
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -187,8 +187,8 @@ class RolloutWorker:
                     "sampling_seed": int(row_seed),
                     "no_stop_trim": True,
                 }
-                if stop_ids:
-                    p["stop_token_ids"] = list(stop_ids)
+                if stop_ids or not ignore_eos:
+                    p["stop_token_ids"] = sorted(set(stop_ids) | (set() if ignore_eos else self.eos_token_ids))
                 params.append(p)
             # 0.0.2 ignores n for a single prompt: every sample is its own request.
             rows = [ids for ids in prompt_ids for _ in range(n)]
@@ -196,10 +196,9 @@ class RolloutWorker:
             version = self.weight_version
 
         completions = [_completion_ids(i, out)[:max_new_tokens] for i, out in enumerate(outputs)]
-        tokenizer = engine.tokenizer
         texts = None
-        if tokenizer is not None:
-            texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        if self._tokenizer is not None:
+            texts = [self._tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         return pack_rollouts(
             prompt_ids,
             completions,
@@ -209,6 +208,7 @@ class RolloutWorker:
             finish_reasons=[o.finish_reason for o in outputs],
             weight_version=version,
             seeds=seeds,
+            cache_miss_count=max(o.cache_miss_count for o in outputs),
             completion_texts=texts,
         )
 
@@ -223,7 +223,7 @@ class RolloutWorker:
         ids = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                tokenizer = self.engine.tokenizer
+                tokenizer = self._tokenizer
                 if tokenizer is None:
                     raise ValueError(
                         f"prompts[{i}] is a string but the model directory {self.config.model_path} has no "
@@ -266,21 +266,13 @@ class RolloutWorker:
 
 
 def _completion_ids(row: int, out) -> list[int]:
-    """The sampled tokens, stop token included (a trainer must learn to emit it).
-
-    With a tokenizer loaded, 0.0.2 drops a matched stop token from ``output_ids`` while still
-    counting it in ``completion_tokens``; without one it keeps it.
-    """
-    ids = list(out.output_ids[: out.completion_tokens])
-    stopped_on_token = out.finish_reason == "stop" and isinstance(out.matched_stop, int)
-    if stopped_on_token and len(ids) == out.completion_tokens - 1:
-        ids.append(out.matched_stop)
-    if len(ids) != out.completion_tokens:
+    """The sampled tokens, stop token included (a trainer must learn to emit it)."""
+    if len(out.output_ids) != out.completion_tokens:
         logger.warning(
             "row %d: engine returned %d output ids but counted %d completion tokens",
             row, len(out.output_ids), out.completion_tokens,
         )
-    return ids
+    return list(out.output_ids[: out.completion_tokens])
 
 
 def _check_sampling(n, temperature, top_p, top_k, min_p, max_new_tokens, seed) -> None:
@@ -304,6 +296,25 @@ def _row_seeds(base_seed: int, rows: int) -> np.ndarray:
     """Independent per-row sampling seeds derived from one base seed."""
     state = np.random.SeedSequence(base_seed).generate_state(rows, dtype=np.uint32)
     return (state & np.uint32(MAX_SAMPLING_SEED)).astype(np.int64)
+
+
+def _load_tokenizer(model_path: str):
+    if not has_tokenizer_files(model_path):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _eos_token_ids(tokenizer, hf_config) -> set[int]:
+    """EOS ids from the tokenizer and the model config (the engine runs without a tokenizer)."""
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
 
 
 def _pad_token_id(tokenizer) -> int:

@@ -1,0 +1,248 @@
+"""sync_params: parity with the Flax trainer model, zero copy, no recompiles, validation."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models import QwenConfig, QwenForCausalLM, greedy_decode, mappings_for
+from rollout import RolloutWorker
+from trainer_bridge import SyncError, flatten_params, load_hf_params, unflatten_params
+from tests.helpers import tiny_worker_config
+
+PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [1], [64, 65, 66], [300, 2, 4], [9] * 7, [12, 34]]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def engine_placed(worker, flat):
+    """The trainer tree placed exactly as the engine places each leaf (the aliasable case)."""
+    specs = {leaf.path: leaf for leaf in worker._engine_leaves}
+    return {m.trainer: jax.device_put(flat[m.trainer], specs[m.engine].sharding) for m in worker._mappings}
+
+
+def expected_engine_leaf(entry, trainer, engine_shape, head_dim):
+    x = np.asarray(trainer)
+    if entry.engine_transform.value == "transpose":
+        x = x.T
+    if entry.engine_transform.value == "repeat_kv_heads" and x.shape[-1] != engine_shape[-1]:
+        heads = x.shape[-1] // head_dim
+        repeat = engine_shape[-1] // x.shape[-1]
+        x = np.repeat(x.reshape(*x.shape[:-1], heads, head_dim), repeat, axis=-2).reshape(engine_shape)
+    return x
+
+
+@pytest.mark.parametrize(
+    "model_fixture, tp_size",
+    [("qwen2_dir", 2), ("qwen2_untied_dir", 1), ("qwen3_dir", 1)],
+    ids=["qwen2-tied-bias-gqa-tp2", "qwen2-untied", "qwen3-qknorm-mha"],
+)
+def test_synced_engine_matches_flax_greedy_decode(request, model_fixture, tp_size):
+    model_dir = request.getfixturevalue(model_fixture)
+    params = load_hf_params(model_dir)
+    reference = greedy_decode(QwenForCausalLM(QwenConfig.from_hf(model_dir)), params, PROMPTS, 32)
+    config = tiny_worker_config(model_dir, load_format="dummy", tp_size=tp_size)
+    with RolloutWorker(config) as worker:
+        before = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=32, ignore_eos=True)
+        assert before.completions != reference, "dummy weights must not already give the answer"
+        report = worker.sync_params(params)
+        assert report.version == 1 and report.leaves_copied + report.leaves_aliased == len(worker._mappings)
+        batch = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=32, ignore_eos=True)
+        assert batch.weight_version == 1
+        assert batch.completions == reference
+        # The engine's leaves are exactly the transformed trainer leaves.
+        flat = flatten_params(params)
+        leaves = worker.engine.weight_leaves()
+        by_path = {leaf.path: leaf for leaf in worker._engine_leaves}
+        for entry in worker._mappings:
+            spec = by_path[entry.engine]
+            expected = expected_engine_leaf(entry, flat[entry.trainer], spec.shape, worker._head_dim)
+            np.testing.assert_array_equal(np.asarray(leaves[spec.index]), expected, err_msg=entry.trainer)
+
+
+@pytest.fixture(scope="module")
+def tp_worker(qwen2_dir):
+    """A dummy-booted tensor-parallel engine (tp=2 on 4 devices: KV heads are repeated)."""
+    with RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", tp_size=2)) as worker:
+        yield worker
+
+
+@pytest.fixture(scope="module")
+def hf_flat(qwen2_dir):
+    return flatten_params(load_hf_params(qwen2_dir))
+
+
+def greedy(worker):
+    return worker.generate(PROMPTS[:4], temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+
+def test_aliasable_tree_moves_zero_bytes_and_shares_buffers(tp_worker, hf_flat):
+    placed = engine_placed(tp_worker, hf_flat)
+    report = tp_worker.sync_params(unflatten_params(placed))
+    # k/v projections must be head-repeated for tp=2 > 1 KV head: those 4 leaves per layer copy.
+    repeated = [m for m in tp_worker._mappings if m.engine_transform.value == "repeat_kv_heads"]
+    assert report.leaves_copied == len(repeated)
+    assert report.leaves_aliased == len(tp_worker._mappings) - len(repeated)
+    assert report.leaves_relabeled == 0
+    leaves = tp_worker.engine.weight_leaves()
+    by_path = {leaf.path: leaf for leaf in tp_worker._engine_leaves}
+    for entry in tp_worker._mappings:
+        if entry in repeated:
+            continue
+        engine_leaf = leaves[by_path[entry.engine].index]
+        assert engine_leaf is placed[entry.trainer]
+        pointers = [s.data.unsafe_buffer_pointer() for s in engine_leaf.addressable_shards]
+        assert pointers == [s.data.unsafe_buffer_pointer() for s in placed[entry.trainer].addressable_shards]
+
+
+def test_no_recompilation_after_sync(tp_worker, hf_flat):
+    greedy(tp_worker)
+    scaled = {k: v * 1.01 for k, v in hf_flat.items()}
+    for tree in (scaled, hf_flat, engine_placed(tp_worker, hf_flat)):
+        tp_worker.sync_params(unflatten_params(tree))
+        batch = tp_worker.generate(PROMPTS[:4], temperature=1.0, max_new_tokens=12, ignore_eos=True)
+        assert batch.cache_miss_count == 0
+        assert greedy(tp_worker).cache_miss_count == 0
+
+
+def test_same_layout_other_mesh_is_relabeled_without_copy(tp_worker, hf_flat):
+    """A trainer mesh with its own axis names but the engine's device layout: zero copy."""
+    engine_mesh = tp_worker.engine.mesh
+    trainer_mesh = Mesh(engine_mesh.devices.reshape(2, 2), ("fsdp", "model"))
+    specs = {leaf.path: leaf for leaf in tp_worker._engine_leaves}
+    rename = {"data": "fsdp", "tensor": "model", None: None}
+    placed = {}
+    for m in tp_worker._mappings:
+        spec = specs[m.engine].sharding.spec
+        trainer_spec = P(*(rename[a] for a in spec)) if spec else P()
+        placed[m.trainer] = jax.device_put(hf_flat[m.trainer], NamedSharding(trainer_mesh, trainer_spec))
+    report = tp_worker.sync_params(unflatten_params(placed))
+    relabeled = len(tp_worker._mappings) - report.leaves_copied
+    assert report.leaves_relabeled == relabeled > 0 and report.leaves_aliased == relabeled
+    leaves = tp_worker.engine.weight_leaves()
+    entry = next(m for m in tp_worker._mappings if m.trainer.endswith("mlp.up_proj.kernel"))
+    engine_leaf = leaves[specs[entry.engine].index]
+    assert engine_leaf.sharding == specs[entry.engine].sharding
+    assert {s.data.unsafe_buffer_pointer() for s in engine_leaf.addressable_shards} == {
+        s.data.unsafe_buffer_pointer() for s in placed[entry.trainer].addressable_shards
+    }
+    assert greedy(tp_worker).cache_miss_count == 0
+
+
+def test_mismatched_sharding_is_resharded_correctly(tp_worker, hf_flat, qwen2_dir):
+    reference = greedy_decode(QwenForCausalLM(QwenConfig.from_hf(qwen2_dir)), unflatten_params(hf_flat), PROMPTS[:4], 12)
+    devices = np.array(jax.devices())
+    row_mesh = Mesh(devices, ("rows",))
+    # Shard every matrix by rows over 4 devices: the engine wants columns over 2 (or replication).
+    placed = {
+        k: jax.device_put(v, NamedSharding(row_mesh, P("rows") if v.ndim == 2 and v.shape[0] % 4 == 0 else P()))
+        for k, v in hf_flat.items()
+    }
+    report = tp_worker.sync_params(unflatten_params(placed))
+    assert report.leaves_resharded > 0 and report.bytes_copied > 0
+    assert greedy(tp_worker).completions == reference
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda f: {k: v for k, v in f.items() if not k.endswith("layers_1.mlp.up_proj.kernel")},
+         r"missing 1 expected path\(s\): model\.layers_1\.mlp\.up_proj\.kernel"),
+        (lambda f: {**f, "model.layers_0.mlp.extra.kernel": f["model.norm.scale"]},
+         r"unexpected path\(s\): model\.layers_0\.mlp\.extra\.kernel"),
+        (lambda f: {**f, "model.layers_0.self_attn.q_proj.kernel": f["model.layers_0.self_attn.q_proj.kernel"][:, :128]},
+         r"'model\.layers_0\.self_attn\.q_proj\.kernel' has shape \(256, 128\), expected \(256, 256\)"),
+        (lambda f: {**f, "model.norm.scale": f["model.norm.scale"].astype(np.int32)},
+         r"'model\.norm\.scale' has dtype int32, expected a floating dtype"),
+        (lambda f: {**f, "model.layers_1.input_layernorm.scale": np.full_like(f["model.layers_1.input_layernorm.scale"], np.nan)},
+         r"non-finite values \(nan/inf\) in: model\.layers_1\.input_layernorm\.scale"),
+    ],
+    ids=["missing", "extra", "shape", "dtype", "non-finite"],
+)
+def test_bad_trees_fail_cleanly_and_old_weights_keep_serving(tp_worker, hf_flat, corrupt, message):
+    tp_worker.sync_params(unflatten_params(hf_flat))
+    before, version = greedy(tp_worker).completions, tp_worker.weight_version
+    with pytest.raises(SyncError, match=message):
+        tp_worker.sync_params(unflatten_params(corrupt(dict(hf_flat))), check_finite=True)
+    assert tp_worker.weight_version == version
+    assert greedy(tp_worker).completions == before
+
+
+def test_cast_refused_when_disabled(tp_worker, hf_flat):
+    bf16 = {k: jnp.asarray(v, jnp.bfloat16) for k, v in hf_flat.items()}
+    version = tp_worker.weight_version
+    with pytest.raises(SyncError, match=r"'model\.\S+' has dtype bfloat16, expected float32 \(casting is disabled\)"):
+        tp_worker.sync_params(unflatten_params(bf16), allow_cast=False)
+    assert tp_worker.weight_version == version
+
+
+def test_deleted_and_donated_buffers(tp_worker, hf_flat):
+    tp_worker.sync_params(unflatten_params(hf_flat))
+    before = greedy(tp_worker).completions
+    placed = engine_placed(tp_worker, hf_flat)
+    dead = dict(placed)
+    dead["model.norm.scale"] = jnp.array(placed["model.norm.scale"])
+    dead["model.norm.scale"].delete()
+    with pytest.raises(SyncError, match=r"'model\.norm\.scale' has been deleted"):
+        tp_worker.sync_params(unflatten_params(dead))
+    assert greedy(tp_worker).completions == before
+    # The engine serves the trainer's own buffers; the trainer then donates them.
+    tp_worker.sync_params(unflatten_params(placed))
+    placed["model.layers_0.mlp.up_proj.kernel"].delete()
+    with pytest.raises(RuntimeError, match=r"Call worker\.sync_params\(params\) before generate"):
+        greedy(tp_worker)
+    tp_worker.sync_params(unflatten_params(hf_flat))
+    assert greedy(tp_worker).completions == before
+
+
+def test_float32_trainer_into_bfloat16_engine(qwen3_dir):
+    params = load_hf_params(qwen3_dir)
+    with RolloutWorker(tiny_worker_config(qwen3_dir, load_format="dummy", dtype="bfloat16")) as worker:
+        report = worker.sync_params(params)
+        assert report.leaves_copied == len(worker._mappings) and report.leaves_aliased == 0
+        flat = flatten_params(params)
+        leaves = worker.engine.weight_leaves()
+        for leaf in worker._engine_leaves:
+            if leaf.path == "transformer.norm.scale":
+                np.testing.assert_array_equal(
+                    np.asarray(leaves[leaf.index]), np.asarray(jnp.asarray(flat["model.norm.scale"], jnp.bfloat16))
+                )
+        assert worker.generate(PROMPTS[:2], temperature=0.0, max_new_tokens=4).size == 2
+
+
+def test_zero_copy_on_a_single_device(qwen2_dir):
+    """The same aliasing check in a process with one CPU device (the engine's mesh is 1x1)."""
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+        import jax
+        from rollout import RolloutWorker
+        from tests.helpers import tiny_worker_config
+        from trainer_bridge import flatten_params, load_hf_params, unflatten_params
+        assert jax.device_count() == 1
+        flat = flatten_params(load_hf_params({str(qwen2_dir)!r}))
+        placed = {{k: jax.device_put(v) for k, v in flat.items()}}
+        with RolloutWorker(tiny_worker_config({str(qwen2_dir)!r}, load_format="dummy")) as worker:
+            before = worker.generate([[5, 17, 42]], temperature=0.0, max_new_tokens=8).completions
+            report = worker.sync_params(unflatten_params(placed))
+            assert report.bytes_copied == 0 and report.leaves_copied == 0, report
+            assert report.leaves_aliased == len(worker._mappings), report
+            leaves = worker.engine.weight_leaves()
+            pointers = {{l.unsafe_buffer_pointer() for l in leaves}}
+            assert all(v.unsafe_buffer_pointer() in pointers for v in placed.values())
+            after = worker.generate([[5, 17, 42]], temperature=0.0, max_new_tokens=8)
+            assert after.cache_miss_count == 0 and after.weight_version == 1
+        print("single-device zero copy ok")
+    """)
+    # Run from the repository root (stdin script: its directory is on sys.path).
+    result = subprocess.run(
+        [sys.executable, "-"], input=script, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "single-device zero copy ok" in result.stdout
