@@ -3,6 +3,6 @@
 from .batch import RolloutBatch
 from .config import WorkerConfig
 from .sglang_engine import EngineError, UnsupportedEngineVersion
-from .worker import RolloutWorker
+from .worker import KvReport, MemoryReport, RolloutWorker
 
-__all__ = ["EngineError", "RolloutBatch", "RolloutWorker", "UnsupportedEngineVersion", "WorkerConfig"]
+__all__ = ["EngineError", "KvReport", "MemoryReport", "RolloutBatch", "RolloutWorker", "UnsupportedEngineVersion", "WorkerConfig"]

@@ -94,6 +94,13 @@ WORKAROUNDS: dict[str, str] = {
         "len(output_ids) < completion_tokens. The engine always runs with skip_tokenizer_init "
         "and exact token ids; the worker encodes prompts and decodes completions itself."
     ),
+    "shared-hf-config": (
+        "hf_transformers_utils.get_config caches the HF config object per model path, and "
+        "ModelConfig.configure_for_tensor_parallel mutates it (KV heads replicated for tp): a "
+        "second engine on the same model dir in one process starts from the mutated config "
+        "and crashes in its first forward ('Incompatible shapes for broadcasting'). The cache "
+        "is cleared before every engine start."
+    ),
     "flush-cache": (
         "Engine.flush_cache and release/resume_memory_occupation raise TypeError and the "
         "scheduler has no handler for them. Cache flush and KV drop/rebuild are done directly "
@@ -528,6 +535,9 @@ class EngineHandle:
             "precompile_bs_paddings": list(options.precompile_bs_paddings or []) or None,
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
+        from sgl_jax.srt.hf_transformers_utils import get_config
+
+        get_config.cache_clear()
         with _preserved_process_state():
             self._engine = Engine(**kwargs)
 
@@ -664,9 +674,19 @@ class EngineHandle:
         cells["model_state_leaves"].cell_contents = new_leaves
         nnx.update(self._model_runner.model, state)
 
-    def weight_version_tag(self) -> int:
-        """Identity of the leaf list in use (changes whenever it is replaced)."""
-        return id(self._closure_cells()["model_state_leaves"].cell_contents)
+    def reload_weights_from_model_dir(self) -> None:
+        """sglang-jax's own safetensors load into the running model. Scheduler thread only.
+
+        The engine's reload path, kept as the baseline the sync benchmark compares against.
+        Needs an engine started with a safetensors load format (the loader adds rng leaves).
+        """
+        from flax import nnx
+
+        runner = self._model_runner
+        runner.model.load_weights(runner.model_config, jax.random.key(self.options.seed))
+        _, state = nnx.split(runner.model)
+        leaves, _ = jax.tree_util.tree_flatten(state)
+        self._closure_cells()["model_state_leaves"].cell_contents = leaves
 
     # ---- KV cache and prefix cache ---------------------------------------------------------
 
@@ -694,18 +714,19 @@ class EngineHandle:
         shape = (pool.size + pool.page_size, pool.head_num * 2, pool.head_dim)
         return shape, np.dtype(pool.dtype), int(pool.layer_num)
 
-    def drop_kv_buffers(self) -> list[jax.Array]:
+    def drop_kv_buffers(self) -> tuple[int, int]:
         """Flush the prefix cache and delete the KV buffers. Scheduler thread only.
 
-        Returns the deleted arrays (for accounting; their buffers are already freed).
+        Returns (number of buffers, device bytes they held, summed over devices).
         """
         self.flush_prefix_cache()
         pool = self._kv_pool
         buffers = list(pool.kv_buffer)
         pool.kv_buffer = []
+        device_bytes = sum(device_nbytes(buf) for buf in buffers)
         for buf in buffers:
             buf.delete()
-        return buffers
+        return len(buffers), device_bytes
 
     def rebuild_kv_buffers(self) -> None:
         """Recreate the KV buffers with the pool's own allocator. Scheduler thread only."""
@@ -794,6 +815,19 @@ class EngineHandle:
         self._scheduler = None
         self._tokenizer_manager = None
         self._engine = None
+
+
+def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
+    """The device buffers behind an array: (device id, buffer address) -> bytes."""
+    return {
+        (shard.device.id, shard.data.unsafe_buffer_pointer()): int(shard.data.nbytes)
+        for shard in array.addressable_shards
+    }
+
+
+def device_nbytes(array: jax.Array) -> int:
+    """Bytes an array occupies summed over its devices (replicas count once per device)."""
+    return sum(device_buffers(array).values())
 
 
 def _key_name(key) -> str:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
 import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -16,9 +19,29 @@ from trainer_bridge import EngineLeaf, SyncError, SyncPlan, SyncReport, build_pl
 
 from .batch import RolloutBatch, pack_rollouts
 from .config import WorkerConfig, has_tokenizer_files
-from .sglang_engine import MAX_SAMPLING_SEED, EngineHandle
+from .sglang_engine import MAX_SAMPLING_SEED, EngineHandle, device_buffers, device_nbytes
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class KvReport:
+    """What a KV cache drop freed or a rebuild allocated."""
+
+    bytes: int  # device bytes of the pool's own buffers, summed over devices and layers
+    buffers: int
+    seconds: float
+    # Live device bytes released beyond the pool's buffers: on backends without buffer
+    # donation (CPU) the previous step's KV arrays can still be alive until the drop.
+    transient_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    # Device bytes summed over devices.
+    weight_bytes: int  # the engine's weight leaves (aliased trainer buffers included)
+    kv_bytes: int  # the KV cache buffers (0 while dropped)
+    live_bytes_per_device: dict[str, int]  # every live JAX array, by device
 
 
 class RolloutWorker:
@@ -39,6 +62,11 @@ class RolloutWorker:
             for i, spec in enumerate(self._engine.leaf_specs())
         ]
         self._mappings = mappings_for(self._engine.hf_config)
+        # Leaf indices whose current array belongs to the engine (boot weights, sync copies),
+        # as opposed to trainer buffers it aliases: those are freed as soon as they are replaced.
+        self._owned_leaves = set(range(len(self._engine_leaves)))
+        self._kv_dropped = False
+        self._stale_reason: str | None = None
         self._tokenizer = _load_tokenizer(config.model_path)
         self.pad_token_id = _pad_token_id(self._tokenizer)
         self.eos_token_ids = _eos_token_ids(self._tokenizer, self._engine.hf_config)
@@ -105,12 +133,22 @@ class RolloutWorker:
         self._check_engine_layout(new_leaves)
         jax.block_until_ready(list(updates.values()))
 
+        copied = {p.engine.index for p in plan.copies}
+
         def swap():
+            old_leaves = engine.weight_leaves()
             engine.replace_weight_leaves(new_leaves)
             engine.flush_prefix_cache()
+            # Free replaced engine-owned arrays now rather than whenever the last reference
+            # goes: peak memory of a sync stays at the bytes it writes.
+            for index in self._owned_leaves:
+                if old_leaves[index] is not new_leaves[index] and index in updates:
+                    old_leaves[index].delete()
 
         with self._lock:
             engine.call(swap)
+            self._owned_leaves = copied | (self._owned_leaves - set(updates))
+            self._stale_reason = None
             self.weight_version += 1
             version = self.weight_version
         report = plan.report(version, time.perf_counter() - start)
@@ -136,12 +174,78 @@ class RolloutWorker:
                 )
 
     def _check_weights_alive(self) -> None:
+        if self._stale_reason is not None:
+            raise RuntimeError(f"{self._stale_reason}: call worker.sync_params(params) before generate")
         dead = [spec.path for spec, leaf in zip(self._engine_leaves, self.engine.weight_leaves()) if leaf.is_deleted()]
         if dead:
             raise RuntimeError(
                 f"the engine's weights were freed ({len(dead)} leaves, e.g. '{dead[0]}'): the trainer "
                 "donated buffers the engine was using. Call worker.sync_params(params) before generate."
             )
+
+    # ---- KV cache and memory -----------------------------------------------------------------
+
+    def drop_kv(self) -> KvReport:
+        """Free the KV cache buffers (and the prefix cache) until :meth:`rebuild_kv`.
+
+        ``generate`` while dropped rebuilds first. Dropping twice frees nothing more.
+        """
+        engine = self.engine
+        with self._lock:
+            if self._kv_dropped:
+                return KvReport(0, 0, 0.0)
+            start = time.perf_counter()
+            live_before = live_device_bytes()
+            count, freed = engine.call(engine.drop_kv_buffers)
+            # The engine's finished batches form reference cycles that can keep earlier KV
+            # arrays alive (backends without donation); collect them while the trainer waits.
+            gc.collect()
+            self._kv_dropped = True
+            transient = max(0, live_before - live_device_bytes() - freed)
+        return KvReport(freed, count, time.perf_counter() - start, transient)
+
+    def rebuild_kv(self) -> KvReport:
+        """Recreate the KV cache with its original shapes, dtype and sharding (no recompile)."""
+        engine = self.engine
+        with self._lock:
+            if not self._kv_dropped:
+                return KvReport(0, 0, 0.0)
+            start = time.perf_counter()
+            engine.call(engine.rebuild_kv_buffers)
+            buffers = engine.kv_buffers()
+            jax.block_until_ready(buffers)
+            self._kv_dropped = False
+        return KvReport(sum(device_nbytes(b) for b in buffers), len(buffers), time.perf_counter() - start)
+
+    @property
+    def kv_dropped(self) -> bool:
+        return self._kv_dropped
+
+    @contextlib.contextmanager
+    def released_for_training(self) -> Iterator[KvReport]:
+        """Around a train step: the KV cache is dropped for its duration.
+
+        The trainer may donate its params inside: afterwards the engine must not serve them,
+        so ``generate`` refuses to run until the next ``sync_params``. Yields the drop report.
+        """
+        report = self.drop_kv()
+        try:
+            yield report
+        finally:
+            self._stale_reason = "a train step ran since the last sync_params"
+
+    def memory(self) -> MemoryReport:
+        engine = self.engine
+        weights: dict[tuple[int, int], int] = {}
+        for leaf in engine.weight_leaves():
+            if not leaf.is_deleted():
+                weights.update(device_buffers(leaf))
+        kv = sum(device_nbytes(b) for b in engine.kv_buffers())
+        per_device: dict[str, int] = {}
+        devices = {d.id: str(d) for d in jax.devices()}
+        for (device_id, _), nbytes in live_device_buffers().items():
+            per_device[devices[device_id]] = per_device.get(devices[device_id], 0) + nbytes
+        return MemoryReport(sum(weights.values()), kv, per_device)
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -171,6 +275,8 @@ class RolloutWorker:
         self._check_lengths(prompt_ids, max_new_tokens)
         stop_ids = self._stop_token_ids(stop_token_ids)
         self._check_weights_alive()
+        if self._kv_dropped:
+            self.rebuild_kv()
 
         with self._lock:
             base_seed = int(self._rng.integers(MAX_SAMPLING_SEED)) if seed is None else int(seed)
@@ -323,3 +429,21 @@ def _pad_token_id(tokenizer) -> int:
         if value is not None:
             return int(value)
     return 0
+
+
+def live_device_buffers() -> dict[tuple[int, int], int]:
+    """Device buffers of all live JAX arrays: (device id, address) -> bytes.
+
+    Counted from the arrays because ``device.memory_stats()`` is unavailable on CPU. Each
+    buffer counts once although several arrays may view it (an array and the single-device
+    arrays of its shards, an aliased trainer leaf and the engine's relabel of it).
+    """
+    buffers: dict[tuple[int, int], int] = {}
+    for array in jax.live_arrays():
+        if not array.is_deleted():
+            buffers.update(device_buffers(array))
+    return buffers
+
+
+def live_device_bytes() -> int:
+    return sum(live_device_buffers().values())

@@ -30,6 +30,7 @@ def test_every_workaround_is_documented():
         "process-global-side-effects",
         "untied-head-dtype",
         "detokenizer-output-ids",
+        "shared-hf-config",
         "flush-cache",
     }
 
@@ -94,6 +95,14 @@ def test_untied_head_computes_in_the_model_dtype(qwen2_untied_dir):
         assert specs["lm_head.embedding"].dtype == np.float32
         greedy = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=6)
         assert all(len(c) > 0 for c in greedy.completions)
+
+
+def test_second_tensor_parallel_engine_on_the_same_model(qwen2_dir):
+    outputs = []
+    for _ in range(2):
+        with RolloutWorker(tiny_worker_config(qwen2_dir, tp_size=2)) as worker:
+            outputs.append(worker.generate(PROMPTS, temperature=0.0, max_new_tokens=6).completions)
+    assert outputs[0] == outputs[1]
 
 
 @pytest.fixture(scope="module")

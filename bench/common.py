@@ -1,0 +1,69 @@
+"""Shared benchmark helpers: a Qwen2.5-1.5B-shaped random model dir, timing, memory."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from models import TinyModelSpec, write_tiny_model
+
+# Qwen2.5-1.5B: hidden 1536, intermediate 8960, 12 heads, 2 KV heads, head_dim 128, vocab 151936,
+# tied embeddings. Layers are reduced (28 in the real model) to fit the 24 GiB CI machine.
+QWEN25_15B_SHAPE = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+
+
+def qwen25_15b_dir(root: Path, num_layers: int) -> Path:
+    spec = TinyModelSpec(num_hidden_layers=num_layers, max_position_embeddings=4096, **QWEN25_15B_SHAPE)
+    return write_tiny_model(root, spec, with_tokenizer=False)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class PeakRss:
+    """Peak resident memory above the level at entry, sampled every millisecond."""
+
+    def __enter__(self):
+        self._process = psutil.Process(os.getpid())
+        self.baseline = self._process.memory_info().rss
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+    @property
+    def extra_bytes(self) -> int:
+        return self.peak - self.baseline
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB"
