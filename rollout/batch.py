@@ -55,12 +55,21 @@ def pack_rollouts(
     seeds: np.ndarray,
     cache_miss_count: int = 0,
     completion_texts: list[str] | None = None,
+    prompt_width: int | None = None,
 ) -> RolloutBatch:
-    """Lay out prompt-major completions as left-padded prompts followed by completions."""
+    """Lay out prompt-major completions as left-padded prompts followed by completions.
+
+    The prompt region is ``prompt_width`` wide when given (a fixed shape for a jitted train
+    step), else as wide as the longest prompt.
+    """
     rows = len(completions)
     if rows != len(prompts) * n:
         raise ValueError(f"expected {len(prompts) * n} completions ({len(prompts)} prompts x n={n}), got {rows}")
-    prompt_width = max(len(p) for p in prompts)
+    longest_prompt = max(len(p) for p in prompts)
+    if prompt_width is None:
+        prompt_width = longest_prompt
+    elif longest_prompt > prompt_width:
+        raise ValueError(f"a prompt has {longest_prompt} tokens, more than prompt_width={prompt_width}")
     longest = max((len(c) for c in completions), default=0)
     if longest > completion_width:
         raise ValueError(f"a completion has {longest} tokens, more than the width {completion_width}")

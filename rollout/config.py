@@ -35,6 +35,9 @@ class WorkerConfig:
     precompile_bs_paddings: tuple[int, ...] | None = None
     watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
     attention_backend: str | None = None
+    # Append one JSON line per lifecycle phase (engine_ready, weights_synced, kv_dropped,
+    # kv_rebuilt, generate) with its duration and a memory summary to this file.
+    phase_log: str | None = None
 
     def __post_init__(self):
         positive = ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "tp_size", "page_size")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
+import json
 import logging
 import math
 import threading
@@ -15,7 +15,24 @@ import jax
 import numpy as np
 
 from models import mappings_for
-from trainer_bridge import EngineLeaf, SyncError, SyncPlan, SyncReport, build_plan, flatten_params, plan_key
+from jax.sharding import NamedSharding, PartitionSpec
+
+from models import EngineTransform
+from trainer_bridge import (
+    EngineLeaf,
+    SyncError,
+    SyncPlan,
+    SyncReport,
+    build_plan,
+    flatten_params,
+    load_hf_params,
+    plan_key,
+    resolve_checkpoint,
+    unflatten_params,
+    restore_tree,
+    saved_layout,
+    wrap_like,
+)
 
 from .batch import RolloutBatch, pack_rollouts
 from .config import WorkerConfig, has_tokenizer_files
@@ -52,6 +69,7 @@ class RolloutWorker:
 
     def __init__(self, config: WorkerConfig):
         self.config = config
+        start = time.perf_counter()
         self._engine = EngineHandle(config.engine_options())
         self._lock = threading.RLock()
         self._rng = np.random.default_rng(config.seed)
@@ -70,6 +88,7 @@ class RolloutWorker:
         self._tokenizer = _load_tokenizer(config.model_path)
         self.pad_token_id = _pad_token_id(self._tokenizer)
         self.eos_token_ids = _eos_token_ids(self._tokenizer, self._engine.hf_config)
+        self._log_phase("engine_ready", time.perf_counter() - start)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -153,7 +172,59 @@ class RolloutWorker:
             version = self.weight_version
         report = plan.report(version, time.perf_counter() - start)
         logger.info("sync_params: %s", report)
+        self._log_phase("weights_synced", report.seconds, version=version, bytes_copied=report.bytes_copied)
         return report
+
+    def param_shardings(self) -> dict:
+        """Where to place a trainer param tree so that ``sync_params`` moves no bytes.
+
+        A nested dict in the trainer layout: each leaf the engine uses as it is gets the
+        engine's sharding; the others (transposed; k/v projections, whose heads the engine may
+        repeat) are replicated on the engine's mesh, from which the sync transforms them.
+        """
+        specs = {leaf.path: leaf for leaf in self._engine_leaves}
+        replicated = NamedSharding(self.engine.mesh, PartitionSpec())
+        shardings = {}
+        for entry in self._mappings:
+            as_is = entry.engine_transform is EngineTransform.IDENTITY
+            shardings[entry.trainer] = specs[entry.engine].sharding if as_is else replicated
+        return unflatten_params(shardings)
+
+    def load_hf(self, model_dir) -> SyncReport:
+        """Serve the weights of an HF safetensors directory (single file or sharded with an
+        index json), through the same plan as ``sync_params``. On error nothing changes."""
+        return self.sync_params(load_hf_params(model_dir, dtype=None))
+
+    def load_checkpoint(self, path, step: int | None = None) -> SyncReport:
+        """Serve a trainer param tree saved with orbax: a ``StandardCheckpointer`` directory,
+        or a ``CheckpointManager`` root (latest step, or ``step``).
+
+        Leaves the engine can use as they are restored straight into the engine's dtype and
+        sharding and then aliased; the others are restored replicated on the engine's mesh and
+        transformed on device. No host copy of the tree is made. On error nothing changes.
+        """
+        item_dir = resolve_checkpoint(path, step)
+        saved, wrapped = saved_layout(item_dir)
+        specs = {leaf.path: leaf for leaf in self._engine_leaves}
+        expected = {m.trainer: m for m in self._mappings}
+        missing = sorted(set(expected) - set(saved))
+        extra = sorted(set(saved) - set(expected))
+        if missing or extra:
+            raise SyncError(
+                f"checkpoint {item_dir} does not match the model: missing {len(missing)} expected "
+                f"path(s) {missing[:8]}; {len(extra)} unexpected path(s) {extra[:8]}"
+            )
+        replicated = NamedSharding(self.engine.mesh, PartitionSpec())
+        targets = {}
+        for path_, meta in saved.items():
+            entry, shape = expected[path_], tuple(meta.shape)
+            engine_leaf = specs[entry.engine]
+            if entry.engine_transform is EngineTransform.IDENTITY and shape == engine_leaf.shape:
+                targets[path_] = jax.ShapeDtypeStruct(shape, engine_leaf.dtype, sharding=engine_leaf.sharding)
+            else:
+                targets[path_] = jax.ShapeDtypeStruct(shape, meta.dtype, sharding=replicated)
+        restored = restore_tree(item_dir, wrap_like(targets, wrapped))
+        return self.sync_params(restored)
 
     @property
     def _head_dim(self) -> int:
@@ -197,12 +268,11 @@ class RolloutWorker:
             start = time.perf_counter()
             live_before = live_device_bytes()
             count, freed = engine.call(engine.drop_kv_buffers)
-            # The engine's finished batches form reference cycles that can keep earlier KV
-            # arrays alive (backends without donation); collect them while the trainer waits.
-            gc.collect()
             self._kv_dropped = True
             transient = max(0, live_before - live_device_bytes() - freed)
-        return KvReport(freed, count, time.perf_counter() - start, transient)
+        report = KvReport(freed, count, time.perf_counter() - start, transient)
+        self._log_phase("kv_dropped", report.seconds, bytes=report.bytes)
+        return report
 
     def rebuild_kv(self) -> KvReport:
         """Recreate the KV cache with its original shapes, dtype and sharding (no recompile)."""
@@ -215,7 +285,26 @@ class RolloutWorker:
             buffers = engine.kv_buffers()
             jax.block_until_ready(buffers)
             self._kv_dropped = False
-        return KvReport(sum(device_nbytes(b) for b in buffers), len(buffers), time.perf_counter() - start)
+        report = KvReport(sum(device_nbytes(b) for b in buffers), len(buffers), time.perf_counter() - start)
+        self._log_phase("kv_rebuilt", report.seconds, bytes=report.bytes)
+        return report
+
+    def _log_phase(self, phase: str, seconds: float, **details) -> None:
+        if self.config.phase_log is None:
+            return
+        memory = self.memory()
+        record = {
+            "phase": phase,
+            "seconds": round(seconds, 6),
+            "time": time.time(),
+            **details,
+            "weight_bytes": memory.weight_bytes,
+            "kv_bytes": memory.kv_bytes,
+            "live_bytes": sum(memory.live_bytes_per_device.values()),
+            "live_bytes_per_device": memory.live_bytes_per_device,
+        }
+        with open(self.config.phase_log, "a", encoding="utf-8") as log:
+            log.write(json.dumps(record) + "\n")
 
     @property
     def kv_dropped(self) -> bool:
@@ -262,6 +351,7 @@ class RolloutWorker:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         seed: int | None = None,
+        pad_prompts_to: int | None = None,
     ) -> RolloutBatch:
         """Sample ``n`` completions for every prompt (token-id lists, or strings).
 
@@ -273,7 +363,12 @@ class RolloutWorker:
         prompt_ids = self._prompt_ids(prompts)
         _check_sampling(n, temperature, top_p, top_k, min_p, max_new_tokens, seed)
         self._check_lengths(prompt_ids, max_new_tokens)
+        if pad_prompts_to is not None and max(map(len, prompt_ids)) > pad_prompts_to:
+            raise ValueError(
+                f"a prompt has {max(map(len, prompt_ids))} tokens, more than pad_prompts_to={pad_prompts_to}"
+            )
         stop_ids = self._stop_token_ids(stop_token_ids)
+        start = time.perf_counter()
         self._check_weights_alive()
         if self._kv_dropped:
             self.rebuild_kv()
@@ -302,6 +397,7 @@ class RolloutWorker:
             version = self.weight_version
 
         completions = [_completion_ids(i, out)[:max_new_tokens] for i, out in enumerate(outputs)]
+        self._log_phase("generate", time.perf_counter() - start, rows=len(outputs))
         texts = None
         if self._tokenizer is not None:
             texts = [self._tokenizer.decode(c, skip_special_tokens=True) for c in completions]
@@ -316,6 +412,7 @@ class RolloutWorker:
             seeds=seeds,
             cache_miss_count=max(o.cache_miss_count for o in outputs),
             completion_texts=texts,
+            prompt_width=pad_prompts_to,
         )
 
     def _prompt_ids(self, prompts) -> list[list[int]]:

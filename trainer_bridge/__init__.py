@@ -1,10 +1,26 @@
 """Trainer param trees -> engine weights: mapping plans, zero-copy sync, checkpoint loading."""
 
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_tree_metadata,
+    resolve_checkpoint,
+    restore_params,
+    restore_tree,
+    saved_layout,
+    wrap_like,
+)
 from .hf import load_hf_params, safetensors_files
 from .sync import EngineLeaf, LeafAction, LeafPlan, SyncError, SyncPlan, SyncReport, build_plan, plan_key
 from .tree import flatten_params, unflatten_params, unwrap_params
 
 __all__ = [
+    "CheckpointError",
+    "checkpoint_tree_metadata",
+    "resolve_checkpoint",
+    "restore_params",
+    "restore_tree",
+    "saved_layout",
+    "wrap_like",
     "EngineLeaf",
     "LeafAction",
     "LeafPlan",

@@ -45,10 +45,17 @@ def _open(file: Path):
 
 
 def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
-    """Read an HF Qwen2/Qwen3 checkpoint into a nested trainer param dict of numpy arrays."""
+    """Read an HF Qwen2/Qwen3 checkpoint into a nested trainer param dict of numpy arrays.
+
+    ``dtype=None`` keeps each tensor's stored dtype (bfloat16 comes back as ml_dtypes').
+    """
     model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
     located = safetensors_files(model_dir)
+    config_file = model_dir / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {config_file}: {exc}") from exc
     handles: dict[Path, object] = {}
     flat = {}
     for entry in mappings_for(config):
@@ -63,5 +70,5 @@ def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
             raise ValueError(f"{file}: cannot read tensor '{entry.hf}': {exc}") from exc
         if entry.hf_transposed:
             tensor = tensor.T
-        flat[entry.trainer] = np.ascontiguousarray(tensor, dtype=dtype)
+        flat[entry.trainer] = np.ascontiguousarray(tensor, dtype=dtype or tensor.dtype)
     return unflatten_params(flat)

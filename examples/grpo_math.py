@@ -1,0 +1,62 @@
+"""GRPO math: group-relative advantages, token log-probs, the PPO-clip objective."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> np.ndarray:
+    """(r - group mean) / (group std + eps) for consecutive groups of ``group_size`` rows.
+
+    Rows are prompt-major (the samples of one prompt are adjacent), as RolloutBatch lays them.
+    A group whose samples all earned the same reward gets zero advantage: it teaches nothing.
+    """
+    rewards = np.asarray(rewards, dtype=np.float32)
+    if group_size < 1 or rewards.size % group_size:
+        raise ValueError(f"{rewards.size} rewards do not split into groups of {group_size}")
+    groups = rewards.reshape(-1, group_size)
+    centered = groups - groups.mean(axis=1, keepdims=True)
+    return (centered / (groups.std(axis=1, keepdims=True) + eps)).reshape(-1)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1: shape [B, T - 1]."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def ppo_clip_loss(
+    new_logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    clip_eps: float = 0.2,
+    ref_logprobs: jax.Array | None = None,
+    kl_beta: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Token-level PPO-clip objective (mean over completion tokens) with an optional KL
+    penalty to a reference policy (k3 estimator). All log-prob arrays are [B, T'] and
+    ``mask`` marks completion tokens; ``advantages`` is [B]."""
+    mask = mask.astype(jnp.float32)
+    tokens = jnp.maximum(mask.sum(), 1.0)
+    log_ratio = new_logprobs - old_logprobs
+    ratio = jnp.exp(log_ratio)
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    per_token = -jnp.minimum(unclipped, clipped)
+    stats = {
+        "clip_fraction": ((jnp.abs(ratio - 1.0) > clip_eps) * mask).sum() / tokens,
+        # k3 estimate of KL(old || new): how far this update moved the policy.
+        "approx_kl": ((jnp.exp(-log_ratio) - 1.0 + log_ratio) * mask).sum() / tokens,
+    }
+    if ref_logprobs is not None and kl_beta > 0:
+        delta = ref_logprobs - new_logprobs
+        kl = jnp.exp(delta) - delta - 1.0
+        per_token = per_token + kl_beta * kl
+        stats["ref_kl"] = (kl * mask).sum() / tokens
+    loss = (per_token * mask).sum() / tokens
+    stats["loss"] = loss
+    return loss, stats

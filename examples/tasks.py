@@ -1,0 +1,105 @@
+"""Tasks and rewards: a tiny arithmetic task made in code, and GSM8K for the real-model preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    prompt: str  # what the model sees (for GSM8K, after the chat template)
+    answer: str  # the final answer, as a string of digits
+
+
+# ---- tiny task: single-digit addition --------------------------------------------------------
+
+
+def addition_problems(rng: np.random.Generator, count: int) -> list[Problem]:
+    """``a+b=`` with single digits; the answer is the decimal sum."""
+    a = rng.integers(0, 10, count)
+    b = rng.integers(0, 10, count)
+    return [Problem(f"{x}+{y}=", str(x + y)) for x, y in zip(a, b)]
+
+
+def addition_reward(completion: str, answer: str) -> float:
+    """1 for exactly the answer; otherwise up to 0.5 for the share of digit characters.
+
+    The shaped part gives a random policy a reward it sometimes earns (answers are made of
+    digits), so the group-relative advantages have a signal from the first step.
+    """
+    text = completion.strip()
+    if text == answer:
+        return 1.0
+    if not text:
+        return 0.0
+    return 0.5 * sum(c.isdigit() for c in text) / len(text)
+
+
+# ---- GSM8K -------------------------------------------------------------------------------
+
+GSM8K_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Solve the math problem step by step, then give the final "
+    "answer on its own line as: #### <number>"
+)
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def normalize_number(text: str) -> str | None:
+    text = text.replace(",", "").replace("$", "").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return str(int(value)) if value == int(value) else str(value)
+
+
+def gsm8k_reference_answer(solution: str) -> str:
+    """The number after ``####`` in a GSM8K reference solution."""
+    if "####" not in solution:
+        raise ValueError("GSM8K solution has no '####' answer line")
+    answer = normalize_number(solution.split("####")[-1])
+    if answer is None:
+        raise ValueError(f"GSM8K answer is not a number: {solution.split('####')[-1]!r}")
+    return answer
+
+
+def extract_final_number(completion: str) -> str | None:
+    """The model's final answer: after the last ``####`` if present, else the last number."""
+    tail = completion.split("####")[-1] if "####" in completion else completion
+    numbers = _NUMBER.findall(tail)
+    return normalize_number(numbers[-1]) if numbers else None
+
+
+def gsm8k_correctness_reward(completion: str, answer: str) -> float:
+    return 1.0 if extract_final_number(completion) == answer else 0.0
+
+
+def gsm8k_format_reward(completion: str) -> float:
+    """0.5 when the completion ends with a ``#### <number>`` line, as the system prompt asks."""
+    lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]
+    return 0.5 if lines and re.fullmatch(r"####\s*" + _NUMBER.pattern, lines[-1]) else 0.0
+
+
+def gsm8k_reward(completion: str, answer: str) -> float:
+    return gsm8k_correctness_reward(completion, answer) + gsm8k_format_reward(completion)
+
+
+def gsm8k_prompt(tokenizer, question: str) -> str:
+    """The question in the model's chat template, ready for the assistant's turn."""
+    messages = [
+        {"role": "system", "content": GSM8K_SYSTEM_PROMPT},
+        {"role": "user", "content": question},
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def gsm8k_problems(tokenizer, split: str = "train") -> list[Problem]:
+    """GSM8K from the HF hub (needs ``datasets`` and a network)."""
+    from datasets import load_dataset
+
+    rows = load_dataset("openai/gsm8k", "main", split=split)
+    return [Problem(gsm8k_prompt(tokenizer, row["question"]), gsm8k_reference_answer(row["answer"])) for row in rows]

@@ -1,0 +1,187 @@
+"""Hot-loading: orbax checkpoints (single and CheckpointManager), HF safetensors dirs,
+bad input that leaves the worker serving, the phase log."""
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+from rollout import RolloutWorker
+from trainer_bridge import CheckpointError, SyncError, flatten_params, load_hf_params, restore_params, unflatten_params
+from tests.helpers import tiny_worker_config
+
+PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
+
+
+@pytest.fixture(scope="module")
+def worker(qwen2_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("log") / "phases.jsonl"
+    config = tiny_worker_config(qwen2_dir, load_format="dummy", tp_size=2, phase_log=str(log))
+    with RolloutWorker(config) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def params(qwen2_dir):
+    return jax.tree_util.tree_map(jax.device_put, load_hf_params(qwen2_dir))
+
+
+@pytest.fixture(scope="module")
+def scaled(params):
+    return jax.tree_util.tree_map(lambda x: x * 1.05, params)
+
+
+def greedy(worker):
+    return worker.generate(PROMPTS, temperature=0.0, max_new_tokens=10, ignore_eos=True).completions
+
+
+def save(path, tree):
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, tree)
+    checkpointer.wait_until_finished()
+    return path
+
+
+def test_orbax_checkpoint_equals_a_direct_sync(worker, params, tmp_path):
+    worker.sync_params(params)
+    expected = greedy(worker)
+    worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
+    assert greedy(worker) != expected
+    report = worker.load_checkpoint(save(tmp_path / "ckpt", params))
+    assert greedy(worker) == expected
+    # Leaves with no transform were restored straight into the engine's layout and aliased.
+    assert report.leaves_aliased > 0
+    assert report.leaves_copied == sum(m.engine_transform.value != "identity" for m in worker._mappings)
+
+
+def test_wrapped_params_tree(worker, params, tmp_path):
+    worker.sync_params(params)
+    expected = greedy(worker)
+    worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
+    worker.load_checkpoint(save(tmp_path / "wrapped", {"params": params}))
+    assert greedy(worker) == expected
+
+
+def test_checkpoint_manager_step_selection(worker, params, scaled, tmp_path):
+    worker.sync_params(params)
+    first = greedy(worker)
+    worker.sync_params(scaled)
+    second = greedy(worker)
+    assert first != second
+    manager = ocp.CheckpointManager(tmp_path / "run")
+    manager.save(1, args=ocp.args.StandardSave(params))
+    manager.save(2, args=ocp.args.StandardSave(scaled))
+    manager.wait_until_finished()
+    worker.load_checkpoint(tmp_path / "run", step=1)
+    assert greedy(worker) == first
+    worker.load_checkpoint(tmp_path / "run")
+    assert greedy(worker) == second
+    with pytest.raises(CheckpointError, match=r"has no step 7; it has steps \[1, 2\]"):
+        worker.load_checkpoint(tmp_path / "run", step=7)
+
+
+def test_trainer_resume_restores_onto_trainer_shardings(params, tmp_path):
+    path = save(tmp_path / "resume", params)
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    target = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("fsdp") if x.shape[0] % 4 == 0 else P())),
+        params,
+    )
+    restored = restore_params(path, target)
+    for (key, got), want, spec in zip(
+        flatten_params(restored).items(), flatten_params(params).values(), flatten_params(target).values()
+    ):
+        assert got.sharding == spec.sharding, key
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=key)
+
+
+def assert_still_serving(worker, expected, version):
+    assert worker.weight_version == version
+    assert greedy(worker) == expected
+
+
+def test_bad_checkpoints_leave_the_worker_serving(worker, params, qwen3_dir, tmp_path):
+    worker.sync_params(params)
+    expected, version = greedy(worker), worker.weight_version
+
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        worker.load_checkpoint(tmp_path / "does-not-exist")
+    assert_still_serving(worker, expected, version)
+
+    other = save(tmp_path / "qwen3", load_hf_params(qwen3_dir))
+    with pytest.raises(SyncError, match=r"does not match the model: missing \d+ expected path\(s\) \['model\.layers_0\.self_attn\.k_proj\.bias'"):
+        worker.load_checkpoint(other)
+    assert_still_serving(worker, expected, version)
+
+    flat = flatten_params(params)
+    flat["model.layers_1.mlp.down_proj.kernel"] = flat["model.layers_1.mlp.down_proj.kernel"][:256]
+    wrong_shape = save(tmp_path / "shape", unflatten_params(flat))
+    with pytest.raises(SyncError, match=r"'model\.layers_1\.mlp\.down_proj\.kernel' has shape \(256, 256\), expected \(512, 256\)"):
+        worker.load_checkpoint(wrong_shape)
+    assert_still_serving(worker, expected, version)
+
+    corrupt = save(tmp_path / "corrupt", params)
+    data_files = [p for p in Path(corrupt).rglob("*") if p.is_file() and p.stat().st_size > 10_000]
+    assert data_files
+    for file in data_files:
+        with open(file, "r+b") as f:
+            f.truncate(file.stat().st_size // 3)
+    with pytest.raises(CheckpointError, match=f"cannot restore checkpoint {corrupt}"):
+        worker.load_checkpoint(corrupt)
+    assert_still_serving(worker, expected, version)
+
+
+def write_sharded_copy(src: Path, dst: Path) -> Path:
+    """The same model as an HF sharded checkpoint: two files and an index json."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, dst / file, metadata={"format": "pt"})
+        weight_map.update({k: file for k in keys})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def test_load_hf_sharded_and_bad_files(worker, qwen2_dir, params, scaled, tmp_path):
+    worker.sync_params(params)
+    expected = greedy(worker)
+    worker.sync_params(scaled)
+    worker.load_hf(write_sharded_copy(Path(qwen2_dir), tmp_path / "sharded"))
+    assert greedy(worker) == expected
+    version = worker.weight_version
+
+    truncated = write_sharded_copy(Path(qwen2_dir), tmp_path / "truncated")
+    victim = truncated / "model-00002-of-00002.safetensors"
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors"):
+        worker.load_hf(truncated)
+    assert_still_serving(worker, expected, version)
+
+    with pytest.raises(FileNotFoundError, match="missing-dir"):
+        worker.load_hf(tmp_path / "missing-dir")
+    assert_still_serving(worker, expected, version)
+
+
+def test_phase_log_records_the_lifecycle(worker, params):
+    worker.sync_params(params)
+    worker.drop_kv()
+    greedy(worker)  # rebuilds the KV cache, then generates
+    lines = [json.loads(line) for line in Path(worker.config.phase_log).read_text().splitlines()]
+    phases = [line["phase"] for line in lines]
+    assert phases[0] == "engine_ready"
+    assert phases[-4:] == ["weights_synced", "kv_dropped", "kv_rebuilt", "generate"]
+    dropped = lines[-3]
+    assert dropped["kv_bytes"] == 0 and dropped["bytes"] == lines[-2]["bytes"] > 0
+    assert all(line["seconds"] >= 0 and line["live_bytes"] > 0 for line in lines)
+    assert os.path.getsize(worker.config.phase_log) > 0

@@ -1,0 +1,106 @@
+"""Orbax checkpoints of trainer param trees: locate, inspect, restore onto given shardings.
+
+A checkpoint is either a ``StandardCheckpointer`` directory or a ``CheckpointManager`` root
+whose numbered step directories hold the params (as the manager's ``default`` item).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from .tree import flatten_params, unflatten_params
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not match what it is restored into."""
+
+
+def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
+    """The directory holding the param tree: ``path`` itself, or step ``step`` (default the
+    latest) of a CheckpointManager root."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a directory")
+    steps = sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
+    if steps:
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(f"checkpoint root {path} has no step {step}; it has steps {steps}")
+        path = path / str(step)
+    elif step is not None:
+        raise CheckpointError(f"{path} is a single checkpoint, not a CheckpointManager root: step={step} does not apply")
+    if (path / "default").is_dir():
+        path = path / "default"
+    return path
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
+
+
+def checkpoint_tree_metadata(item_dir: Path) -> dict:
+    """The saved tree with each leaf's metadata (shape, dtype), without reading any array."""
+    try:
+        metadata = _checkpointer().metadata(item_dir)
+    except Exception as exc:  # orbax raises a variety of types for unreadable metadata
+        raise CheckpointError(f"cannot read checkpoint metadata in {item_dir}: {exc}") from exc
+    item = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(item, "tree", item)
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(f"checkpoint {item_dir} does not hold a tree of arrays")
+    return dict(tree)
+
+
+def restore_tree(item_dir: Path, target: Any) -> Any:
+    """Restore the tree at ``item_dir`` as ``target`` says (a tree of ``jax.ShapeDtypeStruct``
+    with shardings, or of arrays whose shape, dtype and sharding to take)."""
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
+    )
+    try:
+        return _checkpointer().restore(item_dir, abstract)
+    except Exception as exc:
+        raise CheckpointError(f"cannot restore checkpoint {item_dir}: {exc}") from exc
+
+
+def restore_params(path: str | Path, target: Mapping, *, step: int | None = None) -> dict:
+    """Restore a trainer param tree onto the trainer's own shardings (to resume training).
+
+    ``target`` is the trainer's param tree (arrays or ShapeDtypeStructs) in the saved layout
+    (with or without a ``{'params': ...}`` wrapper, as it was saved).
+    """
+    item_dir = resolve_checkpoint(path, step)
+    saved = flatten_params(checkpoint_tree_metadata(item_dir))
+    wanted = flatten_params(target)
+    missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint {item_dir} does not match the target tree: "
+            f"missing {missing[:8]}, unexpected {extra[:8]}"
+        )
+    for key, leaf in wanted.items():
+        if tuple(saved[key].shape) != tuple(leaf.shape):
+            raise CheckpointError(
+                f"checkpoint {item_dir}: '{key}' has shape {tuple(saved[key].shape)}, expected {tuple(leaf.shape)}"
+            )
+    return restore_tree(item_dir, target)
+
+
+def saved_layout(item_dir: Path) -> tuple[dict, bool]:
+    """(flat path -> leaf metadata, whether the tree is wrapped as {'params': ...})."""
+    tree = checkpoint_tree_metadata(item_dir)
+    return flatten_params(tree), set(tree) == {"params"}
+
+
+def wrap_like(flat: Mapping[str, Any], wrapped: bool) -> dict:
+    tree = unflatten_params(flat)
+    return {"params": tree} if wrapped else tree
