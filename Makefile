@@ -1,4 +1,5 @@
-# `make demo` and `make test` set everything up from scratch (a .venv with python3.12).
+# `make demo` (the tiny GRPO run) and `make test` set everything up from scratch (a .venv
+# with python3.12). `make bench` runs the benchmarks.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -17,10 +18,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/generate_demo.py
+	$(PY) -m examples.grpo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) -m bench.sync_bench
+	$(PY) -m bench.kv_bench
+	$(PY) -m bench.checkpoint_bench

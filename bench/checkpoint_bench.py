@@ -39,7 +39,7 @@ def restore_to_host(path: Path):
     tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
     target = jax.tree_util.tree_map(lambda m: np.empty(m.shape, m.dtype), dict(tree))
     restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+    return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
 
 
 def main(config: CheckpointBenchConfig) -> None:

@@ -1,6 +1,6 @@
 """Smallest real generation: a tiny random Qwen2 built locally, served in-process by sglang-jax.
 
-    python examples/generate_demo.py
+    python -m examples.generate_demo
 """
 
 import dataclasses

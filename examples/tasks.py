@@ -25,17 +25,17 @@ def addition_problems(rng: np.random.Generator, count: int) -> list[Problem]:
 
 
 def addition_reward(completion: str, answer: str) -> float:
-    """1 for exactly the answer; otherwise up to 0.5 for the share of digit characters.
+    """1 for exactly the answer; a wrong number gets up to 0.5 the closer it is; other text 0.
 
-    The shaped part gives a random policy a reward it sometimes earns (answers are made of
-    digits), so the group-relative advantages have a signal from the first step.
+    The shaped part gives a random policy rewards it sometimes earns, so the group-relative
+    advantages have a signal from the first step, and it points at the right answer.
     """
     text = completion.strip()
     if text == answer:
         return 1.0
-    if not text:
-        return 0.0
-    return 0.5 * sum(c.isdigit() for c in text) / len(text)
+    if text.isdigit():
+        return 0.5 * max(0.0, 1.0 - abs(int(text) - int(answer)) / 10)
+    return 0.0
 
 
 # ---- GSM8K -------------------------------------------------------------------------------

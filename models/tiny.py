@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 TINY_HEAD_DIM = 128
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAR_VOCAB = "0123456789+-*=() "
 
 # Text the tiny tokenizer is trained on: digits, arithmetic and a few words, enough for toy tasks.
 _TOKENIZER_CORPUS = (
@@ -45,10 +46,15 @@ class TinyModelSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     seed: int = 0
+    # "bpe": byte-level BPE trained on a small corpus (needs vocab_size >= 259);
+    # "chars": one token per character of CHAR_VOCAB, for toy arithmetic tasks.
+    tokenizer: str = "bpe"
 
     def __post_init__(self):
         if self.architecture not in ("qwen2", "qwen3"):
             raise ValueError(f"architecture must be 'qwen2' or 'qwen3', got {self.architecture!r}")
+        if self.tokenizer not in ("bpe", "chars"):
+            raise ValueError(f"tokenizer must be 'bpe' or 'chars', got {self.tokenizer!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -168,8 +174,20 @@ def write_tiny_model(
     return path
 
 
+def char_tokenizer():
+    """One token per character of CHAR_VOCAB, after the special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHAR_VOCAB))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer
+
+
 def write_tiny_tokenizer(path: Path, spec: TinyModelSpec) -> None:
-    tokenizer = train_tiny_tokenizer(spec.vocab_size)
+    tokenizer = train_tiny_tokenizer(spec.vocab_size) if spec.tokenizer == "bpe" else char_tokenizer()
     if tokenizer.get_vocab_size() > spec.vocab_size:
         raise ValueError(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={spec.vocab_size}"

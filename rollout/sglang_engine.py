@@ -19,7 +19,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
 import queue
 import random
 import signal

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models import QwenConfig, QwenForCausalLM, greedy_decode, mappings_for
+from models import QwenConfig, QwenForCausalLM, greedy_decode
 from rollout import RolloutWorker
 from trainer_bridge import SyncError, flatten_params, load_hf_params, unflatten_params
 from tests.helpers import tiny_worker_config

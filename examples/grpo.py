@@ -1,0 +1,399 @@
+"""GRPO with an in-process sglang-jax rollout worker.
+
+    python -m examples.grpo                       # tiny preset: a few minutes on a CPU
+    python -m examples.grpo --preset qwen2.5-3b   # Qwen2.5-3B-Instruct on GSM8K (TPU, network)
+
+Each step: sync the trainer's params into the engine (zero copy where placements match),
+sample G completions per prompt, score them, compute group-relative advantages, and take
+PPO-clip steps with the KV cache dropped and the params donated to the train step. Metrics go
+to ``<output_dir>/metrics.jsonl``, a reward plot to ``reward.png``; orbax checkpoints of the
+trainer state let a rerun with the same output dir resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from examples.grpo_math import group_advantages, ppo_clip_loss, token_logprobs
+from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
+from models import QwenConfig, QwenForCausalLM, TinyModelSpec, write_tiny_model
+from rollout import RolloutWorker, WorkerConfig
+from trainer_bridge import load_hf_params
+
+logger = logging.getLogger("grpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    preset: str = "tiny"
+    model: str | None = None  # HF hub id or local dir; None builds the tiny model
+    output_dir: str = "runs/grpo-tiny"
+    steps: int = 60
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_prompt_tokens: int = 8
+    max_new_tokens: int = 3
+    temperature: float = 1.0
+    learning_rate: float = 6e-4
+    ppo_epochs: int = 2
+    clip_eps: float = 0.2
+    kl_beta: float = 0.0
+    dtype: str = "float32"
+    kv_tokens: int = 4096
+    tp_size: int = 1
+    seed: int = 0
+    checkpoint_every: int = 20
+    resync: bool = True  # False: an ablation that keeps generating with the initial weights
+    progress: bool = True
+    plot: bool = True
+    wandb_project: str | None = None
+
+    def __post_init__(self):
+        if self.preset not in PRESET_NAMES:
+            raise ValueError(f"preset must be one of {PRESET_NAMES}, got {self.preset!r}")
+        for name in ("steps", "prompts_per_step", "max_prompt_tokens", "max_new_tokens", "ppo_epochs", "kv_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
+        if self.learning_rate <= 0 or self.temperature <= 0 or self.kl_beta < 0:
+            raise ValueError("learning_rate and temperature must be > 0, kl_beta >= 0")
+        rows = self.prompts_per_step * self.group_size
+        if rows * (self.max_prompt_tokens + self.max_new_tokens) > self.kv_tokens:
+            raise ValueError(
+                f"kv_tokens={self.kv_tokens} cannot hold one step: {rows} rows x "
+                f"({self.max_prompt_tokens} + {self.max_new_tokens}) tokens"
+            )
+        if self.preset != "tiny" and self.model is None:
+            raise ValueError(f"preset {self.preset!r} needs a model")
+
+
+PRESET_NAMES = ("tiny", "qwen2.5-3b")
+PRESETS = {
+    "tiny": GRPOConfig(),
+    # Sizes in the range of the published MLLM-JAX GRPO runs on a TPU v4-8.
+    "qwen2.5-3b": GRPOConfig(
+        preset="qwen2.5-3b",
+        model="Qwen/Qwen2.5-3B-Instruct",
+        output_dir="runs/grpo-qwen2.5-3b",
+        steps=200,
+        prompts_per_step=16,
+        group_size=8,
+        max_prompt_tokens=256,
+        max_new_tokens=512,
+        temperature=1.0,
+        learning_rate=1e-6,
+        ppo_epochs=1,
+        kl_beta=0.0,
+        dtype="bfloat16",
+        kv_tokens=131072,
+        tp_size=4,
+        checkpoint_every=50,
+    ),
+}
+
+
+@dataclasses.dataclass
+class TrainState:
+    params: dict
+    opt_state: object
+    step: int
+
+
+def prepare_model(config: GRPOConfig, output_dir: Path) -> Path:
+    if config.preset == "tiny":
+        # Digits and operators only: a random policy often answers with a number.
+        spec = TinyModelSpec(vocab_size=32, tokenizer="chars", seed=config.seed)
+        return write_tiny_model(output_dir / "model", spec)
+    if Path(config.model).is_dir():
+        return Path(config.model)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(config.model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+
+
+class Task:
+    """Prompts and rewards of the preset's task."""
+
+    def __init__(self, config: GRPOConfig, tokenizer):
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+        if config.preset == "tiny":
+            self.pool = None
+            self.reward_fn = addition_reward
+        else:
+            self.pool = gsm8k_problems(tokenizer)
+            self.reward_fn = gsm8k_reward
+
+    def sample(self, count: int) -> list[Problem]:
+        if self.pool is None:
+            return addition_problems(self.rng, count)
+        return [self.pool[i] for i in self.rng.choice(len(self.pool), count, replace=False)]
+
+
+def make_train_fns(model: QwenForCausalLM, optimizer, config: GRPOConfig):
+    def logprobs(params, tokens, attention_mask, positions):
+        logits = model.apply({"params": params}, tokens, attention_mask, positions)
+        return token_logprobs(logits, tokens)
+
+    def loss_fn(params, batch, old_logprobs, advantages):
+        new = logprobs(params, batch["tokens"], batch["attention_mask"], batch["positions"])
+        return ppo_clip_loss(
+            new, old_logprobs, advantages, batch["completion_mask"][:, 1:], config.clip_eps,
+            ref_logprobs=batch.get("ref_logprobs"), kl_beta=config.kl_beta,
+        )
+
+    # The params and optimizer state are donated: the train step overwrites them in place.
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch, old_logprobs, advantages):
+        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, old_logprobs, advantages)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        stats["grad_norm"] = optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, stats
+
+    return jax.jit(logprobs), train_step
+
+
+def checkpoint_manager(output_dir: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        (output_dir / "checkpoints").resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
+    )
+
+
+def restore_or_init(manager, params, optimizer) -> TrainState:
+    import orbax.checkpoint as ocp
+
+    opt_state = optimizer.init(params)
+    state = {"params": params, "opt_state": opt_state, "step": 0}
+    latest = manager.latest_step()
+    if latest is None:
+        return TrainState(params, opt_state, 0)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=getattr(x, "sharding", None)), state
+    )
+    restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+    logger.info("resumed from step %d", latest)
+    return TrainState(restored["params"], restored["opt_state"], int(restored["step"]))
+
+
+def main(config: GRPOConfig) -> dict:
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_model(config, output_dir)
+    worker = RolloutWorker(
+        WorkerConfig(
+            model_path=str(model_dir), dtype=config.dtype, load_format="dummy", tp_size=config.tp_size,
+            max_total_tokens=config.kv_tokens, context_length=config.max_prompt_tokens + config.max_new_tokens + 1,
+            max_running_requests=config.prompts_per_step * config.group_size, seed=config.seed,
+            max_prefill_tokens=max(4096, config.max_prompt_tokens * 8), chunked_prefill_size=4096,
+        )
+    )
+    try:
+        return _train(config, output_dir, model_dir, worker)
+    finally:
+        worker.close()
+
+
+def _train(config: GRPOConfig, output_dir: Path, model_dir: Path, worker: RolloutWorker) -> dict:
+    model = QwenForCausalLM(QwenConfig.from_hf(model_dir, dtype=config.dtype))
+    # Placed as the engine places its weights: syncs alias these buffers instead of copying.
+    shardings = worker.param_shardings()
+    params = jax.tree_util.tree_map(
+        lambda x, s: jax.device_put(jnp.asarray(x, config.dtype), s), load_hf_params(model_dir), shardings
+    )
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(config.learning_rate))
+    manager = checkpoint_manager(output_dir)
+    state = restore_or_init(manager, params, optimizer)
+    logprobs_fn, train_step = make_train_fns(model, optimizer, config)
+    task = Task(config, worker.tokenizer)
+    metrics_file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8")
+    wandb_run = _wandb(config)
+    progress = _progress(config, state.step)
+    if not config.resync:
+        # The ablation's engine keeps its own copy of the initial weights for the whole run.
+        worker.sync_params(jax.tree_util.tree_map(jnp.copy, state.params))
+    history = []
+    try:
+        while state.step < config.steps:
+            record = _step(config, worker, state, task, logprobs_fn, train_step)
+            state.step += 1
+            history.append(record)
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if wandb_run is not None:
+                wandb_run.log(record, step=state.step)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(
+                    reward=f"{record['reward']:.3f}", kl=f"{record['approx_kl']:.4f}", clip=f"{record['clip_fraction']:.3f}",
+                    sync=f"{record['sync_s']:.2f}s", gen=f"{record['generate_s']:.2f}s",
+                )
+            if state.step % config.checkpoint_every == 0 or state.step == config.steps:
+                _save(manager, state)
+    finally:
+        metrics_file.close()
+        manager.wait_until_finished()
+        if progress is not None:
+            progress.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    summary = _summary(config, output_dir, history)
+    return summary
+
+
+def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step) -> dict:
+    start = time.perf_counter()
+    report = worker.sync_params(state.params) if config.resync else None
+    sync_s = time.perf_counter() - start
+
+    problems = task.sample(config.prompts_per_step)
+    start = time.perf_counter()
+    batch = worker.generate(
+        [p.prompt for p in problems], n=config.group_size, temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens,
+    )
+    generate_s = time.perf_counter() - start
+    rewards = np.array(
+        [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
+        dtype=np.float32,
+    )
+    advantages = jnp.asarray(group_advantages(rewards, config.group_size))
+    arrays = {
+        "tokens": jnp.asarray(batch.tokens),
+        "attention_mask": jnp.asarray(batch.attention_mask),
+        "positions": jnp.asarray(batch.positions),
+        "completion_mask": jnp.asarray(batch.completion_mask),
+    }
+
+    start = time.perf_counter()
+    # With resync the engine serves the trainer's own buffers, which the train step donates:
+    # released_for_training drops the KV cache and makes the next generate wait for a sync.
+    context = worker.released_for_training() if config.resync else _dropped_kv(worker)
+    with context:
+        old = logprobs_fn(state.params, arrays["tokens"], arrays["attention_mask"], arrays["positions"])
+        for _ in range(config.ppo_epochs):
+            state.params, state.opt_state, stats = train_step(state.params, state.opt_state, arrays, old, advantages)
+        stats = {k: float(v) for k, v in stats.items()}
+    train_s = time.perf_counter() - start
+    return {
+        "step": state.step + 1,
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "solved": float((rewards >= 1.0).mean()),
+        "completion_tokens": float(batch.completion_lengths.mean()),
+        "weight_version": batch.weight_version,
+        "bytes_copied": report.bytes_copied if report else 0,
+        "sync_s": sync_s,
+        "generate_s": generate_s,
+        "train_s": train_s,
+        **stats,
+    }
+
+
+class _dropped_kv:
+    """KV dropped around the train step, for a worker that owns its weights (the ablation)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __enter__(self):
+        return self.worker.drop_kv()
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _save(manager, state: TrainState) -> None:
+    import orbax.checkpoint as ocp
+
+    tree = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+    manager.save(state.step, args=ocp.args.StandardSave(tree))
+
+
+def _progress(config: GRPOConfig, initial: int):
+    if not config.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=config.steps, initial=initial, desc="grpo", unit="step")
+
+
+def _wandb(config: GRPOConfig):
+    if config.wandb_project is None:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        logger.warning("wandb_project is set but wandb is not installed: not logging to W&B")
+        return None
+    return wandb.init(project=config.wandb_project, config=dataclasses.asdict(config))
+
+
+def _summary(config: GRPOConfig, output_dir: Path, history: list[dict]) -> dict:
+    if not history:
+        return {}
+    window = max(1, min(5, len(history) // 4))
+    first = float(np.mean([r["reward"] for r in history[:window]]))
+    last = float(np.mean([r["reward"] for r in history[-window:]]))
+    times = {k: float(sum(r[k] for r in history)) for k in ("sync_s", "generate_s", "train_s")}
+    summary = {"first_reward": first, "last_reward": last, "steps": len(history), **times}
+    logger.info(
+        "reward %.3f -> %.3f (mean of the first and last %d steps); time sync %.1fs, generate %.1fs, train %.1fs",
+        first, last, window, times["sync_s"], times["generate_s"], times["train_s"],
+    )
+    if config.plot:
+        _plot(output_dir / "reward.png", history)
+    return summary
+
+
+def _plot(path: Path, history: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["reward"] for r in history], label="mean reward")
+    ax.plot(steps, [r["solved"] for r in history], label="solved fraction")
+    ax.set_xlabel("step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> GRPOConfig:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+    overridable = [f for f in dataclasses.fields(GRPOConfig) if f.name != "preset"]
+    for field in overridable:
+        kind = {"int": int, "float": float, "bool": None}.get(str(field.type).split(" ")[0], str)
+        if field.type in ("bool",):
+            parser.add_argument(f"--{field.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=None)
+    args = parser.parse_args(argv)
+    overrides = {f.name: getattr(args, f.name) for f in overridable if getattr(args, f.name) is not None}
+    return dataclasses.replace(PRESETS[args.preset], **overrides)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logger.setLevel(logging.INFO)
+    main(parse_args())
