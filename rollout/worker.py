@@ -175,6 +175,15 @@ class RolloutWorker:
         self._log_phase("weights_synced", report.seconds, version=version, bytes_copied=report.bytes_copied)
         return report
 
+    def sync_memory_analysis(self, params: Mapping):
+        """XLA's memory analysis of the jitted copy a sync of ``params`` runs (after a first
+        sync of the same structure): output and temporary bytes it allocates on device."""
+        flat = flatten_params(params)
+        plan = next((p for (key, _), p in self._plans.items() if key == plan_key(flat)), None)
+        if plan is None:
+            raise ValueError("sync these params once before asking for the memory analysis")
+        return plan.memory_analysis(flat)
+
     def param_shardings(self) -> dict:
         """Where to place a trainer param tree so that ``sync_params`` moves no bytes.
 

@@ -79,14 +79,14 @@ def test_train_step_context_requires_a_sync(worker, qwen2_dir):
 
 
 def test_repeated_cycles_do_not_leak(worker, qwen2_dir):
-    """drop -> (train) -> sync -> generate, 30 times: live device bytes and RSS stay flat."""
+    """drop -> (train) -> sync -> generate, 50 times: live device bytes and RSS stay flat."""
     params = load_hf_params(qwen2_dir)
     worker.sync_params(params)
     reference = greedy(worker).completions
     kv_bytes = worker.memory().kv_bytes
     live, rss = [], []
     process = psutil.Process()
-    for _ in range(30):
+    for _ in range(50):
         with worker.released_for_training() as dropped:
             live.append(live_bytes())
             rss.append(process.memory_info().rss)
@@ -94,6 +94,6 @@ def test_repeated_cycles_do_not_leak(worker, qwen2_dir):
         worker.sync_params(params)
         batch = greedy(worker)
         assert batch.completions == reference and batch.cache_miss_count == 0
-    assert live[5:] == [live[5]] * 25, "live device bytes while dropped must not grow"
+    assert live[5:] == [live[5]] * 45, "live device bytes while dropped must not grow"
     # Allocator noise aside, RSS must not grow with the number of cycles.
-    assert rss[-1] - rss[5] < 32 * 2**20, f"RSS grew by {(rss[-1] - rss[5]) / 2**20:.1f} MiB over 25 cycles"
+    assert rss[-1] - rss[5] < 32 * 2**20, f"RSS grew by {(rss[-1] - rss[5]) / 2**20:.1f} MiB over 45 cycles"

@@ -205,6 +205,11 @@ def test_float32_trainer_into_bfloat16_engine(qwen3_dir):
     with RolloutWorker(tiny_worker_config(qwen3_dir, load_format="dummy", dtype="bfloat16")) as worker:
         report = worker.sync_params(params)
         assert report.leaves_copied == len(worker._mappings) and report.leaves_aliased == 0
+        # The cast writes the engine's bytes (replicated: every device holds them all) plus the
+        # output tuple's pointer table, and needs no temporaries.
+        memory = worker.sync_memory_analysis(params)
+        assert 0 <= memory.output_size_in_bytes - report.bytes_copied <= 8 * report.leaves_copied
+        assert memory.temp_size_in_bytes == 0
         flat = flatten_params(params)
         leaves = worker.engine.weight_leaves()
         for leaf in worker._engine_leaves:
@@ -246,3 +251,12 @@ def test_zero_copy_on_a_single_device(qwen2_dir):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "single-device zero copy ok" in result.stdout
+
+
+def test_param_shardings_give_zero_copy_except_repeated_kv_heads(tp_worker, hf_flat):
+    placed = jax.device_put(unflatten_params(hf_flat), tp_worker.param_shardings())
+    report = tp_worker.sync_params(placed)
+    repeated = [m for m in tp_worker._mappings if m.engine_transform.value == "repeat_kv_heads"]
+    assert report.leaves_copied == len(repeated)
+    assert report.leaves_aliased == len(tp_worker._mappings) - len(repeated)
+    assert greedy(tp_worker).cache_miss_count == 0

@@ -233,6 +233,11 @@ class SyncPlan:
                 out[p.engine.index] = array
         return out
 
+    def memory_analysis(self, flat: Mapping[str, object]):
+        """XLA's compiled memory analysis of the copy function (output and temp bytes)."""
+        arrays = [flat[p.trainer_path] for p in self.copies]
+        return self._copy_fn.lower(*arrays).compile().memory_analysis()
+
     def report(self, version: int, seconds: float) -> SyncReport:
         aliased = [p for p in self.leaves if p.action is not LeafAction.COPY]
         return SyncReport(
