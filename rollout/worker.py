@@ -13,11 +13,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
-
-from models import mappings_for
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import EngineTransform
+from models import EngineTransform, mappings_for
 from trainer_bridge import (
     EngineLeaf,
     SyncError,
@@ -28,9 +26,9 @@ from trainer_bridge import (
     load_hf_params,
     plan_key,
     resolve_checkpoint,
-    unflatten_params,
     restore_tree,
     saved_layout,
+    unflatten_params,
     wrap_like,
 )
 

@@ -9,12 +9,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from rollout import RolloutWorker
-from trainer_bridge import CheckpointError, SyncError, flatten_params, load_hf_params, restore_params, unflatten_params
 from tests.helpers import tiny_worker_config
+from trainer_bridge import CheckpointError, SyncError, flatten_params, load_hf_params, restore_params, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 

@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollout import EngineError, RolloutWorker
-from rollout import sglang_engine
+from rollout import EngineError, RolloutWorker, sglang_engine
 from tests.helpers import tiny_worker_config
 
 PROMPTS = [[5, 17, 42, 8], [100, 3]]

@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models import QwenConfig, QwenForCausalLM, greedy_decode
 from rollout import RolloutWorker
-from trainer_bridge import SyncError, flatten_params, load_hf_params, unflatten_params
 from tests.helpers import tiny_worker_config
+from trainer_bridge import SyncError, flatten_params, load_hf_params, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [1], [64, 65, 66], [300, 2, 4], [9] * 7, [12, 34]]
 REPO = Path(__file__).resolve().parents[1]

@@ -108,7 +108,7 @@ def relabel(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 def _expected_trainer_shape(
-    path: str, transform: EngineTransform, engine_shape: tuple[int, ...], found: tuple[int, ...], head_dim: int
+    transform: EngineTransform, engine_shape: tuple[int, ...], found: tuple[int, ...], head_dim: int
 ) -> tuple[tuple[int, ...], int]:
     """(trainer shape the engine leaf implies, KV repeat factor); SyncError if incompatible."""
     if transform is EngineTransform.TRANSPOSE:
@@ -164,7 +164,7 @@ def build_plan(
         leaf, engine = flat[m.trainer], by_engine_path[m.engine]
         found_shape = tuple(np.shape(leaf))
         dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else None
-        expected_shape, repeat = _expected_trainer_shape(m.trainer, m.engine_transform, engine.shape, found_shape, head_dim)
+        expected_shape, repeat = _expected_trainer_shape(m.engine_transform, engine.shape, found_shape, head_dim)
         if found_shape != expected_shape:
             raise SyncError(f"'{m.trainer}' has shape {found_shape}, expected {expected_shape} (engine leaf '{m.engine}' is {engine.shape})")
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
