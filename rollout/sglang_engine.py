@@ -550,6 +550,7 @@ class EngineHandle:
         self._tokenizer_manager.event_loop = self._loop
         self._result_task = self._loop.create_task(self._tokenizer_manager.handle_loop())
         self._closed = False
+        self._kv_allocator = None
         self.call(self._align_lm_head_dtype)
 
     def _align_lm_head_dtype(self) -> None:
@@ -673,6 +674,22 @@ class EngineHandle:
         cells["model_state_leaves"].cell_contents = new_leaves
         nnx.update(self._model_runner.model, state)
 
+    def release_weight_leaves(self, indices) -> None:
+        """Drop the engine's references to the leaves at ``indices``. Scheduler thread only.
+
+        They are replaced by a scalar placeholder in both the forward's leaf list and the nnx
+        module, so a trainer can donate the buffers. The forward must not run again until
+        :meth:`replace_weight_leaves` puts real leaves back (the worker enforces this).
+        """
+        from flax import nnx
+
+        cells = self._closure_cells()
+        leaves = list(cells["model_state_leaves"].cell_contents)
+        for index in indices:
+            leaves[index] = _RELEASED
+        cells["model_state_leaves"].cell_contents = leaves
+        nnx.update(self._model_runner.model, jax.tree_util.tree_unflatten(cells["model_state_def"].cell_contents, leaves))
+
     def reload_weights_from_model_dir(self) -> None:
         """sglang-jax's own safetensors load into the running model. Scheduler thread only.
 
@@ -728,8 +745,16 @@ class EngineHandle:
         return len(buffers), device_bytes
 
     def rebuild_kv_buffers(self) -> None:
-        """Recreate the KV buffers with the pool's own allocator. Scheduler thread only."""
-        self._kv_pool._create_buffers()
+        """Recreate the KV buffers: same shapes, dtype and sharding. Scheduler thread only.
+
+        The pool's own ``_create_buffers`` jits a fresh lambda per layer, compiling on every
+        rebuild; one allocator compiled once per handle is reused instead.
+        """
+        pool = self._kv_pool
+        if self._kv_allocator is None:
+            shape, dtype, _ = self.kv_buffer_spec()
+            self._kv_allocator = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool.kv_sharding)
+        pool.kv_buffer = [self._kv_allocator() for _ in range(pool.layer_num)]
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -814,6 +839,10 @@ class EngineHandle:
         self._scheduler = None
         self._tokenizer_manager = None
         self._engine = None
+
+
+# Stands in for a released weight leaf (see EngineHandle.release_weight_leaves).
+_RELEASED = np.zeros((), np.float32)
 
 
 def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:

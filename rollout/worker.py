@@ -135,7 +135,7 @@ class RolloutWorker:
         engine = self.engine
         try:
             flat = flatten_params(params)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
         key = (plan_key(flat), allow_cast)
         plan = self._plans.get(key)
@@ -319,22 +319,26 @@ class RolloutWorker:
 
     @contextlib.contextmanager
     def released_for_training(self) -> Iterator[KvReport]:
-        """Around a train step: the KV cache is dropped for its duration.
+        """Around a train step: drops the KV cache and the engine's references to the
+        trainer's buffers it was serving, so the train step may donate its params.
 
-        The trainer may donate its params inside: afterwards the engine must not serve them,
-        so ``generate`` refuses to run until the next ``sync_params``. Yields the drop report.
+        Afterwards ``generate`` refuses to run until the next ``sync_params``. Yields the KV
+        drop report.
         """
+        engine = self.engine
         report = self.drop_kv()
-        try:
-            yield report
-        finally:
+        with self._lock:
             self._stale_reason = "a train step ran since the last sync_params"
+            mapped = {leaf.index for leaf in self._engine_leaves if not leaf.path.startswith("rng.")}
+            aliased = sorted(mapped - self._owned_leaves)
+            engine.call(lambda: engine.release_weight_leaves(aliased))
+        yield report
 
     def memory(self) -> MemoryReport:
         engine = self.engine
         weights: dict[tuple[int, int], int] = {}
         for leaf in engine.weight_leaves():
-            if not leaf.is_deleted():
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 weights.update(device_buffers(leaf))
         kv = sum(device_nbytes(b) for b in engine.kv_buffers())
         per_device: dict[str, int] = {}

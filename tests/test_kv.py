@@ -1,5 +1,6 @@
 """KV cache drop / rebuild, memory accounting, the train-step context."""
 
+import functools
 import gc
 
 import jax
@@ -66,15 +67,26 @@ def test_generate_while_dropped_rebuilds_first(worker):
     assert batch.completions == reference.completions and batch.cache_miss_count == 0
 
 
-def test_train_step_context_requires_a_sync(worker, qwen2_dir):
-    params = unflatten_params(flatten_params(load_hf_params(qwen2_dir)))
-    worker.sync_params(params)
+def test_train_step_context_releases_trainer_buffers_and_requires_a_sync(worker, qwen2_dir):
+    params = jax.device_put(load_hf_params(qwen2_dir), worker.param_shardings())
+    report = worker.sync_params(params)
+    assert report.leaves_aliased > 0
     reference = greedy(worker)
-    with worker.released_for_training() as report:
-        assert report.bytes > 0 and worker.kv_dropped
+    trainer_leaves = {id(leaf) for leaf in jax.tree_util.tree_leaves(params)}
+    assert any(id(leaf) in trainer_leaves for leaf in worker.engine.weight_leaves())
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(p):
+        return jax.tree_util.tree_map(lambda x: x * 1.0, p)
+
+    with worker.released_for_training() as dropped:
+        assert dropped.bytes > 0 and worker.kv_dropped
+        # The engine holds none of the trainer's arrays: the train step owns them.
+        assert not any(id(leaf) in trainer_leaves for leaf in worker.engine.weight_leaves())
+        new_params = train_step(params)
     with pytest.raises(RuntimeError, match="train step ran since the last sync_params"):
         greedy(worker)
-    worker.sync_params(params)
+    worker.sync_params(new_params)
     assert greedy(worker).completions == reference.completions
 
 

@@ -174,6 +174,19 @@ def test_bad_trees_fail_cleanly_and_old_weights_keep_serving(tp_worker, hf_flat,
     assert greedy(tp_worker).completions == before
 
 
+def test_duplicate_and_malformed_trees(tp_worker, hf_flat):
+    version = tp_worker.weight_version
+    tree = unflatten_params(hf_flat)
+    tree["model.norm"] = {"scale": hf_flat["model.norm.scale"]}
+    with pytest.raises(SyncError, match=r"path 'model\.norm\.scale' appears twice"):
+        tp_worker.sync_params(tree)
+    tree = unflatten_params(hf_flat)
+    tree["model"]["layers_0"]["mlp"] = [hf_flat["model.layers_0.mlp.up_proj.kernel"]]
+    with pytest.raises(SyncError, match=r"'model\.layers_0\.mlp' is a list"):
+        tp_worker.sync_params(tree)
+    assert tp_worker.weight_version == version
+
+
 def test_cast_refused_when_disabled(tp_worker, hf_flat):
     bf16 = {k: jnp.asarray(v, jnp.bfloat16) for k, v in hf_flat.items()}
     version = tp_worker.weight_version
