@@ -148,7 +148,6 @@ class EngineOptions:
     attention_backend: str | None = None
     device: str | None = None
     watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
-    mem_fraction_static: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +156,6 @@ class GenerateOutput:
 
     output_ids: list[int]
     finish_reason: str
-    matched_stop: int | str | None
-    prompt_tokens: int
     completion_tokens: int
     cache_miss_count: int
 
@@ -529,7 +526,6 @@ class EngineHandle:
             "context_length": options.context_length,
             "attention_backend": options.attention_backend,
             "device": options.device or jax.default_backend(),
-            "mem_fraction_static": options.mem_fraction_static,
             "precompile_token_paddings": list(options.precompile_token_paddings or []) or None,
             "precompile_bs_paddings": list(options.precompile_bs_paddings or []) or None,
         }
@@ -579,10 +575,6 @@ class EngineHandle:
     @property
     def mesh(self) -> jax.sharding.Mesh:
         return self._model_runner.mesh
-
-    @property
-    def max_total_tokens(self) -> int:
-        return int(self._scheduler.max_total_num_tokens)
 
     @property
     def max_request_input_len(self) -> int:
@@ -871,8 +863,6 @@ def _to_output(result: dict) -> GenerateOutput:
     return GenerateOutput(
         output_ids=list(result.get("output_ids", [])),
         finish_reason=str(finish.get("type", "unknown")),
-        matched_stop=finish.get("matched"),
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
         completion_tokens=int(meta.get("completion_tokens", len(result.get("output_ids", [])))),
         cache_miss_count=int(meta.get("cache_miss_count", 0)),
     )

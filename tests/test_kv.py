@@ -11,7 +11,7 @@ import pytest
 from rollout import RolloutWorker
 from rollout.worker import live_device_bytes
 from tests.helpers import tiny_worker_config
-from trainer_bridge import flatten_params, load_hf_params, unflatten_params
+from trainer_bridge import load_hf_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 
