@@ -13,6 +13,7 @@ trainer state let a rerun with the same output dir resume.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -252,8 +253,7 @@ def _train(config: GRPOConfig, output_dir: Path, model_dir: Path, worker: Rollou
             progress.close()
         if wandb_run is not None:
             wandb_run.finish()
-    summary = _summary(config, output_dir, history)
-    return summary
+    return _summary(config, output_dir, history)
 
 
 def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step) -> dict:
@@ -283,7 +283,7 @@ def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step
     start = time.perf_counter()
     # With resync the engine serves the trainer's own buffers, which the train step donates:
     # released_for_training drops the KV cache and makes the next generate wait for a sync.
-    context = worker.released_for_training() if config.resync else _dropped_kv(worker)
+    context = worker.released_for_training() if config.resync else _kv_dropped(worker)
     with context:
         old = logprobs_fn(state.params, arrays["tokens"], arrays["attention_mask"], arrays["positions"])
         for _ in range(config.ppo_epochs):
@@ -305,17 +305,10 @@ def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step
     }
 
 
-class _dropped_kv:
+@contextlib.contextmanager
+def _kv_dropped(worker):
     """KV dropped around the train step, for a worker that owns its weights (the ablation)."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def __enter__(self):
-        return self.worker.drop_kv()
-
-    def __exit__(self, *exc):
-        return False
+    yield worker.drop_kv()
 
 
 def _save(manager, state: TrainState) -> None:
@@ -383,11 +376,11 @@ def parse_args(argv=None) -> GRPOConfig:
     parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     overridable = [f for f in dataclasses.fields(GRPOConfig) if f.name != "preset"]
     for field in overridable:
-        kind = {"int": int, "float": float, "bool": None}.get(str(field.type).split(" ")[0], str)
-        if field.type in ("bool",):
-            parser.add_argument(f"--{field.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None)
+        flag = "--" + field.name.replace("_", "-")
+        if field.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
-            parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=None)
+            parser.add_argument(flag, type={"int": int, "float": float}.get(field.type, str), default=None)
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in overridable if getattr(args, f.name) is not None}
     return dataclasses.replace(PRESETS[args.preset], **overrides)

@@ -206,6 +206,7 @@ class SyncPlan:
             return tuple(_transform(x, p, head_dim) for x, p in zip(arrays, copies))
 
         self._copy_fn = jax.jit(transform_all, out_shardings=tuple(p.engine.sharding for p in copies))
+        self._all_finite = jax.jit(lambda *xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
 
     def check_inputs(self, flat: Mapping[str, object], check_finite: bool) -> None:
         for p in self.leaves:
@@ -214,7 +215,7 @@ class SyncPlan:
                 raise SyncError(f"'{p.trainer_path}' has been deleted (donated to a train step?); pass live params")
         if check_finite:
             arrays = [flat[p.trainer_path] for p in self.leaves]
-            finite = jax.jit(lambda *xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))(*arrays)
+            finite = self._all_finite(*arrays)
             bad = [p.trainer_path for p, ok in zip(self.leaves, np.asarray(finite)) if not ok]
             if bad:
                 raise SyncError(f"non-finite values (nan/inf) in: {', '.join(bad[:8])}")
