@@ -461,7 +461,8 @@ def _watchdog_thread(scheduler) -> None:
             return
 
 
-_detokenizer_stops: dict[str, threading.Event] = {}
+# Per engine (keyed by its detokenizer socket name): the stop event and the thread.
+_detokenizers: dict[str, tuple[threading.Event, threading.Thread]] = {}
 
 
 def _run_detokenizer_thread(server_args, port_args) -> None:
@@ -470,7 +471,8 @@ def _run_detokenizer_thread(server_args, port_args) -> None:
     from sgl_jax.srt.managers.detokenizer_manager import DetokenizerManager
 
     threading.current_thread().name = "sglang-jax::detokenizer"
-    stop = _detokenizer_stops.setdefault(port_args.detokenizer_ipc_name, threading.Event())
+    stop = threading.Event()
+    _detokenizers[port_args.detokenizer_ipc_name] = (stop, threading.current_thread())
     manager = DetokenizerManager(server_args, port_args)
     try:
         while not stop.is_set():
@@ -801,12 +803,11 @@ class EngineHandle:
             control.thread.join(timeout=30)
             if control.thread.is_alive():
                 logger.warning("sglang-jax scheduler thread did not stop within 30 s")
-        stop = _detokenizer_stops.pop(self._engine.port_args.detokenizer_ipc_name, None)
-        if stop is not None:
+        detokenizer = _detokenizers.pop(self._engine.port_args.detokenizer_ipc_name, None)
+        if detokenizer is not None:
+            stop, thread = detokenizer
             stop.set()
-        for thread in threading.enumerate():
-            if thread.name == "sglang-jax::detokenizer" and thread is not threading.current_thread():
-                thread.join(timeout=5)
+            thread.join(timeout=5)
         self._result_task.cancel()
         with contextlib.suppress(BaseException):
             self._loop.run_until_complete(self._result_task)
