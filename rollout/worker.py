@@ -10,6 +10,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -66,9 +67,18 @@ class RolloutWorker:
     """
 
     def __init__(self, config: WorkerConfig):
+        _check_model_path(config.model_path)
         self.config = config
         start = time.perf_counter()
         self._engine = EngineHandle(config.engine_options())
+        try:
+            self._set_up(config)
+        except BaseException:
+            self._engine.close()
+            raise
+        self._log_phase("engine_ready", time.perf_counter() - start)
+
+    def _set_up(self, config: WorkerConfig) -> None:
         self._lock = threading.RLock()
         self._rng = np.random.default_rng(config.seed)
         self.weight_version = 0
@@ -86,7 +96,6 @@ class RolloutWorker:
         self._tokenizer = _load_tokenizer(config.model_path)
         self.pad_token_id = _pad_token_id(self._tokenizer)
         self.eos_token_ids = _eos_token_ids(self._tokenizer, self._engine.hf_config)
-        self._log_phase("engine_ready", time.perf_counter() - start)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -510,6 +519,14 @@ def _row_seeds(base_seed: int, rows: int) -> np.ndarray:
     """Independent per-row sampling seeds derived from one base seed."""
     state = np.random.SeedSequence(base_seed).generate_state(rows, dtype=np.uint32)
     return (state & np.uint32(MAX_SAMPLING_SEED)).astype(np.int64)
+
+
+def _check_model_path(model_path) -> None:
+    """A local model path must be a directory with config.json (else it is taken as a hub id)."""
+    path = Path(model_path)
+    looks_local = path.is_absolute() or str(model_path).startswith(".") or path.exists()
+    if looks_local and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {path} does not exist or has no config.json")
 
 
 def _load_tokenizer(model_path: str):

@@ -117,6 +117,11 @@ def test_bad_input_is_a_clear_value_error(worker, prompts, kwargs, message):
         worker.generate(prompts, **kwargs)
 
 
+def test_missing_model_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        RolloutWorker(tiny_worker_config(tmp_path / "nowhere"))
+
+
 def test_worker_idles_quietly(worker):
     worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=2)
     start_cpu, start_wall = time.process_time(), time.perf_counter()
