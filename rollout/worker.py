@@ -88,6 +88,13 @@ class RolloutWorker:
             for i, spec in enumerate(self._engine.leaf_specs())
         ]
         self._mappings = mappings_for(self._engine.hf_config)
+        # Per trainer path: the engine leaf it is used as unchanged, or None when the sync
+        # transforms it (transpose; k/v projections, whose heads the engine may repeat).
+        by_path = {leaf.path: leaf for leaf in self._engine_leaves}
+        self._used_as_is = {
+            m.trainer: by_path[m.engine] if m.engine_transform is EngineTransform.IDENTITY else None
+            for m in self._mappings
+        }
         # Leaf indices whose current array belongs to the engine (boot weights, sync copies),
         # as opposed to trainer buffers it aliases: those are freed as soon as they are replaced.
         self._owned_leaves = set(range(len(self._engine_leaves)))
@@ -198,13 +205,10 @@ class RolloutWorker:
         engine's sharding; the others (transposed; k/v projections, whose heads the engine may
         repeat) are replicated on the engine's mesh, from which the sync transforms them.
         """
-        specs = {leaf.path: leaf for leaf in self._engine_leaves}
         replicated = NamedSharding(self.engine.mesh, PartitionSpec())
-        shardings = {}
-        for entry in self._mappings:
-            as_is = entry.engine_transform is EngineTransform.IDENTITY
-            shardings[entry.trainer] = specs[entry.engine].sharding if as_is else replicated
-        return unflatten_params(shardings)
+        return unflatten_params(
+            {path: leaf.sharding if leaf is not None else replicated for path, leaf in self._used_as_is.items()}
+        )
 
     def load_hf(self, model_dir) -> SyncReport:
         """Serve the weights of an HF safetensors directory (single file or sharded with an
@@ -221,10 +225,8 @@ class RolloutWorker:
         """
         item_dir = resolve_checkpoint(path, step)
         saved, wrapped = saved_layout(item_dir)
-        specs = {leaf.path: leaf for leaf in self._engine_leaves}
-        expected = {m.trainer: m for m in self._mappings}
-        missing = sorted(set(expected) - set(saved))
-        extra = sorted(set(saved) - set(expected))
+        missing = sorted(set(self._used_as_is) - set(saved))
+        extra = sorted(set(saved) - set(self._used_as_is))
         if missing or extra:
             raise SyncError(
                 f"checkpoint {item_dir} does not match the model: missing {len(missing)} expected "
@@ -233,9 +235,8 @@ class RolloutWorker:
         replicated = NamedSharding(self.engine.mesh, PartitionSpec())
         targets = {}
         for path_, meta in saved.items():
-            entry, shape = expected[path_], tuple(meta.shape)
-            engine_leaf = specs[entry.engine]
-            if entry.engine_transform is EngineTransform.IDENTITY and shape == engine_leaf.shape:
+            engine_leaf, shape = self._used_as_is[path_], tuple(meta.shape)
+            if engine_leaf is not None and shape == engine_leaf.shape:
                 targets[path_] = jax.ShapeDtypeStruct(shape, engine_leaf.dtype, sharding=engine_leaf.sharding)
             else:
                 targets[path_] = jax.ShapeDtypeStruct(shape, meta.dtype, sharding=replicated)
