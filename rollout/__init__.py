@@ -2,7 +2,7 @@
 
 from .batch import RolloutBatch
 from .config import WorkerConfig
-from .sglang_engine import EngineError, UnsupportedEngineVersion
+from .engine import EngineError, UnsupportedEngineVersion
 from .worker import KvReport, MemoryReport, RolloutWorker
 
 __all__ = ["EngineError", "KvReport", "MemoryReport", "RolloutBatch", "RolloutWorker", "UnsupportedEngineVersion", "WorkerConfig"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .sglang_engine import DEFAULT_WATCHDOG_TIMEOUT_S, EngineOptions
+from .engine import DEFAULT_WATCHDOG_TIMEOUT_S, EngineOptions
 
 
 @dataclasses.dataclass(frozen=True)

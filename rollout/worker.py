@@ -35,7 +35,7 @@ from trainer_bridge import (
 
 from .batch import RolloutBatch, pack_rollouts
 from .config import WorkerConfig, has_tokenizer_files
-from .sglang_engine import MAX_SAMPLING_SEED, EngineHandle, device_buffers, device_nbytes
+from .engine import MAX_SAMPLING_SEED, EngineHandle, device_buffers, device_nbytes
 
 logger = logging.getLogger(__name__)
 

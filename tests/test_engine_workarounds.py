@@ -1,4 +1,4 @@
-"""Each sglang-jax 0.0.2 workaround in rollout/sglang_engine.py, pinned by a test that fails
+"""Each sglang-jax 0.0.2 workaround in rollout/patches.py, pinned by a test that fails
 without it (the workaround names are the keys of ``WORKAROUNDS``)."""
 
 import asyncio
@@ -13,14 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollout import EngineError, RolloutWorker, sglang_engine
+from rollout import EngineError, RolloutWorker
+from rollout.engine import patches
 from tests.helpers import tiny_worker_config
 
 PROMPTS = [[5, 17, 42, 8], [100, 3]]
 
 
 def test_every_workaround_is_documented():
-    assert set(sglang_engine.WORKAROUNDS) == {
+    assert set(patches.WORKAROUNDS) == {
         "duplicate-pytree-registration",
         "min-p-operands",
         "sampler-rng",
@@ -35,7 +36,7 @@ def test_every_workaround_is_documented():
 
 
 def test_duplicate_pytree_registration_import():
-    sglang_engine.install_workarounds()
+    patches.install_workarounds()
     assert "sgl_jax.srt.layers.attention.native_backend" in sys.modules
 
 
@@ -43,8 +44,8 @@ def test_min_p_filter_takes_both_operand_forms():
     probs = jnp.array([[0.5, 0.3, 0.15, 0.05]])
     min_ps = jnp.array([0.2])
     expected = [[0.5, 0.3, 0.15, 0.0]]
-    np.testing.assert_allclose(sglang_engine._apply_min_p_filter((probs, min_ps)), expected)
-    np.testing.assert_allclose(sglang_engine._apply_min_p_filter((probs, min_ps, False)), expected)
+    np.testing.assert_allclose(patches._apply_min_p_filter((probs, min_ps)), expected)
+    np.testing.assert_allclose(patches._apply_min_p_filter((probs, min_ps, False)), expected)
 
 
 def test_keyed_categorical_draws_from_the_given_distribution():
@@ -58,10 +59,10 @@ def test_keyed_categorical_draws_from_the_given_distribution():
         jnp.full((rows,), 7, dtype=jnp.int32),
         None,
     )
-    draws = np.asarray(jax.jit(sglang_engine._keyed_categorical)(operands)).reshape(-1)
+    draws = np.asarray(jax.jit(patches._keyed_categorical)(operands)).reshape(-1)
     freq = np.bincount(draws, minlength=4) / rows
     np.testing.assert_allclose(freq, probs, atol=0.03)
-    again = np.asarray(jax.jit(sglang_engine._keyed_categorical)(operands)).reshape(-1)
+    again = np.asarray(jax.jit(patches._keyed_categorical)(operands)).reshape(-1)
     np.testing.assert_array_equal(draws, again)
 
 

@@ -1,0 +1,48 @@
+"""The one package that touches sglang-jax internals.
+
+Everything version-specific about the engine lives here: how it is started in-process, where its
+weights and KV cache live, how work is run on its scheduler thread, and the workarounds for the
+bugs of ``sglang-jax==0.0.2`` (each listed in ``WORKAROUNDS`` with the bug it fixes and pinned
+by a test in ``tests/test_engine_workarounds.py``). Nothing else in this project imports
+``sgl_jax``.
+
+Threads: the engine runs its scheduler (which owns the model, the weights and the KV cache) in
+a daemon thread of the caller's process. Any work that touches weights or KV is queued with
+:meth:`EngineHandle.call` and runs on that thread at the top of a loop iteration while no
+request is waiting, running or half-prefilled, so it never races a forward pass.
+
+Modules: ``patches`` (every 0.0.2 workaround, ``WORKAROUNDS``), ``runtime`` (the scheduler thread),
+``handle`` (``EngineHandle``), ``types`` (options, leaf specs, errors; no sgl_jax import).
+"""
+
+from .handle import EngineHandle
+from .patches import WORKAROUNDS, engine_version, install_workarounds
+from .types import (
+    DEFAULT_WATCHDOG_TIMEOUT_S,
+    MAX_SAMPLING_SEED,
+    SUPPORTED_ENGINE_VERSION,
+    EngineError,
+    EngineOptions,
+    GenerateOutput,
+    LeafSpec,
+    UnsupportedEngineVersion,
+    device_buffers,
+    device_nbytes,
+)
+
+__all__ = [
+    "DEFAULT_WATCHDOG_TIMEOUT_S",
+    "MAX_SAMPLING_SEED",
+    "SUPPORTED_ENGINE_VERSION",
+    "WORKAROUNDS",
+    "EngineError",
+    "EngineHandle",
+    "EngineOptions",
+    "GenerateOutput",
+    "LeafSpec",
+    "UnsupportedEngineVersion",
+    "device_buffers",
+    "device_nbytes",
+    "engine_version",
+    "install_workarounds",
+]

@@ -1,0 +1,386 @@
+"""EngineHandle: one sglang-jax engine running in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .patches import install_workarounds, preserved_process_state
+from .runtime import SchedulerControl, detokenizers
+from .types import EngineError, EngineOptions, GenerateOutput, LeafSpec, device_nbytes
+
+logger = logging.getLogger(__name__)
+
+
+class EngineHandle:
+    """An sglang-jax engine running in this process, and everything done to its internals."""
+
+    def __init__(self, options: EngineOptions):
+        install_workarounds()
+        from sgl_jax.srt.entrypoints.engine import Engine
+
+        self.options = options
+        kwargs = dict(
+            model_path=options.model_path,
+            dtype=options.dtype,
+            tp_size=options.tp_size,
+            max_total_tokens=options.max_total_tokens,
+            max_running_requests=options.max_running_requests,
+            max_prefill_tokens=options.max_prefill_tokens,
+            chunked_prefill_size=options.chunked_prefill_size,
+            page_size=options.page_size,
+            random_seed=options.seed,
+            load_format=options.load_format,
+            # Token ids in, token ids out: with a tokenizer loaded, 0.0.2's detokenizer path
+            # returns output_ids that drop special tokens mid-sequence (len(output_ids) <
+            # completion_tokens). The worker encodes and decodes text itself.
+            skip_tokenizer_init=True,
+            enable_single_process=True,
+            # Weight swaps and KV work run between forwards on the scheduler thread; the overlap
+            # scheduler would keep a batch in flight on another thread.
+            disable_overlap_schedule=True,
+            enable_deterministic_sampling=True,
+            disable_jax_precompile=not options.precompile,
+            watchdog_timeout=options.watchdog_timeout_s,
+            log_level="error",
+        )
+        optional = {
+            "context_length": options.context_length,
+            "attention_backend": options.attention_backend,
+            "device": options.device or jax.default_backend(),
+            "precompile_token_paddings": list(options.precompile_token_paddings or []) or None,
+            "precompile_bs_paddings": list(options.precompile_bs_paddings or []) or None,
+        }
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        from sgl_jax.srt.hf_transformers_utils import get_config
+
+        get_config.cache_clear()
+        with preserved_process_state():
+            self._engine = Engine(**kwargs)
+
+        self._scheduler = self._engine.scheduler_info["scheduler"]
+        self._control = SchedulerControl.of(self._scheduler)
+        self._tokenizer_manager = self._engine.tokenizer_manager
+        self._loop = asyncio.new_event_loop()
+        # The tokenizer manager would install SIGTERM/SIGQUIT handlers on first use; its result
+        # loop is started here instead, on a loop private to this handle.
+        self._tokenizer_manager.no_create_loop = True
+        self._tokenizer_manager.event_loop = self._loop
+        self._result_task = self._loop.create_task(self._tokenizer_manager.handle_loop())
+        self._closed = False
+        self._kv_allocator = None
+        self.call(self._align_lm_head_dtype)
+
+    def _align_lm_head_dtype(self) -> None:
+        from flax import nnx
+
+        runner = self._model_runner
+        head = getattr(runner.model, "lm_head", None)
+        if head is None or jnp.dtype(head.dtype) == jnp.dtype(runner.dtype):
+            return
+        weight = head.embedding.value
+        head.dtype = head.param_dtype = runner.dtype
+        head.embedding.value = jax.device_put(weight.astype(runner.dtype), weight.sharding)
+        graph_def, state = nnx.split(runner.model)
+        leaves, state_def = jax.tree_util.tree_flatten(state)
+        cells = self._closure_cells()
+        cells["model_def"].cell_contents = graph_def
+        cells["model_state_def"].cell_contents = state_def
+        cells["model_state_leaves"].cell_contents = leaves
+
+    # ---- engine facts ----------------------------------------------------------------------
+
+    @property
+    def _model_runner(self):
+        return self._scheduler.tp_worker.worker.model_runner
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self._model_runner.mesh
+
+    @property
+    def max_request_input_len(self) -> int:
+        return int(self._scheduler.max_req_input_len)
+
+    @property
+    def context_length(self) -> int:
+        return int(self._model_runner.model_config.context_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._model_runner.model_config.vocab_size)
+
+    @property
+    def hf_config(self):
+        return self._model_runner.model_config.hf_config
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._control.error is None and not self._control.stopped.is_set()
+
+    def check_alive(self) -> None:
+        if self._closed or self._control.error is not None or self._control.stopped.is_set():
+            raise self._control.dead_error()
+
+    # ---- scheduler thread ------------------------------------------------------------------
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn`` on the scheduler thread while the engine is idle and return its result.
+
+        An exception raised by ``fn`` is re-raised here and leaves the engine serving.
+        """
+        self.check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._control.calls.put((fn, future))
+        self._control.wake()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                if self._control.stopped.is_set() and not future.done():
+                    self._control._fail_pending()
+                if deadline is not None and time.monotonic() > deadline:
+                    future.cancel()
+                    raise TimeoutError(f"engine call did not run within {timeout} s") from None
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def _closure_cells(self) -> dict[str, Any]:
+        run_model = self._model_runner.jitted_run_model
+        return dict(zip(run_model.__code__.co_freevars, run_model.__closure__))
+
+    def weight_leaves(self) -> list[jax.Array]:
+        """The arrays the next forward pass will read, in the engine's leaf order."""
+        return list(self._closure_cells()["model_state_leaves"].cell_contents)
+
+    def leaf_specs(self) -> list[LeafSpec]:
+        """Weight leaves by path (``transformer.layers.0.self_attn.q_proj.weight``), in order."""
+        from flax import nnx
+
+        _, state = nnx.split(self._model_runner.model)
+        flat, _ = jax.tree_util.tree_flatten_with_path(state)
+        leaves = self.weight_leaves()
+        if len(flat) != len(leaves):
+            raise EngineError(
+                f"model state has {len(flat)} leaves but the forward reads {len(leaves)}"
+            )
+        specs = []
+        for (path, _), leaf in zip(flat, leaves):
+            name = ".".join(_key_name(k) for k in path).removesuffix(".value")
+            specs.append(LeafSpec(name, tuple(leaf.shape), leaf.dtype, leaf.sharding, int(leaf.nbytes)))
+        return specs
+
+    def replace_weight_leaves(self, new_leaves: Sequence[jax.Array]) -> None:
+        """Swap in a whole new leaf list. Must run on the scheduler thread (use :meth:`call`).
+
+        The forward reads its leaves from a closure cell on every call, so replacing the cell's
+        list takes effect at the next forward with no recompilation, provided every leaf keeps
+        its shape, dtype and sharding (the caller checks). The nnx module is updated too so
+        that it agrees with what the forward reads.
+        """
+        from flax import nnx
+
+        cells = self._closure_cells()
+        state_def = cells["model_state_def"].cell_contents
+        new_leaves = list(new_leaves)
+        state = jax.tree_util.tree_unflatten(state_def, new_leaves)
+        cells["model_state_leaves"].cell_contents = new_leaves
+        nnx.update(self._model_runner.model, state)
+
+    def release_weight_leaves(self, indices) -> None:
+        """Drop the engine's references to the leaves at ``indices``. Scheduler thread only.
+
+        They are replaced by a scalar placeholder in both the forward's leaf list and the nnx
+        module, so a trainer can donate the buffers. The forward must not run again until
+        :meth:`replace_weight_leaves` puts real leaves back (the worker enforces this).
+        """
+        from flax import nnx
+
+        cells = self._closure_cells()
+        leaves = list(cells["model_state_leaves"].cell_contents)
+        for index in indices:
+            leaves[index] = _RELEASED
+        cells["model_state_leaves"].cell_contents = leaves
+        nnx.update(self._model_runner.model, jax.tree_util.tree_unflatten(cells["model_state_def"].cell_contents, leaves))
+
+    def reload_weights_from_model_dir(self) -> None:
+        """sglang-jax's own safetensors load into the running model. Scheduler thread only.
+
+        The engine's reload path, kept as the baseline the sync benchmark compares against.
+        Needs an engine started with a safetensors load format (the loader adds rng leaves).
+        """
+        from flax import nnx
+
+        runner = self._model_runner
+        runner.model.load_weights(runner.model_config, jax.random.key(self.options.seed))
+        _, state = nnx.split(runner.model)
+        leaves, _ = jax.tree_util.tree_flatten(state)
+        self._closure_cells()["model_state_leaves"].cell_contents = leaves
+
+    # ---- KV cache and prefix cache ---------------------------------------------------------
+
+    def flush_prefix_cache(self) -> None:
+        """Forget every cached prefix so no KV computed with old weights is reused.
+
+        Must run on the scheduler thread while idle (use :meth:`call`).
+        """
+        scheduler = self._scheduler
+        scheduler.tree_cache.reset()
+        scheduler.req_to_token_pool.clear()
+        scheduler.token_to_kv_pool_allocator.clear()
+        scheduler.last_batch = None
+
+    @property
+    def _kv_pool(self):
+        return self._model_runner.token_to_kv_pool
+
+    def kv_buffers(self) -> list[jax.Array]:
+        return list(self._kv_pool.kv_buffer)
+
+    def kv_buffer_spec(self) -> tuple[tuple[int, ...], np.dtype, int]:
+        """(shape of one layer's buffer, dtype, number of layers) of the KV pool."""
+        pool = self._kv_pool
+        shape = (pool.size + pool.page_size, pool.head_num * 2, pool.head_dim)
+        return shape, np.dtype(pool.dtype), int(pool.layer_num)
+
+    def drop_kv_buffers(self) -> tuple[int, int]:
+        """Flush the prefix cache and delete the KV buffers. Scheduler thread only.
+
+        Returns (number of buffers, device bytes they held, summed over devices).
+        """
+        self.flush_prefix_cache()
+        pool = self._kv_pool
+        buffers = list(pool.kv_buffer)
+        pool.kv_buffer = []
+        device_bytes = sum(device_nbytes(buf) for buf in buffers)
+        for buf in buffers:
+            buf.delete()
+        return len(buffers), device_bytes
+
+    def rebuild_kv_buffers(self) -> None:
+        """Recreate the KV buffers: same shapes, dtype and sharding. Scheduler thread only.
+
+        The pool's own ``_create_buffers`` jits a fresh lambda per layer, compiling on every
+        rebuild; one allocator compiled once per handle is reused instead.
+        """
+        pool = self._kv_pool
+        if self._kv_allocator is None:
+            shape, dtype, _ = self.kv_buffer_spec()
+            self._kv_allocator = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool.kv_sharding)
+        pool.kv_buffer = [self._kv_allocator() for _ in range(pool.layer_num)]
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        sampling_params: Sequence[dict],
+    ) -> list[GenerateOutput]:
+        """Generate for each token-id prompt with its own sampling params (one dict each)."""
+        from sgl_jax.srt.managers.io_struct import GenerateReqInput
+
+        self.check_alive()
+        request = GenerateReqInput(
+            input_ids=[list(map(int, ids)) for ids in input_ids],
+            sampling_params=[dict(p) for p in sampling_params],
+        )
+        results = self._run(self._tokenizer_manager.generate_request(request, None).__anext__())
+        if isinstance(results, dict):
+            results = [results]
+        return [_to_output(r) for r in results]
+
+    def _run(self, coroutine):
+        async def guarded():
+            task = asyncio.ensure_future(coroutine)
+            while True:
+                done, _ = await asyncio.wait({task, self._result_task}, timeout=0.05)
+                if task in done:
+                    return task.result()
+                if self._result_task in done:
+                    task.cancel()
+                    exc = self._result_task.exception()
+                    self._control.fail(exc or EngineError("engine result loop ended"))
+                if self._control.error is not None or self._control.stopped.is_set():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    raise self._control.dead_error()
+
+        return self._loop.run_until_complete(guarded())
+
+    # ---- shutdown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine's threads and release its sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        control = self._control
+        control.stop_requested = True
+        control.wake()
+        if control.thread is not None:
+            control.thread.join(timeout=30)
+            if control.thread.is_alive():
+                logger.warning("sglang-jax scheduler thread did not stop within 30 s")
+        detokenizer = detokenizers.pop(self._engine.port_args.detokenizer_ipc_name, None)
+        if detokenizer is not None:
+            stop, thread = detokenizer
+            stop.set()
+            thread.join(timeout=5)
+        self._result_task.cancel()
+        with contextlib.suppress(BaseException):
+            self._loop.run_until_complete(self._result_task)
+        self._loop.close()
+        scheduler, tm = self._scheduler, self._tokenizer_manager
+        sockets = [
+            getattr(scheduler, "recv_from_tokenizer", None),
+            getattr(scheduler, "send_to_tokenizer", None),
+            getattr(scheduler, "send_to_detokenizer", None),
+            getattr(scheduler, "recv_from_rpc", None),
+            getattr(tm, "recv_from_detokenizer", None),
+            getattr(tm, "send_to_scheduler", None),
+            self._engine.send_to_rpc,
+        ]
+        for sock in sockets:
+            if sock is not None and hasattr(sock, "close"):
+                with contextlib.suppress(Exception):
+                    sock.close(linger=0)
+        control.wake_reader.close()
+        control.wake_writer.close()
+        # Drop references to device memory (weights, KV) held by the engine objects.
+        self._scheduler = None
+        self._tokenizer_manager = None
+        self._engine = None
+
+
+
+# Stands in for a released weight leaf (see EngineHandle.release_weight_leaves).
+_RELEASED = np.zeros((), np.float32)
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _to_output(result: dict) -> GenerateOutput:
+    meta = result.get("meta_info", {})
+    finish = meta.get("finish_reason") or {}
+    return GenerateOutput(
+        output_ids=list(result.get("output_ids", [])),
+        finish_reason=str(finish.get("type", "unknown")),
+        completion_tokens=int(meta.get("completion_tokens", len(result.get("output_ids", [])))),
+        cache_miss_count=int(meta.get("cache_miss_count", 0)),
+    )

@@ -1,0 +1,81 @@
+"""Plain types and facts shared by the engine modules (no sgl_jax import)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+SUPPORTED_ENGINE_VERSION = "0.0.2"
+
+# Seeds travel to the engine as int32 (``SamplingBatchInfo.sampling_seeds``).
+MAX_SAMPLING_SEED = 2**31 - 1
+
+# Seconds without progress on a running forward after which the watchdog fails the engine.
+DEFAULT_WATCHDOG_TIMEOUT_S = 1800.0
+
+
+class EngineError(RuntimeError):
+    """The engine failed: its scheduler thread raised, or it was used after it stopped."""
+
+
+class UnsupportedEngineVersion(RuntimeError):
+    """The installed sglang-jax is not a version this module knows the internals of."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """One weight leaf of the engine: its path in the model state and its placement."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any  # a numpy dtype, or a JAX PRNG key dtype for the engine's rng leaves
+    sharding: jax.sharding.Sharding
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """What the engine is started with (a subset of sglang-jax's ServerArgs)."""
+
+    model_path: str
+    dtype: str = "bfloat16"
+    tp_size: int = 1
+    max_total_tokens: int = 4096
+    context_length: int | None = None
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 2048
+    page_size: int = 1
+    seed: int = 0
+    load_format: str = "auto"
+    precompile: bool = False
+    precompile_token_paddings: tuple[int, ...] | None = None
+    precompile_bs_paddings: tuple[int, ...] | None = None
+    attention_backend: str | None = None
+    device: str | None = None
+    watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """One finished request as the engine returned it."""
+
+    output_ids: list[int]
+    finish_reason: str
+    completion_tokens: int
+    cache_miss_count: int
+
+
+def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
+    """The device buffers behind an array: (device id, buffer address) -> bytes."""
+    return {
+        (shard.device.id, shard.data.unsafe_buffer_pointer()): int(shard.data.nbytes)
+        for shard in array.addressable_shards
+    }
+
+
+def device_nbytes(array: jax.Array) -> int:
+    """Bytes an array occupies summed over its devices (replicas count once per device)."""
+    return sum(device_buffers(array).values())
