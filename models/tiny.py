@@ -22,6 +22,14 @@ TINY_HEAD_DIM = 128
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAR_VOCAB = "0123456789+-*=() "
 
+# Qwen2.5's ChatML layout, without tool calls.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 # Text the tiny tokenizer is trained on: digits, arithmetic and a few words, enough for toy tasks.
 _TOKENIZER_CORPUS = (
     [f"{a}+{b}={a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
@@ -49,6 +57,8 @@ class TinyModelSpec:
     # "bpe": byte-level BPE trained on a small corpus (needs vocab_size >= 259);
     # "chars": one token per character of CHAR_VOCAB, for toy arithmetic tasks.
     tokenizer: str = "bpe"
+    # Write Qwen's ChatML template into tokenizer_config.json (chat prompts, the OpenAI chat route).
+    chat_template: bool = False
 
     def __post_init__(self):
         if self.architecture not in ("qwen2", "qwen3"):
@@ -193,16 +203,14 @@ def write_tiny_tokenizer(path: Path, spec: TinyModelSpec) -> None:
             f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={spec.vocab_size}"
         )
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": SPECIAL_TOKENS[0],
-                "pad_token": SPECIAL_TOKENS[0],
-                "bos_token": None,
-                "model_max_length": spec.max_position_embeddings,
-                "clean_up_tokenization_spaces": False,
-            },
-            indent=2,
-        )
-    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": SPECIAL_TOKENS[0],
+        "pad_token": SPECIAL_TOKENS[0],
+        "bos_token": None,
+        "model_max_length": spec.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
+    if spec.chat_template:
+        config["chat_template"] = CHATML_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
