@@ -58,7 +58,7 @@ def test_orbax_checkpoint_equals_a_direct_sync(worker, params, tmp_path):
     assert greedy(worker) == expected
     # Leaves with no transform were restored straight into the engine's layout and aliased.
     assert report.leaves_aliased > 0
-    assert report.leaves_copied == sum(m.engine_transform.value != "identity" for m in worker._mappings)
+    assert report.leaves_copied == sum(m.engine_transform.value != "identity" for m in worker.mappings)
 
 
 def test_wrapped_params_tree(worker, params, tmp_path):
