@@ -32,6 +32,10 @@ def test_every_workaround_is_documented():
         "detokenizer-output-ids",
         "shared-hf-config",
         "flush-cache",
+        "engine-devices",
+        "device-memory-scope",
+        "concurrent-start-up",
+        "gpu-matmul-precision",
     }
 
 
