@@ -21,7 +21,8 @@ class WorkerConfig(EngineOptions):
     ``sync_params``). ``max_total_tokens`` is each engine's KV cache budget in tokens: set it,
     since the engine otherwise takes a fraction of free memory.
 
-    ``dp_size`` engines run in the process, each on its own group of ``tp_size`` consecutive
+    ``name`` prefixes the engines' names in thread names, logs and errors
+    (``engine 1 (devices 2,3)``). ``dp_size`` engines run in the process, each on its own group of ``tp_size`` consecutive
     devices from ``devices`` (default: all local devices); ``dp_size * tp_size`` must equal
     the number of devices.
     """
@@ -59,11 +60,11 @@ class WorkerConfig(EngineOptions):
             )
         return [devices[i * self.tp_size : (i + 1) * self.tp_size] for i in range(self.dp_size)]
 
-    def engine_options(self, devices) -> EngineOptions:
-        """The options of one engine running on ``devices``."""
+    def engine_options(self, devices, index: int = 0) -> EngineOptions:
+        """The options of engine ``index``, running on ``devices``."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)}
         # Same seed everywhere: dummy-loaded engines must start from the same weights.
-        return EngineOptions(**{**shared, "devices": tuple(devices)})
+        return EngineOptions(**{**shared, "devices": tuple(devices), "name": f"{self.name} {index}"})
 
     def check_model_dir(self) -> None:
         """A local model path must be a directory with config.json (else it is a hub id)."""

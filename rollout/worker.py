@@ -84,8 +84,8 @@ class RolloutWorker:
         try:
             # One at a time: engine start-up touches process-global state (config caches,
             # jax flags) that is not safe to share between concurrent start-ups.
-            for devices in device_groups:
-                self._engines.append(EngineHandle(config.engine_options(devices)))
+            for index, devices in enumerate(device_groups):
+                self._engines.append(EngineHandle(config.engine_options(devices, index)))
             self._set_up(config)
         except BaseException:
             for engine in self._engines:
@@ -220,7 +220,7 @@ class RolloutWorker:
             prepared = [w.prepare(flat, allow_cast=allow_cast, check_finite=check_finite) for w in live]
             with self._gate.exclusive(reason), self._state_lock:
                 for weights, update in zip(live, prepared):
-                    self._named(weights, weights.commit, update)
+                    weights.commit(update)
                 self._stale_reason = None
                 self.weight_version += 1
                 version = self.weight_version
@@ -285,7 +285,7 @@ class RolloutWorker:
         with self._sync_lock, self._gate.exclusive(reason), self._state_lock:
             for weights, leaves in zip(self._weights, new_leaves):
                 if weights.engine.alive:
-                    self._named(weights, weights.replace_leaves, leaves)
+                    weights.replace_leaves(leaves)
             self.weight_version += 1
             return self.weight_version
 
@@ -302,7 +302,7 @@ class RolloutWorker:
             if self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = [self._named(w, kv.drop_kv, w.engine) for w in self._live()]
+            reports = [kv.drop_kv(w.engine) for w in self._live()]
             self._kv_dropped = True
         report = kv.combine(reports, time.perf_counter() - start)
         self._phases.record("kv_dropped", report.seconds, bytes=report.bytes)
@@ -315,7 +315,7 @@ class RolloutWorker:
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = [self._named(w, kv.rebuild_kv, w.engine) for w in self._live()]
+            reports = [kv.rebuild_kv(w.engine) for w in self._live()]
             self._kv_dropped = False
         report = kv.combine(reports, time.perf_counter() - start)
         self._phases.record("kv_rebuilt", report.seconds, bytes=report.bytes)
@@ -335,7 +335,7 @@ class RolloutWorker:
             with self._state_lock:
                 self._stale_reason = "a train step ran since the last sync_params"
                 for weights in self._live():
-                    self._named(weights, weights.release_aliased)
+                    weights.release_aliased()
         yield report
 
     def memory(self) -> MemoryReport:
@@ -387,7 +387,7 @@ class RolloutWorker:
             try:
                 version = self.weight_version
                 futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._split(request)]
-                outputs = _merge([(rows, self._named(w, future.result)) for w, rows, future in futures])
+                outputs = _merge([(rows, future.result()) for _, rows, future in futures])
             finally:
                 self._gate.leave()
         self._phases.record("generate", time.perf_counter() - start, rows=len(outputs))
@@ -401,9 +401,7 @@ class RolloutWorker:
             try:
                 version = self.weight_version
                 futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._split(request)]
-                results = await asyncio.gather(
-                    *(self._anamed(w, asyncio.wrap_future(future)) for w, _, future in futures)
-                )
+                results = await asyncio.gather(*(asyncio.wrap_future(future) for _, _, future in futures))
                 outputs = _merge([(rows, result) for (_, rows, _), result in zip(futures, results)])
             finally:
                 self._gate.leave()
@@ -424,7 +422,7 @@ class RolloutWorker:
                     await updates.put((rows[row], output))
 
             tasks = [
-                asyncio.ensure_future(self._anamed(w, pump(w, rows, part))) for w, rows, part in self._split(request)
+                asyncio.ensure_future(pump(w, rows, part)) for w, rows, part in self._split(request)
             ]
             done_task = asyncio.ensure_future(asyncio.gather(*tasks))
             done_task.add_done_callback(lambda _: updates.put_nowait(None))
@@ -503,25 +501,8 @@ class RolloutWorker:
         live = [w for w in self._weights if w.engine.alive]
         if not live:
             self._check_open()
-            self._named(self._weights[0], self._weights[0].engine.check_alive)  # raises its error
+            self._weights[0].engine.check_alive()  # raises the engine's own error
         return live
-
-    def _label(self, weights: EngineWeights) -> str:
-        devices = ", ".join(str(d) for d in weights.engine.devices)
-        return f"engine {self._weights.index(weights)} ({devices})"
-
-    def _named(self, weights: EngineWeights, fn, *args):
-        """``fn(*args)``, an engine failure re-raised naming the engine."""
-        try:
-            return fn(*args)
-        except EngineError as exc:
-            raise EngineError(f"{self._label(weights)}: {exc}") from exc
-
-    async def _anamed(self, weights: EngineWeights, awaitable):
-        try:
-            return await awaitable
-        except EngineError as exc:
-            raise EngineError(f"{self._label(weights)}: {exc}") from exc
 
     def _admit(self) -> None:
         """Enter the gate as a generate call, rebuilding the KV caches first if dropped."""

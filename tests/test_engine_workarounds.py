@@ -33,6 +33,10 @@ def test_every_workaround_is_documented():
         "shared-hf-config",
         "flush-cache",
         "one-request-per-sample",
+        "engine-devices",
+        "device-memory-scope",
+        "concurrent-start-up",
+        "gpu-matmul-precision",
     }
 
 

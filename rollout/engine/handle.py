@@ -17,20 +17,32 @@ import numpy as np
 
 from ..sampling import SamplingParams
 from .patches import install_workarounds, preserved_process_state
-from .runtime import SchedulerControl, detokenizers
-from .types import EngineError, EngineOptions, GenerateOutput, LeafSpec, device_nbytes
+from .runtime import SchedulerControl, engine_start_up
+from .types import (
+    EngineError,
+    EngineOptions,
+    GenerateOutput,
+    LeafSpec,
+    device_nbytes,
+    engine_name,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class EngineHandle:
-    """An sglang-jax engine running in this process, and everything done to its internals."""
+    """An sglang-jax engine running in this process, and everything done to its internals.
+
+    Several can run in one process, each on its own devices (``EngineOptions.devices``),
+    started from any thread (start-ups take turns) and driven concurrently.
+    """
 
     def __init__(self, options: EngineOptions):
         install_workarounds()
         from sgl_jax.srt.entrypoints.engine import Engine
 
         self.options = options
+        self.name = engine_name(options.name, options.devices or jax.devices())
         kwargs = dict(
             model_path=options.model_path,
             dtype=options.dtype,
@@ -65,12 +77,18 @@ class EngineHandle:
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         from sgl_jax.srt.hf_transformers_utils import get_config
 
-        get_config.cache_clear()
-        with preserved_process_state():
-            self._engine = Engine(**kwargs)
-
-        self._scheduler = self._engine.scheduler_info["scheduler"]
-        self._control = SchedulerControl.of(self._scheduler)
+        with engine_start_up(self.name, options.devices) as start_up:
+            get_config.cache_clear()
+            try:
+                with preserved_process_state():
+                    self._engine = Engine(**kwargs)
+            except BaseException:
+                if start_up.control is not None:  # the threads a half-built engine started
+                    start_up.control.stop_threads()
+                raise
+            self._scheduler = self._engine.scheduler_info["scheduler"]
+            self._control = SchedulerControl.of(self._scheduler)
+            self._control.wait_for_threads(timeout=30)
         self._tokenizer_manager = self._engine.tokenizer_manager
         # Every use of the tokenizer manager (its zmq sockets, its per-request asyncio events)
         # happens on one event loop in a thread of this handle, so callers on any thread or
@@ -152,6 +170,10 @@ class EngineHandle:
     @property
     def hf_config(self):
         return self._model_runner.model_config.hf_config
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) ``time.perf_counter()`` of this engine's latest forward passes."""
+        return list(self._control.busy)
 
     @property
     def alive(self) -> bool:
@@ -406,17 +428,8 @@ class EngineHandle:
             return
         self._closed = True
         control = self._control
-        control.stop_requested = True
-        control.wake()
-        if control.thread is not None:
-            control.thread.join(timeout=30)
-            if control.thread.is_alive():
-                logger.warning("sglang-jax scheduler thread did not stop within 30 s")
-        detokenizer = detokenizers.pop(self._engine.port_args.detokenizer_ipc_name, None)
-        if detokenizer is not None:
-            stop, thread = detokenizer
-            stop.set()
-            thread.join(timeout=5)
+        control.stop_threads()
+
         async def stop_results():
             self._result_task.cancel()
             with contextlib.suppress(BaseException):

@@ -13,8 +13,14 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as jax_config
 
-from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
+from .runtime import (
+    current_start_up,
+    run_detokenizer_thread,
+    start_scheduler_thread,
+    watchdog_thread,
+)
 from .types import SUPPORTED_ENGINE_VERSION, UnsupportedEngineVersion
 
 WORKAROUNDS: dict[str, str] = {
@@ -82,6 +88,33 @@ WORKAROUNDS: dict[str, str] = {
         "Engine.flush_cache and release/resume_memory_occupation raise TypeError and the "
         "scheduler has no handler for them. Cache flush and KV drop/rebuild are done directly "
         "on the scheduler thread."
+    ),
+    "engine-devices": (
+        "The Scheduler builds its mesh over every jax.devices() (a data axis of "
+        "devices / tp_size), so engines cannot be placed on device subsets. With "
+        "EngineOptions.devices the mesh is exactly those devices, in that order, and the "
+        "engine starts and runs with the first of them as JAX's default device, so arrays it "
+        "creates without a sharding (the model's and the sampler's rng state) stay on its "
+        "devices."
+    ),
+    "device-memory-scope": (
+        "ModelRunner measures free device memory as the minimum over every local device, "
+        "calling jax.clear_caches() first on TPU and GPU: starting an engine drops every "
+        "compiled function in the process (the other engines' forwards, the trainer's step), "
+        "and an engine's KV budget is capped by what other engines use on other devices. It "
+        "is measured on the engine's own devices, without clearing caches."
+    ),
+    "concurrent-start-up": (
+        "Engine start-up saves and restores process state (preserved_process_state), clears "
+        "and then mutates the cached HF config (shared-hf-config), and updates the module "
+        "global server-args dict: engines started from several threads at once would "
+        "interleave these. Start-ups are serialized by a process-wide lock, held until the "
+        "engine's own threads have registered (they learn from it which engine they serve)."
+    ),
+    "gpu-matmul-precision": (
+        "On GPU, ModelRunner sets jax_default_matmul_precision='highest' process-wide, "
+        "changing the trainer's matmuls too. The process-wide value is restored after "
+        "start-up and the engine's scheduler thread runs under the value it set."
     ),
 }
 
@@ -176,6 +209,7 @@ def _patch_sampler() -> None:
 
 def _patch_start_up(engine_module) -> None:
     from sgl_jax.srt.managers import detokenizer_manager, scheduler
+    from sgl_jax.srt.model_executor import model_runner
 
     def leave_logging_alone(*args, **kwargs):
         return None
@@ -190,6 +224,46 @@ def _patch_start_up(engine_module) -> None:
     engine_module.run_scheduler_loop_thread_after_create = start_scheduler_thread
     engine_module.run_detokenizer_thread = run_detokenizer_thread
     scheduler.Scheduler.watchdog_thread = watchdog_thread
+    scheduler.create_device_mesh = _engine_mesh(scheduler.create_device_mesh)
+    model_runner.get_available_device_memory = _engine_device_memory(
+        model_runner.get_available_device_memory
+    )
+
+
+def _engine_mesh(create_device_mesh):
+    from sgl_jax.srt.utils.mesh_utils import mesh_axes
+
+    def engine_mesh(ici_parallelism, dcn_parallelism, *args, **kwargs):
+        start_up = current_start_up()
+        if start_up is None or start_up.devices is None:
+            return create_device_mesh(ici_parallelism, dcn_parallelism, *args, **kwargs)
+        devices = np.empty(len(start_up.devices), dtype=object)
+        devices[:] = start_up.devices
+        # (data, tensor, expert) = (1, tp_size, 1), in the order the caller gave.
+        return jax.sharding.Mesh(devices.reshape(1, -1, 1), tuple(mesh_axes))
+
+    return engine_mesh
+
+
+def _engine_device_memory(get_available_device_memory):
+    def engine_device_memory(device, distributed=False, empty_cache=True):
+        start_up = current_start_up()
+        if device == "cpu" or jax.process_count() > 1:
+            return get_available_device_memory(device, distributed=distributed, empty_cache=False)
+        if start_up is not None and start_up.devices is not None:
+            devices = start_up.devices
+        else:
+            platform = "gpu" if device in ("gpu", "cuda") else device
+            devices = [d for d in jax.local_devices() if d.platform == platform]
+        if not devices:
+            raise RuntimeError(f"no local {device} devices for the sglang-jax engine")
+        free = []
+        for d in devices:
+            stats = d.memory_stats()
+            free.append(stats["bytes_limit"] - stats["bytes_in_use"])
+        return min(free)
+
+    return engine_device_memory
 
 
 @contextlib.contextmanager
@@ -201,6 +275,7 @@ def preserved_process_state():
     random_state = random.getstate()
     policy = asyncio.get_event_loop_policy()
     register_atexit = threading._register_atexit
+    matmul_precision = jax_config.default_matmul_precision.get_global()
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGCHLD, signal.SIGQUIT, signal.SIGTERM):
@@ -214,6 +289,7 @@ def preserved_process_state():
         random.setstate(random_state)
         asyncio.set_event_loop_policy(policy)
         threading._register_atexit = register_atexit
+        jax.config.update("jax_default_matmul_precision", matmul_precision)
         for sig, handler in handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)

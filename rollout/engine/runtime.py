@@ -1,14 +1,20 @@
-"""The engine's scheduler thread: guarded loop, idle wait, queued calls, watchdog, detokenizer."""
+"""The engine's threads: guarded scheduler loop, idle wait, queued calls, watchdog, detokenizer,
+and the serialized start-up that tells the patched engine code which engine it is building."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import logging
 import queue
 import socket
 import threading
 import time
 import traceback
+
+import jax
+from jax._src import config as jax_config
 
 from .types import EngineError
 
@@ -19,18 +25,31 @@ class _StopScheduler(BaseException):
     """Raised inside the scheduler loop to end it cleanly (the loop catches Exception only)."""
 
 
+# Forward passes whose (start, end) times each engine keeps.
+BUSY_INTERVALS_KEPT = 4096
+
+# The threads every engine runs besides the caller's: start-up waits until each has registered.
+ENGINE_THREAD_ROLES = ("scheduler", "watchdog", "detokenizer")
+
+
 class SchedulerControl:
-    """State shared between the caller's threads and one engine's scheduler thread."""
+    """State shared between the caller's threads and one engine's threads."""
 
     _registry_lock = threading.Lock()
 
-    def __init__(self):
+    def __init__(self, name: str = "engine"):
+        self.name = name
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.error_traceback = ""
         self.stop_requested = False
         self.stopped = threading.Event()
+        # Set by close(): the watchdog and detokenizer threads end.
+        self.closing = threading.Event()
         self.thread: threading.Thread | None = None
+        self.threads: dict[str, threading.Thread] = {}
+        self._threads_changed = threading.Condition()
+        self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=BUSY_INTERVALS_KEPT)
         # A socket pair lets other threads wake the scheduler out of its idle poll.
         self.wake_reader, self.wake_writer = socket.socketpair()
         self.wake_reader.setblocking(False)
@@ -40,8 +59,43 @@ class SchedulerControl:
         with cls._registry_lock:
             control = scheduler.__dict__.get("_rollout_control")
             if control is None:
-                control = scheduler._rollout_control = cls()
+                start_up = current_start_up()
+                control = scheduler._rollout_control = cls(start_up.name if start_up else "engine")
+                if start_up is not None:
+                    start_up.control = control
             return control
+
+    def register_thread(self, role: str) -> None:
+        """Called first thing by each engine thread, so that close() can join it."""
+        thread = threading.current_thread()
+        thread.name = f"sglang-jax::{role} {self.name}"
+        with self._threads_changed:
+            self.threads[role] = thread
+            self._threads_changed.notify_all()
+
+    def wait_for_threads(self, timeout: float) -> None:
+        with self._threads_changed:
+            if not self._threads_changed.wait_for(
+                lambda: all(role in self.threads for role in ENGINE_THREAD_ROLES), timeout
+            ):
+                missing = sorted(set(ENGINE_THREAD_ROLES) - set(self.threads))
+                logger.warning("%s: threads %s did not start within %s s", self.name, missing, timeout)
+
+    def stop_threads(self, timeout: float = 30.0) -> None:
+        """Stop the scheduler loop, then end and join every thread the engine registered."""
+        self.stop_requested = True
+        self.wake()
+        deadline = time.monotonic() + timeout
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        # The watchdog waits on `stopped`, the detokenizer on `closing`.
+        self.closing.set()
+        self.stopped.set()
+        for role, thread in list(self.threads.items()):
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("%s: %s thread did not stop within %s s", self.name, role, timeout)
 
     def wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -56,7 +110,7 @@ class SchedulerControl:
         if self.error is None:
             self.error = exc
             self.error_traceback = "".join(traceback.format_exception(exc))
-            logger.error("sglang-jax engine failed:\n%s", self.error_traceback)
+            logger.error("%s failed:\n%s", self.name, self.error_traceback)
         self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -70,9 +124,9 @@ class SchedulerControl:
     def dead_error(self) -> EngineError:
         if self.error is not None:
             return EngineError(
-                f"the sglang-jax engine thread failed: {self.error!r}\n{self.error_traceback}"
+                f"{self.name}: the sglang-jax engine thread failed: {self.error!r}\n{self.error_traceback}"
             )
-        return EngineError("the sglang-jax engine has been shut down")
+        return EngineError(f"{self.name}: the sglang-jax engine has been shut down")
 
     def run_pending(self) -> None:
         while True:
@@ -119,10 +173,32 @@ def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller
     return recv_requests
 
 
-def _run_scheduler_loop(scheduler, control: SchedulerControl) -> None:
+def _timed(run_batch, control: SchedulerControl):
+    """Records each forward pass's (start, end) perf_counter times (run_batch waits for the
+    sampled tokens, so the interval covers the device work)."""
+
+    def timed_run_batch(batch):
+        start = time.perf_counter()
+        try:
+            return run_batch(batch)
+        finally:
+            control.busy.append((start, time.perf_counter()))
+
+    return timed_run_batch
+
+
+def _run_scheduler_loop(scheduler, control: SchedulerControl, devices, matmul_precision) -> None:
+    # The engine's default device, and the matmul precision its start-up left set: 0.0.2 sets
+    # 'highest' process-wide on GPU; preserved_process_state puts the process-wide value back,
+    # so here it holds for this engine's thread only.
+    with _default_device(devices), jax.default_matmul_precision(matmul_precision):
+        _scheduler_loop(scheduler, control)
+
+
+def _scheduler_loop(scheduler, control: SchedulerControl) -> None:
     import zmq
 
-    threading.current_thread().name = "sglang-jax::scheduler"
+    control.register_thread("scheduler")
     poller = zmq.Poller()
     poller.register(scheduler.recv_from_tokenizer, zmq.POLLIN)
     poller.register(scheduler.recv_from_rpc, zmq.POLLIN)
@@ -130,6 +206,7 @@ def _run_scheduler_loop(scheduler, control: SchedulerControl) -> None:
     scheduler.recv_requests = _idle_aware_recv(
         scheduler, scheduler.recv_requests, control, poller
     )
+    scheduler.run_batch = _timed(scheduler.run_batch, control)
     try:
         scheduler.event_loop_normal()
     except _StopScheduler:
@@ -147,8 +224,16 @@ def start_scheduler_thread(server_args, port_args) -> dict:
 
     scheduler = Scheduler(server_args, port_args)
     control = SchedulerControl.of(scheduler)
+    start_up = current_start_up()
     control.thread = threading.Thread(
-        target=_run_scheduler_loop, args=(scheduler, control), daemon=True
+        target=_run_scheduler_loop,
+        args=(
+            scheduler,
+            control,
+            start_up.devices if start_up else None,
+            jax_config.default_matmul_precision.get_global(),
+        ),
+        daemon=True,
     )
     control.thread.start()
     return {
@@ -162,6 +247,7 @@ def start_scheduler_thread(server_args, port_args) -> dict:
 def watchdog_thread(scheduler) -> None:
     """Replacement for Scheduler.watchdog_thread: fails the engine instead of killing a process."""
     control = SchedulerControl.of(scheduler)
+    control.register_thread("watchdog")
     last_count, last_progress = scheduler.forward_ct, time.perf_counter()
     period = max(1.0, min(60.0, scheduler.watchdog_timeout / 4))
     while not control.stopped.wait(period):
@@ -175,21 +261,23 @@ def watchdog_thread(scheduler) -> None:
             return
 
 
-# Per engine (keyed by its detokenizer socket name): the stop event and the thread.
-detokenizers: dict[str, tuple[threading.Event, threading.Thread]] = {}
-
-
 def run_detokenizer_thread(server_args, port_args) -> None:
-    """Replacement for run_detokenizer_thread: stoppable, and errors do not kill the process."""
+    """Replacement for run_detokenizer_thread: stoppable, and errors do not kill the process.
+
+    Started by the engine during start-up, after the scheduler: the start-up (which holds the
+    start-up lock until this thread has registered) says which engine it belongs to.
+    """
     import zmq
     from sgl_jax.srt.managers.detokenizer_manager import DetokenizerManager
 
-    threading.current_thread().name = "sglang-jax::detokenizer"
-    stop = threading.Event()
-    detokenizers[port_args.detokenizer_ipc_name] = (stop, threading.current_thread())
+    start_up = current_start_up()
+    if start_up is None or start_up.control is None:
+        raise EngineError("sglang-jax detokenizer started outside an engine start-up")
+    control = start_up.control
+    control.register_thread("detokenizer")
     manager = DetokenizerManager(server_args, port_args)
     try:
-        while not stop.is_set():
+        while not control.closing.is_set():
             if not manager.recv_from_scheduler.poll(100, zmq.POLLIN):
                 continue
             output = manager._request_dispatcher(manager.recv_from_scheduler.recv_pyobj())
@@ -199,3 +287,47 @@ def run_detokenizer_thread(server_args, port_args) -> None:
     finally:
         for sock in (manager.recv_from_scheduler, manager.send_to_tokenizer):
             sock.close(linger=0)
+
+
+# ---- start-up ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StartUp:
+    """The engine being started: read by the patched engine code during its start-up."""
+
+    name: str
+    devices: tuple[jax.Device, ...] | None
+    control: SchedulerControl | None = None  # once its scheduler exists
+
+
+_start_up_lock = threading.Lock()
+_start_up: StartUp | None = None
+
+
+def current_start_up() -> StartUp | None:
+    return _start_up
+
+
+@contextlib.contextmanager
+def engine_start_up(name: str, devices: tuple[jax.Device, ...] | None):
+    """Start one engine at a time, process-wide.
+
+    Start-up changes process state that is restored afterwards and reads caches that it
+    mutates (see WORKAROUNDS "concurrent-start-up"); the patched engine code reads which
+    engine it is building (its devices, its name) from here, the engine's own threads
+    included, so the lock is held until they have registered.
+    """
+    global _start_up
+    with _start_up_lock:
+        _start_up = StartUp(name, devices)
+        try:
+            with _default_device(devices):
+                yield _start_up
+        finally:
+            _start_up = None
+
+
+def _default_device(devices):
+    # Arrays the engine creates without a sharding (rng state, ...) land on its first device.
+    return jax.default_device(devices[0]) if devices else contextlib.nullcontext()

@@ -55,8 +55,25 @@ class EngineOptions:
     attention_backend: str | None = None
     device: str | None = None
     watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
-    # The devices of the engine's mesh (None: all of jax.devices()); tp_size must equal their number.
-    devices: tuple[Any, ...] | None = None
+    # The devices the engine's mesh spans, in mesh order (tp_size of them); None: all devices.
+    devices: tuple[jax.Device, ...] | None = None
+    # Names the engine in its thread names, logs and errors ("engine 1" -> "engine 1 (devices 2,3)").
+    name: str = "engine"
+
+    def __post_init__(self):
+        if self.devices is None:
+            return
+        devices = tuple(self.devices)
+        object.__setattr__(self, "devices", devices)
+        if not devices or not all(isinstance(d, jax.Device) for d in devices):
+            raise ValueError(f"EngineOptions.devices must be a non-empty sequence of jax.Device, got {devices!r}")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"EngineOptions.devices lists a device twice: {_device_ids(devices)}")
+        if len(devices) != self.tp_size:
+            raise ValueError(
+                f"EngineOptions.devices has {len(devices)} devices ({_device_ids(devices)}) but "
+                f"tp_size is {self.tp_size}: an engine's mesh is its tp_size devices"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +84,15 @@ class GenerateOutput:
     finish_reason: str
     completion_tokens: int
     cache_miss_count: int
+
+
+def _device_ids(devices) -> str:
+    return ",".join(str(d.id) for d in devices)
+
+
+def engine_name(name: str, devices) -> str:
+    """How an engine is named in errors and thread names: ``engine 1 (devices 2,3)``."""
+    return f"{name} (devices {_device_ids(devices)})"
 
 
 def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:

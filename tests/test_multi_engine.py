@@ -1,0 +1,267 @@
+"""Several sglang-jax engines in one process, each on its own devices (4 fake CPU devices):
+placement, greedy agreement with one engine on all devices, real concurrency (overlapping
+forward passes), thread-safe start-up, per-engine failures, and close() joining every thread."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from rollout.engine import EngineError, EngineHandle, EngineOptions, patches, runtime
+
+PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
+GREEDY = [dict(temperature=0.0, max_new_tokens=8, ignore_eos=True)] * len(PROMPTS)
+# Long enough that forward passes of engines driven at the same time overlap.
+LONG = [dict(temperature=1.0, max_new_tokens=24, ignore_eos=True, sampling_seed=i) for i in range(12)]
+LONG_PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(5 + i)] for i in range(12)]
+
+
+def tiny_options(model_dir, devices=None, tp_size=None, **overrides) -> EngineOptions:
+    settings = dict(
+        model_path=str(model_dir),
+        dtype="float32",
+        tp_size=tp_size or (len(devices) if devices else 1),
+        max_total_tokens=1024,
+        context_length=256,
+        max_running_requests=16,
+        max_prefill_tokens=512,
+        chunked_prefill_size=512,
+        devices=devices,
+    )
+    settings.update(overrides)
+    return EngineOptions(**settings)
+
+
+def start_from_threads(options_list) -> list[EngineHandle]:
+    """Start one engine per thread, all at once (none from the main thread)."""
+    engines, errors = [None] * len(options_list), []
+
+    def start(i):
+        try:
+            engines[i] = EngineHandle(options_list[i])
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(options_list))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for engine in engines:
+            if engine is not None:
+                engine.close()
+        raise errors[0]
+    return engines
+
+
+def generate_in_threads(engines, prompts, params) -> list:
+    """One thread per engine, all generating at once; returns each engine's output ids."""
+    results, errors = [None] * len(engines), []
+
+    def run(i):
+        try:
+            results[i] = [out.output_ids for out in engines[i].generate(prompts, params)]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a concurrent generate hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def overlaps(a, b) -> bool:
+    return any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)
+
+
+def device_ids(array) -> set[int]:
+    return {d.id for d in array.devices()}
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2_dir):
+    """One engine on all four devices (the default mesh)."""
+    engine = EngineHandle(tiny_options(qwen2_dir, tp_size=2))
+    greedy = [out.output_ids for out in engine.generate(PROMPTS, GREEDY)]
+    engine.close()
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def pair(qwen2_dir):
+    """Two tensor-parallel engines on devices [0, 1] and [2, 3], started from two threads."""
+    devices = jax.devices()
+    engines = start_from_threads(
+        [tiny_options(qwen2_dir, devices[2 * i : 2 * i + 2], name=f"engine {i}") for i in range(2)]
+    )
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def quad(qwen2_dir):
+    """Four single-device engines, on devices 0, 1, 2 and 3."""
+    engines = start_from_threads(
+        [tiny_options(qwen2_dir, (d,), name=f"engine {d.id}") for d in jax.devices()]
+    )
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+def test_devices_must_match_tp_size_and_be_distinct(qwen2_dir):
+    devices = jax.devices()
+    with pytest.raises(ValueError, match="has 2 devices .* but tp_size is 1"):
+        tiny_options(qwen2_dir, devices[:2], tp_size=1)
+    with pytest.raises(ValueError, match="lists a device twice: 1,1"):
+        tiny_options(qwen2_dir, (devices[1], devices[1]))
+    with pytest.raises(ValueError, match="non-empty sequence of jax.Device"):
+        tiny_options(qwen2_dir, (0, 1), tp_size=2)
+
+
+def test_pair_first_generates_run_concurrently_and_match_one_engine(pair, reference):
+    # The first generate on each engine (it compiles), from one thread per engine at once.
+    sampled = generate_in_threads(pair, LONG_PROMPTS, LONG)
+    busy = [engine.busy_intervals() for engine in pair]
+    assert all(busy), "each engine recorded its forward passes"
+    assert overlaps(busy[0], busy[1]), "the two engines' forward passes never overlapped"
+    # Same seeds on two engines with the same weights: the same samples.
+    assert sampled[0] == sampled[1]
+    assert generate_in_threads(pair, PROMPTS, GREEDY) == [reference, reference]
+
+
+def test_pair_keeps_every_array_on_its_devices(pair):
+    devices = jax.devices()
+    for i, engine in enumerate(pair):
+        own = {2 * i, 2 * i + 1}
+        assert engine.name == f"engine {i} (devices {2 * i},{2 * i + 1})"
+        assert [d.id for d in engine.mesh.devices.flat] == sorted(own)
+        assert engine.mesh.shape == {"data": 1, "tensor": 2, "expert": 1}
+        specs = engine.leaf_specs()
+        leaves = engine.weight_leaves()
+        assert any(s.path.startswith("rng.") for s in specs), "auto load has rng leaves"
+        for spec, leaf in zip(specs, leaves):
+            assert device_ids(leaf) <= own, f"{engine.name}: {spec.path} on {device_ids(leaf)}"
+            assert leaf.committed or device_ids(leaf) == {2 * i}, spec.path
+        sharded = [leaf for leaf in leaves if leaf.ndim == 2]
+        assert all(device_ids(leaf) == own for leaf in sharded)
+        kv = engine.kv_buffers()
+        assert kv and all(device_ids(buf) == own for buf in kv)
+        assert all(buf.sharding.mesh.devices.flat[0] == devices[2 * i] for buf in kv)
+
+
+def test_four_single_device_engines(quad, reference):
+    greedy = generate_in_threads(quad, PROMPTS, GREEDY)
+    assert greedy == [reference] * 4
+    generate_in_threads(quad, LONG_PROMPTS, LONG)
+    busy = [engine.busy_intervals() for engine in quad]
+    for i in range(4):
+        assert any(overlaps(busy[i], busy[j]) for j in range(4) if j != i), f"engine {i} ran alone"
+    for engine in quad:
+        (device,) = engine.mesh.devices.flat
+        assert engine.name == f"engine {device.id} (devices {device.id})"
+        for leaf in engine.weight_leaves() + engine.kv_buffers():
+            assert device_ids(leaf) == {device.id}
+
+
+def test_start_ups_take_turns():
+    inside, entered_second = threading.Event(), threading.Event()
+    release = threading.Event()
+
+    def first():
+        with runtime.engine_start_up("first", None):
+            inside.set()
+            release.wait(10)
+
+    def second():
+        with runtime.engine_start_up("second", None) as start_up:
+            assert start_up.name == "second"
+            entered_second.set()
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert inside.wait(10)
+    b = threading.Thread(target=second)
+    b.start()
+    assert not entered_second.wait(0.5), "a second start-up ran while the first was running"
+    release.set()
+    a.join()
+    b.join()
+    assert entered_second.is_set()
+    assert runtime.current_start_up() is None
+
+
+def test_device_memory_is_measured_on_the_engines_devices_without_clearing_caches(monkeypatch):
+    from sgl_jax.srt.model_executor import model_runner
+
+    patches.install_workarounds()
+
+    class FakeGpu:
+        platform = "gpu"
+
+        def __init__(self, free):
+            self.free = free
+
+        def memory_stats(self):
+            return {"bytes_limit": 10_000, "bytes_in_use": 10_000 - self.free}
+
+    cleared = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(True))
+    monkeypatch.setattr(jax, "local_devices", lambda: [FakeGpu(1000), FakeGpu(3000), FakeGpu(5000)])
+    assert model_runner.get_available_device_memory("gpu") == 1000
+    # During an engine's start-up: that engine's devices only.
+    monkeypatch.setattr(runtime, "_start_up", runtime.StartUp("engine 1", (FakeGpu(3000), FakeGpu(5000))))
+    assert model_runner.get_available_device_memory("gpu") == 3000
+    assert cleared == []
+
+
+def test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine(qwen2_dir, monkeypatch):
+    """On GPU, 0.0.2's ModelRunner sets 'highest' matmul precision process-wide during start-up;
+    simulated here on CPU by a start-up hook that does what that branch does."""
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+
+    initialize = ModelRunner.initialize
+
+    def initialize_like_on_gpu(self):
+        jax.config.update("jax_default_matmul_precision", "highest")
+        initialize(self)
+
+    monkeypatch.setattr(ModelRunner, "initialize", initialize_like_on_gpu)
+    before = set(threading.enumerate())
+    engine = EngineHandle(tiny_options(qwen2_dir, (jax.devices()[1],), name="engine 9"))
+    assert jax.config.jax_default_matmul_precision is None
+    assert engine.call(lambda: jax.config.jax_default_matmul_precision) == "highest"
+    engine.generate(PROMPTS[:1], GREEDY[:1])
+    started = [t.name for t in set(threading.enumerate()) - before]
+    for role in runtime.ENGINE_THREAD_ROLES:
+        assert f"sglang-jax::{role} engine 9 (devices 1)" in started
+    engine.close()
+    # tqdm (model loading's progress bar) keeps one monitor thread per process, not per engine.
+    left = [t.name for t in set(threading.enumerate()) - before if t.name != "tqdm_monitor"]
+    assert left == []
+    with pytest.raises(EngineError, match=r"engine 9 \(devices 1\): .*shut down"):
+        engine.call(lambda: None)
+
+
+def test_a_failing_engine_names_itself_and_the_others_serve_on(quad, reference):
+    doomed = quad[3]
+
+    def broken_run_batch(batch):
+        raise RuntimeError("injected forward failure")
+
+    doomed.call(lambda: setattr(doomed._scheduler, "run_batch", broken_run_batch))
+    with pytest.raises(EngineError, match=r"^engine 3 \(devices 3\): .*injected forward failure"):
+        doomed.generate(PROMPTS, GREEDY)
+    assert not doomed.alive
+    assert generate_in_threads(quad[:3], PROMPTS, GREEDY) == [reference] * 3
+    with pytest.raises(EngineError, match=r"^engine 3 \(devices 3\)"):
+        doomed.generate(PROMPTS, GREEDY)
+    assert np.all([engine.alive for engine in quad[:3]])

@@ -1,0 +1,143 @@
+"""Several engines behind one worker (dp_size): one API, same samples as one engine, zero-copy
+syncs on every engine, KV and failures per engine."""
+
+import threading
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rollout import EngineError, RolloutWorker
+from tests.helpers import tiny_worker_config
+from trainer_bridge import flatten_params, load_hf_params
+
+PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [30, 31], [60, 61, 62], [7]]
+SAMPLED = dict(n=3, temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=2024)
+GREEDY = dict(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def params(qwen2_dir):
+    return load_hf_params(qwen2_dir)
+
+
+@pytest.fixture(scope="module")
+def single(qwen2_dir, params):
+    with RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy")) as w:
+        w.sync_params(params)
+        yield w
+
+
+@pytest.fixture(scope="module")
+def dp4(qwen2_dir):
+    with RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=4)) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def dp2tp2(qwen2_dir):
+    with RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=2, tp_size=2)) as w:
+        yield w
+
+
+def _shard_pointers(array):
+    return {s.device.id: s.data.unsafe_buffer_pointer() for s in array.addressable_shards}
+
+
+def test_device_counts_must_add_up(qwen2_dir):
+    with pytest.raises(ValueError, match=r"dp_size \(3\) x tp_size \(1\) = 3 devices, but the worker is given 4"):
+        RolloutWorker(tiny_worker_config(qwen2_dir, dp_size=3, devices=tuple(jax.devices())))
+
+
+@pytest.mark.parametrize("name", ["dp4", "dp2tp2"])
+def test_same_seed_same_completions_as_one_engine(request, name, single, params):
+    worker = request.getfixturevalue(name)
+    report = worker.sync_params(jax.device_put(params, worker.param_shardings()))
+    assert len(report.per_engine) == len(worker.engines)
+    expected = single.generate(PROMPTS, **SAMPLED)
+    batch = worker.generate(PROMPTS, **SAMPLED)
+    assert batch.completions == expected.completions
+    np.testing.assert_array_equal(batch.seeds, expected.seeds)
+    np.testing.assert_array_equal(batch.prompt_index, expected.prompt_index)
+    assert worker.generate(PROMPTS, **GREEDY).completions == single.generate(PROMPTS, **GREEDY).completions
+    # Every engine got work: rows were split over the engines.
+    assert all(engine.forward_count > 0 for engine in worker.engines)
+
+
+def test_replicated_tree_is_aliased_by_every_engine(dp4, params):
+    tree = jax.device_put(params, dp4.param_shardings())
+    report = dp4.sync_params(tree)
+    assert report.bytes_copied == 0 and [r.bytes_copied for r in report.per_engine] == [0, 0, 0, 0]
+    flat = flatten_params(tree)
+    for engine in dp4.engines:
+        leaves = engine.weight_leaves()
+        (device,) = engine.devices
+        for m in dp4.mappings:
+            index = next(leaf.index for leaf in dp4.leaves if leaf.path == m.engine)
+            served = _shard_pointers(leaves[index])
+            assert served == {device.id: _shard_pointers(flat[m.trainer])[device.id]}, m.trainer
+
+
+def test_tree_sharded_over_all_devices_is_gathered_per_engine(dp2tp2, params, single):
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    flat = flatten_params(params)
+    sharded = {
+        path: jax.device_put(x, NamedSharding(mesh, P("fsdp") if x.shape[0] % 4 == 0 else P()))
+        for path, x in flat.items()
+    }
+    report = dp2tp2.sync_params(sharded)
+    per_engine = [r.bytes_copied for r in report.per_engine]
+    assert len(per_engine) == 2 and all(b > 0 for b in per_engine) and report.bytes_copied == sum(per_engine)
+    assert dp2tp2.generate(PROMPTS, **GREEDY).completions == single.generate(PROMPTS, **GREEDY).completions
+
+
+def test_kv_drop_frees_every_engines_pool(dp4, params):
+    dp4.sync_params(jax.device_put(params, dp4.param_shardings()))
+    before = dp4.memory()
+    assert len(before.engines) == 4 and all(e.kv_bytes > 0 for e in before.engines)
+    report = dp4.drop_kv()
+    assert report.bytes == sum(e.kv_bytes for e in before.engines)
+    after = dp4.memory()
+    assert [e.kv_bytes for e in after.engines] == [0, 0, 0, 0]
+    for engine_before in before.engines:
+        (device,) = engine_before.devices
+        freed = before.live_bytes_per_device[device] - after.live_bytes_per_device[device]
+        assert freed >= engine_before.kv_bytes, (device, freed)
+    rebuilt = dp4.rebuild_kv()
+    assert rebuilt.bytes == report.bytes
+    assert dp4.generate(PROMPTS[:2], **GREEDY).compiles == 0
+
+
+def test_orbax_checkpoint_is_restored_once_and_aliased_by_every_engine(dp4, params, single, tmp_path):
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", params)
+    checkpointer.wait_until_finished()
+    dp4.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
+    report = dp4.load_checkpoint(tmp_path / "ckpt")
+    assert report.bytes_copied == 0 and all(r.leaves_copied == 0 for r in report.per_engine)
+    assert dp4.generate(PROMPTS, **GREEDY).completions == single.generate(PROMPTS, **GREEDY).completions
+
+
+def test_a_failed_engine_is_named_and_the_others_serve_on(qwen2_dir, params, single):
+    before = set(threading.enumerate())
+    worker = RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=2))
+    try:
+        worker.sync_params(jax.device_put(params, worker.param_shardings()))
+        doomed = worker.engines[1]
+
+        def broken_run_batch(batch):
+            raise RuntimeError("injected forward failure")
+
+        doomed.call(lambda: setattr(doomed._scheduler, "run_batch", broken_run_batch))
+        with pytest.raises(EngineError, match=r"engine 1 \(devices 1\).*injected forward failure"):
+            worker.generate(PROMPTS, **GREEDY)
+        # The live engine takes every row from now on, and weight changes reach it.
+        assert worker.generate(PROMPTS, **GREEDY).completions == single.generate(PROMPTS, **GREEDY).completions
+        assert worker.sync_params(params).version == 2
+    finally:
+        worker.close()
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == []
