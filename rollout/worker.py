@@ -35,6 +35,7 @@ from trainer_bridge import (
 
 from .batch import RolloutBatch, pack_rollouts
 from .config import WorkerConfig, has_tokenizer_files
+from . import weight_check
 from .engine import MAX_SAMPLING_SEED, EngineHandle, device_buffers, device_nbytes
 
 logger = logging.getLogger(__name__)
@@ -487,6 +488,55 @@ class RolloutWorker:
         if bad:
             raise ValueError(f"stop_token_ids has ids outside [0, {vocab}): {bad}")
         return ids
+
+    # ---- weight checks (the server's admin routes) -------------------------------------------
+
+    def weights_checksum(self) -> dict:
+        """A checksum of the weights being served, computed on device: the same weights give
+        the same value in any process. Returns ``checksum`` (hex), ``weight_version``, ``leaves``."""
+        with self._lock:
+            self._check_weights_alive()
+            specs = [leaf for leaf in self._engine_leaves if not leaf.path.startswith("rng.")]
+            leaves = self.engine.weight_leaves()
+            checksum = weight_check.weights_checksum([s.path for s in specs], [leaves[s.index] for s in specs])
+            return {"checksum": checksum, "weight_version": self.weight_version, "leaves": len(specs)}
+
+    def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict:
+        """Add ``scale * normal(key(seed, i))`` to the first ``num_leaves`` weight leaves (engine
+        order): a deterministic weight update for testing the update path. Bumps the version."""
+        weights = [leaf for leaf in self._engine_leaves if not leaf.path.startswith("rng.")]
+        if not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
+            raise ValueError(f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite number, got {scale!r}")
+        engine = self.engine
+        with self._lock:
+            self._check_weights_alive()
+            new_leaves = engine.weight_leaves()
+            updated = {leaf.index for leaf in weights[:num_leaves]}
+            for i, leaf in enumerate(weights[:num_leaves]):
+                new_leaves[leaf.index] = weight_check.perturbed(new_leaves[leaf.index], int(seed), i, float(scale))
+            self._check_engine_layout(new_leaves)
+            jax.block_until_ready([new_leaves[i] for i in updated])
+
+            def swap():
+                old_leaves = engine.weight_leaves()
+                engine.replace_weight_leaves(new_leaves)
+                engine.flush_prefix_cache()
+                for index in self._owned_leaves & updated:
+                    old_leaves[index].delete()
+
+            engine.call(swap)
+            self._owned_leaves |= updated
+            self.weight_version += 1
+            return {"leaves": [leaf.path for leaf in weights[:num_leaves]], "weight_version": self.weight_version}
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0, **options):
+        """Serve this worker over HTTP (OpenAI-compatible and admin routes) from this process.
+        Returns a started :class:`rollout.server.Server` (``url``, ``close()``)."""
+        from .server import ServerConfig, start_server
+
+        return start_server(self, ServerConfig(host=host, port=port, **options))
 
 
 def _completion_ids(row: int, out) -> list[int]:

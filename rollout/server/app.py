@@ -1,0 +1,395 @@
+"""The FastAPI app: OpenAI-compatible generation routes, health, and admin routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..batch import RolloutBatch
+from ..engine import EngineError
+from .backend import Backend
+from .config import ServerConfig
+from .protocol import ApiError, GenerationRequest, chat_messages, chat_request, completion_request, invalid
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_VERSION_HEADER = "X-Weight-Version"
+_FINISH_REASONS = {"length": "length"}  # every other engine finish (eos, stop token) is "stop"
+
+
+def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="sglang-jax-rollout", docs_url=None, redoc_url=None, openapi_url=None)
+    state = _ServerState(backend, config)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        headers = {"Retry-After": str(config.retry_after_s)} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), type="not_found_error").body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(ApiError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)
+
+    app.add_middleware(_RequestLog)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        reason = state.unavailable_reason()
+        if reason is None and not backend.kv_present:
+            reason = "the KV cache is dropped"
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return {"status": "ready", "weight_version": backend.weight_version}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.check_api_key(request)
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "sglang-jax-rollout"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        state.check_api_key(request)
+        body = await state.read_json(request)
+        state.check_model(body)
+        req = completion_request(body, backend.context_length)
+        return await state.respond(request, req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        state.check_api_key(request)
+        body = await state.read_json(request)
+        state.check_model(body)
+        req = chat_request(body, state.render_chat(chat_messages(body)), backend.context_length)
+        return await state.respond(request, req, chat=True)
+
+    if config.admin_token is not None:
+        _mount_admin(app, state)
+    return app
+
+
+class _ServerState:
+    """What the routes share: the backend, the settings, and the admin operation in progress."""
+
+    def __init__(self, backend: Backend, config: ServerConfig):
+        self.backend, self.config = backend, config
+        self.model_name = config.served_model_name or backend.model_name
+        self.created = int(time.time())
+        self.busy: str | None = None  # an admin operation that makes generation wait (503)
+        self.admin_lock = asyncio.Lock()
+        self.kv_held = False  # /admin/drop_kv ran and /admin/rebuild_kv did not yet
+
+    # ---- request checks ----------------------------------------------------------------------
+
+    def check_api_key(self, request: Request) -> None:
+        if self.config.api_key is not None:
+            _check_bearer(request, self.config.api_key, "API key")
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is None:
+            raise invalid("model", "'model' is required")
+        if model != self.model_name:
+            raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        tokenizer = self.backend.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise invalid("messages", "the model directory's tokenizer has no chat template: use /v1/completions")
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a Jinja template error names what the messages lack
+            raise invalid("messages", f"cannot render messages with the chat template: {exc}") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def unavailable_reason(self) -> str | None:
+        """Why generation requests get 503 now (None: they run). A KV cache dropped through
+        /admin/drop_kv stays dropped until rebuilt; one the worker dropped (a train step) is
+        rebuilt by the first generate once the worker allows generating again."""
+        reason = self.busy or self.backend.unavailable_reason
+        if reason is None and self.kv_held and not self.backend.kv_present:
+            reason = "the KV cache was dropped through /admin/drop_kv"
+        return reason
+
+    def check_available(self) -> None:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise ApiError(503, f"generation is paused: {reason}; retry later", type="service_unavailable", code="weights_updating")
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def respond(self, request: Request, req: GenerationRequest, *, chat: bool) -> Response:
+        self.check_available()
+        batch = await self.generate(req)
+        request.state.tokens = (sum(map(len, batch.prompts)), int(batch.completion_lengths.sum()))
+        choices = self.choices(req, batch)
+        headers = {WEIGHT_VERSION_HEADER: str(batch.weight_version)}
+        kind = "chatcmpl" if chat else "cmpl"
+        base = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name, "weight_version": batch.weight_version}
+        usage = _usage(batch)
+        if req.stream:
+            events = _stream_events(base, choices, usage if req.include_usage else None, chat=chat)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        if chat:
+            body_choices = [
+                {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason, "logprobs": None, "token_ids": c.token_ids}
+                for c in choices
+            ]
+        else:
+            body_choices = [
+                {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None, "token_ids": c.token_ids}
+                for c in choices
+            ]
+        body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": body_choices, "usage": usage}
+        return JSONResponse(body, headers=headers)
+
+    async def generate(self, req: GenerationRequest) -> RolloutBatch:
+        max_tokens = req.max_tokens
+        if max_tokens is None:  # chat without a limit: the rest of the context
+            max_tokens = self.backend.context_length - len(req.prompts[0])
+            if max_tokens < 1:
+                raise invalid("messages", f"the rendered messages have {len(req.prompts[0])} tokens, the whole context length {self.backend.context_length}")
+        try:
+            return await self.backend.generate(
+                req.prompts,
+                n=req.n,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                max_new_tokens=max_tokens,
+                stop_token_ids=self.single_token_stops(req.stop),
+                seed=req.seed,
+            )
+        except ValueError as exc:
+            message = str(exc).replace("max_new_tokens", "max_tokens").replace("prompts[", f"{req.prompt_field}[")
+            param = "max_tokens" if "max_tokens" in message else req.prompt_field
+            raise invalid(param, message) from None
+        except EngineError:
+            raise
+        except RuntimeError as exc:  # weights released for a train step, or swapped meanwhile
+            raise ApiError(503, f"generation is paused: {exc}", type="service_unavailable", code="weights_updating") from None
+
+    def single_token_stops(self, stop: list[str]) -> list[int] | None:
+        """Stop strings that are one token stop the engine itself; the others cut the text."""
+        tokenizer = self.backend.tokenizer
+        if tokenizer is None or not stop:
+            return None
+        ids = [tokenizer.encode(s, add_special_tokens=False) for s in stop]
+        return [t[0] for t in ids if len(t) == 1] or None
+
+    def choices(self, req: GenerationRequest, batch: RolloutBatch) -> list[_Choice]:
+        tokenizer = self.backend.tokenizer
+        choices = []
+        for row, ids in enumerate(batch.completions):
+            text = batch.completion_texts[row] if batch.completion_texts is not None else ""
+            finish = _FINISH_REASONS.get(batch.finish_reasons[row], "stop")
+            cut = min((i for i in (text.find(s) for s in req.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+            choices.append(_Choice(row, ids, text, finish, tokenizer))
+        return choices
+
+
+class _Choice:
+    def __init__(self, index: int, token_ids: list[int], text: str, finish_reason: str, tokenizer):
+        self.index, self.token_ids, self.text, self.finish_reason = index, token_ids, text, finish_reason
+        self._tokenizer = tokenizer
+
+    def deltas(self) -> list[str]:
+        """The text as per-token increments (whole characters only), ending with ``text``."""
+        if self._tokenizer is None:
+            return [self.text] if self.text else []
+        pieces, sent = [], ""
+        for k in range(1, len(self.token_ids) + 1):
+            prefix = self._tokenizer.decode(self.token_ids[:k], skip_special_tokens=True)[: len(self.text)]
+            if prefix.endswith("\ufffd") or len(prefix) <= len(sent):
+                continue
+            pieces.append(prefix[len(sent):])
+            sent = prefix
+        if sent != self.text:
+            pieces.append(self.text[len(sent):])
+        return pieces
+
+
+def _usage(batch: RolloutBatch) -> dict:
+    prompt = sum(map(len, batch.prompts))
+    completion = int(batch.completion_lengths.sum())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _stream_events(base: dict, choices: list[_Choice], usage: dict | None, *, chat: bool) -> AsyncIterator[str]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choice_list: list[dict], **extra) -> str:
+        return "data: " + json.dumps({**base, "object": kind, "choices": choice_list, **extra}) + "\n\n"
+
+    for choice in choices:
+        if chat:
+            yield event([{"index": choice.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        for piece in choice.deltas():
+            delta = {"content": piece} if chat else None
+            body = {"index": choice.index, "delta": delta} if chat else {"index": choice.index, "text": piece}
+            yield event([{**body, "finish_reason": None, "logprobs": None}])
+        last = {"index": choice.index, "delta": {}} if chat else {"index": choice.index, "text": ""}
+        yield event([{**last, "finish_reason": choice.finish_reason, "logprobs": None, "token_ids": choice.token_ids}])
+    if usage is not None:
+        yield event([], usage=usage)
+    yield "data: [DONE]\n\n"
+
+
+def _check_bearer(request: Request, token: str, what: str) -> None:
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise ApiError(401, f"missing {what}: send 'Authorization: Bearer <{what}>'", type="authentication_error", code="missing_token")
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise ApiError(403, f"wrong {what}", type="permission_error", code="invalid_token")
+
+
+def _mount_admin(app: FastAPI, state: _ServerState) -> None:
+    backend, token = state.backend, state.config.admin_token
+
+    def authorize(request: Request) -> None:
+        _check_bearer(request, token, "admin token")
+
+    @contextlib.asynccontextmanager
+    async def pausing(what: str):
+        """Generation requests get 503 while ``what`` runs; those already running finish."""
+        async with state.admin_lock:
+            state.busy = what
+            try:
+                yield
+            finally:
+                state.busy = None
+
+    async def run(fn, *args):
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except FileNotFoundError as exc:
+            raise ApiError(404, str(exc), param="path", code="not_found") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        except EngineError:
+            raise
+        except RuntimeError as exc:
+            raise ApiError(409, str(exc), type="conflict_error") from None
+
+    @app.get("/admin/weights_checksum")
+    async def weights_checksum(request: Request):
+        authorize(request)
+        return await run(backend.weights_checksum)
+
+    @app.post("/admin/perturb_weights")
+    async def perturb_weights(request: Request):
+        authorize(request)
+        body = await state.read_json(request)
+        seed, scale, num_leaves = body.get("seed", 0), body.get("scale", 1e-3), body.get("num_leaves", 1)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise invalid("seed", f"'seed' must be an int >= 0, got {seed!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise invalid("scale", f"'scale' must be a number, got {scale!r}")
+        async with pausing("perturbing weights"):
+            before = await run(backend.weights_checksum)
+            report = await run(backend.perturb_weights, seed, float(scale), num_leaves)
+            after = await run(backend.weights_checksum)
+        return {**report, "checksum_before": before["checksum"], "checksum_after": after["checksum"]}
+
+    @app.post("/admin/reload_weights")
+    async def reload_weights(request: Request):
+        authorize(request)
+        body = await state.read_json(request)
+        path, fmt, step = body.get("path"), body.get("format", "orbax"), body.get("step")
+        if not isinstance(path, str) or not path:
+            raise invalid("path", "'path' must be a non-empty string")
+        if fmt not in ("orbax", "hf"):
+            raise invalid("format", f"'format' must be 'orbax' or 'hf', got {fmt!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or fmt != "orbax"):
+            raise invalid("step", "'step' must be an int, and only with format 'orbax'")
+        async with pausing(f"reloading weights from {path}"):
+            report = await run(backend.reload_weights, path, fmt, step)
+        logger.info("reloaded weights from %s (%s): version %d", path, fmt, report["version"])
+        return report
+
+    @app.post("/admin/drop_kv")
+    async def drop_kv(request: Request):
+        authorize(request)
+        async with pausing("dropping the KV cache"):
+            report = await run(backend.drop_kv)
+            state.kv_held = True
+            return report
+
+    @app.post("/admin/rebuild_kv")
+    async def rebuild_kv(request: Request):
+        authorize(request)
+        async with pausing("rebuilding the KV cache"):
+            report = await run(backend.rebuild_kv)
+            state.kv_held = False
+            return report
+
+    @app.get("/admin/memory")
+    async def memory(request: Request):
+        authorize(request)
+        return await run(backend.memory)
+
+
+class _RequestLog:
+    """One INFO line per request: method, path, status, tokens (prompt/completion), seconds."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [0]
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            prompt, completion = scope.get("state", {}).get("tokens", (0, 0))
+            logger.info(
+                "%s %s %d tokens=%d/%d %.3fs",
+                scope["method"], scope["path"], status[0], prompt, completion, time.perf_counter() - start,
+            )
