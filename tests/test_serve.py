@@ -374,3 +374,21 @@ def test_command_line_server_stops_on_sigterm(chat_dir, worker):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_close_drains_running_requests(worker):
+    threads_before = set(threading.enumerate())
+    server = worker.serve(admin_token="t")
+    body = {"model": worker.config.model_path.rstrip("/").rsplit("/", 1)[-1], "prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=httpx.post(server.url + "/v1/completions", json=body, timeout=120)))
+    thread.start()
+    time.sleep(0.3)  # the request is running
+    server.close()
+    thread.join()
+    assert result["r"].status_code == 200
+    assert len(result["r"].json()["choices"][0]["token_ids"]) == 48
+    assert not server.running
+    assert set(threading.enumerate()) <= threads_before
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health")

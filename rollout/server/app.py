@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -39,7 +40,8 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail), type="not_found_error").body(), status_code=exc.status_code)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
@@ -97,6 +99,12 @@ class _ServerState:
         self.busy: str | None = None  # an admin operation that makes generation wait (503)
         self.admin_lock = asyncio.Lock()
         self.kv_held = False  # /admin/drop_kv ran and /admin/rebuild_kv did not yet
+        # Admin work gets its own thread: queued behind generation threads, a reload would
+        # hold generation at 503 for as long as it waited.
+        self.admin_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-admin")
+
+    def close(self) -> None:
+        self.admin_executor.shutdown(wait=True)
 
     # ---- request checks ----------------------------------------------------------------------
 
@@ -301,7 +309,7 @@ def _mount_admin(app: FastAPI, state: _ServerState) -> None:
 
     async def run(fn, *args):
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(state.admin_executor, fn, *args)
         except FileNotFoundError as exc:
             raise ApiError(404, str(exc), param="path", code="not_found") from None
         except ValueError as exc:

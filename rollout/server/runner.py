@@ -30,8 +30,10 @@ class Server:
         # Bound here, so a port in use fails in the caller and port 0 is known at once.
         self._socket = socket.create_server((config.host, config.port))
         self.port = self._socket.getsockname()[1]
+        app = build_app(backend, config)
+        self._state = app.state.server
         uvicorn_config = uvicorn.Config(
-            build_app(backend, config),
+            app,
             log_config=None,
             access_log=False,  # the app logs one line per request itself
             timeout_graceful_shutdown=config.drain_timeout_s,
@@ -46,7 +48,7 @@ class Server:
         if not self._uvicorn.started:
             self._socket.close()
             raise RuntimeError(f"the HTTP server on {self.url} did not start: {self._failed}")
-        logger.info("serving %s on %s", getattr(backend, "model_name", "a model"), self.url)
+        logger.info("serving %s on %s", backend.model_name, self.url)
 
     def _run(self) -> None:
         try:
@@ -72,6 +74,7 @@ class Server:
         self._thread.join(timeout=self.config.drain_timeout_s + 30)
         if self._thread.is_alive():
             logger.warning("HTTP server thread on %s did not stop", self.url)
+        self._state.close()
         self._socket.close()
         logger.info("stopped serving on %s", self.url)
 
