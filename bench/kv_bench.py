@@ -22,7 +22,7 @@ import numpy as np
 
 from bench.common import gib, qwen25_15b_dir
 from rollout import RolloutWorker, WorkerConfig
-from rollout.worker import live_device_bytes
+from rollout.kv import live_device_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ def main(config: KvBenchConfig) -> None:
                 released.append(before - live_device_bytes())
                 rebuild = worker.rebuild_kv()
                 batch = worker.generate([[1, 2, 3, 4]], temperature=0.0, max_new_tokens=8)
-                assert batch.cache_miss_count == 0
+                assert batch.compiles == 0
                 drops.append(drop)
                 rebuilds.append(rebuild)
         shape = (kv_bytes // itemsize // config.layers,)

@@ -40,8 +40,8 @@ def mllm_jax_sync(worker: RolloutWorker, flat: dict) -> None:
     """The published MLLM-JAX integration: per param, host copy -> device_put -> astype -> assign."""
     engine = worker.engine
     leaves = engine.weight_leaves()
-    specs = {leaf.path: leaf for leaf in worker._engine_leaves}
-    for m in worker._mappings:
+    specs = {leaf.path: leaf for leaf in worker.leaves}
+    for m in worker.mappings:
         spec = specs[m.engine]
         # On CPU, device_get and device_put may alias host memory: force the copies they make
         # on an accelerator, so the baseline moves the bytes it moves on TPU.

@@ -27,7 +27,13 @@ import numpy as np
 import optax
 
 from examples.grpo_math import group_advantages, ppo_clip_loss, token_logprobs
-from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
+from examples.tasks import (
+    Problem,
+    addition_problems,
+    addition_reward,
+    gsm8k_problems,
+    gsm8k_reward,
+)
 from models import QwenConfig, QwenForCausalLM, TinyModelSpec, write_tiny_model
 from rollout import RolloutWorker, WorkerConfig
 from trainer_bridge import load_hf_params

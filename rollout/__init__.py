@@ -1,8 +1,24 @@
 """In-process sglang-jax rollout worker for JAX/Flax RL trainers."""
 
-from .batch import RolloutBatch
+from .batch import RolloutBatch, StreamChunk
+from .compiles import compile_count, counting_compiles
 from .config import WorkerConfig
 from .engine import EngineError, UnsupportedEngineVersion
-from .worker import KvReport, MemoryReport, RolloutWorker
+from .kv import EngineMemory, KvReport, MemoryReport
+from .sampling import SamplingParams
+from .worker import RolloutWorker
 
-__all__ = ["EngineError", "KvReport", "MemoryReport", "RolloutBatch", "RolloutWorker", "UnsupportedEngineVersion", "WorkerConfig"]
+__all__ = [
+    "EngineError",
+    "EngineMemory",
+    "KvReport",
+    "MemoryReport",
+    "RolloutBatch",
+    "RolloutWorker",
+    "SamplingParams",
+    "StreamChunk",
+    "UnsupportedEngineVersion",
+    "WorkerConfig",
+    "compile_count",
+    "counting_compiles",
+]

@@ -29,9 +29,10 @@ class RolloutBatch:
     positions: np.ndarray  # [B, T] int32, position of each token in its own sequence
     prompt_width: int
     n: int
-    weight_version: int
+    weight_version: int  # every row of a call is generated with this one weight version
     seeds: np.ndarray  # [B] int64, the sampling seed of each row
-    cache_miss_count: int = 0  # jit cache misses (compilations) the engine reported; 0 = none
+    # XLA compilations in the process during the call (JAX compile events); 0 proves none.
+    compiles: int = 0
     completion_texts: list[str] | None = None
 
     @property
@@ -41,6 +42,23 @@ class RolloutBatch:
     @property
     def completion_lengths(self) -> np.ndarray:
         return np.array([len(c) for c in self.completions], dtype=np.int32)
+
+    @property
+    def weight_versions(self) -> np.ndarray:
+        """[B] int64: the weight version each row was generated with."""
+        return np.full(self.size, self.weight_version, dtype=np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+    """New tokens of one row of a streamed generate call (``RolloutWorker.astream``)."""
+
+    row: int  # prompt-major row, as in RolloutBatch
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]  # tokens since this row's previous chunk
+    finish_reason: str | None  # set on the row's last chunk
+    weight_version: int
 
 
 def pack_rollouts(
@@ -53,7 +71,7 @@ def pack_rollouts(
     finish_reasons: Sequence[str],
     weight_version: int,
     seeds: np.ndarray,
-    cache_miss_count: int = 0,
+    compiles: int = 0,
     completion_texts: list[str] | None = None,
     prompt_width: int | None = None,
 ) -> RolloutBatch:
@@ -98,6 +116,6 @@ def pack_rollouts(
         n=n,
         weight_version=weight_version,
         seeds=np.asarray(seeds, dtype=np.int64),
-        cache_miss_count=cache_miss_count,
+        compiles=compiles,
         completion_texts=completion_texts,
     )

@@ -5,45 +5,37 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .engine import DEFAULT_WATCHDOG_TIMEOUT_S, EngineOptions
+import jax
+
+from .engine import EngineOptions
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerConfig:
-    """How a :class:`rollout.RolloutWorker` starts its in-process sglang-jax engine.
+class WorkerConfig(EngineOptions):
+    """How a :class:`rollout.RolloutWorker` starts its in-process sglang-jax engines.
 
-    ``model_path`` is an HF model directory (``config.json``; ``model.safetensors`` unless
-    ``load_format="dummy"``, which allocates random weights of the right shapes, for workers
-    whose weights always come from ``sync_params``). ``max_total_tokens`` is the KV cache
-    budget in tokens: set it, since the engine otherwise takes a fraction of free memory.
+    Every engine option (``EngineOptions``: dtype, KV budget, limits, tp_size, ...) is a field
+    here too, by inheritance: one list of options. ``model_path`` is an HF model directory
+    (``config.json``; ``model.safetensors`` unless ``load_format="dummy"``, which allocates
+    random weights of the right shapes, for workers whose weights always come from
+    ``sync_params``). ``max_total_tokens`` is each engine's KV cache budget in tokens: set it,
+    since the engine otherwise takes a fraction of free memory.
+
+    ``dp_size`` engines run in the process, each on its own group of ``tp_size`` consecutive
+    devices from ``devices`` (default: all local devices); ``dp_size * tp_size`` must equal
+    the number of devices.
     """
 
-    model_path: str
-    dtype: str = "bfloat16"
-    max_total_tokens: int = 4096
-    context_length: int | None = None
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 4096
-    chunked_prefill_size: int = 2048
-    tp_size: int = 1
-    seed: int = 0
-    load_format: str = "auto"
-    page_size: int = 1
-    # Compile the forward for the engine's padding buckets at start-up instead of on first use.
-    precompile: bool = False
-    precompile_token_paddings: tuple[int, ...] | None = None
-    precompile_bs_paddings: tuple[int, ...] | None = None
-    watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
-    attention_backend: str | None = None
+    dp_size: int = 1
     # Append one JSON line per lifecycle phase (engine_ready, weights_synced, kv_dropped,
     # kv_rebuilt, generate) with its duration and a memory summary to this file.
     phase_log: str | None = None
 
     def __post_init__(self):
-        positive = ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "tp_size", "page_size")
+        positive = ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "tp_size", "dp_size", "page_size")
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"WorkerConfig.{name} must be a positive int, got {value!r}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"WorkerConfig.context_length must be >= 2, got {self.context_length}")
@@ -51,26 +43,34 @@ class WorkerConfig:
             raise ValueError(f"WorkerConfig.dtype must be bfloat16, float32 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"WorkerConfig.load_format must be auto, dummy or safetensors, got {self.load_format!r}")
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
+            if len(set(self.devices)) != len(self.devices):
+                raise ValueError(f"WorkerConfig.devices lists a device twice: {self.devices}")
 
-    def engine_options(self) -> EngineOptions:
-        return EngineOptions(
-            model_path=str(self.model_path),
-            dtype=self.dtype,
-            tp_size=self.tp_size,
-            max_total_tokens=self.max_total_tokens,
-            context_length=self.context_length,
-            max_running_requests=self.max_running_requests,
-            max_prefill_tokens=self.max_prefill_tokens,
-            chunked_prefill_size=self.chunked_prefill_size,
-            page_size=self.page_size,
-            seed=self.seed,
-            load_format=self.load_format,
-            precompile=self.precompile,
-            precompile_token_paddings=self.precompile_token_paddings,
-            precompile_bs_paddings=self.precompile_bs_paddings,
-            watchdog_timeout_s=self.watchdog_timeout_s,
-            attention_backend=self.attention_backend,
-        )
+    def device_groups(self) -> list[tuple]:
+        """The devices of each engine; a clear error when they do not add up."""
+        devices = self.devices if self.devices is not None else tuple(jax.local_devices())
+        if self.dp_size * self.tp_size != len(devices):
+            raise ValueError(
+                f"WorkerConfig: dp_size ({self.dp_size}) x tp_size ({self.tp_size}) = "
+                f"{self.dp_size * self.tp_size} devices, but the worker is given {len(devices)} "
+                f"({', '.join(str(d) for d in devices)}); set devices= or change dp_size/tp_size"
+            )
+        return [devices[i * self.tp_size : (i + 1) * self.tp_size] for i in range(self.dp_size)]
+
+    def engine_options(self, devices) -> EngineOptions:
+        """The options of one engine running on ``devices``."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)}
+        # Same seed everywhere: dummy-loaded engines must start from the same weights.
+        return EngineOptions(**{**shared, "devices": tuple(devices)})
+
+    def check_model_dir(self) -> None:
+        """A local model path must be a directory with config.json (else it is a hub id)."""
+        path = Path(self.model_path)
+        looks_local = path.is_absolute() or str(self.model_path).startswith(".") or path.exists()
+        if looks_local and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} does not exist or has no config.json")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

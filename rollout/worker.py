@@ -1,31 +1,37 @@
-"""The rollout worker: an sglang-jax engine in the trainer's process."""
+"""The rollout worker: sglang-jax engines in the trainer's process.
+
+A facade over its parts: ``weights`` (sync plans, leaf ownership, checkpoint targets), ``kv``
+(KV lifecycle, memory accounting), ``sampling`` (validated sampling parameters and prompts),
+``gate`` (concurrent calls versus exclusive changes) and ``phase_log``.
+
+Thread safety: every public method may be called from any thread. Generate calls run
+concurrently and the engines batch their requests together. Weight swaps (``sync_params``,
+``load_*``) and KV changes are exclusive: they wait for the calls already running, new calls
+wait behind them, and each call generates with one weight version (``batch.weight_version``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import EngineTransform, mappings_for
+from models import ParamMapping
 from trainer_bridge import (
     EngineLeaf,
     SyncError,
-    SyncPlan,
     SyncReport,
-    build_plan,
     flatten_params,
     load_hf_params,
-    plan_key,
     resolve_checkpoint,
     restore_tree,
     saved_layout,
@@ -33,77 +39,80 @@ from trainer_bridge import (
     wrap_like,
 )
 
-from .batch import RolloutBatch, pack_rollouts
+from . import kv, weight_check
+from .batch import RolloutBatch, StreamChunk, pack_rollouts
+from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
-from . import weight_check
-from .engine import MAX_SAMPLING_SEED, EngineHandle, device_buffers, device_nbytes
+from .engine import EngineError, EngineHandle, GenerateOutput
+from .gate import EngineGate
+from .kv import KvReport, MemoryReport
+from .phase_log import PhaseLog
+from .sampling import (
+    MAX_SAMPLING_SEED,
+    SamplingParams,
+    check_request_lengths,
+    prompt_token_ids,
+    row_seeds,
+)
+from .weights import EngineWeights
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class KvReport:
-    """What a KV cache drop freed or a rebuild allocated."""
+class _Request:
+    """A validated generate call, before it is split over engines."""
 
-    bytes: int  # device bytes of the pool's own buffers, summed over devices and layers
-    buffers: int
-    seconds: float
-    # Live device bytes released beyond the pool's buffers: on backends without buffer
-    # donation (CPU) the previous step's KV arrays can still be alive until the drop.
-    transient_bytes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryReport:
-    # Device bytes summed over devices.
-    weight_bytes: int  # the engine's weight leaves (aliased trainer buffers included)
-    kv_bytes: int  # the KV cache buffers (0 while dropped)
-    live_bytes_per_device: dict[str, int]  # every live JAX array, by device
+    prompts: list[list[int]]
+    params: SamplingParams  # stop ids final (EOS added)
+    seeds: np.ndarray  # [P, n]
+    pad_prompts_to: int | None
 
 
 class RolloutWorker:
-    """Generates rollouts with an in-process sglang-jax engine.
+    """Generates rollouts with in-process sglang-jax engines (``config.dp_size`` of them, each
+    on its own ``tp_size`` devices) that serve the trainer's weights.
 
     Use it as a context manager, or call :meth:`close` (idempotent) when done.
     """
 
     def __init__(self, config: WorkerConfig):
-        _check_model_path(config.model_path)
+        config.check_model_dir()
+        device_groups = config.device_groups()
         self.config = config
         start = time.perf_counter()
-        self._engine = EngineHandle(config.engine_options())
+        self._engines: list[EngineHandle] = []
         try:
+            # One at a time: engine start-up touches process-global state (config caches,
+            # jax flags) that is not safe to share between concurrent start-ups.
+            for devices in device_groups:
+                self._engines.append(EngineHandle(config.engine_options(devices)))
             self._set_up(config)
         except BaseException:
-            self._engine.close()
+            for engine in self._engines:
+                engine.close()
             raise
-        self._log_phase("engine_ready", time.perf_counter() - start)
+        self._phases.record("engine_ready", time.perf_counter() - start)
 
     def _set_up(self, config: WorkerConfig) -> None:
-        self._lock = threading.RLock()
+        self._state_lock = threading.RLock()
+        self._sync_lock = threading.Lock()
+        self._gate = EngineGate()
         self._rng = np.random.default_rng(config.seed)
+        self._closed = False
         self.weight_version = 0
-        self._plans: dict[tuple, SyncPlan] = {}
-        self._engine_leaves = [
-            EngineLeaf(i, spec.path, spec.shape, spec.dtype, spec.sharding)
-            for i, spec in enumerate(self._engine.leaf_specs())
-        ]
-        self._mappings = mappings_for(self._engine.hf_config)
-        # Per trainer path: the engine leaf it is used as unchanged, or None when the sync
-        # transforms it (transpose; k/v projections, whose heads the engine may repeat).
-        by_path = {leaf.path: leaf for leaf in self._engine_leaves}
-        self._used_as_is = {
-            m.trainer: by_path[m.engine] if m.engine_transform is EngineTransform.IDENTITY else None
-            for m in self._mappings
-        }
-        # Leaf indices whose current array belongs to the engine (boot weights, sync copies),
-        # as opposed to trainer buffers it aliases: those are freed as soon as they are replaced.
-        self._owned_leaves = set(range(len(self._engine_leaves)))
+        self._weights = [EngineWeights(engine) for engine in self._engines]
         self._kv_dropped = False
         self._stale_reason: str | None = None
         self._tokenizer = _load_tokenizer(config.model_path)
         self.pad_token_id = _pad_token_id(self._tokenizer)
-        self.eos_token_ids = _eos_token_ids(self._tokenizer, self._engine.hf_config)
+        self.eos_token_ids = _eos_token_ids(self._tokenizer, self.engine.hf_config)
+        self._phases = PhaseLog(config.phase_log, self.memory)
+        if len(self._engines) > 1:
+            self._worker_mesh = Mesh(
+                np.stack([engine.mesh.devices for engine in self._engines]),
+                ("replica", *self.engine.mesh.axis_names),
+            )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -114,249 +123,230 @@ class RolloutWorker:
         self.close()
 
     def close(self) -> None:
-        """Stop the engine and free what it holds. Safe to call more than once."""
-        with self._lock:
-            if self._engine is not None:
-                self._engine.close()
-                self._engine = None
+        """Stop the engines and free what they hold. Safe to call more than once."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for engine in self._engines:
+                engine.close()
 
     @property
     def closed(self) -> bool:
-        return self._engine is None
+        return self._closed
+
+    @property
+    def engines(self) -> tuple[EngineHandle, ...]:
+        if self._closed:
+            raise RuntimeError("the RolloutWorker is closed")
+        return tuple(self._engines)
 
     @property
     def engine(self) -> EngineHandle:
-        if self._engine is None:
-            raise RuntimeError("the RolloutWorker is closed")
-        return self._engine
+        """The first (with ``dp_size=1`` the only) engine."""
+        return self.engines[0]
 
     @property
     def tokenizer(self):
         """The model directory's HF tokenizer, or None when it has none."""
         return self._tokenizer
 
-    # ---- weights ---------------------------------------------------------------------------
-
-    def sync_params(
-        self, params: Mapping, *, allow_cast: bool = True, check_finite: bool = False
-    ) -> SyncReport:
-        """Make the engine generate with ``params`` (MLLM-JAX layout; ``{'params': ...}`` too).
-
-        Leaves whose shape, dtype and placement already match the engine's are used as they
-        are (zero copy); the rest are cast / transposed / resharded on device in one jitted
-        call. On any error nothing changes: the previous weights keep serving and the version
-        stays. The engine may keep using the trainer's buffers until the next sync: a train
-        step that donates them must be followed by a sync before the next generate.
-        """
-        start = time.perf_counter()
-        engine = self.engine
-        try:
-            flat = flatten_params(params)
-        except (TypeError, ValueError) as exc:
-            raise SyncError(str(exc)) from None
-        key = (plan_key(flat), allow_cast)
-        plan = self._plans.get(key)
-        if plan is None:
-            leaves = build_plan(flat, self._engine_leaves, self._mappings, head_dim=self._head_dim, allow_cast=allow_cast)
-            plan = self._plans[key] = SyncPlan(leaves, self._head_dim)
-        plan.check_inputs(flat, check_finite)
-        updates = plan.execute(flat)
-        new_leaves = engine.weight_leaves()
-        for index, array in updates.items():
-            new_leaves[index] = array
-        self._check_engine_layout(new_leaves)
-        jax.block_until_ready(list(updates.values()))
-
-        copied = {p.engine.index for p in plan.copies}
-
-        def swap():
-            old_leaves = engine.weight_leaves()
-            engine.replace_weight_leaves(new_leaves)
-            engine.flush_prefix_cache()
-            # Free replaced engine-owned arrays now rather than whenever the last reference
-            # goes: peak memory of a sync stays at the bytes it writes.
-            for index in self._owned_leaves:
-                if old_leaves[index] is not new_leaves[index] and index in updates:
-                    old_leaves[index].delete()
-
-        with self._lock:
-            engine.call(swap)
-            self._owned_leaves = copied | (self._owned_leaves - set(updates))
-            self._stale_reason = None
-            self.weight_version += 1
-            version = self.weight_version
-        report = plan.report(version, time.perf_counter() - start)
-        logger.info("sync_params: %s", report)
-        self._log_phase("weights_synced", report.seconds, version=version, bytes_copied=report.bytes_copied)
-        return report
-
-    def sync_memory_analysis(self, params: Mapping):
-        """XLA's memory analysis of the jitted copy a sync of ``params`` runs (after a first
-        sync of the same structure): output and temporary bytes it allocates on device."""
-        flat = flatten_params(params)
-        plan = next((p for (key, _), p in self._plans.items() if key == plan_key(flat)), None)
-        if plan is None:
-            raise ValueError("sync these params once before asking for the memory analysis")
-        return plan.memory_analysis(flat)
-
-    def param_shardings(self) -> dict:
-        """Where to place a trainer param tree so that ``sync_params`` moves no bytes.
-
-        A nested dict in the trainer layout: each leaf the engine uses as it is gets the
-        engine's sharding; the others (transposed; k/v projections, whose heads the engine may
-        repeat) are replicated on the engine's mesh, from which the sync transforms them.
-        """
-        replicated = NamedSharding(self.engine.mesh, PartitionSpec())
-        return unflatten_params(
-            {path: leaf.sharding if leaf is not None else replicated for path, leaf in self._used_as_is.items()}
-        )
-
-    def load_hf(self, model_dir) -> SyncReport:
-        """Serve the weights of an HF safetensors directory (single file or sharded with an
-        index json), through the same plan as ``sync_params``. On error nothing changes."""
-        return self.sync_params(load_hf_params(model_dir, dtype=None))
-
-    def load_checkpoint(self, path, step: int | None = None) -> SyncReport:
-        """Serve a trainer param tree saved with orbax: a ``StandardCheckpointer`` directory,
-        or a ``CheckpointManager`` root (latest step, or ``step``).
-
-        Leaves the engine can use as they are restored straight into the engine's dtype and
-        sharding and then aliased; the others are restored replicated on the engine's mesh and
-        transformed on device. No host copy of the tree is made. On error nothing changes.
-        """
-        item_dir = resolve_checkpoint(path, step)
-        saved, wrapped = saved_layout(item_dir)
-        missing = sorted(set(self._used_as_is) - set(saved))
-        extra = sorted(set(saved) - set(self._used_as_is))
-        if missing or extra:
-            raise SyncError(
-                f"checkpoint {item_dir} does not match the model: missing {len(missing)} expected "
-                f"path(s) {missing[:8]}; {len(extra)} unexpected path(s) {extra[:8]}"
-            )
-        replicated = NamedSharding(self.engine.mesh, PartitionSpec())
-        targets = {}
-        for path_, meta in saved.items():
-            engine_leaf, shape = self._used_as_is[path_], tuple(meta.shape)
-            if engine_leaf is not None and shape == engine_leaf.shape:
-                targets[path_] = jax.ShapeDtypeStruct(shape, engine_leaf.dtype, sharding=engine_leaf.sharding)
-            else:
-                targets[path_] = jax.ShapeDtypeStruct(shape, meta.dtype, sharding=replicated)
-        restored = restore_tree(item_dir, wrap_like(targets, wrapped))
-        return self.sync_params(restored)
+    # ---- read-only views ---------------------------------------------------------------------
 
     @property
-    def _head_dim(self) -> int:
-        config = self.engine.hf_config
-        return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    def leaves(self) -> tuple[EngineLeaf, ...]:
+        """The engine's weight leaves: path, shape, dtype, sharding (of the first engine)."""
+        return self._weights[0].leaves
 
-    def _check_engine_layout(self, leaves: list) -> None:
-        for leaf, expected in zip(leaves, self._engine_leaves):
-            if (
-                tuple(leaf.shape) != expected.shape
-                or leaf.dtype != expected.dtype
-                or leaf.sharding != expected.sharding
-            ):
-                raise SyncError(
-                    f"internal: engine leaf '{expected.path}' would change from "
-                    f"{expected.shape} {expected.dtype} {expected.sharding} to "
-                    f"{tuple(leaf.shape)} {leaf.dtype} {leaf.sharding}"
-                )
+    @property
+    def mappings(self) -> tuple[ParamMapping, ...]:
+        """The model's trainer path -> engine leaf mapping table, expanded per layer."""
+        return self._weights[0].mappings
 
-    def _check_weights_alive(self) -> None:
-        if self._stale_reason is not None:
-            raise RuntimeError(f"{self._stale_reason}: call worker.sync_params(params) before generate")
-        dead = [spec.path for spec, leaf in zip(self._engine_leaves, self.engine.weight_leaves()) if leaf.is_deleted()]
-        if dead:
-            raise RuntimeError(
-                f"the engine's weights were freed ({len(dead)} leaves, e.g. '{dead[0]}'): the trainer "
-                "donated buffers the engine was using. Call worker.sync_params(params) before generate."
-            )
+    @property
+    def head_dim(self) -> int:
+        return self._weights[0].head_dim
 
-    # ---- KV cache and memory -----------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
 
-    def drop_kv(self) -> KvReport:
-        """Free the KV cache buffers (and the prefix cache) until :meth:`rebuild_kv`.
-
-        ``generate`` while dropped rebuilds first. Dropping twice frees nothing more.
-        """
-        engine = self.engine
-        with self._lock:
-            if self._kv_dropped:
-                return KvReport(0, 0, 0.0)
-            start = time.perf_counter()
-            live_before = live_device_bytes()
-            count, freed = engine.call(engine.drop_kv_buffers)
-            self._kv_dropped = True
-            transient = max(0, live_before - live_device_bytes() - freed)
-        report = KvReport(freed, count, time.perf_counter() - start, transient)
-        self._log_phase("kv_dropped", report.seconds, bytes=report.bytes)
-        return report
-
-    def rebuild_kv(self) -> KvReport:
-        """Recreate the KV cache with its original shapes, dtype and sharding (no recompile)."""
-        engine = self.engine
-        with self._lock:
-            if not self._kv_dropped:
-                return KvReport(0, 0, 0.0)
-            start = time.perf_counter()
-            engine.call(engine.rebuild_kv_buffers)
-            buffers = engine.kv_buffers()
-            jax.block_until_ready(buffers)
-            self._kv_dropped = False
-        report = KvReport(sum(device_nbytes(b) for b in buffers), len(buffers), time.perf_counter() - start)
-        self._log_phase("kv_rebuilt", report.seconds, bytes=report.bytes)
-        return report
-
-    def _log_phase(self, phase: str, seconds: float, **details) -> None:
-        if self.config.phase_log is None:
-            return
-        memory = self.memory()
-        record = {
-            "phase": phase,
-            "seconds": round(seconds, 6),
-            "time": time.time(),
-            **details,
-            "weight_bytes": memory.weight_bytes,
-            "kv_bytes": memory.kv_bytes,
-            "live_bytes": sum(memory.live_bytes_per_device.values()),
-            "live_bytes_per_device": memory.live_bytes_per_device,
-        }
-        with open(self.config.phase_log, "a", encoding="utf-8") as log:
-            log.write(json.dumps(record) + "\n")
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
 
     @property
     def kv_dropped(self) -> bool:
         return self._kv_dropped
 
+    @property
+    def unavailable_reason(self) -> str | None:
+        """None when a generate can start now; else why not (a weight swap, KV change or
+        train step in progress, or weights stale after a train step)."""
+        if self._closed:
+            return "the worker is closed"
+        return self._gate.exclusive_reason or self._stale_reason
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def sync_params(
+        self, params: Mapping, *, allow_cast: bool = True, check_finite: bool = False
+    ) -> SyncReport:
+        """Make the engines generate with ``params`` (MLLM-JAX layout; ``{'params': ...}`` too).
+
+        Leaves whose shape, dtype and placement already match an engine's are used as they
+        are (zero copy); the rest are cast / transposed / resharded on device in one jitted
+        call per engine. The swap waits for running generate calls and holds new ones back
+        until it is done. On any error nothing changes: the previous weights keep serving and
+        the version stays. The engines may keep using the trainer's buffers until the next
+        sync: a train step that donates them must be followed by a sync before the next
+        generate.
+        """
+        return self._sync(params, allow_cast=allow_cast, check_finite=check_finite)
+
+    def _sync(self, params: Mapping, *, allow_cast: bool, check_finite: bool, reason: str = "weights are being swapped") -> SyncReport:
+        start = time.perf_counter()
+        self._check_open()
+        try:
+            flat = flatten_params(params)
+        except (TypeError, ValueError) as exc:
+            raise SyncError(str(exc)) from None
+        with self._sync_lock, counting_compiles() as compiles:
+            prepared = [w.prepare(flat, allow_cast=allow_cast, check_finite=check_finite) for w in self._weights]
+            with self._gate.exclusive(reason), self._state_lock:
+                for weights, update in zip(self._weights, prepared):
+                    weights.commit(update)
+                self._stale_reason = None
+                self.weight_version += 1
+                version = self.weight_version
+        seconds = time.perf_counter() - start
+        reports = [update.plan.report(version, seconds) for update in prepared]
+        report = _combine_sync_reports(reports, compiles.value)
+        logger.info("sync_params: %s", report)
+        self._phases.record("weights_synced", seconds, version=version, bytes_copied=report.bytes_copied)
+        return report
+
+    def sync_memory_analysis(self, params: Mapping):
+        """XLA's memory analysis of the jitted copy a sync of ``params`` runs on the first
+        engine (after a first sync of the same structure): output and temporary bytes."""
+        return self._weights[0].memory_analysis(flatten_params(params))
+
+    def param_shardings(self) -> dict:
+        """Where to place a trainer param tree so that ``sync_params`` moves no bytes.
+
+        A nested dict in the trainer layout: each leaf the engines use as it is gets the
+        engine's sharding (with several engines: that sharding within each engine's devices,
+        replicated across engines); the others (transposed; k/v projections, whose heads the
+        engine may repeat) are replicated, and the sync transforms them.
+        """
+        flat = self._weights[0].param_shardings()
+        if len(self._engines) > 1:
+            flat = {path: self._across_engines(sharding) for path, sharding in flat.items()}
+        return unflatten_params(flat)
+
+    def _across_engines(self, sharding: jax.sharding.Sharding) -> NamedSharding:
+        """The sharding that gives every engine's devices the slices that ``sharding`` gives
+        the first engine's."""
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+        return NamedSharding(self._worker_mesh, spec)
+
+    def load_hf(self, model_dir) -> SyncReport:
+        """Serve the weights of an HF safetensors directory (single file or sharded with an
+        index json), through the same plan as ``sync_params``. On error nothing changes."""
+        return self._sync(load_hf_params(model_dir, dtype=None), allow_cast=True, check_finite=False, reason="weights are being reloaded")
+
+    def load_checkpoint(self, path, step: int | None = None) -> SyncReport:
+        """Serve a trainer param tree saved with orbax: a ``StandardCheckpointer`` directory,
+        or a ``CheckpointManager`` root (latest step, or ``step``).
+
+        Leaves the engines can use as they are restored straight into the engines' dtype and
+        sharding and then aliased; the others are restored replicated and transformed on
+        device. No host copy of the tree is made. On error nothing changes.
+        """
+        item_dir = resolve_checkpoint(path, step)
+        saved, wrapped = saved_layout(item_dir)
+        targets = self._weights[0].checkpoint_targets(saved, item_dir)
+        if len(self._engines) > 1:
+            targets = {
+                p: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=self._across_engines(t.sharding))
+                for p, t in targets.items()
+            }
+        restored = restore_tree(item_dir, wrap_like(targets, wrapped))
+        return self._sync(restored, allow_cast=True, check_finite=False, reason="weights are being reloaded")
+
+    def replace_engine_leaves(self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str) -> int:
+        """Swap engine-owned arrays in by leaf index, one mapping per engine (same shapes,
+        dtypes and shardings as the leaves they replace). Returns the new weight version."""
+        with self._sync_lock, self._gate.exclusive(reason), self._state_lock:
+            for weights, leaves in zip(self._weights, new_leaves):
+                weights.replace_leaves(leaves)
+            self.weight_version += 1
+            return self.weight_version
+
+    # ---- KV cache and memory -----------------------------------------------------------------
+
+    def drop_kv(self) -> KvReport:
+        """Free every engine's KV cache buffers (and prefix cache) until :meth:`rebuild_kv`.
+
+        Waits for running generate calls. ``generate`` while dropped rebuilds first.
+        Dropping twice frees nothing more.
+        """
+        self._check_open()
+        with self._gate.exclusive("the KV cache is being dropped"), self._state_lock:
+            if self._kv_dropped:
+                return KvReport(0, 0, 0.0)
+            start = time.perf_counter()
+            reports = [kv.drop_kv(engine) for engine in self._engines]
+            self._kv_dropped = True
+        report = kv.combine(reports, time.perf_counter() - start)
+        self._phases.record("kv_dropped", report.seconds, bytes=report.bytes)
+        return report
+
+    def rebuild_kv(self) -> KvReport:
+        """Recreate the KV caches with their original shapes, dtype and sharding (no recompile)."""
+        self._check_open()
+        with self._gate.exclusive("the KV cache is being rebuilt"), self._state_lock:
+            if not self._kv_dropped:
+                return KvReport(0, 0, 0.0)
+            start = time.perf_counter()
+            reports = [kv.rebuild_kv(engine) for engine in self._engines]
+            self._kv_dropped = False
+        report = kv.combine(reports, time.perf_counter() - start)
+        self._phases.record("kv_rebuilt", report.seconds, bytes=report.bytes)
+        return report
+
     @contextlib.contextmanager
     def released_for_training(self) -> Iterator[KvReport]:
-        """Around a train step: drops the KV cache and the engine's references to the
-        trainer's buffers it was serving, so the train step may donate its params.
+        """Around a train step: drops the KV caches and the engines' references to the
+        trainer's buffers they were serving, so the train step may donate its params.
 
         Afterwards ``generate`` refuses to run until the next ``sync_params``. Yields the KV
         drop report.
         """
-        engine = self.engine
-        report = self.drop_kv()
-        with self._lock:
-            self._stale_reason = "a train step ran since the last sync_params"
-            mapped = {leaf.index for leaf in self._engine_leaves if not leaf.path.startswith("rng.")}
-            aliased = sorted(mapped - self._owned_leaves)
-            engine.call(lambda: engine.release_weight_leaves(aliased))
+        self._check_open()
+        with self._gate.exclusive("a train step is running"):
+            report = self.drop_kv()
+            with self._state_lock:
+                self._stale_reason = "a train step ran since the last sync_params"
+                for weights in self._weights:
+                    weights.release_aliased()
         yield report
 
     def memory(self) -> MemoryReport:
-        engine = self.engine
-        weights: dict[tuple[int, int], int] = {}
-        for leaf in engine.weight_leaves():
-            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-                weights.update(device_buffers(leaf))
-        kv = sum(device_nbytes(b) for b in engine.kv_buffers())
-        per_device: dict[str, int] = {}
-        devices = {d.id: str(d) for d in jax.devices()}
-        for (device_id, _), nbytes in live_device_buffers().items():
-            per_device[devices[device_id]] = per_device.get(devices[device_id], 0) + nbytes
-        return MemoryReport(sum(weights.values()), kv, per_device)
+        """Device bytes of weights and KV per engine, and of all live arrays per device."""
+        engines, all_weights = [], {}
+        for engine, weights in zip(self.engines, self._weights):
+            buffers = weights.device_buffers()
+            all_weights.update(buffers)
+            engines.append(kv.engine_memory(engine, buffers))
+        devices = [d for engine in self._engines for d in engine.devices]
+        names = {d.id: str(d) for d in devices}
+        per_device = dict.fromkeys(names.values(), 0)
+        for (device_id, _), nbytes in kv.live_device_buffers(devices).items():
+            per_device[names[device_id]] += nbytes
+        return MemoryReport(
+            sum(all_weights.values()), sum(e.kv_bytes for e in engines), per_device, tuple(engines)
+        )
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -374,210 +364,268 @@ class RolloutWorker:
         ignore_eos: bool = False,
         seed: int | None = None,
         pad_prompts_to: int | None = None,
+        return_logprobs: bool = False,
     ) -> RolloutBatch:
         """Sample ``n`` completions for every prompt (token-id lists, or strings).
 
-        ``temperature=0`` is greedy decoding. Each row gets its own sampling seed, derived from
-        ``seed`` (or from the worker's own random stream when ``seed`` is None), so the same
-        seed gives the same completions and no two rows share a random stream.
+        ``temperature=0`` is greedy decoding. Sample ``j`` of ``prompts[i]`` draws from its
+        own seed, derived from ``(seed, i, j)``: the same call seed gives the same samples for
+        that prompt whatever the other prompts, ``n`` or ``dp_size`` are (``seed=None``
+        draws a call seed from the worker's own random stream). Calls from several threads
+        run concurrently and are batched together by the engines.
         """
-        engine = self.engine
-        prompt_ids = self._prompt_ids(prompts)
-        _check_sampling(n, temperature, top_p, top_k, min_p, max_new_tokens, seed)
-        self._check_lengths(prompt_ids, max_new_tokens)
-        if pad_prompts_to is not None and max(map(len, prompt_ids)) > pad_prompts_to:
-            raise ValueError(
-                f"a prompt has {max(map(len, prompt_ids))} tokens, more than pad_prompts_to={pad_prompts_to}"
-            )
-        stop_ids = self._stop_token_ids(stop_token_ids)
+        request = self._request(prompts, locals())
         start = time.perf_counter()
-        self._check_weights_alive()
-        if self._kv_dropped:
-            self.rebuild_kv()
+        with counting_compiles() as compiles:
+            self._admit()
+            try:
+                version = self.weight_version
+                futures = [
+                    (rows, engine.submit(*part)) for engine, (rows, part) in self._split(request)
+                ]
+                outputs = _merge([(rows, future.result()) for rows, future in futures])
+            finally:
+                self._gate.leave()
+        self._phases.record("generate", time.perf_counter() - start, rows=len(outputs))
+        return self._pack(request, outputs, version, compiles.value)
 
-        with self._lock:
-            base_seed = int(self._rng.integers(MAX_SAMPLING_SEED)) if seed is None else int(seed)
-            seeds = _row_seeds(base_seed, len(prompt_ids) * n)
-            params = []
-            for row_seed in seeds:
-                p = {
-                    "max_new_tokens": max_new_tokens,
-                    "temperature": float(temperature),
-                    "top_p": float(top_p),
-                    "top_k": int(top_k),
-                    "min_p": float(min_p),
-                    "ignore_eos": bool(ignore_eos),
-                    "sampling_seed": int(row_seed),
-                    "no_stop_trim": True,
-                }
-                if stop_ids or not ignore_eos:
-                    p["stop_token_ids"] = sorted(set(stop_ids) | (set() if ignore_eos else self.eos_token_ids))
-                params.append(p)
-            # 0.0.2 ignores n for a single prompt: every sample is its own request.
-            rows = [ids for ids in prompt_ids for _ in range(n)]
-            outputs = engine.generate(rows, params)
+    async def agenerate(self, prompts, **options) -> RolloutBatch:
+        """:meth:`generate` for asyncio callers: awaits the engines without blocking the loop."""
+        request = self._request(prompts, {"self": self, "prompts": prompts, **options})
+        with counting_compiles() as compiles:
+            await self._aadmit()
+            try:
+                version = self.weight_version
+                parts = [(rows, engine.submit(*part)) for engine, (rows, part) in self._split(request)]
+                results = await asyncio.gather(*(asyncio.wrap_future(f) for _, f in parts))
+                outputs = _merge([(rows, result) for (rows, _), result in zip(parts, results)])
+            finally:
+                self._gate.leave()
+        return self._pack(request, outputs, version, compiles.value)
+
+    async def astream(self, prompts, **options) -> AsyncIterator[StreamChunk]:
+        """Stream completions as tokens arrive: one :class:`StreamChunk` per row update
+        (the new tokens since that row's last chunk), and a last chunk per row carrying its
+        ``finish_reason``. Takes :meth:`generate`'s arguments except ``pad_prompts_to``."""
+        request = self._request(prompts, {"self": self, "prompts": prompts, **options})
+        await self._aadmit()
+        try:
             version = self.weight_version
+            updates: asyncio.Queue = asyncio.Queue()
 
-        completions = [_completion_ids(i, out)[:max_new_tokens] for i, out in enumerate(outputs)]
-        self._log_phase("generate", time.perf_counter() - start, rows=len(outputs))
+            async def pump(rows, engine, part):
+                async for row, output in engine.astream(*part):
+                    await updates.put((rows[row], output))
+
+            tasks = [asyncio.ensure_future(pump(rows, e, part)) for e, (rows, part) in self._split(request)]
+            done_task = asyncio.ensure_future(asyncio.gather(*tasks))
+            done_task.add_done_callback(lambda _: updates.put_nowait(None))
+            sent = [0] * (len(request.prompts) * request.params.n)
+            try:
+                while (update := await updates.get()) is not None:
+                    row, output = update
+                    new = output.output_ids[sent[row] :]
+                    sent[row] = len(output.output_ids)
+                    if new or output.finish_reason:
+                        n = request.params.n
+                        yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version)
+                done_task.result()
+            finally:
+                for task in tasks:
+                    task.cancel()
+        finally:
+            self._gate.leave()
+
+    def _request(self, prompts, arguments: dict) -> _Request:
+        """Validate a generate call's arguments (``generate``'s own names)."""
+        self._check_open()
+        options = {k: v for k, v in arguments.items() if k not in ("self", "prompts", "pad_prompts_to")}
+        unknown = set(options) - {f.name for f in dataclasses.fields(SamplingParams)}
+        if unknown:
+            raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        params = SamplingParams(**options)
+        prompt_ids = prompt_token_ids(
+            prompts, vocab_size=self.vocab_size, tokenizer=self._tokenizer, model_path=self.config.model_path
+        )
+        for j, stop in enumerate(params.stop_token_ids):
+            if stop >= self.vocab_size:
+                raise ValueError(f"stop_token_ids[{j}] = {stop} is outside [0, {self.vocab_size})")
+        engine = self.engine
+        check_request_lengths(
+            prompt_ids,
+            params.max_new_tokens,
+            context_length=engine.context_length,
+            max_request_tokens=engine.max_request_tokens,
+            max_prompt_tokens=engine.max_prompt_tokens,
+            kv_pool_tokens=engine.kv_pool_tokens,
+        )
+        pad_to = arguments.get("pad_prompts_to")
+        if pad_to is not None and max(map(len, prompt_ids)) > pad_to:
+            raise ValueError(f"a prompt has {max(map(len, prompt_ids))} tokens, more than pad_prompts_to={pad_to}")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        call_seed = params.seed
+        if call_seed is None:
+            with self._state_lock:
+                call_seed = int(self._rng.integers(MAX_SAMPLING_SEED))
+        params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
+        return _Request(prompt_ids, params, row_seeds(call_seed, len(prompt_ids), params.n), pad_to)
+
+    def _split(self, request: _Request):
+        """(engine, (global rows, (prompts, params, seeds))) per engine with work: whole
+        prompts (their n samples together), balanced by tokens."""
+        prompts, n = request.prompts, request.params.n
+        if len(self._engines) == 1:
+            return [(self._engines[0], (list(range(len(prompts) * n)), (prompts, request.params, request.seeds)))]
+        load = [0] * len(self._engines)
+        assigned: list[list[int]] = [[] for _ in self._engines]
+        cost = [len(p) + request.params.max_new_tokens for p in prompts]
+        for i in sorted(range(len(prompts)), key=lambda i: -cost[i]):
+            target = load.index(min(load))
+            assigned[target].append(i)
+            load[target] += cost[i]
+        parts = []
+        for engine, indices in zip(self._engines, assigned):
+            if indices:
+                indices.sort()
+                rows = [i * n + j for i in indices for j in range(n)]
+                part = ([prompts[i] for i in indices], request.params, request.seeds[indices])
+                parts.append((engine, (rows, part)))
+        return parts
+
+    def _admit(self) -> None:
+        """Enter the gate as a generate call, rebuilding the KV caches first if dropped."""
+        while True:
+            if self._kv_dropped:
+                self.rebuild_kv()
+            self._gate.enter()
+            if not self._kv_dropped:
+                break
+            self._gate.leave()
+        try:
+            self._check_weights_alive()
+        except BaseException:
+            self._gate.leave()
+            raise
+
+    async def _aadmit(self) -> None:
+        while True:
+            if self._kv_dropped:
+                await asyncio.to_thread(self.rebuild_kv)
+            await self._gate.aenter()
+            if not self._kv_dropped:
+                break
+            self._gate.leave()
+        try:
+            self._check_weights_alive()
+        except BaseException:
+            self._gate.leave()
+            raise
+
+    def _check_weights_alive(self) -> None:
+        self._check_open()
+        if self._stale_reason is not None:
+            raise RuntimeError(f"{self._stale_reason}: call worker.sync_params(params) before generate")
+        for index, weights in enumerate(self._weights):
+            dead = weights.dead_leaves()
+            if dead:
+                raise RuntimeError(
+                    f"the weights of engine {index} were freed ({len(dead)} leaves, e.g. '{dead[0]}'): "
+                    "the trainer donated buffers the engine was using. Call worker.sync_params(params) "
+                    "before generate."
+                )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the RolloutWorker is closed")
+
+    def _pack(self, request: _Request, outputs: list[GenerateOutput], version: int, compiles: int) -> RolloutBatch:
+        params = request.params
+        completions = [list(o.output_ids[: params.max_new_tokens]) for o in outputs]
         texts = None
         if self._tokenizer is not None:
             texts = [self._tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         return pack_rollouts(
-            prompt_ids,
+            request.prompts,
             completions,
-            n=n,
-            completion_width=max_new_tokens,
+            n=params.n,
+            completion_width=params.max_new_tokens,
             pad_token_id=self.pad_token_id,
             finish_reasons=[o.finish_reason for o in outputs],
             weight_version=version,
-            seeds=seeds,
-            cache_miss_count=max(o.cache_miss_count for o in outputs),
+            seeds=request.seeds.reshape(-1),
+            compiles=compiles,
             completion_texts=texts,
-            prompt_width=pad_prompts_to,
+            prompt_width=request.pad_prompts_to,
         )
-
-    def _prompt_ids(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError(
-                f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}"
-            )
-        if len(prompts) == 0:
-            raise ValueError("prompts is empty")
-        vocab = self.engine.vocab_size
-        ids = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                tokenizer = self._tokenizer
-                if tokenizer is None:
-                    raise ValueError(
-                        f"prompts[{i}] is a string but the model directory {self.config.model_path} has no "
-                        "tokenizer: pass token ids"
-                    )
-                prompt = tokenizer.encode(prompt, add_special_tokens=False)
-            tokens = [int(t) for t in np.asarray(prompt).reshape(-1)]
-            if not tokens:
-                raise ValueError(f"prompts[{i}] is empty")
-            bad = [t for t in tokens if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab}): {bad[:5]}")
-            ids.append(tokens)
-        return ids
-
-    def _check_lengths(self, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
-        context = self.engine.context_length
-        limit = self.engine.max_request_input_len
-        for i, tokens in enumerate(prompt_ids):
-            if len(tokens) >= limit:
-                raise ValueError(
-                    f"prompts[{i}] has {len(tokens)} tokens; the engine accepts prompts of at most "
-                    f"{limit - 1} tokens (context length {context})"
-                )
-            if len(tokens) + max_new_tokens > context:
-                raise ValueError(
-                    f"prompts[{i}] has {len(tokens)} tokens and max_new_tokens={max_new_tokens}: "
-                    f"{len(tokens) + max_new_tokens} exceeds the context length {context}"
-                )
-
-    def _stop_token_ids(self, stop_token_ids) -> list[int]:
-        if stop_token_ids is None:
-            return []
-        vocab = self.engine.vocab_size
-        ids = [int(t) for t in stop_token_ids]
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids has ids outside [0, {vocab}): {bad}")
-        return ids
 
     # ---- weight checks (the server's admin routes) -------------------------------------------
 
     def weights_checksum(self) -> dict:
         """A checksum of the weights being served, computed on device: the same weights give
-        the same value in any process. Returns ``checksum`` (hex), ``weight_version``, ``leaves``."""
-        with self._lock:
+        the same value in any process and any sharding. Returns ``checksum`` (hex, of the
+        first engine), ``weight_version``, ``leaves`` and, with several engines, ``per_engine``."""
+        weights = [leaf for leaf in self.leaves if not leaf.path.startswith("rng.")]
+        with self._sync_lock:  # no swap frees the leaves being read
             self._check_weights_alive()
-            specs = [leaf for leaf in self._engine_leaves if not leaf.path.startswith("rng.")]
-            leaves = self.engine.weight_leaves()
-            checksum = weight_check.weights_checksum([s.path for s in specs], [leaves[s.index] for s in specs])
-            return {"checksum": checksum, "weight_version": self.weight_version, "leaves": len(specs)}
+            version = self.weight_version
+            checksums = []
+            for engine in self.engines:
+                arrays = engine.weight_leaves()
+                checksums.append(weight_check.weights_checksum([w.path for w in weights], [arrays[w.index] for w in weights]))
+        report = {"checksum": checksums[0], "weight_version": version, "leaves": len(weights)}
+        if len(checksums) > 1:
+            report["per_engine"] = checksums
+        return report
 
     def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict:
         """Add ``scale * normal(key(seed, i))`` to the first ``num_leaves`` weight leaves (engine
-        order): a deterministic weight update for testing the update path. Bumps the version."""
-        weights = [leaf for leaf in self._engine_leaves if not leaf.path.startswith("rng.")]
-        if not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
+        order), on every engine: a deterministic weight update for testing the update path.
+        Returns the perturbed leaf paths and the new weight version."""
+        weights = [leaf for leaf in self.leaves if not leaf.path.startswith("rng.")]
+        if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
             raise ValueError(f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be a finite number, got {scale!r}")
-        engine = self.engine
-        with self._lock:
-            self._check_weights_alive()
-            new_leaves = engine.weight_leaves()
-            updated = {leaf.index for leaf in weights[:num_leaves]}
-            for i, leaf in enumerate(weights[:num_leaves]):
-                new_leaves[leaf.index] = weight_check.perturbed(new_leaves[leaf.index], int(seed), i, float(scale))
-            self._check_engine_layout(new_leaves)
-            jax.block_until_ready([new_leaves[i] for i in updated])
-
-            def swap():
-                old_leaves = engine.weight_leaves()
-                engine.replace_weight_leaves(new_leaves)
-                engine.flush_prefix_cache()
-                for index in self._owned_leaves & updated:
-                    old_leaves[index].delete()
-
-            engine.call(swap)
-            self._owned_leaves |= updated
-            self.weight_version += 1
-            return {"leaves": [leaf.path for leaf in weights[:num_leaves]], "weight_version": self.weight_version}
+        self._check_weights_alive()
+        new_leaves = []
+        for engine in self.engines:
+            arrays = engine.weight_leaves()
+            new_leaves.append(
+                {w.index: weight_check.perturbed(arrays[w.index], int(seed), i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
+            )
+        version = self.replace_engine_leaves(new_leaves, "weights are being perturbed")
+        return {"leaves": [w.path for w in weights[:num_leaves]], "weight_version": version}
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, **options):
-        """Serve this worker over HTTP (OpenAI-compatible and admin routes) from this process.
-        Returns a started :class:`rollout.server.Server` (``url``, ``close()``)."""
-        from .server import ServerConfig, start_server
+        """Serve this worker over HTTP (OpenAI-compatible and admin routes) from this process;
+        ``options`` are :class:`rollout.server.ServerConfig` fields. Returns the started
+        :class:`rollout.server.Server` (``url``, ``close()``)."""
+        from .server import (  # FastAPI loads only when serving
+            ServerConfig,
+            start_server,
+        )
 
         return start_server(self, ServerConfig(host=host, port=port, **options))
 
 
-def _completion_ids(row: int, out) -> list[int]:
-    """The sampled tokens, stop token included (a trainer must learn to emit it)."""
-    if len(out.output_ids) != out.completion_tokens:
-        logger.warning(
-            "row %d: engine returned %d output ids but counted %d completion tokens",
-            row, len(out.output_ids), out.completion_tokens,
-        )
-    return list(out.output_ids[: out.completion_tokens])
+def _merge(parts: list[tuple[list[int], list[GenerateOutput]]]) -> list[GenerateOutput]:
+    """Per-engine outputs back into global row order."""
+    total = sum(len(rows) for rows, _ in parts)
+    merged: list[GenerateOutput | None] = [None] * total
+    for rows, outputs in parts:
+        if len(outputs) != len(rows):
+            raise EngineError(f"an engine returned {len(outputs)} outputs for {len(rows)} requests")
+        for row, output in zip(rows, outputs):
+            merged[row] = output
+    return merged
 
 
-def _check_sampling(n, temperature, top_p, top_k, min_p, max_new_tokens, seed) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
-        raise ValueError(f"top_k must be -1 (all tokens) or an int >= 1, got {top_k!r}")
-    if not 0 <= min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
-    if seed is not None and (not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SAMPLING_SEED):
-        raise ValueError(f"seed must be an int in [0, {MAX_SAMPLING_SEED}], got {seed!r}")
-
-
-def _row_seeds(base_seed: int, rows: int) -> np.ndarray:
-    """Independent per-row sampling seeds derived from one base seed."""
-    state = np.random.SeedSequence(base_seed).generate_state(rows, dtype=np.uint32)
-    return (state & np.uint32(MAX_SAMPLING_SEED)).astype(np.int64)
-
-
-def _check_model_path(model_path) -> None:
-    """A local model path must be a directory with config.json (else it is taken as a hub id)."""
-    path = Path(model_path)
-    looks_local = path.is_absolute() or str(model_path).startswith(".") or path.exists()
-    if looks_local and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {path} does not exist or has no config.json")
+def _combine_sync_reports(reports: list[SyncReport], compiles: int) -> SyncReport:
+    if len(reports) == 1:
+        return dataclasses.replace(reports[0], compiles=compiles)
+    fields = ("leaves_aliased", "leaves_relabeled", "leaves_copied", "leaves_resharded", "bytes_aliased", "bytes_copied")
+    totals = {name: sum(getattr(r, name) for r in reports) for name in fields}
+    return dataclasses.replace(reports[0], **totals, compiles=compiles, per_engine=tuple(reports))
 
 
 def _load_tokenizer(model_path: str):
@@ -606,20 +654,3 @@ def _pad_token_id(tokenizer) -> int:
             return int(value)
     return 0
 
-
-def live_device_buffers() -> dict[tuple[int, int], int]:
-    """Device buffers of all live JAX arrays: (device id, address) -> bytes.
-
-    Counted from the arrays because ``device.memory_stats()`` is unavailable on CPU. Each
-    buffer counts once although several arrays may view it (an array and the single-device
-    arrays of its shards, an aliased trainer leaf and the engine's relabel of it).
-    """
-    buffers: dict[tuple[int, int], int] = {}
-    for array in jax.live_arrays():
-        if not array.is_deleted():
-            buffers.update(device_buffers(array))
-    return buffers
-
-
-def live_device_bytes() -> int:
-    return sum(live_device_buffers().values())

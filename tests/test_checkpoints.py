@@ -15,7 +15,14 @@ from safetensors.numpy import load_file, save_file
 
 from rollout import RolloutWorker
 from tests.helpers import tiny_worker_config
-from trainer_bridge import CheckpointError, SyncError, flatten_params, load_hf_params, restore_params, unflatten_params
+from trainer_bridge import (
+    CheckpointError,
+    SyncError,
+    flatten_params,
+    load_hf_params,
+    restore_params,
+    unflatten_params,
+)
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 
@@ -58,7 +65,7 @@ def test_orbax_checkpoint_equals_a_direct_sync(worker, params, tmp_path):
     assert greedy(worker) == expected
     # Leaves with no transform were restored straight into the engine's layout and aliased.
     assert report.leaves_aliased > 0
-    assert report.leaves_copied == sum(m.engine_transform.value != "identity" for m in worker._mappings)
+    assert report.leaves_copied == sum(m.engine_transform.value != "identity" for m in worker.mappings)
 
 
 def test_wrapped_params_tree(worker, params, tmp_path):

@@ -99,22 +99,86 @@ def test_stop_token_ends_the_completion(worker):
         ("a string", {}, "list of strings or of token-id lists"),
         ([[1, 2], []], {}, r"prompts\[1\] is empty"),
         ([[1, 2, 999999]], {}, r"prompts\[0\] has token ids outside"),
-        ([list(range(1, 250))], {"max_new_tokens": 64}, "exceeds the context length"),
+        ([[5.7, 17.2]], {}, r"prompts\[0\]\[0\] must be an int token id, got 5.7"),
+        ([[1, 2], [[1, 2], [3]]], {}, r"prompts\[1\]\[0\] must be an int token id, got \[1, 2\]"),
+        ([[True, 5]], {}, r"prompts\[0\]\[0\] must be an int token id, got True"),
+        ([[1, 2], b"abc"], {}, r"prompts\[1\] must be a list of token ids, got bytes"),
+        ([np.zeros((2, 2), np.int32)], {}, r"prompts\[0\] must be a flat list"),
+        ([list(range(1, 250))], {"max_new_tokens": 64}, r"313 tokens do not fit the context length 256"),
+        # len(prompt) + max_new_tokens == context_length: the engine would refuse it.
+        ([list(range(1, 201))], {"max_new_tokens": 56}, r"256 tokens do not fit the context length 256"),
         ([list(range(1, 300))], {}, "the engine accepts prompts of at most"),
-        ([[1, 2]], {"n": 0}, "n must be an int >= 1"),
+        ([[1, 2]], {"n": 0}, "n must be >= 1"),
+        ([[1, 2]], {"n": 2.0}, "n must be an int"),
         ([[1, 2]], {"temperature": -1.0}, "temperature must be"),
-        ([[1, 2]], {"temperature": float("nan")}, "temperature must be"),
+        ([[1, 2]], {"temperature": float("nan")}, "temperature must be finite"),
+        ([[1, 2]], {"temperature": "1.0"}, "temperature must be a number, got '1.0'"),
+        ([[1, 2]], {"temperature": None}, "temperature must be a number, got None"),
         ([[1, 2]], {"top_p": 0.0}, "top_p must be"),
         ([[1, 2]], {"top_k": 0}, "top_k must be"),
+        ([[1, 2]], {"top_k": 5.0}, "top_k must be an int"),
         ([[1, 2]], {"min_p": 1.5}, "min_p must be"),
         ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens must be"),
+        ([[1, 2]], {"max_new_tokens": True}, "max_new_tokens must be an int, got True"),
         ([[1, 2]], {"seed": -3}, "seed must be"),
-        ([[1, 2]], {"stop_token_ids": [10**7]}, "stop_token_ids has ids outside"),
+        ([[1, 2]], {"seed": True}, "seed must be an int, got True"),
+        ([[1, 2]], {"stop_token_ids": [10**7]}, r"stop_token_ids\[0\] = 10000000 is outside"),
+        ([[1, 2]], {"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5"),
+        ([[1, 2]], {"stop_token_ids": [5.9]}, r"stop_token_ids\[0\] must be an int, got 5.9"),
+        ([[1, 2]], {"ignore_eos": "yes"}, "ignore_eos must be a bool"),
     ],
 )
 def test_bad_input_is_a_clear_value_error(worker, prompts, kwargs, message):
     with pytest.raises(ValueError, match=message):
         worker.generate(prompts, **kwargs)
+
+
+def test_a_request_that_just_fits_the_context_runs_whole(worker):
+    # The largest request the engine takes whole: prompt + completion = context - 2.
+    batch = worker.generate([list(range(1, 201))], max_new_tokens=54, temperature=0.0, ignore_eos=True)
+    assert len(batch.completions[0]) == 54 and batch.finish_reasons == ["length"]
+
+
+def test_numpy_integers_are_accepted_everywhere(worker):
+    kwargs = dict(n=np.int64(2), max_new_tokens=np.int32(4), top_k=np.int64(5), seed=np.uint32(3), ignore_eos=np.bool_(True))
+    batch = worker.generate([np.array([5, 17, 42], np.int64)], **kwargs)
+    plain = worker.generate([[5, 17, 42]], n=2, max_new_tokens=4, top_k=5, seed=3, ignore_eos=True)
+    assert batch.completions == plain.completions and batch.size == 2
+
+
+def test_a_prompt_samples_depend_on_seed_index_and_sample_only(worker):
+    kwargs = dict(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=91)
+    alone = worker.generate(PROMPTS[:1], n=2, **kwargs)
+    others = worker.generate(PROMPTS[:1] + [[9, 9, 9], [4, 4]], n=3, **kwargs)
+    # Same prompt at the same index: its first two samples are the same, whatever else runs.
+    assert others.completions[:2] == alone.completions
+    # The same prompt at index 1 draws other samples (seeds follow the index, documented).
+    moved = worker.generate([[9, 9, 9]] + PROMPTS[:1], n=2, **kwargs)
+    assert moved.completions[2:] != alone.completions
+
+
+@pytest.fixture(scope="module")
+def small_pool_worker(qwen2_dir):
+    # KV pool of 128 tokens, context 256: the pool, not the context, limits a request.
+    with RolloutWorker(tiny_worker_config(qwen2_dir, max_total_tokens=128)) as w:
+        yield w
+
+
+def test_a_request_larger_than_the_kv_pool_is_an_error(small_pool_worker):
+    # 0.0.2 would cut this completion short (finish reason "length") without an error.
+    with pytest.raises(ValueError, match=r"140 tokens do not fit the KV cache pool of 128 tokens"):
+        small_pool_worker.generate([list(range(1, 41))], max_new_tokens=100)
+    # The largest request the pool takes runs whole.
+    batch = small_pool_worker.generate([list(range(1, 27))], max_new_tokens=100, ignore_eos=True, temperature=0.0)
+    assert len(batch.completions[0]) == 100
+
+
+def test_a_batch_larger_than_the_kv_pool_returns_every_row_whole(small_pool_worker):
+    # 6 rows x (20 + 80) tokens = 600 > 128: the engine queues rows, none is cut short.
+    prompts = [list(range(10 + i, 30 + i)) for i in range(3)]
+    batch = small_pool_worker.generate(prompts, n=2, temperature=1.0, max_new_tokens=80, ignore_eos=True, seed=5)
+    assert [len(c) for c in batch.completions] == [80] * 6
+    assert batch.finish_reasons == ["length"] * 6
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path):

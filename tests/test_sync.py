@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def engine_placed(worker, flat):
     """The trainer tree placed exactly as the engine places each leaf (the aliasable case)."""
-    specs = {leaf.path: leaf for leaf in worker._engine_leaves}
-    return {m.trainer: jax.device_put(flat[m.trainer], specs[m.engine].sharding) for m in worker._mappings}
+    specs = {leaf.path: leaf for leaf in worker.leaves}
+    return {m.trainer: jax.device_put(flat[m.trainer], specs[m.engine].sharding) for m in worker.mappings}
 
 
 def expected_engine_leaf(entry, trainer, engine_shape, head_dim):
@@ -52,17 +52,17 @@ def test_synced_engine_matches_flax_greedy_decode(request, model_fixture, tp_siz
         before = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=32, ignore_eos=True)
         assert before.completions != reference, "dummy weights must not already give the answer"
         report = worker.sync_params(params)
-        assert report.version == 1 and report.leaves_copied + report.leaves_aliased == len(worker._mappings)
+        assert report.version == 1 and report.leaves_copied + report.leaves_aliased == len(worker.mappings)
         batch = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=32, ignore_eos=True)
         assert batch.weight_version == 1
         assert batch.completions == reference
         # The engine's leaves are exactly the transformed trainer leaves.
         flat = flatten_params(params)
         leaves = worker.engine.weight_leaves()
-        by_path = {leaf.path: leaf for leaf in worker._engine_leaves}
-        for entry in worker._mappings:
+        by_path = {leaf.path: leaf for leaf in worker.leaves}
+        for entry in worker.mappings:
             spec = by_path[entry.engine]
-            expected = expected_engine_leaf(entry, flat[entry.trainer], spec.shape, worker._head_dim)
+            expected = expected_engine_leaf(entry, flat[entry.trainer], spec.shape, worker.head_dim)
             np.testing.assert_array_equal(np.asarray(leaves[spec.index]), expected, err_msg=entry.trainer)
 
 
@@ -86,13 +86,13 @@ def test_aliasable_tree_moves_zero_bytes_and_shares_buffers(tp_worker, hf_flat):
     placed = engine_placed(tp_worker, hf_flat)
     report = tp_worker.sync_params(unflatten_params(placed))
     # k/v projections must be head-repeated for tp=2 > 1 KV head: those 4 leaves per layer copy.
-    repeated = [m for m in tp_worker._mappings if m.engine_transform.value == "repeat_kv_heads"]
+    repeated = [m for m in tp_worker.mappings if m.engine_transform.value == "repeat_kv_heads"]
     assert report.leaves_copied == len(repeated)
-    assert report.leaves_aliased == len(tp_worker._mappings) - len(repeated)
+    assert report.leaves_aliased == len(tp_worker.mappings) - len(repeated)
     assert report.leaves_relabeled == 0
     leaves = tp_worker.engine.weight_leaves()
-    by_path = {leaf.path: leaf for leaf in tp_worker._engine_leaves}
-    for entry in tp_worker._mappings:
+    by_path = {leaf.path: leaf for leaf in tp_worker.leaves}
+    for entry in tp_worker.mappings:
         if entry in repeated:
             continue
         engine_leaf = leaves[by_path[entry.engine].index]
@@ -107,32 +107,32 @@ def test_no_recompilation_after_sync(tp_worker, hf_flat):
     for tree in (scaled, hf_flat, engine_placed(tp_worker, hf_flat)):
         tp_worker.sync_params(unflatten_params(tree))
         batch = tp_worker.generate(PROMPTS[:4], temperature=1.0, max_new_tokens=12, ignore_eos=True)
-        assert batch.cache_miss_count == 0
-        assert greedy(tp_worker).cache_miss_count == 0
+        assert batch.compiles == 0
+        assert greedy(tp_worker).compiles == 0
 
 
 def test_same_layout_other_mesh_is_relabeled_without_copy(tp_worker, hf_flat):
     """A trainer mesh with its own axis names but the engine's device layout: zero copy."""
     engine_mesh = tp_worker.engine.mesh
     trainer_mesh = Mesh(engine_mesh.devices.reshape(2, 2), ("fsdp", "model"))
-    specs = {leaf.path: leaf for leaf in tp_worker._engine_leaves}
+    specs = {leaf.path: leaf for leaf in tp_worker.leaves}
     rename = {"data": "fsdp", "tensor": "model", None: None}
     placed = {}
-    for m in tp_worker._mappings:
+    for m in tp_worker.mappings:
         spec = specs[m.engine].sharding.spec
         trainer_spec = P(*(rename[a] for a in spec)) if spec else P()
         placed[m.trainer] = jax.device_put(hf_flat[m.trainer], NamedSharding(trainer_mesh, trainer_spec))
     report = tp_worker.sync_params(unflatten_params(placed))
-    relabeled = len(tp_worker._mappings) - report.leaves_copied
+    relabeled = len(tp_worker.mappings) - report.leaves_copied
     assert report.leaves_relabeled == relabeled > 0 and report.leaves_aliased == relabeled
     leaves = tp_worker.engine.weight_leaves()
-    entry = next(m for m in tp_worker._mappings if m.trainer.endswith("mlp.up_proj.kernel"))
+    entry = next(m for m in tp_worker.mappings if m.trainer.endswith("mlp.up_proj.kernel"))
     engine_leaf = leaves[specs[entry.engine].index]
     assert engine_leaf.sharding == specs[entry.engine].sharding
     assert {s.data.unsafe_buffer_pointer() for s in engine_leaf.addressable_shards} == {
         s.data.unsafe_buffer_pointer() for s in placed[entry.trainer].addressable_shards
     }
-    assert greedy(tp_worker).cache_miss_count == 0
+    assert greedy(tp_worker).compiles == 0
 
 
 def test_mismatched_sharding_is_resharded_correctly(tp_worker, hf_flat, qwen2_dir):
@@ -218,7 +218,7 @@ def test_float32_trainer_into_bfloat16_engine(qwen3_dir):
     params = load_hf_params(qwen3_dir)
     with RolloutWorker(tiny_worker_config(qwen3_dir, load_format="dummy", dtype="bfloat16")) as worker:
         report = worker.sync_params(params)
-        assert report.leaves_copied == len(worker._mappings) and report.leaves_aliased == 0
+        assert report.leaves_copied == len(worker.mappings) and report.leaves_aliased == 0
         # The cast writes the engine's bytes (replicated: every device holds them all) plus the
         # output tuple's pointer table, and needs no temporaries.
         memory = worker.sync_memory_analysis(params)
@@ -226,7 +226,7 @@ def test_float32_trainer_into_bfloat16_engine(qwen3_dir):
         assert memory.temp_size_in_bytes == 0
         flat = flatten_params(params)
         leaves = worker.engine.weight_leaves()
-        for leaf in worker._engine_leaves:
+        for leaf in worker.leaves:
             if leaf.path == "transformer.norm.scale":
                 np.testing.assert_array_equal(
                     np.asarray(leaves[leaf.index]), np.asarray(jnp.asarray(flat["model.norm.scale"], jnp.bfloat16))
@@ -251,12 +251,12 @@ def test_zero_copy_on_a_single_device(qwen2_dir):
             before = worker.generate([[5, 17, 42]], temperature=0.0, max_new_tokens=8).completions
             report = worker.sync_params(unflatten_params(placed))
             assert report.bytes_copied == 0 and report.leaves_copied == 0, report
-            assert report.leaves_aliased == len(worker._mappings), report
+            assert report.leaves_aliased == len(worker.mappings), report
             leaves = worker.engine.weight_leaves()
             pointers = {{l.unsafe_buffer_pointer() for l in leaves}}
             assert all(v.unsafe_buffer_pointer() in pointers for v in placed.values())
             after = worker.generate([[5, 17, 42]], temperature=0.0, max_new_tokens=8)
-            assert after.cache_miss_count == 0 and after.weight_version == 1
+            assert after.compiles == 0 and after.weight_version == 1
         print("single-device zero copy ok")
     """)
     # Run from the repository root (stdin script: its directory is on sys.path).
@@ -270,7 +270,7 @@ def test_zero_copy_on_a_single_device(qwen2_dir):
 def test_param_shardings_give_zero_copy_except_repeated_kv_heads(tp_worker, hf_flat):
     placed = jax.device_put(unflatten_params(hf_flat), tp_worker.param_shardings())
     report = tp_worker.sync_params(placed)
-    repeated = [m for m in tp_worker._mappings if m.engine_transform.value == "repeat_kv_heads"]
+    repeated = [m for m in tp_worker.mappings if m.engine_transform.value == "repeat_kv_heads"]
     assert report.leaves_copied == len(repeated)
-    assert report.leaves_aliased == len(tp_worker._mappings) - len(repeated)
-    assert greedy(tp_worker).cache_miss_count == 0
+    assert report.leaves_aliased == len(tp_worker.mappings) - len(repeated)
+    assert greedy(tp_worker).compiles == 0

@@ -10,7 +10,16 @@ from .checkpoint import (
     wrap_like,
 )
 from .hf import load_hf_params, safetensors_files
-from .sync import EngineLeaf, LeafAction, LeafPlan, SyncError, SyncPlan, SyncReport, build_plan, plan_key
+from .sync import (
+    EngineLeaf,
+    LeafAction,
+    LeafPlan,
+    SyncError,
+    SyncPlan,
+    SyncReport,
+    build_plan,
+    plan_key,
+)
 from .tree import flatten_params, unflatten_params, unwrap_params
 
 __all__ = [

@@ -46,6 +46,8 @@ class EngineLeaf:
     shape: tuple[int, ...]
     dtype: np.dtype
     sharding: jax.sharding.Sharding
+    # The engine's own RNG state, not a weight: no trainer path maps to it.
+    rng_state: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,9 @@ class SyncReport:
     bytes_aliased: int
     bytes_copied: int
     seconds: float
+    compiles: int = 0  # XLA compilations during the sync (JAX compile events)
+    # With several engines: each engine's own report (the fields above are their sums).
+    per_engine: tuple[SyncReport, ...] = ()
 
 
 def _leaf_signature(leaf) -> tuple:
@@ -154,7 +159,7 @@ def build_plan(
     unmapped = [
         leaf.path
         for leaf in engine_leaves
-        if leaf.path not in seen_engine and not leaf.path.startswith("rng.")
+        if leaf.path not in seen_engine and not leaf.rng_state
     ]
     if unmapped:
         raise SyncError(f"engine leaves with no mapping entry: {', '.join(unmapped[:8])}")

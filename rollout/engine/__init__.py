@@ -19,7 +19,6 @@ from .handle import EngineHandle
 from .patches import WORKAROUNDS, engine_version, install_workarounds
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
-    MAX_SAMPLING_SEED,
     SUPPORTED_ENGINE_VERSION,
     EngineError,
     EngineOptions,
@@ -32,7 +31,6 @@ from .types import (
 
 __all__ = [
     "DEFAULT_WATCHDOG_TIMEOUT_S",
-    "MAX_SAMPLING_SEED",
     "SUPPORTED_ENGINE_VERSION",
     "WORKAROUNDS",
     "EngineError",

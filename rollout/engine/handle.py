@@ -6,14 +6,16 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..sampling import SamplingParams
 from .patches import install_workarounds, preserved_process_state
 from .runtime import SchedulerControl, detokenizers
 from .types import EngineError, EngineOptions, GenerateOutput, LeafSpec, device_nbytes
@@ -70,12 +72,18 @@ class EngineHandle:
         self._scheduler = self._engine.scheduler_info["scheduler"]
         self._control = SchedulerControl.of(self._scheduler)
         self._tokenizer_manager = self._engine.tokenizer_manager
+        # Every use of the tokenizer manager (its zmq sockets, its per-request asyncio events)
+        # happens on one event loop in a thread of this handle, so callers on any thread or
+        # event loop can generate at once and the scheduler batches their requests. (It would
+        # also install SIGTERM/SIGQUIT handlers on first use of a loop of its own.)
         self._loop = asyncio.new_event_loop()
-        # The tokenizer manager would install SIGTERM/SIGQUIT handlers on first use; its result
-        # loop is started here instead, on a loop private to this handle.
         self._tokenizer_manager.no_create_loop = True
         self._tokenizer_manager.event_loop = self._loop
         self._result_task = self._loop.create_task(self._tokenizer_manager.handle_loop())
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="sglang-jax::requests", daemon=True
+        )
+        self._loop_thread.start()
         self._closed = False
         self._kv_allocator = None
         self.call(self._align_lm_head_dtype)
@@ -108,8 +116,25 @@ class EngineHandle:
         return self._model_runner.mesh
 
     @property
-    def max_request_input_len(self) -> int:
-        return int(self._scheduler.max_req_input_len)
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices of this engine's mesh."""
+        return tuple(self.mesh.devices.flat)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt the scheduler accepts (it aborts prompts of max_req_input_len)."""
+        return int(self._scheduler.max_req_input_len) - 1
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Most prompt + new tokens one request may ask for: the scheduler silently lowers
+        max_new_tokens to max_req_len - len(prompt) - 1, and max_req_len is the smaller of
+        the context length and the KV pool, minus one."""
+        return int(self._scheduler.max_req_len) - 1
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return int(self._scheduler.max_total_num_tokens)
 
     @property
     def context_length(self) -> int:
@@ -177,7 +202,8 @@ class EngineHandle:
         specs = []
         for (path, _), leaf in zip(flat, leaves):
             name = ".".join(_key_name(k) for k in path).removesuffix(".value")
-            specs.append(LeafSpec(name, tuple(leaf.shape), leaf.dtype, leaf.sharding, int(leaf.nbytes)))
+            rng_state = name.startswith("rng.")
+            specs.append(LeafSpec(name, tuple(leaf.shape), leaf.dtype, leaf.sharding, int(leaf.nbytes), rng_state))
         return specs
 
     def replace_weight_leaves(self, new_leaves: Sequence[jax.Array]) -> None:
@@ -282,41 +308,90 @@ class EngineHandle:
     # ---- generation ------------------------------------------------------------------------
 
     def generate(
-        self,
-        input_ids: Sequence[Sequence[int]],
-        sampling_params: Sequence[dict],
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
     ) -> list[GenerateOutput]:
-        """Generate for each token-id prompt with its own sampling params (one dict each)."""
+        """Sample ``params.n`` completions of every token-id prompt, prompt-major.
+
+        ``seeds[i, j]`` is the sampling seed of sample ``j`` of prompt ``i``. Safe to call from
+        several threads at once: the engine batches the requests together.
+        """
+        return self.submit(prompts, params, seeds).result()
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> concurrent.futures.Future:
+        """:meth:`generate` without waiting: a future of its outputs (``asyncio.wrap_future``
+        makes it awaitable on any event loop)."""
+        return self._submit(self._generate(prompts, params, seeds))
+
+    async def astream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """Yield ``(row, output so far)`` as tokens arrive; a row is done when its
+        ``finish_reason`` is set. Rows are prompt-major as in :meth:`generate`."""
+        caller = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+
+        async def pump():
+            request = self._request(prompts, params, seeds, stream=True)
+            async for result in self._tokenizer_manager.generate_request(request, None):
+                caller.call_soon_threadsafe(updates.put_nowait, result)
+
+        future = self._submit(pump())
+        future.add_done_callback(lambda _: caller.call_soon_threadsafe(updates.put_nowait, None))
+        try:
+            while (result := await updates.get()) is not None:
+                yield int(result.get("index", 0)), _to_output(result, finished_only=False)
+            future.result()
+        finally:
+            future.cancel()
+
+    def _request(self, prompts, params: SamplingParams, seeds, *, stream: bool = False):
         from sgl_jax.srt.managers.io_struct import GenerateReqInput
 
-        self.check_alive()
-        request = GenerateReqInput(
-            input_ids=[list(map(int, ids)) for ids in input_ids],
-            sampling_params=[dict(p) for p in sampling_params],
-        )
-        results = self._run(self._tokenizer_manager.generate_request(request, None).__anext__())
+        # 0.0.2 ignores n for a single prompt and is slow with batched n: one request per
+        # sample (workaround "one-request-per-sample").
+        input_ids = [list(map(int, ids)) for ids in prompts for _ in range(params.n)]
+        sampling = [_sampling_dict(params, int(seed)) for seed in np.asarray(seeds).reshape(-1)]
+        if len(sampling) != len(input_ids):
+            raise ValueError(f"{len(sampling)} seeds for {len(input_ids)} rows")
+        return GenerateReqInput(input_ids=input_ids, sampling_params=sampling, stream=stream)
+
+    async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
+        results = await self._tokenizer_manager.generate_request(
+            self._request(prompts, params, seeds), None
+        ).__anext__()
         if isinstance(results, dict):
             results = [results]
         return [_to_output(r) for r in results]
 
-    def _run(self, coroutine):
-        async def guarded():
-            task = asyncio.ensure_future(coroutine)
+    def _submit(self, coroutine) -> concurrent.futures.Future:
+        """Run ``coroutine`` on this handle's request loop; it fails with EngineError as soon as
+        the engine does."""
+        try:
+            self.check_alive()
+        except EngineError:
+            coroutine.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(self._guarded(coroutine), self._loop)
+
+    async def _guarded(self, coroutine):
+        task = asyncio.ensure_future(coroutine)
+        try:
             while True:
                 done, _ = await asyncio.wait({task, self._result_task}, timeout=0.05)
                 if task in done:
                     return task.result()
                 if self._result_task in done:
-                    task.cancel()
                     exc = self._result_task.exception()
                     self._control.fail(exc or EngineError("engine result loop ended"))
                 if self._control.error is not None or self._control.stopped.is_set():
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
                     raise self._control.dead_error()
-
-        return self._loop.run_until_complete(guarded())
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
     # ---- shutdown --------------------------------------------------------------------------
 
@@ -337,10 +412,17 @@ class EngineHandle:
             stop, thread = detokenizer
             stop.set()
             thread.join(timeout=5)
-        self._result_task.cancel()
-        with contextlib.suppress(BaseException):
-            self._loop.run_until_complete(self._result_task)
-        self._loop.close()
+        async def stop_results():
+            self._result_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._result_task
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop_results(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=10)
+        if not self._loop_thread.is_alive():
+            self._loop.close()
         scheduler, tm = self._scheduler, self._tokenizer_manager
         sockets = [
             getattr(scheduler, "recv_from_tokenizer", None),
@@ -375,12 +457,36 @@ def _key_name(key) -> str:
     return str(key)
 
 
-def _to_output(result: dict) -> GenerateOutput:
+def _sampling_dict(params: SamplingParams, seed: int) -> dict:
+    """sglang-jax's per-request sampling dict."""
+    sampling = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "ignore_eos": params.ignore_eos,
+        "sampling_seed": seed,
+        # Keep the stop token in the output: a trainer must learn to emit it.
+        "no_stop_trim": True,
+    }
+    if params.stop_token_ids:
+        sampling["stop_token_ids"] = list(params.stop_token_ids)
+    return sampling
+
+
+def _to_output(result: dict, finished_only: bool = True) -> GenerateOutput:
     meta = result.get("meta_info", {})
     finish = meta.get("finish_reason") or {}
+    output_ids = list(result.get("output_ids", []))
+    completion_tokens = int(meta.get("completion_tokens", len(output_ids)))
+    if len(output_ids) != completion_tokens and (finished_only or finish):
+        logger.warning(
+            "engine returned %d output ids but counted %d completion tokens", len(output_ids), completion_tokens
+        )
     return GenerateOutput(
-        output_ids=list(result.get("output_ids", [])),
-        finish_reason=str(finish.get("type", "unknown")),
-        completion_tokens=int(meta.get("completion_tokens", len(result.get("output_ids", [])))),
+        output_ids=output_ids[:completion_tokens],
+        finish_reason=str(finish.get("type", "")) if finish else ("unknown" if finished_only else ""),
+        completion_tokens=completion_tokens,
         cache_miss_count=int(meta.get("cache_miss_count", 0)),
     )

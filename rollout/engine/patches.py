@@ -73,6 +73,11 @@ WORKAROUNDS: dict[str, str] = {
         "and crashes in its first forward ('Incompatible shapes for broadcasting'). The cache "
         "is cleared before every engine start."
     ),
+    "one-request-per-sample": (
+        "GenerateReqInput ignores n > 1 for a single prompt, and batched n first runs a "
+        "prefix-caching request per prompt and is slow. Every sample is sent as its own "
+        "request with its own seed (EngineHandle._request)."
+    ),
     "flush-cache": (
         "Engine.flush_cache and release/resume_memory_occupation raise TypeError and the "
         "scheduler has no handler for them. Cache flush and KV drop/rebuild are done directly "

@@ -9,8 +9,6 @@ import jax
 
 SUPPORTED_ENGINE_VERSION = "0.0.2"
 
-# Seeds travel to the engine as int32 (``SamplingBatchInfo.sampling_seeds``).
-MAX_SAMPLING_SEED = 2**31 - 1
 
 # Seconds without progress on a running forward after which the watchdog fails the engine.
 DEFAULT_WATCHDOG_TIMEOUT_S = 1800.0
@@ -33,6 +31,7 @@ class LeafSpec:
     dtype: Any  # a numpy dtype, or a JAX PRNG key dtype for the engine's rng leaves
     sharding: jax.sharding.Sharding
     nbytes: int
+    rng_state: bool = False  # the engine's RNG key state (safetensors loading adds it), not a weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +55,8 @@ class EngineOptions:
     attention_backend: str | None = None
     device: str | None = None
     watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
+    # The devices of the engine's mesh (None: all of jax.devices()); tp_size must equal their number.
+    devices: tuple[Any, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

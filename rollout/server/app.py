@@ -16,11 +16,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..batch import RolloutBatch
 from ..engine import EngineError
 from .backend import Backend
 from .config import ServerConfig
-from .protocol import ApiError, GenerationRequest, chat_messages, chat_request, completion_request, invalid
+from .protocol import (
+    ApiError,
+    GenerationRequest,
+    chat_messages,
+    chat_request,
+    completion_request,
+    invalid,
+)
+from .text import IncrementalText, stop_index
 
 logger = logging.getLogger(__name__)
 
@@ -166,53 +173,66 @@ class _ServerState:
 
     async def respond(self, request: Request, req: GenerationRequest, *, chat: bool) -> Response:
         self.check_available()
-        batch = await self.generate(req)
-        request.state.tokens = (sum(map(len, batch.prompts)), int(batch.completion_lengths.sum()))
-        choices = self.choices(req, batch)
-        headers = {WEIGHT_VERSION_HEADER: str(batch.weight_version)}
+        prompts = self.prompt_ids(req)
+        sampling = self.sampling(req, prompts)
         kind = "chatcmpl" if chat else "cmpl"
-        base = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name, "weight_version": batch.weight_version}
-        usage = _usage(batch)
+        base = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            events = _stream_events(base, choices, usage if req.include_usage else None, chat=chat)
+            chunks = self.backend.stream(prompts, **sampling)
+            first = await _mapped_errors(anext(chunks), req)
+            base["weight_version"] = first.weight_version
+            events = self.events(request, req, prompts, base, first, chunks, chat=chat)
+            headers = {WEIGHT_VERSION_HEADER: str(first.weight_version), "Cache-Control": "no-cache"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        if chat:
-            body_choices = [
-                {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason, "logprobs": None, "token_ids": c.token_ids}
-                for c in choices
-            ]
-        else:
-            body_choices = [
-                {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None, "token_ids": c.token_ids}
-                for c in choices
-            ]
-        body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": body_choices, "usage": usage}
-        return JSONResponse(body, headers=headers)
 
-    async def generate(self, req: GenerationRequest) -> RolloutBatch:
+        batch = await _mapped_errors(self.backend.generate(prompts, **sampling), req)
+        request.state.tokens = (sum(map(len, batch.prompts)), int(batch.completion_lengths.sum()))
+        choices = []
+        for row, ids in enumerate(batch.completions):
+            text = batch.completion_texts[row] if batch.completion_texts is not None else ""
+            finish = _FINISH_REASONS.get(batch.finish_reasons[row], "stop")
+            cut = stop_index(text, req.stop)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+            content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            choices.append({"index": row, **content, "finish_reason": finish, "logprobs": None, "token_ids": ids})
+        body = {
+            **base,
+            "weight_version": batch.weight_version,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": choices,
+            "usage": _usage(sum(map(len, batch.prompts)), int(batch.completion_lengths.sum())),
+        }
+        return JSONResponse(body, headers={WEIGHT_VERSION_HEADER: str(batch.weight_version)})
+
+    def prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
+        """Token ids of every prompt (strings encoded as the worker would), for exact usage."""
+        tokenizer = self.backend.tokenizer
+        ids = []
+        for i, prompt in enumerate(req.prompts):
+            if isinstance(prompt, str):
+                if tokenizer is None:
+                    raise invalid(req.prompt_field, f"{req.prompt_field}[{i}] is a string but the model has no tokenizer: send token ids")
+                prompt = tokenizer.encode(prompt, add_special_tokens=False)
+                if not prompt:
+                    raise invalid(req.prompt_field, f"{req.prompt_field}[{i}] encodes to no tokens")
+            ids.append(list(prompt))
+        return ids
+
+    def sampling(self, req: GenerationRequest, prompts: list[list[int]]) -> dict:
         max_tokens = req.max_tokens
         if max_tokens is None:  # chat without a limit: the rest of the context
-            max_tokens = self.backend.context_length - len(req.prompts[0])
+            max_tokens = self.backend.context_length - len(prompts[0])
             if max_tokens < 1:
-                raise invalid("messages", f"the rendered messages have {len(req.prompts[0])} tokens, the whole context length {self.backend.context_length}")
-        try:
-            return await self.backend.generate(
-                req.prompts,
-                n=req.n,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                max_new_tokens=max_tokens,
-                stop_token_ids=self.single_token_stops(req.stop),
-                seed=req.seed,
-            )
-        except ValueError as exc:
-            message = str(exc).replace("max_new_tokens", "max_tokens").replace("prompts[", f"{req.prompt_field}[")
-            param = "max_tokens" if "max_tokens" in message else req.prompt_field
-            raise invalid(param, message) from None
-        except EngineError:
-            raise
-        except RuntimeError as exc:  # weights released for a train step, or swapped meanwhile
-            raise ApiError(503, f"generation is paused: {exc}", type="service_unavailable", code="weights_updating") from None
+                raise invalid("messages", f"the rendered messages have {len(prompts[0])} tokens, the whole context length {self.backend.context_length}")
+        return dict(
+            n=req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_new_tokens=max_tokens,
+            stop_token_ids=self.single_token_stops(req.stop),
+            seed=req.seed,
+        )
 
     def single_token_stops(self, stop: list[str]) -> list[int] | None:
         """Stop strings that are one token stop the engine itself; the others cut the text."""
@@ -222,64 +242,74 @@ class _ServerState:
         ids = [tokenizer.encode(s, add_special_tokens=False) for s in stop]
         return [t[0] for t in ids if len(t) == 1] or None
 
-    def choices(self, req: GenerationRequest, batch: RolloutBatch) -> list[_Choice]:
-        tokenizer = self.backend.tokenizer
-        choices = []
-        for row, ids in enumerate(batch.completions):
-            text = batch.completion_texts[row] if batch.completion_texts is not None else ""
-            finish = _FINISH_REASONS.get(batch.finish_reasons[row], "stop")
-            cut = min((i for i in (text.find(s) for s in req.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-            choices.append(_Choice(row, ids, text, finish, tokenizer))
-        return choices
+    async def events(self, request, req, prompts, base, first, chunks, *, chat: bool) -> AsyncIterator[str]:
+        """Server-sent events as the engine's tokens arrive: per choice, text increments, then
+        a last event with its finish reason and token ids; optionally usage; then [DONE]."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict], **extra) -> str:
+            return "data: " + json.dumps({**base, "object": kind, "choices": choices, **extra}) + "\n\n"
+
+        def choice(row: int, piece: str | None, finish: str | None = None, **extra) -> dict:
+            if chat:
+                body = {"index": row, "delta": {} if piece is None else {"content": piece}}
+            else:
+                body = {"index": row, "text": piece or ""}
+            return {**body, "finish_reason": finish, "logprobs": None, **extra}
+
+        rows = len(prompts) * req.n
+        texts = [IncrementalText(self.backend.tokenizer, req.stop) for _ in range(rows)]
+        done = [False] * rows
+        generated = 0
+        try:
+            if chat:
+                for row in range(rows):
+                    yield event([{"index": row, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}])
+            chunk = first
+            while chunk is not None:
+                generated += len(chunk.token_ids)
+                text = texts[chunk.row]
+                if not done[chunk.row]:
+                    piece = text.add(chunk.token_ids)
+                    finished = chunk.finish_reason is not None or text.stopped
+                    if finished:
+                        piece += text.finish()
+                    if piece:
+                        yield event([choice(chunk.row, piece)])
+                    if finished:
+                        done[chunk.row] = True
+                        reason = "stop" if text.stopped else _FINISH_REASONS.get(chunk.finish_reason, "stop")
+                        yield event([choice(chunk.row, None, reason, token_ids=text.token_ids)])
+                chunk = await anext(chunks, None)
+        except Exception as exc:  # the status line is sent: the error goes into the stream
+            logger.exception("stream of %s failed", base["id"])
+            yield "data: " + json.dumps(ApiError(500, f"generation failed: {exc}", type="server_error").body()) + "\n\n"
+            return
+        finally:
+            request.state.tokens = (sum(map(len, prompts)), generated)
+            await chunks.aclose()
+        if req.include_usage:
+            yield event([], usage=_usage(sum(map(len, prompts)), generated))
+        yield "data: [DONE]\n\n"
 
 
-class _Choice:
-    def __init__(self, index: int, token_ids: list[int], text: str, finish_reason: str, tokenizer):
-        self.index, self.token_ids, self.text, self.finish_reason = index, token_ids, text, finish_reason
-        self._tokenizer = tokenizer
-
-    def deltas(self) -> list[str]:
-        """The text as per-token increments (whole characters only), ending with ``text``."""
-        if self._tokenizer is None:
-            return [self.text] if self.text else []
-        pieces, sent = [], ""
-        for k in range(1, len(self.token_ids) + 1):
-            prefix = self._tokenizer.decode(self.token_ids[:k], skip_special_tokens=True)[: len(self.text)]
-            if prefix.endswith("\ufffd") or len(prefix) <= len(sent):
-                continue
-            pieces.append(prefix[len(sent):])
-            sent = prefix
-        if sent != self.text:
-            pieces.append(self.text[len(sent):])
-        return pieces
+async def _mapped_errors(awaitable, req: GenerationRequest):
+    """The worker's errors as API errors: bad input 400 naming the field, a worker that cannot
+    generate now (weights released for a train step, closed) 503."""
+    try:
+        return await awaitable
+    except ValueError as exc:
+        message = str(exc).replace("max_new_tokens", "max_tokens").replace("prompts[", f"{req.prompt_field}[")
+        param = "max_tokens" if "max_tokens" in message else req.prompt_field
+        raise invalid(param, message) from None
+    except EngineError:
+        raise
+    except RuntimeError as exc:
+        raise ApiError(503, f"generation is paused: {exc}", type="service_unavailable", code="weights_updating") from None
 
 
-def _usage(batch: RolloutBatch) -> dict:
-    prompt = sum(map(len, batch.prompts))
-    completion = int(batch.completion_lengths.sum())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-async def _stream_events(base: dict, choices: list[_Choice], usage: dict | None, *, chat: bool) -> AsyncIterator[str]:
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def event(choice_list: list[dict], **extra) -> str:
-        return "data: " + json.dumps({**base, "object": kind, "choices": choice_list, **extra}) + "\n\n"
-
-    for choice in choices:
-        if chat:
-            yield event([{"index": choice.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        for piece in choice.deltas():
-            delta = {"content": piece} if chat else None
-            body = {"index": choice.index, "delta": delta} if chat else {"index": choice.index, "text": piece}
-            yield event([{**body, "finish_reason": None, "logprobs": None}])
-        last = {"index": choice.index, "delta": {}} if chat else {"index": choice.index, "text": ""}
-        yield event([{**last, "finish_reason": choice.finish_reason, "logprobs": None, "token_ids": choice.token_ids}])
-    if usage is not None:
-        yield event([], usage=usage)
-    yield "data: [DONE]\n\n"
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _check_bearer(request: Request, token: str, what: str) -> None:

@@ -3,19 +3,19 @@ of engines) provides, and its adapter for :class:`rollout.RolloutWorker`."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..batch import RolloutBatch
+from ..batch import RolloutBatch, StreamChunk
 
 
 class Backend(Protocol):
     """Generation, weight and KV operations the HTTP routes call.
 
-    Blocking methods are run in worker threads by the server; ``generate`` may be called from
-    several threads at once.
+    Blocking methods (the admin ones) run on a server thread; ``generate`` and ``stream`` are
+    awaited on the server's event loop, many at once: the backend batches them.
     """
 
     model_name: str  # the default served model name
@@ -26,6 +26,7 @@ class Backend(Protocol):
     kv_present: bool  # False while the KV cache is dropped
 
     async def generate(self, prompts: list, **sampling) -> RolloutBatch: ...
+    def stream(self, prompts: list, **sampling) -> AsyncIterator[StreamChunk]: ...
     def weights_checksum(self) -> dict: ...
     def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict: ...
     def reload_weights(self, path: str, format: str, step: int | None) -> dict: ...
@@ -47,7 +48,7 @@ class WorkerBackend:
 
     @property
     def context_length(self) -> int:
-        return self.worker.engine.context_length
+        return self.worker.context_length
 
     @property
     def weight_version(self) -> int:
@@ -55,18 +56,17 @@ class WorkerBackend:
 
     @property
     def unavailable_reason(self) -> str | None:
-        if self.worker.closed:
-            return "the worker is closed"
-        # Until RolloutWorker.unavailable_reason lands, a stale worker is caught when its
-        # generate raises (answered 503 as well).
-        return getattr(self.worker, "unavailable_reason", None)
+        return self.worker.unavailable_reason
 
     @property
     def kv_present(self) -> bool:
         return not self.worker.closed and not self.worker.kv_dropped
 
     async def generate(self, prompts: list, **sampling) -> RolloutBatch:
-        return await asyncio.to_thread(self.worker.generate, prompts, **sampling)
+        return await self.worker.agenerate(prompts, **sampling)
+
+    def stream(self, prompts: list, **sampling) -> AsyncIterator[StreamChunk]:
+        return self.worker.astream(prompts, **sampling)
 
     def weights_checksum(self) -> dict:
         return self.worker.weights_checksum()

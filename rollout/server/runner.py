@@ -97,7 +97,7 @@ class Server:
         self.close()
 
 
-def start_server(worker, config: ServerConfig = ServerConfig()) -> Server:
+def start_server(worker, config: ServerConfig | None = None) -> Server:
     """Serve a :class:`rollout.RolloutWorker` over HTTP (``Server(backend, config)`` serves any
     other :class:`Backend`)."""
-    return Server(WorkerBackend(worker), config)
+    return Server(WorkerBackend(worker), config or ServerConfig())

@@ -1,0 +1,84 @@
+"""Admission of engine calls versus exclusive changes (weight swaps, KV drop and rebuild).
+
+Generate calls run concurrently (the engine batches them). An exclusive change first stops
+admitting new calls, then waits for the admitted ones to finish, runs alone, and re-opens:
+a sync issued while generates run waits only for those, and every call sees one weight
+version from start to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+
+
+class EngineGate:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._active = 0
+        self._reason: str | None = None
+        self._owner: int | None = None
+        self._depth = 0
+
+    @property
+    def exclusive_reason(self) -> str | None:
+        """What exclusive change is pending or running, or None."""
+        return self._reason
+
+    @property
+    def active_calls(self) -> int:
+        return self._active
+
+    def try_enter(self) -> bool:
+        with self._cond:
+            if self._reason is not None:
+                return False
+            self._active += 1
+            return True
+
+    def enter(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._reason is None)
+            self._active += 1
+
+    async def aenter(self, poll_s: float = 0.005) -> None:
+        # Polling keeps the caller's event loop free and needs no executor thread, which an
+        # exclusive change issued from the same loop's executor might be waiting for.
+        while not self.try_enter():
+            await asyncio.sleep(poll_s)
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    @contextlib.contextmanager
+    def exclusive(self, reason: str) -> Iterator[None]:
+        """Run the block with no admitted call in flight and none admitted meanwhile.
+        Re-entrant on the owning thread; exclusive blocks of other threads queue."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+            else:
+                self._cond.wait_for(lambda: self._reason is None)
+                self._reason, self._owner, self._depth = reason, me, 1
+                self._cond.wait_for(lambda: self._active == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._reason, self._owner = None, None
+                    self._cond.notify_all()

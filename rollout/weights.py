@@ -1,0 +1,171 @@
+"""One engine's weights: its leaf table, the mapping from trainer paths, sync plans, and which
+leaves the engine owns (as opposed to trainer buffers it aliases)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from models import EngineTransform, ParamMapping, mappings_for
+from trainer_bridge import EngineLeaf, SyncError, SyncPlan, build_plan, plan_key
+
+from .engine import EngineHandle, device_buffers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedSync:
+    """New engine leaves computed for a sync, not yet swapped in."""
+
+    plan: SyncPlan
+    leaves: list  # the whole new leaf list, engine order
+    updated: frozenset[int]  # indices replaced
+    copied: frozenset[int]  # of which new arrays the engine owns
+
+
+class EngineWeights:
+    """The weight side of one engine. Reading the tables is free; changing weights goes
+    through :meth:`prepare` (no engine state touched) and :meth:`commit` (the swap)."""
+
+    def __init__(self, engine: EngineHandle):
+        self.engine = engine
+        self.leaves: tuple[EngineLeaf, ...] = tuple(
+            EngineLeaf(i, spec.path, spec.shape, spec.dtype, spec.sharding, spec.rng_state)
+            for i, spec in enumerate(engine.leaf_specs())
+        )
+        self.mappings: tuple[ParamMapping, ...] = tuple(mappings_for(engine.hf_config))
+        config = engine.hf_config
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        by_path = {leaf.path: leaf for leaf in self.leaves}
+        # Per trainer path: the engine leaf it is used as unchanged, or None when the sync
+        # transforms it (transpose; k/v projections, whose heads the engine may repeat).
+        self.used_as_is: dict[str, EngineLeaf | None] = {
+            m.trainer: by_path[m.engine] if m.engine_transform is EngineTransform.IDENTITY else None
+            for m in self.mappings
+        }
+        self._plans: dict[tuple, SyncPlan] = {}
+        # Leaf indices whose current array belongs to the engine (boot weights, sync copies):
+        # those are freed as soon as they are replaced.
+        self._owned = set(range(len(self.leaves)))
+
+    # ---- sync --------------------------------------------------------------------------------
+
+    def plan_for(self, flat: Mapping[str, object], allow_cast: bool) -> SyncPlan:
+        key = (plan_key(flat), allow_cast)
+        plan = self._plans.get(key)
+        if plan is None:
+            leaves = build_plan(flat, self.leaves, self.mappings, head_dim=self.head_dim, allow_cast=allow_cast)
+            plan = self._plans[key] = SyncPlan(leaves, self.head_dim)
+        return plan
+
+    def prepare(self, flat: Mapping[str, object], *, allow_cast: bool, check_finite: bool) -> PreparedSync:
+        """Validate ``flat`` and compute the engine's new leaves (device copies where needed).
+        Changes nothing the engine serves."""
+        plan = self.plan_for(flat, allow_cast)
+        plan.check_inputs(flat, check_finite)
+        updates = plan.execute(flat)
+        leaves = self.engine.weight_leaves()
+        for index, array in updates.items():
+            leaves[index] = array
+        self._check_layout(leaves, updates)
+        jax.block_until_ready(list(updates.values()))
+        copied = frozenset(p.engine.index for p in plan.copies)
+        return PreparedSync(plan, leaves, frozenset(updates), copied)
+
+    def commit(self, prepared: PreparedSync) -> None:
+        """Swap the prepared leaves in (on the scheduler thread, between forwards), flush the
+        prefix cache, and free the engine-owned arrays that were replaced."""
+        engine, owned = self.engine, set(self._owned)
+
+        def swap():
+            old = engine.weight_leaves()
+            engine.replace_weight_leaves(prepared.leaves)
+            engine.flush_prefix_cache()
+            # Freed now rather than whenever the last reference goes: the peak memory of a
+            # sync stays at the bytes it writes.
+            for index in owned & prepared.updated:
+                if old[index] is not prepared.leaves[index]:
+                    old[index].delete()
+
+        engine.call(swap)
+        self._owned = set(prepared.copied) | (self._owned - prepared.updated)
+
+    def replace_leaves(self, new_leaves: Mapping[int, jax.Array]) -> None:
+        """Swap in engine-owned arrays at the given indices (same layout as the old ones)."""
+        leaves = self.engine.weight_leaves()
+        for index, array in new_leaves.items():
+            leaves[index] = array
+        self._check_layout(leaves, new_leaves)
+        updated = frozenset(new_leaves)
+        self.commit(PreparedSync(None, leaves, updated, updated))
+
+    def _check_layout(self, leaves: list, indices) -> None:
+        for index in indices:
+            leaf, expected = leaves[index], self.leaves[index]
+            if tuple(leaf.shape) != expected.shape or leaf.dtype != expected.dtype or leaf.sharding != expected.sharding:
+                raise SyncError(
+                    f"internal: engine leaf '{expected.path}' would change from "
+                    f"{expected.shape} {expected.dtype} {expected.sharding} to "
+                    f"{tuple(leaf.shape)} {leaf.dtype} {leaf.sharding}"
+                )
+
+    def memory_analysis(self, flat: Mapping[str, object]):
+        plan = next((p for (key, _), p in self._plans.items() if key == plan_key(flat)), None)
+        if plan is None:
+            raise ValueError("sync these params once before asking for the memory analysis")
+        return plan.memory_analysis(flat)
+
+    # ---- placement and checkpoints -----------------------------------------------------------
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.engine.mesh, PartitionSpec())
+
+    def param_shardings(self) -> dict[str, jax.sharding.Sharding]:
+        """Flat trainer path -> where the leaf must live for a zero-copy sync."""
+        replicated = self.replicated()
+        return {path: leaf.sharding if leaf is not None else replicated for path, leaf in self.used_as_is.items()}
+
+    def checkpoint_targets(self, saved: Mapping[str, object], item_dir) -> dict[str, jax.ShapeDtypeStruct]:
+        """Restore targets for a saved tree: leaves the engine uses as they are come back in
+        the engine's dtype and sharding; the others replicated on the engine's mesh."""
+        missing = sorted(set(self.used_as_is) - set(saved))
+        extra = sorted(set(saved) - set(self.used_as_is))
+        if missing or extra:
+            raise SyncError(
+                f"checkpoint {item_dir} does not match the model: missing {len(missing)} expected "
+                f"path(s) {missing[:8]}; {len(extra)} unexpected path(s) {extra[:8]}"
+            )
+        replicated = self.replicated()
+        targets = {}
+        for path, meta in saved.items():
+            engine_leaf, shape = self.used_as_is[path], tuple(meta.shape)
+            if engine_leaf is not None and shape == engine_leaf.shape:
+                targets[path] = jax.ShapeDtypeStruct(shape, engine_leaf.dtype, sharding=engine_leaf.sharding)
+            else:
+                targets[path] = jax.ShapeDtypeStruct(shape, meta.dtype, sharding=replicated)
+        return targets
+
+    # ---- train-step hand-off -------------------------------------------------------------------
+
+    def release_aliased(self) -> None:
+        """Drop the engine's references to trainer buffers it serves, so a train step may
+        donate them. The engine must not run a forward until the next commit."""
+        mapped = {leaf.index for leaf in self.leaves if not leaf.rng_state}
+        aliased = sorted(mapped - self._owned)
+        self.engine.call(lambda: self.engine.release_weight_leaves(aliased))
+
+    def dead_leaves(self) -> list[str]:
+        """Paths of leaves whose buffers were freed (donated by the trainer)."""
+        return [spec.path for spec, leaf in zip(self.leaves, self.engine.weight_leaves()) if leaf.is_deleted()]
+
+    def device_buffers(self) -> dict[tuple[int, int], int]:
+        buffers: dict[tuple[int, int], int] = {}
+        for leaf in self.engine.weight_leaves():
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                buffers.update(device_buffers(leaf))
+        return buffers
