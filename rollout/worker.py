@@ -180,6 +180,11 @@ class RolloutWorker:
         return self._kv_dropped
 
     @property
+    def active_calls(self) -> int:
+        """Generate calls admitted and not yet finished."""
+        return self._gate.active_calls
+
+    @property
     def unavailable_reason(self) -> str | None:
         """None when a generate can start now; else why not (a weight swap, KV change or
         train step in progress, or weights stale after a train step)."""

@@ -116,6 +116,11 @@ class EngineHandle:
         return self._model_runner.mesh
 
     @property
+    def forward_count(self) -> int:
+        """Forward passes run so far (one per scheduled batch)."""
+        return int(self._scheduler.forward_ct)
+
+    @property
     def devices(self) -> tuple[jax.Device, ...]:
         """The devices of this engine's mesh."""
         return tuple(self.mesh.devices.flat)

@@ -1,0 +1,141 @@
+"""Concurrent generate calls, weight swaps that wait only for running calls, compile counting."""
+
+import asyncio
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from rollout import RolloutWorker, compile_count, counting_compiles
+from tests.helpers import tiny_worker_config
+from trainer_bridge import load_hf_params
+
+PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
+
+
+@pytest.fixture(scope="module")
+def worker(qwen2_dir):
+    with RolloutWorker(tiny_worker_config(qwen2_dir)) as w:
+        w.generate(PROMPTS, max_new_tokens=4, temperature=0.0)  # compile outside the tests
+        yield w
+
+
+@pytest.fixture(scope="module")
+def params(qwen2_dir):
+    return load_hf_params(qwen2_dir)
+
+
+def _run_in_threads(*fns):
+    results, errors = [None] * len(fns), []
+
+    def run(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+def test_generates_from_two_threads_are_batched_together(worker):
+    kwargs = dict(temperature=1.0, max_new_tokens=40, ignore_eos=True, n=2, seed=11)
+    engine = worker.engine
+    start = engine.forward_count
+    alone = worker.generate(PROMPTS, **kwargs)
+    sequential = engine.forward_count - start
+    start = engine.forward_count
+    a, b = _run_in_threads(lambda: worker.generate(PROMPTS, **kwargs), lambda: worker.generate(PROMPTS[:2], **kwargs))
+    together = engine.forward_count - start
+    # Serialized calls would need about twice the forwards of one call; batched ones about as many.
+    assert together < 1.5 * sequential, (together, sequential)
+    assert a.completions == alone.completions
+    assert b.completions == alone.completions[:4]
+
+
+def test_agenerate_runs_many_calls_at_once_on_one_loop(worker):
+    kwargs = dict(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    expected = worker.generate(PROMPTS, **kwargs)
+
+    async def main():
+        return await asyncio.gather(*(worker.agenerate([p], **kwargs) for p in PROMPTS))
+
+    batches = asyncio.run(main())
+    assert [b.completions[0] for b in batches] == expected.completions
+
+
+def test_astream_yields_tokens_as_they_come_and_matches_generate(worker):
+    kwargs = dict(temperature=1.0, max_new_tokens=12, ignore_eos=True, n=2, seed=5)
+    expected = worker.generate(PROMPTS, **kwargs)
+
+    async def main():
+        return [chunk async for chunk in worker.astream(PROMPTS, **kwargs)]
+
+    chunks = asyncio.run(main())
+    rows = [[] for _ in range(expected.size)]
+    finished = {}
+    for chunk in chunks:
+        assert chunk.prompt_index == chunk.row // 2 and chunk.sample_index == chunk.row % 2
+        rows[chunk.row].extend(chunk.token_ids)
+        if chunk.finish_reason:
+            finished[chunk.row] = chunk.finish_reason
+    assert rows == expected.completions
+    assert finished == dict.fromkeys(range(expected.size), "length")
+    assert len(chunks) > expected.size, "tokens arrive in several chunks per row"
+    assert {c.weight_version for c in chunks} == {worker.weight_version}
+
+
+def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params):
+    worker.sync_params(params)
+    version = worker.weight_version
+    long_call = dict(temperature=1.0, max_new_tokens=150, ignore_eos=True, n=4, seed=1)
+    started = threading.Event()
+    timeline = {}
+
+    def generate_long():
+        started.set()
+        batch = worker.generate(PROMPTS, **long_call)
+        timeline["long_done"] = time.perf_counter()
+        return batch
+
+    def sync_during():
+        started.wait()
+        while worker.active_calls == 0:  # the long call has been admitted
+            time.sleep(0.001)
+        report = worker.sync_params(params)
+        timeline["sync_done"] = time.perf_counter()
+        return report
+
+    def generate_after_sync_started():
+        started.wait()
+        while worker.unavailable_reason is None:
+            time.sleep(0.001)
+        timeline["late_start"] = time.perf_counter()
+        return worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=4)
+
+    long_batch, report, late = _run_in_threads(generate_long, sync_during, generate_after_sync_started)
+    assert long_batch.weight_version == version
+    assert report.version == version + 1
+    assert late.weight_version == version + 1, "a call issued while a swap waits runs after it"
+    assert timeline["sync_done"] >= timeline["long_done"]
+    assert (long_batch.weight_versions == version).all()
+
+
+def test_compile_counter_sees_what_cache_miss_count_missed(worker):
+    before = compile_count()
+    jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0))  # a fresh function: one compilation
+    assert compile_count() - before >= 1
+    with counting_compiles() as compiles:
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0)).block_until_ready()
+    assert compiles.value >= 1
+    # A new padding bucket compiles; the same call again does not.
+    first = worker.generate([list(range(1, 120))], temperature=0.0, max_new_tokens=3)
+    again = worker.generate([list(range(1, 120))], temperature=0.0, max_new_tokens=3)
+    assert first.compiles >= 1 and again.compiles == 0
