@@ -156,6 +156,41 @@ def test_streaming_matches_the_non_streamed_result(client):
     assert usage.completion_tokens == 2 * chat.usage.completion_tokens
 
 
+def test_streaming_cuts_at_a_stop_string(client):
+    full = client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0).choices[0]
+    stop = full.text[3:5]
+    expected = full.text[: full.text.index(stop)]
+    chunks = list(client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_concurrent_requests_are_batched_by_the_engine(server, worker):
+    body = {"model": "tiny", "max_tokens": 24, "temperature": 1.0, "seed": 5}
+    engine = worker.engine
+
+    async def post(client, prompt):
+        response = await client.post("/v1/completions", json={**body, "prompt": prompt})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    async def send(prompts):
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=headers) as client:
+            return await asyncio.gather(*(post(client, p) for p in prompts))
+
+    prompts = [[5 + i, 17, 42, 8] for i in range(6)]
+    start = engine.forward_count
+    alone = asyncio.run(send(prompts[:1]))
+    one = engine.forward_count - start
+    start = engine.forward_count
+    together = asyncio.run(send(prompts))
+    six = engine.forward_count - start
+    # Serialized requests would take about six times the forwards of one.
+    assert six < 2 * one, (six, one)
+    assert together[0] == alone[0]
+
+
 # ---- admin routes ----------------------------------------------------------------------------
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ..engine import MAX_SAMPLING_SEED
+from ..sampling import MAX_SAMPLING_SEED
 
 MAX_N = 128
 MAX_STOP_STRINGS = 4
