@@ -116,9 +116,10 @@ def main(args: argparse.Namespace) -> None:
             max_running_requests=64, max_prefill_tokens=1024, chunked_prefill_size=1024,
         )
         with RolloutWorker(config) as worker, worker.serve(admin_token=ADMIN_TOKEN) as server:
-            worker.generate([[1, 2, 3]], max_new_tokens=args.max_tokens, temperature=0.0)  # compile
-            load = dict(model=server.backend.model_name, requests=args.requests, max_tokens=args.max_tokens, window_s=args.window_s)
+            load = {"model": server.backend.model_name, "requests": args.requests, "max_tokens": args.max_tokens, "window_s": args.window_s}
             reload_body = {"path": str(model_dir), "format": "hf"}
+            # Compiles the forward for the batch sizes this load reaches, and the reload's copies.
+            asyncio.run(run_load(server.url, reloads=1, reload_body=reload_body, **load))
             baseline = asyncio.run(run_load(server.url, reloads=0, reload_body=reload_body, **load))
             under_reloads = asyncio.run(run_load(server.url, reloads=args.reloads, reload_body=reload_body, **load))
     print(describe("no reloads (baseline)", baseline))

@@ -4,7 +4,8 @@
         [--host 127.0.0.1] [--port 8000] [--admin-token TOKEN] [--api-key KEY]
         [--served-model-name NAME] [--max-total-tokens N --tp-size N ...]
 
-Every ``WorkerConfig`` field is a flag (engine settings). The admin token may come from the
+Every ``WorkerConfig`` field is a flag (engine settings; ``--devices 0,1`` are indices into
+``jax.local_devices()``, lists are comma-separated). The admin token may come from the
 ``ROLLOUT_ADMIN_TOKEN`` environment variable instead (kept out of the process list). SIGINT or
 SIGTERM drain running requests, stop the server and the engine.
 """
@@ -16,6 +17,8 @@ import dataclasses
 import logging
 import os
 import typing
+
+import jax
 
 from .config import WorkerConfig
 from .server import ServerConfig, start_server
@@ -64,7 +67,14 @@ def parse_args(argv=None) -> tuple[WorkerConfig, ServerConfig, str]:
 
     server = values(ServerConfig, _SERVER_FLAGS)
     server.setdefault("admin_token", os.environ.get(ADMIN_TOKEN_ENV) or None)
-    return WorkerConfig(**values(WorkerConfig, None)), ServerConfig(**server), args.log_level
+    worker = values(WorkerConfig, None)
+    if "devices" in worker:  # given as indices into jax.local_devices()
+        local = jax.local_devices()
+        bad = [i for i in worker["devices"] if not 0 <= i < len(local)]
+        if bad:
+            parser.error(f"--devices: no local device {bad[0]} (there are {len(local)})")
+        worker["devices"] = tuple(local[i] for i in worker["devices"])
+    return WorkerConfig(**worker), ServerConfig(**server), args.log_level
 
 
 def main(argv=None) -> None:

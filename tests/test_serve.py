@@ -282,6 +282,7 @@ BAD_REQUESTS = [
     ("max_tokens beyond context", {"model": "tiny", "prompt": PROMPT, "max_tokens": 100000}, 400, "max_tokens"),
     ("prompt + max_tokens beyond context", {"model": "tiny", "prompt": LONG[:200], "max_tokens": 100}, 400, "max_tokens"),
     ("prompt longer than context", {"model": "tiny", "prompt": LONG, "max_tokens": 1}, 400, "prompt"),
+    ("streamed, prompt longer than context", {"model": "tiny", "prompt": LONG, "max_tokens": 1, "stream": True}, 400, "prompt"),
     ("temperature out of range", {"model": "tiny", "prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ("top_p zero", {"model": "tiny", "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     ("n zero", {"model": "tiny", "prompt": PROMPT, "n": 0}, 400, "n"),

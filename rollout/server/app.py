@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import hmac
 import json
 import logging
@@ -103,8 +102,7 @@ class _ServerState:
         self.backend, self.config = backend, config
         self.model_name = config.served_model_name or backend.model_name
         self.created = int(time.time())
-        self.busy: str | None = None  # an admin operation that makes generation wait (503)
-        self.admin_lock = asyncio.Lock()
+        self.admin_lock = asyncio.Lock()  # one admin change at a time
         self.kv_held = False  # /admin/drop_kv ran and /admin/rebuild_kv did not yet
         # Admin work gets its own thread: queued behind generation threads, a reload would
         # hold generation at 503 for as long as it waited.
@@ -159,7 +157,7 @@ class _ServerState:
         """Why generation requests get 503 now (None: they run). A KV cache dropped through
         /admin/drop_kv stays dropped until rebuilt; one the worker dropped (a train step) is
         rebuilt by the first generate once the worker allows generating again."""
-        reason = self.busy or self.backend.unavailable_reason
+        reason = self.backend.unavailable_reason
         if reason is None and self.kv_held and not self.backend.kv_present:
             reason = "the KV cache was dropped through /admin/drop_kv"
         return reason
@@ -327,16 +325,6 @@ def _mount_admin(app: FastAPI, state: _ServerState) -> None:
     def authorize(request: Request) -> None:
         _check_bearer(request, token, "admin token")
 
-    @contextlib.asynccontextmanager
-    async def pausing(what: str):
-        """Generation requests get 503 while ``what`` runs; those already running finish."""
-        async with state.admin_lock:
-            state.busy = what
-            try:
-                yield
-            finally:
-                state.busy = None
-
     async def run(fn, *args):
         try:
             return await asyncio.get_running_loop().run_in_executor(state.admin_executor, fn, *args)
@@ -363,7 +351,7 @@ def _mount_admin(app: FastAPI, state: _ServerState) -> None:
             raise invalid("seed", f"'seed' must be an int >= 0, got {seed!r}")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise invalid("scale", f"'scale' must be a number, got {scale!r}")
-        async with pausing("perturbing weights"):
+        async with state.admin_lock:
             before = await run(backend.weights_checksum)
             report = await run(backend.perturb_weights, seed, float(scale), num_leaves)
             after = await run(backend.weights_checksum)
@@ -380,7 +368,7 @@ def _mount_admin(app: FastAPI, state: _ServerState) -> None:
             raise invalid("format", f"'format' must be 'orbax' or 'hf', got {fmt!r}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or fmt != "orbax"):
             raise invalid("step", "'step' must be an int, and only with format 'orbax'")
-        async with pausing(f"reloading weights from {path}"):
+        async with state.admin_lock:
             report = await run(backend.reload_weights, path, fmt, step)
         logger.info("reloaded weights from %s (%s): version %d", path, fmt, report["version"])
         return report
@@ -388,7 +376,7 @@ def _mount_admin(app: FastAPI, state: _ServerState) -> None:
     @app.post("/admin/drop_kv")
     async def drop_kv(request: Request):
         authorize(request)
-        async with pausing("dropping the KV cache"):
+        async with state.admin_lock:
             report = await run(backend.drop_kv)
             state.kv_held = True
             return report
@@ -396,7 +384,7 @@ def _mount_admin(app: FastAPI, state: _ServerState) -> None:
     @app.post("/admin/rebuild_kv")
     async def rebuild_kv(request: Request):
         authorize(request)
-        async with pausing("rebuilding the KV cache"):
+        async with state.admin_lock:
             report = await run(backend.rebuild_kv)
             state.kv_held = False
             return report

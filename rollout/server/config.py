@@ -22,6 +22,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1  # the Retry-After of a 503 while weights or KV are changing
     drain_timeout_s: float = 30.0  # how long close() lets running requests finish
+    keep_alive_s: float = 75.0  # idle keep-alive connections are closed after this
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:

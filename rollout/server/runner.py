@@ -37,6 +37,9 @@ class Server:
             log_config=None,
             access_log=False,  # the app logs one line per request itself
             timeout_graceful_shutdown=config.drain_timeout_s,
+            # Longer than clients keep idle connections (httpx: 5 s), so a client never sends a
+            # request on a connection the server is closing (seen: ReadError at 5 s, uvicorn's default).
+            timeout_keep_alive=config.keep_alive_s,
             lifespan="off",
         )
         self._uvicorn = uvicorn.Server(uvicorn_config)
