@@ -96,7 +96,7 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
 
 
 class _ServerState:
-    """What the routes share: the backend, the settings, and the admin operation in progress."""
+    """What the routes share: the backend, the settings, admin state."""
 
     def __init__(self, backend: Backend, config: ServerConfig):
         self.backend, self.config = backend, config
@@ -104,8 +104,8 @@ class _ServerState:
         self.created = int(time.time())
         self.admin_lock = asyncio.Lock()  # one admin change at a time
         self.kv_held = False  # /admin/drop_kv ran and /admin/rebuild_kv did not yet
-        # Admin work gets its own thread: queued behind generation threads, a reload would
-        # hold generation at 503 for as long as it waited.
+        # Admin work blocks (checkpoint reads, swaps that wait for running requests): it runs
+        # on a thread of its own, off the event loop.
         self.admin_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-admin")
 
     def close(self) -> None:
