@@ -42,13 +42,21 @@ class EngineWeights:
         config = engine.hf_config
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         by_path = {leaf.path: leaf for leaf in self.leaves}
+        kv_width = int(config.num_key_value_heads) * self.head_dim
+
+        def as_is(m: ParamMapping) -> bool:
+            if m.engine_transform is EngineTransform.REPEAT_KV_HEADS:
+                # The engine repeats KV heads only when tp_size exceeds them.
+                return by_path[m.engine].shape[-1] == kv_width
+            return m.engine_transform is EngineTransform.IDENTITY
+
         # Per trainer path: the engine leaf it is used as unchanged, or None when the sync
-        # transforms it (transpose; k/v projections, whose heads the engine may repeat).
+        # transforms it (transpose; k/v projections whose heads the engine repeats).
         self.used_as_is: dict[str, EngineLeaf | None] = {
-            m.trainer: by_path[m.engine] if m.engine_transform is EngineTransform.IDENTITY else None
-            for m in self.mappings
+            m.trainer: by_path[m.engine] if as_is(m) else None for m in self.mappings
         }
         self._plans: dict[tuple, SyncPlan] = {}
+        self._checked_plans: set[SyncPlan] = set()
         # Leaf indices whose current array belongs to the engine (boot weights, sync copies):
         # those are freed as soon as they are replaced.
         self._owned = set(range(len(self.leaves)))
@@ -72,7 +80,10 @@ class EngineWeights:
         leaves = self.engine.weight_leaves()
         for index, array in updates.items():
             leaves[index] = array
-        self._check_layout(leaves, updates)
+        if plan not in self._checked_plans:
+            # A plan yields the same layout every time: checked on its first run only.
+            self._check_layout(leaves, updates)
+            self._checked_plans.add(plan)
         jax.block_until_ready(list(updates.values()))
         copied = frozenset(p.engine.index for p in plan.copies)
         return PreparedSync(plan, leaves, frozenset(updates), copied)

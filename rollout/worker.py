@@ -217,10 +217,11 @@ class RolloutWorker:
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
         with self._sync_lock, counting_compiles() as compiles:
-            prepared = [w.prepare(flat, allow_cast=allow_cast, check_finite=check_finite) for w in self._weights]
+            live = self._live()
+            prepared = [w.prepare(flat, allow_cast=allow_cast, check_finite=check_finite) for w in live]
             with self._gate.exclusive(reason), self._state_lock:
-                for weights, update in zip(self._weights, prepared):
-                    weights.commit(update)
+                for weights, update in zip(live, prepared):
+                    self._named(weights, weights.commit, update)
                 self._stale_reason = None
                 self.weight_version += 1
                 version = self.weight_version
@@ -284,7 +285,8 @@ class RolloutWorker:
         dtypes and shardings as the leaves they replace). Returns the new weight version."""
         with self._sync_lock, self._gate.exclusive(reason), self._state_lock:
             for weights, leaves in zip(self._weights, new_leaves):
-                weights.replace_leaves(leaves)
+                if weights.engine.alive:
+                    self._named(weights, weights.replace_leaves, leaves)
             self.weight_version += 1
             return self.weight_version
 
@@ -301,7 +303,7 @@ class RolloutWorker:
             if self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = [kv.drop_kv(engine) for engine in self._engines]
+            reports = [self._named(w, kv.drop_kv, w.engine) for w in self._live()]
             self._kv_dropped = True
         report = kv.combine(reports, time.perf_counter() - start)
         self._phases.record("kv_dropped", report.seconds, bytes=report.bytes)
@@ -314,7 +316,7 @@ class RolloutWorker:
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = [kv.rebuild_kv(engine) for engine in self._engines]
+            reports = [self._named(w, kv.rebuild_kv, w.engine) for w in self._live()]
             self._kv_dropped = False
         report = kv.combine(reports, time.perf_counter() - start)
         self._phases.record("kv_rebuilt", report.seconds, bytes=report.bytes)
@@ -333,8 +335,8 @@ class RolloutWorker:
             report = self.drop_kv()
             with self._state_lock:
                 self._stale_reason = "a train step ran since the last sync_params"
-                for weights in self._weights:
-                    weights.release_aliased()
+                for weights in self._live():
+                    self._named(weights, weights.release_aliased)
         yield report
 
     def memory(self) -> MemoryReport:
@@ -385,10 +387,8 @@ class RolloutWorker:
             self._admit()
             try:
                 version = self.weight_version
-                futures = [
-                    (rows, engine.submit(*part)) for engine, (rows, part) in self._split(request)
-                ]
-                outputs = _merge([(rows, future.result()) for rows, future in futures])
+                futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._split(request)]
+                outputs = _merge([(rows, self._named(w, future.result)) for w, rows, future in futures])
             finally:
                 self._gate.leave()
         self._phases.record("generate", time.perf_counter() - start, rows=len(outputs))
@@ -401,9 +401,11 @@ class RolloutWorker:
             await self._aadmit()
             try:
                 version = self.weight_version
-                parts = [(rows, engine.submit(*part)) for engine, (rows, part) in self._split(request)]
-                results = await asyncio.gather(*(asyncio.wrap_future(f) for _, f in parts))
-                outputs = _merge([(rows, result) for (rows, _), result in zip(parts, results)])
+                futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._split(request)]
+                results = await asyncio.gather(
+                    *(self._anamed(w, asyncio.wrap_future(future)) for w, _, future in futures)
+                )
+                outputs = _merge([(rows, result) for (_, rows, _), result in zip(futures, results)])
             finally:
                 self._gate.leave()
         return self._pack(request, outputs, version, compiles.value)
@@ -418,11 +420,13 @@ class RolloutWorker:
             version = self.weight_version
             updates: asyncio.Queue = asyncio.Queue()
 
-            async def pump(rows, engine, part):
-                async for row, output in engine.astream(*part):
+            async def pump(weights, rows, part):
+                async for row, output in weights.engine.astream(*part):
                     await updates.put((rows[row], output))
 
-            tasks = [asyncio.ensure_future(pump(rows, e, part)) for e, (rows, part) in self._split(request)]
+            tasks = [
+                asyncio.ensure_future(self._anamed(w, pump(w, rows, part))) for w, rows, part in self._split(request)
+            ]
             done_task = asyncio.ensure_future(asyncio.gather(*tasks))
             done_task.add_done_callback(lambda _: updates.put_nowait(None))
             sent = [0] * (len(request.prompts) * request.params.n)
@@ -475,27 +479,50 @@ class RolloutWorker:
         params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
         return _Request(prompt_ids, params, row_seeds(call_seed, len(prompt_ids), params.n), pad_to)
 
-    def _split(self, request: _Request):
-        """(engine, (global rows, (prompts, params, seeds))) per engine with work: whole
-        prompts (their n samples together), balanced by tokens."""
-        prompts, n = request.prompts, request.params.n
-        if len(self._engines) == 1:
-            return [(self._engines[0], (list(range(len(prompts) * n)), (prompts, request.params, request.seeds)))]
-        load = [0] * len(self._engines)
-        assigned: list[list[int]] = [[] for _ in self._engines]
-        cost = [len(p) + request.params.max_new_tokens for p in prompts]
+    def _split(self, request: _Request) -> list[tuple[EngineWeights, list[int], tuple]]:
+        """(engine, its global rows, (prompts, params, seeds)) per live engine with work:
+        whole prompts (their n samples together), balanced by tokens."""
+        prompts, params, n = request.prompts, request.params, request.params.n
+        live = self._live()
+        load = [0] * len(live)
+        assigned: list[list[int]] = [[] for _ in live]
+        cost = [len(p) + params.max_new_tokens for p in prompts]
         for i in sorted(range(len(prompts)), key=lambda i: -cost[i]):
             target = load.index(min(load))
             assigned[target].append(i)
             load[target] += cost[i]
         parts = []
-        for engine, indices in zip(self._engines, assigned):
+        for weights, indices in zip(live, assigned):
             if indices:
                 indices.sort()
                 rows = [i * n + j for i in indices for j in range(n)]
-                part = ([prompts[i] for i in indices], request.params, request.seeds[indices])
-                parts.append((engine, (rows, part)))
+                parts.append((weights, rows, ([prompts[i] for i in indices], params, request.seeds[indices])))
         return parts
+
+    def _live(self) -> list[EngineWeights]:
+        """The engines still running (an engine whose thread failed stays failed)."""
+        live = [w for w in self._weights if w.engine.alive]
+        if not live:
+            self._check_open()
+            self._named(self._weights[0], self._weights[0].engine.check_alive)  # raises its error
+        return live
+
+    def _label(self, weights: EngineWeights) -> str:
+        devices = ", ".join(str(d) for d in weights.engine.devices)
+        return f"engine {self._weights.index(weights)} ({devices})"
+
+    def _named(self, weights: EngineWeights, fn, *args):
+        """``fn(*args)``, an engine failure re-raised naming the engine."""
+        try:
+            return fn(*args)
+        except EngineError as exc:
+            raise EngineError(f"{self._label(weights)}: {exc}") from exc
+
+    async def _anamed(self, weights: EngineWeights, awaitable):
+        try:
+            return await awaitable
+        except EngineError as exc:
+            raise EngineError(f"{self._label(weights)}: {exc}") from exc
 
     def _admit(self) -> None:
         """Enter the gate as a generate call, rebuilding the KV caches first if dropped."""

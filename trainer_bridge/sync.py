@@ -82,9 +82,10 @@ class SyncReport:
 
 
 def _leaf_signature(leaf) -> tuple:
+    # Runs for every leaf of every sync: dtype objects, not their (slow) string forms.
     if isinstance(leaf, jax.Array):
-        return ("jax", tuple(leaf.shape), str(leaf.dtype), leaf.sharding)
-    return (type(leaf).__name__, tuple(np.shape(leaf)), str(np.asarray(leaf).dtype) if hasattr(leaf, "dtype") else "?")
+        return (leaf.shape, leaf.dtype, leaf.sharding)
+    return (type(leaf), np.shape(leaf), getattr(leaf, "dtype", None))
 
 
 def plan_key(flat: Mapping[str, object]) -> tuple:
