@@ -601,7 +601,7 @@ class RolloutWorker:
             self._check_weights_alive()
             version = self.weight_version
             checksums = []
-            for engine in self.engines:
+            for engine in (e for e in self.engines if e.alive):
                 arrays = engine.weight_leaves()
                 checksums.append(weight_check.weights_checksum([w.path for w in weights], [arrays[w.index] for w in weights]))
         report = {"checksum": checksums[0], "weight_version": version, "leaves": len(weights)}
@@ -621,9 +621,11 @@ class RolloutWorker:
         self._check_weights_alive()
         new_leaves = []
         for engine in self.engines:
-            arrays = engine.weight_leaves()
+            arrays = engine.weight_leaves() if engine.alive else None
             new_leaves.append(
-                {w.index: weight_check.perturbed(arrays[w.index], int(seed), i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
+                {}
+                if arrays is None
+                else {w.index: weight_check.perturbed(arrays[w.index], int(seed), i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
             )
         version = self.replace_engine_leaves(new_leaves, "weights are being perturbed")
         return {"leaves": [w.path for w in weights[:num_leaves]], "weight_version": version}

@@ -331,21 +331,26 @@ def test_api_key_is_required_on_v1_routes(server, http):
 
 
 def test_several_servers_in_one_process(worker, qwen2_dir, http):
-    """A second server on the same worker, and a third over a second worker (tp=2)."""
+    """A second server on the same worker, and a third over a second worker (two engines)."""
     with (
         worker.serve() as shared,
-        RolloutWorker(tiny_worker_config(qwen2_dir, tp_size=2)) as other_worker,
+        RolloutWorker(tiny_worker_config(qwen2_dir, dp_size=2)) as other_worker,
         other_worker.serve() as other,
     ):
         assert shared.port != other.port
         name = qwen2_dir.name
         assert httpx.get(other.url + "/admin/weights_checksum").status_code == 404  # no admin token: not mounted
         body = {"model": name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
-        # Same weights (both dirs are seed 0), sharded differently: the same greedy tokens.
+        # Same weights (both dirs are seed 0): the same greedy tokens and checksums, on every engine.
         ours = complete(http, temperature=0).json()["choices"][0]["token_ids"]
         assert httpx.post(other.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"] == ours
         shared_body = {**body, "model": worker.config.model_path.rstrip("/").rsplit("/", 1)[-1]}
         assert httpx.post(shared.url + "/v1/completions", json=shared_body, timeout=60).json()["choices"][0]["token_ids"] == ours
+        original = other_worker.weights_checksum()
+        assert original["per_engine"] == [checksum(http)["checksum"]] * 2
+        other_worker.perturb_weights(seed=1, scale=0.1, num_leaves=2)
+        perturbed = other_worker.weights_checksum()["per_engine"]
+        assert perturbed[0] == perturbed[1] != original["checksum"]
         no_template = httpx.post(
             other.url + "/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "hi"}]}, timeout=60
         )
