@@ -101,6 +101,7 @@ def describe(name: str, result: LoadResult) -> str:
     return (
         f"{name}: {len(result.outcomes)} requests, {len(result.reload_statuses)} reloads {result.reload_statuses}, "
         f"statuses {result.counts()}, 200s p50 {result.percentile(50) * 1e3:.0f} ms p99 {result.percentile(99) * 1e3:.0f} ms, "
+        f"503s p50 {result.percentile(50, 503) * 1e3:.0f} ms p99 {result.percentile(99, 503) * 1e3:.0f} ms, "
         f"{ok / result.seconds:.1f} completed req/s over {result.seconds:.1f} s"
     )
 
