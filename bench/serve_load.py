@@ -22,6 +22,9 @@ import time
 import httpx
 import numpy as np
 
+from models import TinyModelSpec, write_tiny_model
+from rollout import RolloutWorker, WorkerConfig
+
 ADMIN_TOKEN = "bench-admin"
 
 
@@ -107,9 +110,6 @@ def describe(name: str, result: LoadResult) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    from models import TinyModelSpec, write_tiny_model
-    from rollout import RolloutWorker, WorkerConfig
-
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(tmp, TinyModelSpec())
         config = WorkerConfig(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import json
 import logging
 import time
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..engine import EngineError
+from .admin import mount_admin
 from .backend import Backend
 from .config import ServerConfig
 from .protocol import (
@@ -23,6 +23,7 @@ from .protocol import (
     GenerationRequest,
     chat_messages,
     chat_request,
+    check_bearer,
     completion_request,
     invalid,
 )
@@ -36,7 +37,7 @@ _FINISH_REASONS = {"length": "length"}  # every other engine finish (eos, stop t
 
 def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="sglang-jax-rollout", docs_url=None, redoc_url=None, openapi_url=None)
-    state = _ServerState(backend, config)
+    state = ServerState(backend, config)
     app.state.server = state
 
     @app.exception_handler(ApiError)
@@ -91,11 +92,11 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
         return await state.respond(request, req, chat=True)
 
     if config.admin_token is not None:
-        _mount_admin(app, state)
+        mount_admin(app, state)
     return app
 
 
-class _ServerState:
+class ServerState:
     """What the routes share: the backend, the settings, admin state."""
 
     def __init__(self, backend: Backend, config: ServerConfig):
@@ -115,7 +116,7 @@ class _ServerState:
 
     def check_api_key(self, request: Request) -> None:
         if self.config.api_key is not None:
-            _check_bearer(request, self.config.api_key, "API key")
+            check_bearer(request, self.config.api_key, "API key")
 
     async def read_json(self, request: Request) -> dict:
         limit = self.config.max_body_bytes
@@ -308,91 +309,6 @@ async def _mapped_errors(awaitable, req: GenerationRequest):
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _check_bearer(request: Request, token: str, what: str) -> None:
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        raise ApiError(401, f"missing {what}: send 'Authorization: Bearer <{what}>'", type="authentication_error", code="missing_token")
-    if not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise ApiError(403, f"wrong {what}", type="permission_error", code="invalid_token")
-
-
-def _mount_admin(app: FastAPI, state: _ServerState) -> None:
-    backend, token = state.backend, state.config.admin_token
-
-    def authorize(request: Request) -> None:
-        _check_bearer(request, token, "admin token")
-
-    async def run(fn, *args):
-        try:
-            return await asyncio.get_running_loop().run_in_executor(state.admin_executor, fn, *args)
-        except FileNotFoundError as exc:
-            raise ApiError(404, str(exc), param="path", code="not_found") from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        except EngineError:
-            raise
-        except RuntimeError as exc:
-            raise ApiError(409, str(exc), type="conflict_error") from None
-
-    @app.get("/admin/weights_checksum")
-    async def weights_checksum(request: Request):
-        authorize(request)
-        return await run(backend.weights_checksum)
-
-    @app.post("/admin/perturb_weights")
-    async def perturb_weights(request: Request):
-        authorize(request)
-        body = await state.read_json(request)
-        seed, scale, num_leaves = body.get("seed", 0), body.get("scale", 1e-3), body.get("num_leaves", 1)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise invalid("seed", f"'seed' must be an int >= 0, got {seed!r}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise invalid("scale", f"'scale' must be a number, got {scale!r}")
-        async with state.admin_lock:
-            before = await run(backend.weights_checksum)
-            report = await run(backend.perturb_weights, seed, float(scale), num_leaves)
-            after = await run(backend.weights_checksum)
-        return {**report, "checksum_before": before["checksum"], "checksum_after": after["checksum"]}
-
-    @app.post("/admin/reload_weights")
-    async def reload_weights(request: Request):
-        authorize(request)
-        body = await state.read_json(request)
-        path, fmt, step = body.get("path"), body.get("format", "orbax"), body.get("step")
-        if not isinstance(path, str) or not path:
-            raise invalid("path", "'path' must be a non-empty string")
-        if fmt not in ("orbax", "hf"):
-            raise invalid("format", f"'format' must be 'orbax' or 'hf', got {fmt!r}")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or fmt != "orbax"):
-            raise invalid("step", "'step' must be an int, and only with format 'orbax'")
-        async with state.admin_lock:
-            report = await run(backend.reload_weights, path, fmt, step)
-        logger.info("reloaded weights from %s (%s): version %d", path, fmt, report["version"])
-        return report
-
-    @app.post("/admin/drop_kv")
-    async def drop_kv(request: Request):
-        authorize(request)
-        async with state.admin_lock:
-            report = await run(backend.drop_kv)
-            state.kv_held = True
-            return report
-
-    @app.post("/admin/rebuild_kv")
-    async def rebuild_kv(request: Request):
-        authorize(request)
-        async with state.admin_lock:
-            report = await run(backend.rebuild_kv)
-            state.kv_held = False
-            return report
-
-    @app.get("/admin/memory")
-    async def memory(request: Request):
-        authorize(request)
-        return await run(backend.memory)
 
 
 class _RequestLog:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import math
 from typing import Any
 
@@ -161,3 +162,13 @@ def chat_request(body: dict, prompt_ids: list[int], context_length: int) -> Gene
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None, 1, 2**31 - 1)
     return _common(body, [prompt_ids], "messages", max_tokens, context_length)
+
+
+def check_bearer(request, token: str, what: str) -> None:
+    """401 without ``Authorization: Bearer <token>``, 403 with another token."""
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise ApiError(401, f"missing {what}: send 'Authorization: Bearer <{what}>'", type="authentication_error", code="missing_token")
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise ApiError(403, f"wrong {what}", type="permission_error", code="invalid_token")
