@@ -165,6 +165,21 @@ def test_streaming_cuts_at_a_stop_string(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_client_leaving_a_stream_frees_its_call(http, worker):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "seed": 3}
+    assert complete(http, **body).json()["choices"][0]["finish_reason"] == "length"  # no early EOS
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert worker.active_calls == 1  # still generating when the client leaves
+    deadline = time.monotonic() + 60
+    while worker.active_calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.active_calls == 0
+    assert complete(http).status_code == 200
+
+
 def test_concurrent_requests_are_batched_by_the_engine(server, worker):
     body = {"model": "tiny", "max_tokens": 24, "temperature": 1.0, "seed": 5}
     engine = worker.engine
