@@ -345,7 +345,7 @@ def test_api_key_is_required_on_v1_routes(server, http):
 # ---- several servers, another worker ---------------------------------------------------------
 
 
-def test_several_servers_in_one_process(worker, qwen2_dir, http):
+def test_several_servers_in_one_process(worker, chat_dir, qwen2_dir, http):
     """A second server on the same worker, and a third over a second worker (two engines)."""
     with (
         worker.serve() as shared,
@@ -359,7 +359,7 @@ def test_several_servers_in_one_process(worker, qwen2_dir, http):
         # Same weights (both dirs are seed 0): the same greedy tokens and checksums, on every engine.
         ours = complete(http, temperature=0).json()["choices"][0]["token_ids"]
         assert httpx.post(other.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"] == ours
-        shared_body = {**body, "model": worker.config.model_path.rstrip("/").rsplit("/", 1)[-1]}
+        shared_body = {**body, "model": chat_dir.name}
         assert httpx.post(shared.url + "/v1/completions", json=shared_body, timeout=60).json()["choices"][0]["token_ids"] == ours
         original = other_worker.weights_checksum()
         assert original["per_engine"] == [checksum(http)["checksum"]] * 2
@@ -432,10 +432,10 @@ def test_command_line_server_stops_on_sigterm(chat_dir, worker):
             process.wait()
 
 
-def test_close_drains_running_requests(worker):
+def test_close_drains_running_requests(worker, chat_dir):
     threads_before = set(threading.enumerate())
     server = worker.serve(admin_token="t")
-    body = {"model": worker.config.model_path.rstrip("/").rsplit("/", 1)[-1], "prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+    body = {"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 48, "temperature": 0}
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=httpx.post(server.url + "/v1/completions", json=body, timeout=120)))
     thread.start()
