@@ -23,12 +23,13 @@ def _leaf_sum(x: jax.Array) -> jax.Array:
     return jnp.sum(bits, dtype=jnp.uint32)
 
 
-_leaf_sums = jax.jit(lambda leaves: [_leaf_sum(x) for x in leaves])
+# One call per leaf: the leaves need not share devices.
+_leaf_sum_jit = jax.jit(_leaf_sum)
 
 
 def weights_checksum(paths: Sequence[str], leaves: Sequence[jax.Array]) -> str:
-    """Hex digest over (path, per-leaf bit sum) in the given order."""
-    sums = jax.device_get(_leaf_sums(list(leaves)))
+    """Hex digest over (path, dtype, shape, per-leaf bit sum) in the given order."""
+    sums = jax.device_get([_leaf_sum_jit(leaf) for leaf in leaves])
     digest = hashlib.sha256()
     for path, leaf, total in zip(paths, leaves, sums):
         digest.update(f"{path}:{jnp.dtype(leaf.dtype).name}:{tuple(leaf.shape)}:{int(total)};".encode())

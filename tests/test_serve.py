@@ -11,6 +11,8 @@ import time
 
 import httpx
 import jax
+import jax.numpy as jnp
+import numpy as np
 import openai
 import orbax.checkpoint as ocp
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from bench.serve_load import ADMIN_TOKEN, run_load
 from models.tiny import TinyModelSpec, write_tiny_model
 from rollout import RolloutWorker
+from rollout.weight_check import weights_checksum
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -207,6 +210,23 @@ def test_concurrent_requests_are_batched_by_the_engine(server, worker):
 
 
 # ---- admin routes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_checksum_is_exact_and_independent_of_placement(dtype):
+    values = jax.random.normal(jax.random.key(0), (8, 16)).astype(dtype)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+    sharded = jax.device_put(values, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b")))
+    single = jax.device_put(values, jax.devices()[3])
+    paths = ["w", "v"]
+    reference = weights_checksum(paths, [single, single])
+    assert weights_checksum(paths, [sharded, single]) == reference
+    one_ulp = values.at[3, 5].set(jnp.nextafter(values[3, 5], jnp.inf))
+    assert weights_checksum(paths, [one_ulp, single]) != reference
+    assert weights_checksum(["v", "w"], [single, single]) != reference  # the leaf order counts
+
+
+# ---- admin routes over HTTP ----------------------------------------------------------------------------
 
 
 def test_admin_requires_the_admin_token(http):
