@@ -612,7 +612,8 @@ class RolloutWorker:
     def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict:
         """Add ``scale * normal(key(seed, i))`` to the first ``num_leaves`` weight leaves (engine
         order), on every engine: a deterministic weight update for testing the update path.
-        Returns the perturbed leaf paths and the new weight version."""
+        Returns the perturbed leaf paths and the new weight version. Do not call it during a
+        sync: a sync landing between its read of the leaves and its swap would be undone."""
         weights = [leaf for leaf in self.leaves if not leaf.path.startswith("rng.")]
         if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
             raise ValueError(f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
@@ -634,10 +635,8 @@ class RolloutWorker:
         """Serve this worker over HTTP (OpenAI-compatible and admin routes) from this process;
         ``options`` are :class:`rollout.server.ServerConfig` fields. Returns the started
         :class:`rollout.server.Server` (``url``, ``close()``)."""
-        from .server import (  # FastAPI loads only when serving
-            ServerConfig,
-            start_server,
-        )
+        # Imported here so that FastAPI loads only when serving.
+        from .server import ServerConfig, start_server
 
         return start_server(self, ServerConfig(host=host, port=port, **options))
 
