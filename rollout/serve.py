@@ -4,7 +4,7 @@
         [--host 127.0.0.1] [--port 8000] [--admin-token TOKEN] [--api-key KEY]
         [--served-model-name NAME] [--max-total-tokens N --tp-size N ...]
 
-Every ``WorkerConfig`` field is a flag (engine settings; ``--devices 0,1`` are indices into
+Every ``ServerConfig`` and ``WorkerConfig`` field is a flag (engine settings; ``--devices 0,1`` are indices into
 ``jax.local_devices()``, lists are comma-separated). The admin token may come from the
 ``ROLLOUT_ADMIN_TOKEN`` environment variable instead (kept out of the process list). SIGINT or
 SIGTERM drain running requests, stop the server and the engine.
@@ -25,7 +25,6 @@ from .server import ServerConfig, start_server
 from .worker import RolloutWorker
 
 ADMIN_TOKEN_ENV = "ROLLOUT_ADMIN_TOKEN"
-_SERVER_FLAGS = ("host", "port", "admin_token", "api_key", "served_model_name", "max_body_bytes", "drain_timeout_s")
 
 
 def _flag_type(hint):
@@ -41,15 +40,10 @@ def _flag_type(hint):
 def parse_args(argv=None) -> tuple[WorkerConfig, ServerConfig, str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="INFO")
-    groups = (
-        (parser.add_argument_group("server"), ServerConfig, _SERVER_FLAGS),
-        (parser.add_argument_group("engine (WorkerConfig)"), WorkerConfig, None),
-    )
-    for group, cls, names in groups:
+    groups = ((parser.add_argument_group("server"), ServerConfig), (parser.add_argument_group("engine (WorkerConfig)"), WorkerConfig))
+    for group, cls in groups:
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
-            if names is not None and field.name not in names:
-                continue
             flag = "--" + field.name.replace("_", "-")
             kind = _flag_type(hints[field.name])
             if kind is None:
@@ -58,16 +52,12 @@ def parse_args(argv=None) -> tuple[WorkerConfig, ServerConfig, str]:
                 group.add_argument(flag, type=kind, default=None, required=field.name == "model_path")
     args = parser.parse_args(argv)
 
-    def values(cls, names):
-        return {
-            f.name: getattr(args, f.name)
-            for f in dataclasses.fields(cls)
-            if (names is None or f.name in names) and getattr(args, f.name) is not None
-        }
+    def values(cls):
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None}
 
-    server = values(ServerConfig, _SERVER_FLAGS)
+    server = values(ServerConfig)
     server.setdefault("admin_token", os.environ.get(ADMIN_TOKEN_ENV) or None)
-    worker = values(WorkerConfig, None)
+    worker = values(WorkerConfig)
     if "devices" in worker:  # given as indices into jax.local_devices()
         local = jax.local_devices()
         bad = [i for i in worker["devices"] if not 0 <= i < len(local)]
