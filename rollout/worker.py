@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -38,7 +39,7 @@ from trainer_bridge import (
     wrap_like,
 )
 
-from . import kv
+from . import kv, weight_check
 from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
@@ -569,6 +570,56 @@ class RolloutWorker:
             completion_texts=texts,
             prompt_width=request.pad_prompts_to,
         )
+
+    # ---- weight checks (the server's admin routes) -------------------------------------------
+
+    def weights_checksum(self) -> dict:
+        """A checksum of the weights being served, computed on device: the same weights give
+        the same value in any process and any sharding. Returns ``checksum`` (hex, of the
+        first engine), ``weight_version``, ``leaves`` and, with several engines, ``per_engine``."""
+        weights = [leaf for leaf in self.leaves if not leaf.path.startswith("rng.")]
+        with self._sync_lock:  # no swap frees the leaves being read
+            self._check_weights_alive()
+            version = self.weight_version
+            checksums = []
+            for engine in (e for e in self.engines if e.alive):
+                arrays = engine.weight_leaves()
+                checksums.append(weight_check.weights_checksum([w.path for w in weights], [arrays[w.index] for w in weights]))
+        report = {"checksum": checksums[0], "weight_version": version, "leaves": len(weights)}
+        if len(checksums) > 1:
+            report["per_engine"] = checksums
+        return report
+
+    def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict:
+        """Add ``scale * normal(key(seed, i))`` to the first ``num_leaves`` weight leaves (engine
+        order), on every engine: a deterministic weight update for testing the update path.
+        Returns the perturbed leaf paths and the new weight version. Do not call it during a
+        sync: a sync landing between its read of the leaves and its swap would be undone."""
+        weights = [leaf for leaf in self.leaves if not leaf.path.startswith("rng.")]
+        if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
+            raise ValueError(f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite number, got {scale!r}")
+        self._check_weights_alive()
+        new_leaves = []
+        for engine in self.engines:
+            arrays = engine.weight_leaves() if engine.alive else None
+            new_leaves.append(
+                {}
+                if arrays is None
+                else {w.index: weight_check.perturbed(arrays[w.index], int(seed), i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
+            )
+        version = self.replace_engine_leaves(new_leaves, "weights are being perturbed")
+        return {"leaves": [w.path for w in weights[:num_leaves]], "weight_version": version}
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0, **options):
+        """Serve this worker over HTTP (OpenAI-compatible and admin routes) from this process;
+        ``options`` are :class:`rollout.server.ServerConfig` fields. Returns the started
+        :class:`rollout.server.Server` (``url``, ``close()``)."""
+        # Imported here so that FastAPI loads only when serving.
+        from .server import ServerConfig, start_server
+
+        return start_server(self, ServerConfig(host=host, port=port, **options))
 
 
 def _merge(parts: list[tuple[list[int], list[GenerateOutput]]]) -> list[GenerateOutput]:

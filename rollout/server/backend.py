@@ -1,0 +1,91 @@
+"""What the server needs from a worker: the small interface a single-engine worker (and a pool
+of engines) provides, and its adapter for :class:`rollout.RolloutWorker`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..batch import RolloutBatch, StreamChunk
+
+
+class Backend(Protocol):
+    """Generation, weight and KV operations the HTTP routes call.
+
+    Blocking methods (the admin ones) run on a server thread; ``generate`` and ``stream`` are
+    awaited on the server's event loop, many at once: the backend batches them.
+    """
+
+    model_name: str  # the default served model name
+    tokenizer: Any  # an HF tokenizer, or None (token-id prompts only)
+    context_length: int
+    weight_version: int
+    unavailable_reason: str | None  # why a generate cannot start now (None: it can)
+    kv_present: bool  # False while the KV cache is dropped
+
+    async def generate(self, prompts: list, **sampling) -> RolloutBatch: ...
+    def stream(self, prompts: list, **sampling) -> AsyncIterator[StreamChunk]: ...
+    def weights_checksum(self) -> dict: ...
+    def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict: ...
+    def reload_weights(self, path: str, format: str, step: int | None) -> dict: ...
+    def drop_kv(self) -> dict: ...
+    def rebuild_kv(self) -> dict: ...
+    def memory(self) -> dict: ...
+
+
+class WorkerBackend:
+    """:class:`Backend` over one :class:`rollout.RolloutWorker` (shared by every server given it)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.model_name = Path(str(worker.config.model_path).rstrip("/")).name or "model"
+
+    @property
+    def tokenizer(self):
+        return self.worker.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.worker.context_length
+
+    @property
+    def weight_version(self) -> int:
+        return self.worker.weight_version
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        return self.worker.unavailable_reason
+
+    @property
+    def kv_present(self) -> bool:
+        return not self.worker.closed and not self.worker.kv_dropped
+
+    async def generate(self, prompts: list, **sampling) -> RolloutBatch:
+        return await self.worker.agenerate(prompts, **sampling)
+
+    def stream(self, prompts: list, **sampling) -> AsyncIterator[StreamChunk]:
+        return self.worker.astream(prompts, **sampling)
+
+    def weights_checksum(self) -> dict:
+        return self.worker.weights_checksum()
+
+    def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict:
+        return self.worker.perturb_weights(seed, scale, num_leaves)
+
+    def reload_weights(self, path: str, format: str, step: int | None) -> dict:
+        if format == "orbax":
+            report = self.worker.load_checkpoint(path, step=step)
+        else:
+            report = self.worker.load_hf(path)
+        return dataclasses.asdict(report)
+
+    def drop_kv(self) -> dict:
+        return dataclasses.asdict(self.worker.drop_kv())
+
+    def rebuild_kv(self) -> dict:
+        return dataclasses.asdict(self.worker.rebuild_kv())
+
+    def memory(self) -> dict:
+        return dataclasses.asdict(self.worker.memory())

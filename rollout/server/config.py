@@ -1,0 +1,35 @@
+"""Settings of the HTTP server."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """How :func:`rollout.server.start_server` serves a worker.
+
+    ``admin_token``: the bearer token of the ``/admin`` routes; None leaves them unmounted
+    (404). ``api_key``: when set, the ``/v1`` routes require it as a bearer token.
+    ``served_model_name``: the model name clients pass (default: the model directory's name).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port (see Server.port)
+    admin_token: str | None = None
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 1 << 20
+    retry_after_s: int = 1  # the Retry-After of a 503 while weights or KV are changing
+    drain_timeout_s: float = 30.0  # how long close() lets running requests finish
+    keep_alive_s: float = 75.0  # idle keep-alive connections are closed after this
+
+    def __post_init__(self):
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"ServerConfig.port must be an int in [0, 65535], got {self.port!r}")
+        for name in ("admin_token", "api_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"ServerConfig.{name} must be a non-empty string or None")
+        if self.max_body_bytes < 1 or self.retry_after_s < 0 or self.drain_timeout_s < 0:
+            raise ValueError("ServerConfig.max_body_bytes must be >= 1, retry_after_s and drain_timeout_s >= 0")

@@ -1,0 +1,174 @@
+"""OpenAI request bodies -> validated generation requests, and OpenAI-style errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import math
+from typing import Any
+
+from ..sampling import MAX_SAMPLING_SEED
+
+MAX_N = 128
+MAX_STOP_STRINGS = 4
+# Accepted only with their neutral value: the engine has no equivalent.
+_NEUTRAL = {
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One completions or chat request, checked field by field."""
+
+    prompts: list  # strings or token-id lists
+    prompt_field: str  # "prompt" or "messages": where prompt errors point
+    n: int
+    max_tokens: int | None  # None: as many as the context allows (chat)
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(name, f"'{name}' must be a number, got {value!r}")
+    if value > high or value < low or (low_open and value == low):
+        bounds = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise invalid(name, f"'{name}' must be in {bounds}, got {value!r}")
+    return float(value)
+
+
+def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, f"'{name}' must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise invalid(name, f"'{name}' must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+    return stop
+
+
+def _common(body: dict, prompts: list, prompt_field: str, max_tokens: int | None, context_length: int) -> GenerationRequest:
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name) not in neutral:
+            raise invalid(name, f"'{name}' is not supported by this server")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid("stream", f"'stream' must be a boolean, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "'stream_options' must be an object")
+    if max_tokens is not None and max_tokens >= context_length:
+        raise invalid("max_tokens", f"'max_tokens' is {max_tokens}; the model's context length is {context_length} tokens (prompt included)")
+    return GenerationRequest(
+        prompts=prompts,
+        prompt_field=prompt_field,
+        n=_int(body, "n", 1, 1, MAX_N),
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        seed=_int(body, "seed", None, 0, MAX_SAMPLING_SEED),
+        stop=_stop(body),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+    )
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def completion_request(body: dict, context_length: int) -> GenerationRequest:
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a token-id list or a
+    list of token-id lists."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise invalid("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists (non-empty)")
+    if any(isinstance(p, str) and not p for p in prompts):
+        raise invalid("prompt", "'prompt' has an empty string")
+    max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)
+    return _common(body, prompts, "prompt", max_tokens, context_length)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """``messages`` as plain ``{role, content: str}`` dicts (text content parts are joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "'messages' must be a non-empty list")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
+                raise invalid(f"messages[{i}].content", f"messages[{i}].content: only text parts are supported")
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+        plain.append({"role": message["role"], "content": content})
+    return plain
+
+
+def chat_request(body: dict, prompt_ids: list[int], context_length: int) -> GenerationRequest:
+    """``POST /v1/chat/completions`` once the messages are rendered to ``prompt_ids``."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, None, 1, 2**31 - 1)
+    return _common(body, [prompt_ids], "messages", max_tokens, context_length)
+
+
+def check_bearer(request, token: str, what: str) -> None:
+    """401 without ``Authorization: Bearer <token>``, 403 with another token."""
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise ApiError(401, f"missing {what}: send 'Authorization: Bearer <{what}>'", type="authentication_error", code="missing_token")
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise ApiError(403, f"wrong {what}", type="permission_error", code="invalid_token")
