@@ -96,7 +96,7 @@ class RolloutWorker:
 
     def _set_up(self, config: WorkerConfig) -> None:
         self._state_lock = threading.RLock()
-        self._sync_lock = threading.Lock()
+        self._sync_lock = threading.RLock()
         self._gate = EngineGate()
         self._rng = np.random.default_rng(config.seed)
         self._closed = False
@@ -577,7 +577,7 @@ class RolloutWorker:
         """A checksum of the weights being served, computed on device: the same weights give
         the same value in any process and any sharding. Returns ``checksum`` (hex, of the
         first engine), ``weight_version``, ``leaves`` and, with several engines, ``per_engine``."""
-        weights = [leaf for leaf in self.leaves if not leaf.path.startswith("rng.")]
+        weights = [leaf for leaf in self.leaves if not leaf.rng_state]
         with self._sync_lock:  # no swap frees the leaves being read
             self._check_weights_alive()
             version = self.weight_version
@@ -593,23 +593,24 @@ class RolloutWorker:
     def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict:
         """Add ``scale * normal(key(seed, i))`` to the first ``num_leaves`` weight leaves (engine
         order), on every engine: a deterministic weight update for testing the update path.
-        Returns the perturbed leaf paths and the new weight version. Do not call it during a
-        sync: a sync landing between its read of the leaves and its swap would be undone."""
-        weights = [leaf for leaf in self.leaves if not leaf.path.startswith("rng.")]
+        Returns the perturbed leaf paths and the new weight version."""
+        weights = [leaf for leaf in self.leaves if not leaf.rng_state]
         if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
             raise ValueError(f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be a finite number, got {scale!r}")
         self._check_weights_alive()
-        new_leaves = []
-        for engine in self.engines:
-            arrays = engine.weight_leaves() if engine.alive else None
-            new_leaves.append(
-                {}
-                if arrays is None
-                else {w.index: weight_check.perturbed(arrays[w.index], int(seed), i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
-            )
-        version = self.replace_engine_leaves(new_leaves, "weights are being perturbed")
+        # Held from reading the leaves to the swap, so no sync lands in between and is undone.
+        with self._sync_lock:
+            new_leaves = []
+            for engine in self.engines:
+                arrays = engine.weight_leaves() if engine.alive else None
+                new_leaves.append(
+                    {}
+                    if arrays is None
+                    else {w.index: weight_check.perturbed(arrays[w.index], int(seed), i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
+                )
+            version = self.replace_engine_leaves(new_leaves, "weights are being perturbed")
         return {"leaves": [w.path for w in weights[:num_leaves]], "weight_version": version}
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, **options):
