@@ -8,12 +8,14 @@ import jax
 import numpy as np
 import pytest
 
+from rollout import SamplingParams
 from rollout.engine import EngineError, EngineHandle, EngineOptions, patches, runtime
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
-GREEDY = [dict(temperature=0.0, max_new_tokens=8, ignore_eos=True)] * len(PROMPTS)
+# (sampling params, per-row seeds [prompts, n]) as EngineHandle.generate takes them.
+GREEDY = (SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True), np.zeros((len(PROMPTS), 1), np.int64))
 # Long enough that forward passes of engines driven at the same time overlap.
-LONG = [dict(temperature=1.0, max_new_tokens=24, ignore_eos=True, sampling_seed=i) for i in range(12)]
+LONG = (SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True), np.arange(12).reshape(12, 1))
 LONG_PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(5 + i)] for i in range(12)]
 
 
@@ -62,7 +64,7 @@ def generate_in_threads(engines, prompts, params) -> list:
 
     def run(i):
         try:
-            results[i] = [out.output_ids for out in engines[i].generate(prompts, params)]
+            results[i] = [out.output_ids for out in engines[i].generate(prompts, *params)]
         except BaseException as exc:
             errors.append(exc)
 
@@ -89,7 +91,7 @@ def device_ids(array) -> set[int]:
 def reference(qwen2_dir):
     """One engine on all four devices (the default mesh)."""
     engine = EngineHandle(tiny_options(qwen2_dir, tp_size=2))
-    greedy = [out.output_ids for out in engine.generate(PROMPTS, GREEDY)]
+    greedy = [out.output_ids for out in engine.generate(PROMPTS, *GREEDY)]
     engine.close()
     return greedy
 
@@ -239,7 +241,7 @@ def test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine(qwen2_di
     engine = EngineHandle(tiny_options(qwen2_dir, (jax.devices()[1],), name="engine 9"))
     assert jax.config.jax_default_matmul_precision is None
     assert engine.call(lambda: jax.config.jax_default_matmul_precision) == "highest"
-    engine.generate(PROMPTS[:1], GREEDY[:1])
+    engine.generate(PROMPTS[:1], GREEDY[0], GREEDY[1][:1])
     started = [t.name for t in set(threading.enumerate()) - before]
     for role in runtime.ENGINE_THREAD_ROLES:
         assert f"sglang-jax::{role} engine 9 (devices 1)" in started
@@ -259,9 +261,9 @@ def test_a_failing_engine_names_itself_and_the_others_serve_on(quad, reference):
 
     doomed.call(lambda: setattr(doomed._scheduler, "run_batch", broken_run_batch))
     with pytest.raises(EngineError, match=r"^engine 3 \(devices 3\): .*injected forward failure"):
-        doomed.generate(PROMPTS, GREEDY)
+        doomed.generate(PROMPTS, *GREEDY)
     assert not doomed.alive
     assert generate_in_threads(quad[:3], PROMPTS, GREEDY) == [reference] * 3
     with pytest.raises(EngineError, match=r"^engine 3 \(devices 3\)"):
-        doomed.generate(PROMPTS, GREEDY)
+        doomed.generate(PROMPTS, *GREEDY)
     assert np.all([engine.alive for engine in quad[:3]])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -103,6 +104,7 @@ class EngineHandle:
         )
         self._loop_thread.start()
         self._closed = False
+        _open_handles.add(self)
         self._kv_allocator = None
         self.call(self._align_lm_head_dtype)
 
@@ -427,6 +429,7 @@ class EngineHandle:
         if self._closed:
             return
         self._closed = True
+        _open_handles.discard(self)
         control = self._control
         control.stop_threads()
 
@@ -462,6 +465,19 @@ class EngineHandle:
         self._tokenizer_manager = None
         self._engine = None
 
+
+
+# Engines not closed yet. Held strongly: an unclosed engine collected as garbage would have its
+# zmq context terminated with sockets still open, which blocks forever (a hung interpreter
+# exit); instead they are closed properly at exit.
+_open_handles: set[EngineHandle] = set()
+
+
+@atexit.register
+def _close_open_handles() -> None:
+    for handle in list(_open_handles):
+        with contextlib.suppress(Exception):
+            handle.close()
 
 
 # Stands in for a released weight leaf (see EngineHandle.release_weight_leaves).
