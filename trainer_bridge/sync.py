@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import EngineTransform, ParamMapping
 
@@ -111,6 +112,23 @@ def relabel(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(
         tuple(array.shape), sharding, [by_device[d] for d in devices]
     )
+
+
+def _on_engine_devices(x, engine_sharding: jax.sharding.Sharding):
+    """``x`` as an input the engine's jitted copy accepts: a jitted call needs its inputs on
+    the devices of its outputs. An array that also lives on other devices (a trainer mesh
+    spanning several engines) is taken whole onto the engine's devices: relabeled where each
+    of them already holds all of it, gathered otherwise."""
+    if not isinstance(x, jax.Array) or x.sharding.device_set == engine_sharding.device_set:
+        return x
+    if isinstance(engine_sharding, NamedSharding):
+        whole = NamedSharding(engine_sharding.mesh, PartitionSpec())
+    else:
+        devices = sorted(engine_sharding.device_set, key=lambda d: d.id)
+        whole = NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())
+    if same_slices(x, whole):
+        return relabel(x, whole)
+    return jax.device_put(x, whole)
 
 
 def _expected_trainer_shape(
@@ -235,7 +253,7 @@ class SyncPlan:
             elif p.action is LeafAction.RELABEL:
                 out[p.engine.index] = relabel(flat[p.trainer_path], p.engine.sharding)
         if self.copies:
-            results = self._copy_fn(*[flat[p.trainer_path] for p in self.copies])
+            results = self._copy_fn(*[_on_engine_devices(flat[p.trainer_path], p.engine.sharding) for p in self.copies])
             for p, array in zip(self.copies, results):
                 out[p.engine.index] = array
         return out
