@@ -373,12 +373,14 @@ class RolloutWorker:
         ignore_eos: bool = False,
         seed: int | None = None,
         pad_prompts_to: int | None = None,
+        return_logprobs: bool = False,
     ) -> RolloutBatch:
         """Sample ``n`` completions for every prompt (token-id lists, or strings).
 
         ``temperature=0`` is greedy decoding. Each row gets its own sampling seed, derived from
         ``seed`` (or from the worker's own random stream when ``seed`` is None), so the same
         seed gives the same completions and no two rows share a random stream.
+        ``return_logprobs=True`` fills ``batch.logprobs`` (see :class:`RolloutBatch`).
         """
         engine = self.engine
         prompt_ids = self._prompt_ids(prompts)
@@ -414,7 +416,7 @@ class RolloutWorker:
                 params.append(p)
             # 0.0.2 ignores n for a single prompt: every sample is its own request.
             rows = [ids for ids in prompt_ids for _ in range(n)]
-            outputs = engine.generate(rows, params)
+            outputs = engine.generate(rows, params, return_logprobs=return_logprobs)
             version = self.weight_version
 
         completions = [_completion_ids(i, out)[:max_new_tokens] for i, out in enumerate(outputs)]
@@ -434,6 +436,7 @@ class RolloutWorker:
             cache_miss_count=max(o.cache_miss_count for o in outputs),
             completion_texts=texts,
             prompt_width=pad_prompts_to,
+            logprobs=[o.logprobs[: len(c)] for o, c in zip(outputs, completions)] if return_logprobs else None,
         )
 
     def _prompt_ids(self, prompts) -> list[list[int]]:

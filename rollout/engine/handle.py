@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .patches import install_workarounds, preserved_process_state
+from .patches import LOGPROB_SINKS, install_workarounds, preserved_process_state
 from .runtime import SchedulerControl, detokenizers
 from .types import EngineError, EngineOptions, GenerateOutput, LeafSpec, device_nbytes
 
@@ -78,6 +80,9 @@ class EngineHandle:
         self._result_task = self._loop.create_task(self._tokenizer_manager.handle_loop())
         self._closed = False
         self._kv_allocator = None
+        # rid -> the log-probs of a request that asked for them (filled on the scheduler thread).
+        self._logprob_sinks: dict[str, list[float]] = {}
+        setattr(self._scheduler, LOGPROB_SINKS, self._logprob_sinks)
         self.call(self._align_lm_head_dtype)
 
     def _align_lm_head_dtype(self) -> None:
@@ -285,19 +290,42 @@ class EngineHandle:
         self,
         input_ids: Sequence[Sequence[int]],
         sampling_params: Sequence[dict],
+        return_logprobs: bool = False,
     ) -> list[GenerateOutput]:
-        """Generate for each token-id prompt with its own sampling params (one dict each)."""
+        """Generate for each token-id prompt with its own sampling params (one dict each).
+
+        With ``return_logprobs`` every output carries the log-prob of each of its tokens under
+        the distribution it was drawn from (see ``models/logprobs.py``), collected on the
+        scheduler thread (the engine's own return_logprob path crashes in 0.0.2).
+        """
         from sgl_jax.srt.managers.io_struct import GenerateReqInput
 
         self.check_alive()
+        rids = [uuid.uuid4().hex for _ in input_ids]
         request = GenerateReqInput(
             input_ids=[list(map(int, ids)) for ids in input_ids],
             sampling_params=[dict(p) for p in sampling_params],
+            rid=rids,
         )
-        results = self._run(self._tokenizer_manager.generate_request(request, None).__anext__())
+        sinks = self._logprob_sinks
+        if return_logprobs:
+            sinks.update((rid, []) for rid in rids)
+        try:
+            results = self._run(self._tokenizer_manager.generate_request(request, None).__anext__())
+        finally:
+            collected = [sinks.pop(rid, None) for rid in rids]
         if isinstance(results, dict):
             results = [results]
-        return [_to_output(r) for r in results]
+        outputs = [_to_output(r) for r in results]
+        if not return_logprobs:
+            return outputs
+        for i, (out, logprobs) in enumerate(zip(outputs, collected)):
+            if len(logprobs) != out.completion_tokens:
+                raise EngineError(
+                    f"request {i}: collected {len(logprobs)} log-probs for {out.completion_tokens} "
+                    "completion tokens"
+                )
+        return [dataclasses.replace(out, logprobs=lp) for out, lp in zip(outputs, collected)]
 
     def _run(self, coroutine):
         async def guarded():
