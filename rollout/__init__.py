@@ -2,7 +2,21 @@
 
 from .batch import RolloutBatch
 from .config import WorkerConfig
+from .consistency import ConsistencyError, ConsistencyReport, TokenMismatch, check_consistency, mismatch_stats
 from .engine import EngineError, UnsupportedEngineVersion
 from .worker import KvReport, MemoryReport, RolloutWorker
 
-__all__ = ["EngineError", "KvReport", "MemoryReport", "RolloutBatch", "RolloutWorker", "UnsupportedEngineVersion", "WorkerConfig"]
+__all__ = [
+    "ConsistencyError",
+    "ConsistencyReport",
+    "EngineError",
+    "KvReport",
+    "MemoryReport",
+    "RolloutBatch",
+    "RolloutWorker",
+    "TokenMismatch",
+    "UnsupportedEngineVersion",
+    "WorkerConfig",
+    "check_consistency",
+    "mismatch_stats",
+]

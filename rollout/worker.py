@@ -35,6 +35,7 @@ from trainer_bridge import (
 
 from .batch import RolloutBatch, pack_rollouts
 from .config import WorkerConfig, has_tokenizer_files
+from .consistency import ConsistencyReport, check_consistency
 from .engine import MAX_SAMPLING_SEED, EngineHandle, device_buffers, device_nbytes
 
 logger = logging.getLogger(__name__)
@@ -490,6 +491,10 @@ class RolloutWorker:
         if bad:
             raise ValueError(f"stop_token_ids has ids outside [0, {vocab}): {bad}")
         return ids
+
+    def check_consistency(self, params: Mapping, prompts, **kwargs) -> ConsistencyReport:
+        """Engine log-probs against the Flax model's on ``params``: see :func:`rollout.check_consistency`."""
+        return check_consistency(self, params, prompts, **kwargs)
 
 
 def _completion_ids(row: int, out) -> list[int]:
