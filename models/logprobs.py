@@ -38,21 +38,26 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
 
     tempered = jax.nn.log_softmax(logits / temperature, axis=-1)
     tempered = jnp.nan_to_num(tempered, nan=-jnp.inf)
-    descending = -jnp.sort(-tempered, axis=-1)
-    probs = jnp.exp(descending)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # Each condition holds on a prefix of the sorted row, so together they keep a prefix; the
-    # first token always stays.
-    keep = (
-        (jnp.arange(vocab)[None, :] < top_k)
-        & (mass_before <= top_p)
-        & (descending >= descending[:, :1] + jnp.log(min_p))
-    )
-    kept = jnp.maximum(keep.sum(axis=-1, keepdims=True), 1)
-    cutoff = jnp.take_along_axis(descending, kept - 1, axis=-1)
-    masked = jnp.where(tempered >= cutoff, tempered, -jnp.inf)
-    filtered = masked - jax.nn.logsumexp(masked, axis=-1, keepdims=True)
-    return tempered, filtered
+
+    def filtered(tempered):
+        descending = -jnp.sort(-tempered, axis=-1)
+        probs = jnp.exp(descending)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # Each condition holds on a prefix of the sorted row, so together they keep a prefix;
+        # the first token always stays.
+        keep = (
+            (jnp.arange(vocab)[None, :] < top_k)
+            & (mass_before <= top_p)
+            & (descending >= descending[:, :1] + jnp.log(min_p))
+        )
+        kept = jnp.maximum(keep.sum(axis=-1, keepdims=True), 1)
+        cutoff = jnp.take_along_axis(descending, kept - 1, axis=-1)
+        masked = jnp.where(tempered >= cutoff, tempered, -jnp.inf)
+        return masked - jax.nn.logsumexp(masked, axis=-1, keepdims=True)
+
+    # The sort over the vocabulary only runs when some row filters.
+    filters = jnp.any(top_k < vocab) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0.0)
+    return tempered, jax.lax.cond(filters, filtered, lambda tempered: tempered, tempered)
 
 
 def sampled_token_log_probs(tempered, filtered, tokens, top_k) -> jax.Array:
