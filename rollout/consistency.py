@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import QwenConfig, QwenForCausalLM
-from models.logprobs import completion_log_probs
+from models import QwenConfig, QwenForCausalLM, completion_log_probs
 
 
 class ConsistencyError(RuntimeError):

@@ -6,8 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from models import QwenConfig, QwenForCausalLM
-from models.logprobs import sampling_log_probs
+from models import QwenConfig, QwenForCausalLM, sampling_log_probs
 from rollout import ConsistencyError, RolloutWorker
 from tests.helpers import tiny_worker_config
 from trainer_bridge import flatten_params, load_hf_params, unflatten_params
@@ -212,3 +211,14 @@ def test_other_statistics_name_themselves(untied):
     assert len(report.worst) == 3
     diffs = [abs(w.engine - w.trainer) for w in report.worst]
     assert diffs == sorted(diffs, reverse=True) and diffs[0] == pytest.approx(report.max_abs_diff, abs=1e-7)
+
+
+def test_chunked_prefill_keeps_log_probs_aligned(qwen3_dir):
+    """A prompt prefilled in several chunks gets no log-prob for the chunks before the last."""
+    params = load_hf_params(qwen3_dir)
+    config = tiny_worker_config(qwen3_dir, load_format="dummy", chunked_prefill_size=16, max_prefill_tokens=16)
+    long_prompts = [list(range(3, 43)), [7, 8, 9]]
+    with RolloutWorker(config) as worker:
+        worker.sync_params(params)
+        report = worker.check_consistency(params, long_prompts, n=2, max_new_tokens=6, atol=1e-4)
+    assert report.tokens > 0 and report.max_abs_diff < 1e-4

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.logprobs import sampled_token_log_probs, sampling_log_probs
+from models import sampled_token_log_probs, sampling_log_probs
 
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .types import SUPPORTED_ENGINE_VERSION, UnsupportedEngineVersion
