@@ -27,3 +27,4 @@ bench: $(STAMP)
 	$(PY) -m bench.sync_bench
 	$(PY) -m bench.kv_bench
 	$(PY) -m bench.checkpoint_bench
+	$(PY) -m bench.logprobs_bench

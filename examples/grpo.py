@@ -35,7 +35,7 @@ from examples.tasks import (
     gsm8k_reward,
 )
 from models import QwenConfig, QwenForCausalLM, TinyModelSpec, write_tiny_model
-from rollout import RolloutWorker, WorkerConfig
+from rollout import ConsistencyError, RolloutWorker, WorkerConfig, mismatch_stats
 from trainer_bridge import load_hf_params
 
 logger = logging.getLogger("grpo")
@@ -65,6 +65,18 @@ class GRPOConfig:
     progress: bool = True
     plot: bool = True
     wandb_project: str | None = None
+    # Engine log-probs with every sample: the train-inference mismatch is logged each step.
+    return_logprobs: bool = False
+    # Truncated importance sampling: weight each token by min(p_trainer / p_engine, tis_cap),
+    # the engine's log-probs being the behaviour policy (turns return_logprobs on). None: off.
+    tis_cap: float | None = None
+    # Every N steps run RolloutWorker.check_consistency and stop on a ConsistencyError. 0: off.
+    check_consistency_every: int = 0
+    consistency_atol: float = 1e-3
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.return_logprobs or self.tis_cap is not None
 
     def __post_init__(self):
         if self.preset not in PRESET_NAMES:
@@ -78,6 +90,10 @@ class GRPOConfig:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
         if self.learning_rate <= 0 or self.temperature <= 0 or self.kl_beta < 0:
             raise ValueError("learning_rate and temperature must be > 0, kl_beta >= 0")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 (or unset), got {self.tis_cap}")
+        if self.check_consistency_every < 0 or self.consistency_atol <= 0:
+            raise ValueError("check_consistency_every must be >= 0 and consistency_atol > 0")
         rows = self.prompts_per_step * self.group_size
         if rows * (self.max_prompt_tokens + self.max_new_tokens) > self.kv_tokens:
             raise ValueError(
@@ -154,13 +170,15 @@ class Task:
 def make_train_fns(model: QwenForCausalLM, optimizer, config: GRPOConfig):
     def logprobs(params, tokens, attention_mask, positions):
         logits = model.apply({"params": params}, tokens, attention_mask, positions)
-        return token_logprobs(logits, tokens)
+        # The engine samples at this temperature: the policy being trained is the tempered one.
+        return token_logprobs(logits / config.temperature, tokens)
 
     def loss_fn(params, batch, old_logprobs, advantages):
         new = logprobs(params, batch["tokens"], batch["attention_mask"], batch["positions"])
         return ppo_clip_loss(
             new, old_logprobs, advantages, batch["completion_mask"][:, 1:], config.clip_eps,
             ref_logprobs=batch.get("ref_logprobs"), kl_beta=config.kl_beta,
+            behaviour_logprobs=batch.get("behaviour_logprobs"), tis_cap=config.tis_cap,
         )
 
     # The params and optimizer state are donated: the train step overwrites them in place.
@@ -246,9 +264,10 @@ def _train(config: GRPOConfig, output_dir: Path, model_dir: Path, worker: Rollou
                 wandb_run.log(record, step=state.step)
             if progress is not None:
                 progress.update(1)
+                mismatch = {"dlogp": f"{record['mismatch_mean']:.1e}"} if "mismatch_mean" in record else {}
                 progress.set_postfix(
                     reward=f"{record['reward']:.3f}", kl=f"{record['approx_kl']:.4f}", clip=f"{record['clip_fraction']:.3f}",
-                    sync=f"{record['sync_s']:.2f}s", gen=f"{record['generate_s']:.2f}s",
+                    sync=f"{record['sync_s']:.2f}s", gen=f"{record['generate_s']:.2f}s", **mismatch,
                 )
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
                 _save(manager, state)
@@ -268,10 +287,14 @@ def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step
     sync_s = time.perf_counter() - start
 
     problems = task.sample(config.prompts_per_step)
+    consistency = {}
+    if config.check_consistency_every and state.step % config.check_consistency_every == 0:
+        consistency = _check_consistency(config, worker, state, problems)
     start = time.perf_counter()
     batch = worker.generate(
         [p.prompt for p in problems], n=config.group_size, temperature=config.temperature,
         max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens,
+        return_logprobs=config.wants_logprobs,
     )
     generate_s = time.perf_counter() - start
     rewards = np.array(
@@ -285,6 +308,8 @@ def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step
         "positions": jnp.asarray(batch.positions),
         "completion_mask": jnp.asarray(batch.completion_mask),
     }
+    if config.tis_cap is not None:
+        arrays["behaviour_logprobs"] = jnp.asarray(batch.logprobs[:, 1:])
 
     start = time.perf_counter()
     # With resync the engine serves the trainer's own buffers, which the train step donates:
@@ -296,6 +321,10 @@ def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step
             state.params, state.opt_state, stats = train_step(state.params, state.opt_state, arrays, old, advantages)
         stats = {k: float(v) for k, v in stats.items()}
     train_s = time.perf_counter() - start
+    if config.wants_logprobs:
+        # Engine log-probs against the trainer's for the same tokens, before the update.
+        mismatch = mismatch_stats(batch.logprobs[:, 1:], np.asarray(old), batch.completion_mask[:, 1:])
+        stats.update(mismatch_mean=mismatch["mean_abs_diff"], mismatch_max=mismatch["max_abs_diff"], mismatch_kl=mismatch["kl"])
     return {
         "step": state.step + 1,
         "reward": float(rewards.mean()),
@@ -307,8 +336,22 @@ def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step
         "sync_s": sync_s,
         "generate_s": generate_s,
         "train_s": train_s,
+        **consistency,
         **stats,
     }
+
+
+def _check_consistency(config, worker, state: TrainState, problems) -> dict:
+    """Engine against trainer on this step's prompts; a ConsistencyError stops the run."""
+    try:
+        report = worker.check_consistency(
+            state.params, [p.prompt for p in problems], max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature, pad_prompts_to=config.max_prompt_tokens,
+            seed=config.seed + state.step, atol=config.consistency_atol,
+        )
+    except ConsistencyError as error:
+        raise ConsistencyError(f"step {state.step + 1}: {error}", error.report) from None
+    return {"consistency_max": report.max_abs_diff, "consistency_s": report.seconds}
 
 
 @contextlib.contextmanager
@@ -367,11 +410,20 @@ def _plot(path: Path, history: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in history]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    mismatch = "mismatch_mean" in history[-1]
+    fig, axes = plt.subplots(2 if mismatch else 1, 1, figsize=(6, 6 if mismatch else 3.5), sharex=True, squeeze=False)
+    ax = axes[0, 0]
     ax.plot(steps, [r["reward"] for r in history], label="mean reward")
     ax.plot(steps, [r["solved"] for r in history], label="solved fraction")
-    ax.set_xlabel("step")
     ax.legend()
+    if mismatch:
+        ax = axes[1, 0]
+        for key, label in (("mismatch_mean", "mean |Δ log p|"), ("mismatch_max", "max |Δ log p|"), ("mismatch_kl", "KL estimate")):
+            ax.plot(steps, [abs(r.get(key, np.nan)) for r in history], label=label)
+        ax.set_yscale("log")
+        ax.set_title("train-inference mismatch (engine vs trainer log-probs)", fontsize=9)
+        ax.legend()
+    ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -386,7 +438,8 @@ def parse_args(argv=None) -> GRPOConfig:
         if field.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
-            parser.add_argument(flag, type={"int": int, "float": float}.get(field.type, str), default=None)
+            kind = field.type.removesuffix(" | None")
+            parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=None)
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in overridable if getattr(args, f.name) is not None}
     return dataclasses.replace(PRESETS[args.preset], **overrides)
@@ -395,4 +448,7 @@ def parse_args(argv=None) -> GRPOConfig:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logger.setLevel(logging.INFO)
-    main(parse_args())
+    try:
+        main(parse_args())
+    except ConsistencyError as error:
+        raise SystemExit(f"grpo stopped: {error}") from None

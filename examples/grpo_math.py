@@ -35,10 +35,17 @@ def ppo_clip_loss(
     clip_eps: float = 0.2,
     ref_logprobs: jax.Array | None = None,
     kl_beta: float = 0.0,
+    behaviour_logprobs: jax.Array | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Token-level PPO-clip objective (mean over completion tokens) with an optional KL
     penalty to a reference policy (k3 estimator). All log-prob arrays are [B, T'] and
-    ``mask`` marks completion tokens; ``advantages`` is [B]."""
+    ``mask`` marks completion tokens; ``advantages`` is [B].
+
+    With ``behaviour_logprobs`` (the rollout engine's, which sampled the tokens) and
+    ``tis_cap``, truncated importance sampling corrects for the engine not being exactly the
+    trainer's policy: each token's policy-gradient term is weighted by
+    ``min(exp(old - behaviour), tis_cap)``, a constant (no gradient through it)."""
     mask = mask.astype(jnp.float32)
     tokens = jnp.maximum(mask.sum(), 1.0)
     log_ratio = new_logprobs - old_logprobs
@@ -47,7 +54,17 @@ def ppo_clip_loss(
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -jnp.minimum(unclipped, clipped)
+    tis = {}
+    if behaviour_logprobs is not None and tis_cap is not None:
+        importance = jnp.exp(old_logprobs - behaviour_logprobs)
+        weight = jax.lax.stop_gradient(jnp.minimum(importance, tis_cap))
+        per_token = per_token * weight
+        tis = {
+            "tis_weight": (weight * mask).sum() / tokens,
+            "tis_capped": ((importance > tis_cap) * mask).sum() / tokens,
+        }
     stats = {
+        **tis,
         "clip_fraction": ((jnp.abs(ratio - 1.0) > clip_eps) * mask).sum() / tokens,
         # k3 estimate of KL(old || new): how far this update moved the policy.
         "approx_kl": ((jnp.exp(-log_ratio) - 1.0 + log_ratio) * mask).sum() / tokens,

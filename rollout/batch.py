@@ -34,6 +34,10 @@ class RolloutBatch:
     # XLA compilations in the process during the call (JAX compile events); 0 proves none.
     compiles: int = 0
     completion_texts: list[str] | None = None
+    # [B, T] float32 aligned with ``tokens`` (generate(..., return_logprobs=True), else None):
+    # the log-prob of each completion token under the distribution the engine drew it from,
+    # 0 where there is no sampled token. See models/logprobs.py.
+    logprobs: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -74,6 +78,7 @@ def pack_rollouts(
     compiles: int = 0,
     completion_texts: list[str] | None = None,
     prompt_width: int | None = None,
+    logprobs: Sequence[Sequence[float]] | None = None,
 ) -> RolloutBatch:
     """Lay out prompt-major completions as left-padded prompts followed by completions.
 
@@ -103,6 +108,13 @@ def pack_rollouts(
         attention[row, start : prompt_width + len(c)] = True
         completion_mask[row, prompt_width : prompt_width + len(c)] = True
     positions = np.maximum(np.cumsum(attention, axis=1) - 1, 0).astype(np.int32)
+    logprob_array = None
+    if logprobs is not None:
+        logprob_array = np.zeros((rows, width), dtype=np.float32)
+        for row, (c, lp) in enumerate(zip(completions, logprobs)):
+            if len(lp) != len(c):
+                raise ValueError(f"row {row}: {len(lp)} log-probs for a completion of {len(c)} tokens")
+            logprob_array[row, prompt_width : prompt_width + len(c)] = lp
     return RolloutBatch(
         prompts=[list(map(int, p)) for p in prompts],
         completions=[list(map(int, c)) for c in completions],
@@ -118,4 +130,5 @@ def pack_rollouts(
         seeds=np.asarray(seeds, dtype=np.int64),
         compiles=compiles,
         completion_texts=completion_texts,
+        logprobs=logprob_array,
     )

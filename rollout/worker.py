@@ -43,6 +43,7 @@ from . import kv, weight_check
 from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
+from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineError, EngineHandle, GenerateOutput
 from .gate import EngineGate
 from .kv import KvReport, MemoryReport
@@ -380,6 +381,7 @@ class RolloutWorker:
         that prompt whatever the other prompts, ``n`` or ``dp_size`` are (``seed=None``
         draws a call seed from the worker's own random stream). Calls from several threads
         run concurrently and are batched together by the engines.
+        ``return_logprobs=True`` fills ``batch.logprobs`` (see :class:`RolloutBatch`).
         """
         request = self._request(prompts, locals())
         start = time.perf_counter()
@@ -569,6 +571,7 @@ class RolloutWorker:
             compiles=compiles,
             completion_texts=texts,
             prompt_width=request.pad_prompts_to,
+            logprobs=[o.logprobs[: len(c)] for o, c in zip(outputs, completions)] if request.params.return_logprobs else None,
         )
 
     # ---- weight checks (the server's admin routes) -------------------------------------------
@@ -621,6 +624,10 @@ class RolloutWorker:
         from .server import ServerConfig, start_server
 
         return start_server(self, ServerConfig(host=host, port=port, **options))
+
+    def check_consistency(self, params: Mapping, prompts, **kwargs) -> ConsistencyReport:
+        """Engine log-probs against the Flax model's on ``params``: see :func:`rollout.check_consistency`."""
+        return check_consistency(self, params, prompts, **kwargs)
 
 
 def _merge(parts: list[tuple[list[int], list[GenerateOutput]]]) -> list[GenerateOutput]:

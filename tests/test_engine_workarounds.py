@@ -37,6 +37,7 @@ def test_every_workaround_is_documented():
         "device-memory-scope",
         "concurrent-start-up",
         "gpu-matmul-precision",
+        "sampler-logprobs",
     }
 
 
@@ -45,30 +46,38 @@ def test_duplicate_pytree_registration_import():
     assert "sgl_jax.srt.layers.attention.native_backend" in sys.modules
 
 
-def test_min_p_filter_takes_both_operand_forms():
-    probs = jnp.array([[0.5, 0.3, 0.15, 0.05]])
-    min_ps = jnp.array([0.2])
-    expected = [[0.5, 0.3, 0.15, 0.0]]
-    np.testing.assert_allclose(patches._apply_min_p_filter((probs, min_ps)), expected)
-    np.testing.assert_allclose(patches._apply_min_p_filter((probs, min_ps, False)), expected)
-
-
-def test_keyed_categorical_draws_from_the_given_distribution():
+def test_keyed_draw_draws_from_the_given_distribution():
     """The engine's own seeded sampler takes a softmax of probabilities off TPU, which pulls
     every distribution towards uniform; the replacement must follow the probabilities."""
     probs = jnp.array([0.6, 0.25, 0.1, 0.05], dtype=jnp.float32)
     rows = 4000
-    operands = (
-        jnp.tile(probs, (rows, 1)),
+    args = (
+        jnp.log(jnp.tile(probs, (rows, 1))),
         jnp.arange(rows, dtype=jnp.int32),
         jnp.full((rows,), 7, dtype=jnp.int32),
         None,
     )
-    draws = np.asarray(jax.jit(patches._keyed_categorical)(operands)).reshape(-1)
+    draws = np.asarray(jax.jit(patches._keyed_draw)(*args))
     freq = np.bincount(draws, minlength=4) / rows
     np.testing.assert_allclose(freq, probs, atol=0.03)
-    again = np.asarray(jax.jit(patches._keyed_categorical)(operands)).reshape(-1)
+    again = np.asarray(jax.jit(patches._keyed_draw)(*args))
     np.testing.assert_array_equal(draws, again)
+
+
+def test_sampler_returns_log_probs_without_the_engines_crashing_path(qwen3_dir):
+    """0.0.2's return_logprob kills the scheduler thread; the replacement sampler returns every
+    drawn token's log-prob, min-p filtering (which crashed off TPU) included."""
+    with RolloutWorker(tiny_worker_config(qwen3_dir)) as worker:
+        kwargs = dict(max_new_tokens=6, ignore_eos=True, return_logprobs=True)
+        sampled = worker.generate(PROMPTS, n=2, temperature=0.8, **kwargs)
+        mask = sampled.completion_mask
+        assert np.isfinite(sampled.logprobs).all() and (sampled.logprobs[mask] < 0).all()
+        # Min-p 1 keeps only the most likely token: greedy tokens, drawn with probability 1.
+        min_p = worker.generate(PROMPTS, temperature=0.8, min_p=1.0, **kwargs)
+        greedy = worker.generate(PROMPTS, temperature=0.0, **kwargs)
+        assert min_p.completions == greedy.completions
+        np.testing.assert_array_equal(min_p.logprobs, 0.0)
+        assert worker.engine.alive
 
 
 def test_process_global_state_is_preserved(qwen2_dir, monkeypatch):

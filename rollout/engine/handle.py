@@ -6,9 +6,11 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..sampling import SamplingParams
-from .patches import install_workarounds, preserved_process_state
+from .patches import LOGPROB_SINKS, install_workarounds, preserved_process_state
 from .runtime import SchedulerControl, engine_start_up
 from .types import (
     EngineError,
@@ -106,6 +108,9 @@ class EngineHandle:
         self._closed = False
         _open_handles.add(self)
         self._kv_allocator = None
+        # rid -> the log-probs of a request that asked for them (filled on the scheduler thread).
+        self._logprob_sinks: dict[str, list[float]] = {}
+        setattr(self._scheduler, LOGPROB_SINKS, self._logprob_sinks)
         self.call(self._align_lm_head_dtype)
 
     def _align_lm_head_dtype(self) -> None:
@@ -342,7 +347,10 @@ class EngineHandle:
         """Sample ``params.n`` completions of every token-id prompt, prompt-major.
 
         ``seeds[i, j]`` is the sampling seed of sample ``j`` of prompt ``i``. Safe to call from
-        several threads at once: the engine batches the requests together.
+        several threads at once: the engine batches the requests together. With
+        ``params.return_logprobs`` every output carries the log-prob of each of its tokens
+        under the distribution it was drawn from (``models/logprobs.py``), collected on the
+        scheduler thread (the engine's own return_logprob path crashes in 0.0.2).
         """
         return self.submit(prompts, params, seeds).result()
 
@@ -360,22 +368,28 @@ class EngineHandle:
         ``finish_reason`` is set. Rows are prompt-major as in :meth:`generate`."""
         caller = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
+        request, rids = self._request(prompts, params, seeds, stream=True)
 
         async def pump():
-            request = self._request(prompts, params, seeds, stream=True)
-            async for result in self._tokenizer_manager.generate_request(request, None):
-                caller.call_soon_threadsafe(updates.put_nowait, result)
+            with self._logprobs_collected(rids, params.return_logprobs) as sinks:
+                async for result in self._tokenizer_manager.generate_request(request, None):
+                    row = int(result.get("index", 0))
+                    output = _to_output(result, finished_only=False)
+                    if sinks is not None:
+                        output = dataclasses.replace(output, logprobs=sinks[row][: len(output.output_ids)])
+                    caller.call_soon_threadsafe(updates.put_nowait, (row, output))
 
         future = self._submit(pump())
         future.add_done_callback(lambda _: caller.call_soon_threadsafe(updates.put_nowait, None))
         try:
-            while (result := await updates.get()) is not None:
-                yield int(result.get("index", 0)), _to_output(result, finished_only=False)
+            while (update := await updates.get()) is not None:
+                yield update
             future.result()
         finally:
             future.cancel()
 
     def _request(self, prompts, params: SamplingParams, seeds, *, stream: bool = False):
+        """The engine request for a call, and its request ids (prompt-major rows)."""
         from sgl_jax.srt.managers.io_struct import GenerateReqInput
 
         # 0.0.2 ignores n for a single prompt and is slow with batched n: one request per
@@ -384,15 +398,39 @@ class EngineHandle:
         sampling = [_sampling_dict(params, int(seed)) for seed in np.asarray(seeds).reshape(-1)]
         if len(sampling) != len(input_ids):
             raise ValueError(f"{len(sampling)} seeds for {len(input_ids)} rows")
-        return GenerateReqInput(input_ids=input_ids, sampling_params=sampling, stream=stream)
+        rids = [uuid.uuid4().hex for _ in input_ids]
+        return GenerateReqInput(input_ids=input_ids, sampling_params=sampling, rid=rids, stream=stream), rids
+
+    @contextlib.contextmanager
+    def _logprobs_collected(self, rids: list[str], wanted: bool):
+        """Per row, the list the patched sampler appends each sampled token's log-prob to
+        (None when not wanted)."""
+        if not wanted:
+            yield None
+            return
+        sinks = [[] for _ in rids]
+        self._logprob_sinks.update(zip(rids, sinks))
+        try:
+            yield sinks
+        finally:
+            for rid in rids:
+                self._logprob_sinks.pop(rid, None)
 
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
-        results = await self._tokenizer_manager.generate_request(
-            self._request(prompts, params, seeds), None
-        ).__anext__()
+        request, rids = self._request(prompts, params, seeds)
+        with self._logprobs_collected(rids, params.return_logprobs) as sinks:
+            results = await self._tokenizer_manager.generate_request(request, None).__anext__()
         if isinstance(results, dict):
             results = [results]
-        return [_to_output(r) for r in results]
+        outputs = [_to_output(r) for r in results]
+        if sinks is None:
+            return outputs
+        for i, (out, logprobs) in enumerate(zip(outputs, sinks)):
+            if len(logprobs) != out.completion_tokens:
+                raise EngineError(
+                    f"request {i}: collected {len(logprobs)} log-probs for {out.completion_tokens} completion tokens"
+                )
+        return [dataclasses.replace(out, logprobs=lp) for out, lp in zip(outputs, sinks)]
 
     def _submit(self, coroutine) -> concurrent.futures.Future:
         """Run ``coroutine`` on this handle's request loop; it fails with EngineError as soon as

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import config as jax_config
 
+from models import sampled_token_log_probs, sampling_log_probs
+
 from .runtime import (
     current_start_up,
     run_detokenizer_thread,
@@ -33,7 +35,7 @@ WORKAROUNDS: dict[str, str] = {
     "min-p-operands": (
         "Off TPU, layers/sampler.py passes 3 operands to _apply_min_p_filter, which unpacks 2; "
         "lax.cond traces it even for greedy decoding, so every sampled request crashes. "
-        "Replaced by a filter that takes either form."
+        "The replacement sampler (see sampler-logprobs) does its own min-p filtering."
     ),
     "sampler-rng": (
         "The sampler's RNG state is frozen inside a functools.partial, so every call and every "
@@ -116,7 +118,22 @@ WORKAROUNDS: dict[str, str] = {
         "changing the trainer's matmuls too. The process-wide value is restored after "
         "start-up and the engine's scheduler thread runs under the value it set."
     ),
+    "sampler-logprobs": (
+        "return_logprob=True (and top_logprobs_num) crashes the scheduler thread: the sampler "
+        "stores log-probs on a traced copy inside jit. They would be of the unfiltered "
+        "distribution anyway, and 0.0.2 filters differently per backend (top-k/top-p before "
+        "the temperature on TPU, after it elsewhere through a host callback; min-p on logits "
+        "on TPU). Sampler.__call__ is replaced by one that applies temperature, top-k, top-p "
+        "and min-p the same way on every backend (models/logprobs.py, shared with the "
+        "trainer), draws each token from that distribution and returns its log-prob with it, "
+        "always (one compiled program). The engine's return_logprob stays off; requests that "
+        "ask for log-probs get them on the scheduler thread, fetched in the same device_get "
+        "as the token ids and appended wherever the engine appends an output token."
+    ),
 }
+
+# Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
+LOGPROB_SINKS = "_rollout_logprob_sinks"
 
 
 
@@ -170,41 +187,90 @@ def _import_native_backend_without_duplicate_registration() -> None:
         jax.tree_util.register_pytree_node_class = original
 
 
-def _apply_min_p_filter(operands):
-    # The engine passes (probs, min_ps) on TPU and (probs, min_ps, unused) elsewhere.
-    probs, min_ps = operands[0], operands[1]
-    thresholds = jnp.max(probs, axis=1) * min_ps
-    return jnp.where(probs < thresholds.reshape(-1, 1), 0.0, probs)
-
-
-def _keyed_categorical(operands):
-    """Draw one token per row with a key folded from (row seed, row position).
-
-    The engine hands this branch logits on TPU and (sorted, filtered) probabilities elsewhere;
-    ``sampler.multinomial`` makes the same distinction.
-    """
-    from sgl_jax.srt.layers import sampler
-    from sgl_jax.srt.utils.jax_utils import is_tpu_runtime
-
-    scores, seeds, positions, _ = operands
+def _keyed_draw(log_probs, seeds, positions, rng):
+    """Draw one token per row with a key folded from (row seed, row position)."""
     if seeds is None:
-        return sampler.multinomial(operands)
-    logits = scores if is_tpu_runtime() else jnp.log(scores)
+        return jax.random.categorical(rng, log_probs)
     base = jax.random.key(0)
 
-    def draw(seed, position, row_logits):
+    def draw(seed, position, row_log_probs):
         key = jax.random.fold_in(jax.random.fold_in(base, seed), position)
-        return jax.random.categorical(key, row_logits)
+        return jax.random.categorical(key, row_log_probs)
 
-    rows = jax.vmap(draw)(seeds.astype(jnp.uint32), positions.astype(jnp.uint32), logits)
-    return rows.reshape(-1, 1)
+    return jax.vmap(draw)(seeds.astype(jnp.uint32), positions.astype(jnp.uint32), log_probs)
+
+
+def _greedy_with_logprobs(operands):
+    logits, temperatures = operands[:2]
+    tempered = jax.nn.log_softmax(logits.astype(jnp.float32) / temperatures.reshape(-1, 1), axis=-1)
+    ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return ids, jnp.take_along_axis(tempered, ids[:, None], axis=-1)[:, 0]
+
+
+def _draw_with_logprobs(operands):
+    logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, rng = operands
+    tempered, filtered = sampling_log_probs(logits, temperatures, top_ks, top_ps, min_ps)
+    ids = _keyed_draw(filtered, seeds, positions, rng).astype(jnp.int32)
+    return ids, sampled_token_log_probs(tempered, filtered, ids, top_ks)
+
+
+def _sample_with_logprobs(self, logits_output, sampling_metadata, positions):
+    """``Sampler.__call__`` replacement: (token ids [B], their log-probs [B])."""
+    logits = logits_output.next_token_logits
+    logits = jnp.reshape(logits, (-1, logits.shape[-1]))
+    logits = self.apply_penalties(logits, sampling_metadata)
+    _, rng = jax.random.split(self.rngs.params())
+    m = sampling_metadata
+    operands = (logits, m.temperatures, m.top_ks, m.top_ps, m.min_ps, m.sampling_seeds, positions, rng)
+    return jax.lax.cond(m.is_all_greedy, _greedy_with_logprobs, _draw_with_logprobs, operands)
+
+
+def _sample_keeping_logprobs(self, logits_output, sampling_metadata, positions):
+    """``ModelRunner.sample`` replacement: the token ids, as the scheduler expects.
+
+    When the scheduler asked for this batch's log-probs, both arrays come to the host in one
+    transfer (the scheduler's own device_get of the ids then has nothing left to wait for).
+    """
+    ids, logprobs = self.jitted_sampler(logits_output, sampling_metadata, positions)
+    if self.__dict__.get("_rollout_fetch_logprobs"):
+        ids, self._rollout_token_logprobs = jax.device_get((ids, logprobs))
+    return ids
+
+
+def _run_batch_collecting_logprobs(original):
+    def run_batch(self, batch):
+        sinks = self.__dict__.get(LOGPROB_SINKS) or {}
+        rows = [sinks.get(req.rid) for req in batch.reqs]
+        runner = self.tp_worker.worker.model_runner
+        runner._rollout_fetch_logprobs = any(sink is not None for sink in rows)
+        try:
+            result = original(self, batch)
+        finally:
+            fetched = runner._rollout_fetch_logprobs
+            runner._rollout_fetch_logprobs = False
+        if fetched:
+            logprobs = runner.__dict__.pop("_rollout_token_logprobs")
+            extend = batch.forward_mode.is_extend()
+            for i, (req, sink) in enumerate(zip(batch.reqs, rows)):
+                # process_batch_result (no overlap scheduler) appends an output token to every
+                # row but retracted ones and, in a prefill, chunks before the last. Appending
+                # here, before it streams a finished request out, keeps the two aligned.
+                if sink is None or req.is_retracted or (extend and req.is_chunked > 0):
+                    continue
+                sink.append(float(logprobs[i]))
+        return result
+
+    return run_batch
 
 
 def _patch_sampler() -> None:
     from sgl_jax.srt.layers import sampler
+    from sgl_jax.srt.managers import scheduler
+    from sgl_jax.srt.model_executor import model_runner
 
-    sampler._apply_min_p_filter = _apply_min_p_filter
-    sampler.multinomial_with_seed = _keyed_categorical
+    sampler.Sampler.__call__ = _sample_with_logprobs
+    model_runner.ModelRunner.sample = _sample_keeping_logprobs
+    scheduler.Scheduler.run_batch = _run_batch_collecting_logprobs(scheduler.Scheduler.run_batch)
 
 
 def _patch_start_up(engine_module) -> None:

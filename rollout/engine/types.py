@@ -84,6 +84,8 @@ class GenerateOutput:
     finish_reason: str
     completion_tokens: int
     cache_miss_count: int
+    # Log-prob of each output token under the distribution it was drawn from (requested only).
+    logprobs: list[float] | None = None
 
 
 def _device_ids(devices) -> str:

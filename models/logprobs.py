@@ -1,0 +1,102 @@
+"""The sampling distribution, as log-probabilities: one definition for the engine and the trainer.
+
+The rollout engine draws every token from :func:`sampling_log_probs` of its logits and reports
+the drawn token's log-prob with :func:`sampled_token_log_probs`; a trainer recomputes the same
+numbers from its own logits with :func:`completion_log_probs`. Sharing the code means a mismatch
+between the two can only come from the logits (weights, mapping, dtype), never from the sampling
+arithmetic.
+
+Order of operations (as in sglang, vLLM and HF): temperature, then top-k, top-p (on the tempered
+distribution, smallest prefix of the sorted probabilities whose mass before the token is at most
+``top_p``) and min-p (tokens with probability below ``min_p`` times the largest), then
+renormalization over the kept tokens. Ties at the cut-off are all kept.
+
+Greedy rows (``top_k == 1``, which is what ``temperature=0`` becomes) would always report 0; they
+report the log-prob under the unfiltered distribution at their temperature instead (temperature
+1 for ``temperature=0``), which is what a trainer computes for them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Array, jax.Array]:
+    """(tempered, filtered) log-probs [N, V] of the distribution rows of ``logits`` sample from.
+
+    ``tempered`` is ``log_softmax(logits / temperature)``; ``filtered`` is the renormalized
+    distribution after top-k, top-p and min-p, ``-inf`` outside the kept tokens. The sampling
+    parameters are scalars or [N] arrays; ``temperature`` must be > 0 and ``top_k`` >= 1 (a
+    value >= V keeps every token).
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    rows, vocab = logits.shape
+    column = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype).reshape(-1), (rows,))[:, None]
+    temperature = column(temperature, jnp.float32)
+    top_k, top_p, min_p = column(top_k, jnp.int32), column(top_p, jnp.float32), column(min_p, jnp.float32)
+
+    tempered = jax.nn.log_softmax(logits / temperature, axis=-1)
+    tempered = jnp.nan_to_num(tempered, nan=-jnp.inf)
+
+    def filtered(tempered):
+        descending = -jnp.sort(-tempered, axis=-1)
+        probs = jnp.exp(descending)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # Each condition holds on a prefix of the sorted row, so together they keep a prefix;
+        # the first token always stays.
+        keep = (
+            (jnp.arange(vocab)[None, :] < top_k)
+            & (mass_before <= top_p)
+            & (descending >= descending[:, :1] + jnp.log(min_p))
+        )
+        kept = jnp.maximum(keep.sum(axis=-1, keepdims=True), 1)
+        cutoff = jnp.take_along_axis(descending, kept - 1, axis=-1)
+        masked = jnp.where(tempered >= cutoff, tempered, -jnp.inf)
+        return masked - jax.nn.logsumexp(masked, axis=-1, keepdims=True)
+
+    # The sort over the vocabulary only runs when some row filters.
+    filters = jnp.any(top_k < vocab) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0.0)
+    return tempered, jax.lax.cond(filters, filtered, lambda tempered: tempered, tempered)
+
+
+def sampled_token_log_probs(tempered, filtered, tokens, top_k) -> jax.Array:
+    """The log-prob [N] reported for each row's drawn token (greedy rows: the tempered one)."""
+    tokens = jnp.asarray(tokens, jnp.int32).reshape(-1, 1)
+    greedy = jnp.broadcast_to(jnp.asarray(top_k).reshape(-1), (tempered.shape[0],)) == 1
+    from_tempered = jnp.take_along_axis(tempered, tokens, axis=-1)[:, 0]
+    from_filtered = jnp.take_along_axis(filtered, tokens, axis=-1)[:, 0]
+    return jnp.where(greedy, from_tempered, from_filtered)
+
+
+def engine_sampling_params(temperature: float, top_k: int) -> tuple[float, int]:
+    """(temperature, top_k) as the engine runs them: ``temperature=0`` is top-k 1 at
+    temperature 1, and ``top_k=-1`` keeps every token."""
+    if temperature == 0:
+        return 1.0, 1
+    return float(temperature), (2**30 if top_k == -1 else int(top_k))
+
+
+def completion_log_probs(
+    logits, tokens, completion_mask, *, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0
+) -> jax.Array:
+    """Log-probs [B, T] of the completion tokens under the sampling distribution, 0 elsewhere.
+
+    ``logits`` [B, T, V] come from a forward over ``tokens`` [B, T]: column ``t - 1`` predicts
+    token ``t``. ``completion_mask`` [B, T] marks sampled tokens (a ``RolloutBatch`` layout).
+    Sampling parameters are the ones ``RolloutWorker.generate`` took.
+    """
+    temperature, top_k = engine_sampling_params(temperature, top_k)
+    batch, length, vocab = logits.shape
+    targets = tokens[:, 1:, None]
+    if top_k == 1 or (top_k >= vocab and top_p >= 1.0 and min_p <= 0.0):
+        # Nothing filtered (or a greedy row): skip the sort over the vocabulary.
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
+        chosen = jnp.take_along_axis(logp, targets, axis=-1)[..., 0]
+    else:
+        flat = logits[:, :-1].reshape(-1, vocab)
+        tempered, filtered = sampling_log_probs(flat, temperature, top_k, top_p, min_p)
+        chosen = sampled_token_log_probs(tempered, filtered, targets.reshape(-1), top_k)
+        chosen = chosen.reshape(batch, length - 1)
+    chosen = jnp.concatenate([jnp.zeros((batch, 1), jnp.float32), chosen], axis=1)
+    return jnp.where(completion_mask, chosen, 0.0)

@@ -1,0 +1,224 @@
+"""Engine log-probs against the Flax trainer's, the consistency check, and what it catches."""
+
+import contextlib
+
+import jax
+import numpy as np
+import pytest
+
+from models import QwenConfig, QwenForCausalLM, sampling_log_probs
+from rollout import ConsistencyError, RolloutWorker
+from tests.helpers import tiny_worker_config
+from trainer_bridge import flatten_params, load_hf_params, unflatten_params
+
+PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
+
+
+def reference_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0):
+    """Plain numpy: temperature, top-k, top-p (mass before a token <= top_p), min-p, renormalize."""
+    logits = np.asarray(logits, np.float64) / temperature
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    out = np.full_like(logp, -np.inf)
+    for row, values in enumerate(logp):
+        order = np.argsort(-values, kind="stable")
+        probs = np.exp(values[order])
+        keep = np.ones(len(values), dtype=bool)
+        if top_k is not None:
+            keep[top_k:] = False
+        keep &= (np.cumsum(probs) - probs) <= top_p
+        keep &= probs >= probs[0] * min_p
+        kept = order[keep]
+        out[row, kept] = values[kept] - np.logaddexp.reduce(values[kept])
+    return out
+
+
+def trainer_reference(model_dir, params, batch, **sampling):
+    """Log-probs of the batch's completion tokens from the Flax model, by the numpy reference."""
+    logits = np.asarray(
+        QwenForCausalLM(QwenConfig.from_hf(model_dir)).apply(
+            {"params": params}, batch.tokens, batch.attention_mask, batch.positions
+        )
+    )
+    expected = np.zeros(batch.tokens.shape, np.float32)
+    for row, col in zip(*np.nonzero(batch.completion_mask)):
+        logp = reference_log_probs(logits[row, col - 1][None], **sampling)[0]
+        expected[row, col] = logp[batch.tokens[row, col]]
+    return expected
+
+
+def test_sampling_log_probs_match_a_plain_reference():
+    logits = np.asarray(jax.random.normal(jax.random.key(0), (6, 50)) * 3.0)
+    cases = [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.3, top_k=7),
+        dict(temperature=0.5, min_p=0.05),
+        dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.01),
+    ]
+    for case in cases:
+        _, filtered = sampling_log_probs(
+            logits, case["temperature"], case.get("top_k", 2**30), case.get("top_p", 1.0), case.get("min_p", 0.0)
+        )
+        expected = reference_log_probs(logits, **case)
+        np.testing.assert_array_equal(np.isfinite(filtered), np.isfinite(expected), err_msg=str(case))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(np.asarray(filtered)[finite], expected[finite], atol=1e-5, err_msg=str(case))
+
+
+MODELS = [("qwen2_dir", 1), ("qwen2_untied_dir", 1), ("qwen3_dir", 1), ("qwen2_dir", 2), ("qwen3_dir", 2)]
+SAMPLING = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=[f"{m.removesuffix('_dir')}-tp{tp}" for m, tp in MODELS])
+def synced(request):
+    """A float32 engine serving the trainer's params (synced from the HF weights)."""
+    model_fixture, tp_size = request.param
+    model_dir = request.getfixturevalue(model_fixture)
+    params = load_hf_params(model_dir)
+    with RolloutWorker(tiny_worker_config(model_dir, tp_size=tp_size, load_format="dummy")) as worker:
+        worker.sync_params(params)
+        yield worker, model_dir, params
+
+
+@pytest.mark.parametrize("sampling", SAMPLING, ids=["t1", "t0.7-p0.9"])
+def test_engine_log_probs_equal_the_trainers(synced, sampling):
+    worker, model_dir, params = synced
+    batch = worker.generate(PROMPTS, n=2, max_new_tokens=8, ignore_eos=True, seed=5, return_logprobs=True, **sampling)
+    assert batch.logprobs.shape == batch.tokens.shape and batch.logprobs.dtype == np.float32
+    assert (batch.logprobs[~batch.completion_mask] == 0).all()
+    assert (batch.logprobs[batch.completion_mask] < 0).all()
+    expected = trainer_reference(model_dir, params, batch, **sampling)
+    np.testing.assert_allclose(batch.logprobs, expected, atol=1e-4)
+
+    report = worker.check_consistency(params, PROMPTS, n=2, max_new_tokens=8, atol=1e-4, **sampling)
+    assert report.tokens > 0 and report.max_abs_diff < 1e-4 and abs(report.kl) < 1e-6
+
+
+def test_greedy_rows_report_the_temperature_one_log_prob(synced):
+    worker, model_dir, params = synced
+    batch = worker.generate(PROMPTS, max_new_tokens=6, ignore_eos=True, temperature=0.0, return_logprobs=True)
+    np.testing.assert_allclose(batch.logprobs, trainer_reference(model_dir, params, batch), atol=1e-4)
+    # Batched with sampled requests (the engine's non-greedy branch), a greedy request keeps
+    # its tokens and its temperature-1 log-probs.
+    greedy = dict(max_new_tokens=6, ignore_eos=True, temperature=0.0, sampling_seed=1)
+    sampled = dict(greedy, temperature=0.7, top_p=0.9)
+    outputs = worker.engine.generate(PROMPTS[:2], [greedy, sampled], return_logprobs=True)
+    assert outputs[0].output_ids == batch.completions[0]
+    np.testing.assert_allclose(outputs[0].logprobs, batch.logprobs[0, batch.prompt_width :], atol=1e-5)
+
+
+def test_bfloat16_engine_against_float32_trainer(qwen2_dir):
+    """Weights rounded to bf16 and bf16 compute give a small, nonzero mismatch."""
+    params = load_hf_params(qwen2_dir)
+    with RolloutWorker(tiny_worker_config(qwen2_dir, dtype="bfloat16", load_format="dummy")) as worker:
+        worker.sync_params(params)
+        report = worker.check_consistency(params, PROMPTS, n=4, max_new_tokens=16, atol=BF16_MAX_ABS_DIFF)
+        with pytest.raises(ConsistencyError, match=r"max \|Δ log p\| = .* exceeds 0.0001"):
+            worker.check_consistency(params, PROMPTS, n=4, max_new_tokens=16, atol=1e-4)
+    assert report.tokens == 3 * 4 * 16
+    assert 1e-3 < report.mean_abs_diff < BF16_MEAN_ABS_DIFF
+    assert report.max_abs_diff < BF16_MAX_ABS_DIFF and 0 < report.kl < BF16_KL
+
+
+# Bounds for the tiny bf16 engine against its fp32 trainer (measured figures: README).
+BF16_MEAN_ABS_DIFF = 0.05
+BF16_MAX_ABS_DIFF = 0.25
+BF16_KL = 1e-3
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Counts XLA compilations (JAX's backend-compile duration events) while open."""
+    from jax import monitoring
+
+    count = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count.append(event)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture(scope="module")
+def untied(qwen2_untied_dir):
+    params = load_hf_params(qwen2_untied_dir)
+    with RolloutWorker(tiny_worker_config(qwen2_untied_dir, load_format="dummy")) as worker:
+        worker.sync_params(params)
+        yield worker, params
+
+
+def test_log_probs_on_or_off_compile_nothing_new(untied):
+    worker, _ = untied
+    kwargs = dict(n=2, max_new_tokens=6, ignore_eos=True, temperature=1.0)
+    worker.generate(PROMPTS, **kwargs)
+    worker.generate(PROMPTS, **kwargs)
+    with counting_compiles() as compiles:
+        on = worker.generate(PROMPTS, return_logprobs=True, **kwargs)
+        off = worker.generate(PROMPTS, **kwargs)
+    assert compiles == [] and on.cache_miss_count == 0 and off.cache_miss_count == 0
+    assert off.logprobs is None and on.logprobs is not None
+
+
+def swap_k_v(flat):
+    flat = dict(flat)
+    layer = "model.layers_1.self_attn"
+    for leaf in ("kernel", "bias"):
+        flat[f"{layer}.k_proj.{leaf}"], flat[f"{layer}.v_proj.{leaf}"] = (
+            flat[f"{layer}.v_proj.{leaf}"], flat[f"{layer}.k_proj.{leaf}"]
+        )
+    return flat
+
+
+def transpose_o_proj(flat):
+    key = "model.layers_0.self_attn.o_proj.kernel"
+    assert flat[key].shape[0] == flat[key].shape[1], "the test needs a square o_proj"
+    return {**flat, key: flat[key].T}
+
+
+def lm_head_from(other_dir):
+    def corrupt(flat):
+        other = flatten_params(load_hf_params(other_dir))
+        return {**flat, "lm_head.kernel": other["model.embed_tokens.embedding"].T}
+
+    return corrupt
+
+
+@pytest.mark.parametrize("corrupt", ["k-v-swapped", "o-proj-transposed", "lm-head-of-another-model"])
+def test_wrong_mappings_that_shapes_cannot_catch_are_caught(untied, qwen2_dir, corrupt):
+    worker, params = untied
+    flat = flatten_params(params)
+    bad = {"k-v-swapped": swap_k_v, "o-proj-transposed": transpose_o_proj, "lm-head-of-another-model": lm_head_from(qwen2_dir)}[corrupt](flat)
+    worker.sync_params(unflatten_params(bad))  # every shape and dtype fits: the sync succeeds
+    try:
+        with pytest.raises(ConsistencyError, match=r"max \|Δ log p\| = .* exceeds 0.001") as error:
+            worker.check_consistency(params, PROMPTS, n=2, max_new_tokens=8)
+        assert error.value.report.max_abs_diff > 0.01
+    finally:
+        worker.sync_params(params)
+    assert worker.check_consistency(params, PROMPTS, n=2, max_new_tokens=8).max_abs_diff < 1e-4
+
+
+def test_other_statistics_name_themselves(untied):
+    worker, params = untied
+    with pytest.raises(ConsistencyError, match=r"mean \|Δ log p\| = .* exceeds 0"):
+        worker.check_consistency(params, PROMPTS, max_new_tokens=4, mean_atol=0.0)
+    report = worker.check_consistency(params, PROMPTS, n=2, max_new_tokens=4, worst=3)
+    assert len(report.worst) == 3
+    diffs = [abs(w.engine - w.trainer) for w in report.worst]
+    assert diffs == sorted(diffs, reverse=True) and diffs[0] == pytest.approx(report.max_abs_diff, abs=1e-7)
+
+
+def test_chunked_prefill_keeps_log_probs_aligned(qwen3_dir):
+    """A prompt prefilled in several chunks gets no log-prob for the chunks before the last."""
+    params = load_hf_params(qwen3_dir)
+    config = tiny_worker_config(qwen3_dir, load_format="dummy", chunked_prefill_size=16, max_prefill_tokens=16)
+    long_prompts = [list(range(3, 43)), [7, 8, 9]]
+    with RolloutWorker(config) as worker:
+        worker.sync_params(params)
+        report = worker.check_consistency(params, long_prompts, n=2, max_new_tokens=6, atol=1e-4)
+    assert report.tokens > 0 and report.max_abs_diff < 1e-4
