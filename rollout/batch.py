@@ -63,6 +63,7 @@ class StreamChunk:
     token_ids: list[int]  # tokens since this row's previous chunk
     finish_reason: str | None  # set on the row's last chunk
     weight_version: int
+    logprobs: list[float] | None = None  # of token_ids, with return_logprobs=True
 
 
 def pack_rollouts(

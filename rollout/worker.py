@@ -434,10 +434,11 @@ class RolloutWorker:
                 while (update := await updates.get()) is not None:
                     row, output = update
                     new = output.output_ids[sent[row] :]
+                    logprobs = None if output.logprobs is None else output.logprobs[sent[row] : len(output.output_ids)]
                     sent[row] = len(output.output_ids)
                     if new or output.finish_reason:
                         n = request.params.n
-                        yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version)
+                        yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version, logprobs)
                 done_task.result()
             finally:
                 for task in tasks:

@@ -159,6 +159,27 @@ def test_streaming_matches_the_non_streamed_result(client):
     assert usage.completion_tokens == 2 * chat.usage.completion_tokens
 
 
+def test_log_probs_are_the_engines(client, worker):
+    kwargs = dict(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=9, return_logprobs=True)
+    expected = worker.generate([PROMPT], **kwargs)
+    values = expected.logprobs[0, expected.prompt_width :][: len(expected.completions[0])].tolist()
+    request = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=9, logprobs=0)
+    response = client.completions.create(**request)
+    choice = response.choices[0]
+    assert choice.model_extra["token_ids"] == expected.completions[0]
+    assert choice.logprobs.token_logprobs == pytest.approx(values, abs=1e-6)
+    assert len(choice.logprobs.tokens) == 6 and all(v <= 0 for v in values)
+    streamed = []
+    for chunk in client.completions.create(**request, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed.extend(chunk.choices[0].logprobs.token_logprobs)
+    assert streamed == pytest.approx(values, abs=1e-6)
+    messages = [{"role": "user", "content": "1+2="}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0, logprobs=True)
+    assert len(chat.choices[0].logprobs.content) == 4
+    assert all(entry.logprob <= 0 for entry in chat.choices[0].logprobs.content)
+
+
 def test_streaming_cuts_at_a_stop_string(client):
     full = client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0).choices[0]
     stop = full.text[3:5]

@@ -194,7 +194,12 @@ class ServerState:
             if cut >= 0:
                 text, finish = text[:cut], "stop"
             content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            choices.append({"index": row, **content, "finish_reason": finish, "logprobs": None, "token_ids": ids})
+            logprobs = None
+            if req.logprobs:
+                start = batch.prompt_width
+                values = batch.logprobs[row, start : start + len(ids)].tolist()
+                logprobs = self.logprobs_body(ids, values, chat=chat)
+            choices.append({"index": row, **content, "finish_reason": finish, "logprobs": logprobs, "token_ids": ids})
         body = {
             **base,
             "weight_version": batch.weight_version,
@@ -203,6 +208,22 @@ class ServerState:
             "usage": _usage(sum(map(len, batch.prompts)), int(batch.completion_lengths.sum())),
         }
         return JSONResponse(body, headers={WEIGHT_VERSION_HEADER: str(batch.weight_version)})
+
+    def logprobs_body(self, ids: list[int], values: list[float], *, chat: bool) -> dict:
+        """OpenAI's log-probs object for sampled tokens (no top alternatives)."""
+        tokenizer = self.backend.tokenizer
+        tokens = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in ids]
+        if chat:
+            return {
+                "content": [
+                    {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                    for tok, lp in zip(tokens, values)
+                ]
+            }
+        offsets = [0]
+        for tok in tokens[:-1]:
+            offsets.append(offsets[-1] + len(tok))
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
 
     def prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
         """Token ids of every prompt (strings encoded as the worker would), for exact usage."""
@@ -231,6 +252,7 @@ class ServerState:
             max_new_tokens=max_tokens,
             stop_token_ids=self.single_token_stops(req.stop),
             seed=req.seed,
+            return_logprobs=req.logprobs,
         )
 
     def single_token_stops(self, stop: list[str]) -> list[int] | None:
@@ -273,8 +295,11 @@ class ServerState:
                     finished = chunk.finish_reason is not None or text.stopped
                     if finished:
                         piece += text.finish()
-                    if piece:
-                        yield event([choice(chunk.row, piece)])
+                    if piece or (req.logprobs and chunk.token_ids):
+                        logprobs = None
+                        if req.logprobs:
+                            logprobs = self.logprobs_body(chunk.token_ids, chunk.logprobs, chat=chat)
+                        yield event([choice(chunk.row, piece, logprobs=logprobs)])
                     if finished:
                         done[chunk.row] = True
                         reason = "stop" if text.stopped else _FINISH_REASONS.get(chunk.finish_reason, "stop")

@@ -19,8 +19,6 @@ _NEUTRAL = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
 }
@@ -55,6 +53,7 @@ class GenerationRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    logprobs: bool = False  # each sampled token's log-prob (no top alternatives)
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
@@ -134,7 +133,11 @@ def completion_request(body: dict, context_length: int) -> GenerationRequest:
     if any(isinstance(p, str) and not p for p in prompts):
         raise invalid("prompt", "'prompt' has an empty string")
     max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)
-    return _common(body, prompts, "prompt", max_tokens, context_length)
+    logprobs = _int(body, "logprobs", None, 0, 5)
+    if logprobs:
+        raise invalid("logprobs", f"'logprobs' is {logprobs}: only 0 is supported (the sampled token's log-prob, no top alternatives)")
+    request = _common(body, prompts, "prompt", max_tokens, context_length)
+    return dataclasses.replace(request, logprobs=logprobs is not None)
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -161,7 +164,13 @@ def chat_request(body: dict, prompt_ids: list[int], context_length: int) -> Gene
     """``POST /v1/chat/completions`` once the messages are rendered to ``prompt_ids``."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None, 1, 2**31 - 1)
-    return _common(body, [prompt_ids], "messages", max_tokens, context_length)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise invalid("logprobs", f"'logprobs' must be a boolean, got {logprobs!r}")
+    if _int(body, "top_logprobs", None, 0, 20):
+        raise invalid("top_logprobs", "'top_logprobs' above 0 is not supported: the sampled token's log-prob only")
+    request = _common(body, [prompt_ids], "messages", max_tokens, context_length)
+    return dataclasses.replace(request, logprobs=bool(logprobs))
 
 
 def check_bearer(request, token: str, what: str) -> None:
