@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .patches import install_workarounds, preserved_process_state
+from .patches import install_workarounds, preserved_process_state, variables_sharded_lazily
 from .runtime import SchedulerControl, detokenizers
 from .types import EngineError, EngineOptions, GenerateOutput, LeafSpec, device_nbytes
 
@@ -53,10 +53,11 @@ class EngineHandle:
             watchdog_timeout=options.watchdog_timeout_s,
             log_level="error",
         )
+        device = options.device or jax.default_backend()
         optional = {
             "context_length": options.context_length,
-            "attention_backend": options.attention_backend,
-            "device": options.device or jax.default_backend(),
+            "attention_backend": options.attention_backend or default_attention_backend(device),
+            "device": device,
             "precompile_token_paddings": list(options.precompile_token_paddings or []) or None,
             "precompile_bs_paddings": list(options.precompile_bs_paddings or []) or None,
         }
@@ -64,7 +65,8 @@ class EngineHandle:
         from sgl_jax.srt.hf_transformers_utils import get_config
 
         get_config.cache_clear()
-        with preserved_process_state():
+        logger.info("starting sglang-jax on %s with the %s attention backend", device, kwargs["attention_backend"])
+        with preserved_process_state(), variables_sharded_lazily():
             self._engine = Engine(**kwargs)
 
         self._scheduler = self._engine.scheduler_info["scheduler"]
@@ -118,6 +120,10 @@ class EngineHandle:
     @property
     def vocab_size(self) -> int:
         return int(self._model_runner.model_config.vocab_size)
+
+    @property
+    def attention_backend(self) -> str:
+        return str(self._engine.server_args.attention_backend)
 
     @property
     def hf_config(self):
@@ -222,7 +228,8 @@ class EngineHandle:
         from flax import nnx
 
         runner = self._model_runner
-        runner.model.load_weights(runner.model_config, jax.random.key(self.options.seed))
+        with variables_sharded_lazily():
+            runner.model.load_weights(runner.model_config, jax.random.key(self.options.seed))
         _, state = nnx.split(runner.model)
         leaves, _ = jax.tree_util.tree_flatten(state)
         self._closure_cells()["model_state_leaves"].cell_contents = leaves
@@ -362,6 +369,13 @@ class EngineHandle:
         self._tokenizer_manager = None
         self._engine = None
 
+
+
+def default_attention_backend(device: str) -> str:
+    """The engine's attention backend when the config names none: its Pallas kernel ("fa") is
+    written for TPU, and 0.0.2 only falls back to "native" by itself on CPU (on GPU it would
+    try to compile the TPU kernel)."""
+    return "fa" if device == "tpu" else "native"
 
 
 # Stands in for a released weight leaf (see EngineHandle.release_weight_leaves).

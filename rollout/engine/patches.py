@@ -78,6 +78,14 @@ WORKAROUNDS: dict[str, str] = {
         "scheduler has no handler for them. Cache flush and KV drop/rebuild are done directly "
         "on the scheduler thread."
     ),
+    "flax-eager-sharding": (
+        "With flax >= 0.12.1 (flax.config.flax_always_shard_variable, default on) every "
+        "nnx.Variable created with a sharding annotation is sharded at creation, which needs a "
+        "mesh context 0.0.2 does not set up: model creation fails with 'An auto mesh context or "
+        "metadata is required'. The flag is turned off while the engine builds or reloads its "
+        "model and restored afterwards (the weights get their shardings from the loader's "
+        "jit out_shardings either way), so the trainer's own models keep flax's default."
+    ),
 }
 
 
@@ -185,6 +193,19 @@ def _patch_start_up(engine_module) -> None:
     engine_module.run_scheduler_loop_thread_after_create = start_scheduler_thread
     engine_module.run_detokenizer_thread = run_detokenizer_thread
     scheduler.Scheduler.watchdog_thread = watchdog_thread
+
+
+@contextlib.contextmanager
+def variables_sharded_lazily():
+    """Workaround "flax-eager-sharding": no eager sharding while the engine creates its model.
+
+    Process-wide while it lasts (flax's config is global): engine start-up is not thread-safe in
+    other respects either.
+    """
+    import flax
+
+    with flax.config.temp_flip_flag("always_shard_variable", False):
+        yield
 
 
 @contextlib.contextmanager
