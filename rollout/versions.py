@@ -23,12 +23,13 @@ import importlib.metadata
 import sys
 
 # Distribution -> PEP 440 specifier. Lower bounds are the oldest versions CI tests; upper bounds
-# exclude the first release line not yet tested.
+# exclude the first release line not yet tested. transformers 5 moved rope_theta into
+# rope_parameters: 0.0.2 then silently falls back to its default RoPE base (wrong tokens).
 SUPPORTED: dict[str, str] = {
     "jax": ">=0.8.0,<0.13",
     "jaxlib": ">=0.8.0,<0.13",
     "flax": ">=0.12.0,<0.13",
-    "transformers": ">=4.55.0,<6",
+    "transformers": ">=4.55.0,<5",
     "numpy": ">=2.2.0,<2.6",
 }
 
