@@ -1,30 +1,77 @@
-# `make demo` (the tiny GRPO run) and `make test` set everything up from scratch (a .venv
-# with python3.12). `make bench` runs the benchmarks.
+# `make demo` (the tiny GRPO run) and `make test` set everything up from scratch.
+#   .venv         python3.12 with the oldest supported jax/flax/transformers/numpy (the lower
+#                 bounds in rollout/versions.py): demo, bench, and the first test run.
+#   .venv-newest  the newest releases inside the supported ranges: the second test run.
+# `make install PYTHON=/path/to/env/bin/python [EXTRAS=gpu,examples]` installs the worker into an
+# existing environment (the trainer's) and leaves its jax, jaxlib, flax, transformers and numpy
+# exactly as they are.
 VENV := .venv
-PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+NEWEST := .venv-newest
+VERSIONS := rollout/versions.py
+PYTHON ?=
+EXTRAS ?=
+EDITABLE ?=
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test bench
+.PHONY: demo test test-oldest test-newest bench install
 
-$(STAMP): pyproject.toml
+# Creates the venv $(1) with python3.12 (found on PATH or under pyenv).
+define make_venv
 	@py=""; for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
 	  if [ -x "$$(command -v $$c)" ] && $$c -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then py=$$c; break; fi; \
 	done; \
 	if [ -z "$$py" ]; then echo "python3.12 is required (sglang-jax needs Python >= 3.12)" >&2; exit 1; fi; \
-	[ -x $(PY) ] || $$py -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,examples]'
-	touch $(STAMP)
+	[ -x $(1)/bin/python ] || $$py -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+endef
 
-demo: $(STAMP)
-	$(PY) -m examples.grpo
+# sglang-jax without its declared dependencies (their pins would move jax), then this project,
+# whose dependencies are the ones the engine really needs; the constraints pin the supported
+# libraries the environment already has, so pip cannot change them. --no-warn-conflicts: pip
+# would list every pin of sglang-jax's metadata that the environment (deliberately) ignores.
+install:
+	@[ -n "$(PYTHON)" ] || { echo "usage: make install PYTHON=/path/to/env/bin/python [EXTRAS=gpu,examples]" >&2; exit 2; }
+	@set -e; constraints=$$(mktemp); trap 'rm -f $$constraints' EXIT; \
+	$(PYTHON) $(VERSIONS) constraints > $$constraints; \
+	echo "keeping: $$(tr '\n' ' ' < $$constraints)"; \
+	$(PYTHON) -m pip install -q -c $$constraints --no-deps "$$($(PYTHON) $(VERSIONS) engine)"; \
+	$(PYTHON) -m pip install -q --no-warn-conflicts -c $$constraints $(EDITABLE) "$(if $(EXTRAS),.[$(EXTRAS)],.)"
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+$(VENV)/.installed: pyproject.toml $(VERSIONS)
+	$(call make_venv,$(VENV))
+	$(VENV)/bin/python -m pip install -q $$($(VENV)/bin/python $(VERSIONS) oldest)
+	$(MAKE) --no-print-directory install PYTHON=$(VENV)/bin/python EXTRAS=test,examples EDITABLE=-e
+	touch $@
 
-bench: $(STAMP)
-	$(PY) -m bench.sync_bench
-	$(PY) -m bench.kv_bench
-	$(PY) -m bench.checkpoint_bench
-	$(PY) -m bench.logprobs_bench
+$(NEWEST)/.installed: pyproject.toml $(VERSIONS)
+	$(call make_venv,$(NEWEST))
+	$(NEWEST)/bin/python -m pip install -q --upgrade $$($(NEWEST)/bin/python $(VERSIONS) newest)
+	$(MAKE) --no-print-directory install PYTHON=$(NEWEST)/bin/python EXTRAS=test EDITABLE=-e
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python -m examples.grpo
+
+# Both ends of the supported range, one after the other (2 cores: running them side by side
+# takes as long and needs twice the memory); the second runs even if the first fails.
+test: $(VENV)/.installed $(NEWEST)/.installed
+	@status=0; \
+	$(MAKE) --no-print-directory test-oldest || status=1; \
+	$(MAKE) --no-print-directory test-newest || status=1; \
+	exit $$status
+
+test-oldest: $(VENV)/.installed
+	@$(VENV)/bin/python -c 'import jax, flax; print(f"== oldest: jax {jax.__version__}, flax {flax.__version__}")'
+	$(VENV)/bin/python -m pytest -q
+
+test-newest: $(NEWEST)/.installed
+	@$(NEWEST)/bin/python -c 'import jax, flax; print(f"== newest: jax {jax.__version__}, flax {flax.__version__}")'
+	$(NEWEST)/bin/python -m pytest -q
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/python -m bench.sync_bench
+	$(VENV)/bin/python -m bench.kv_bench
+	$(VENV)/bin/python -m bench.checkpoint_bench
+	$(VENV)/bin/python -m bench.logprobs_bench
+	$(VENV)/bin/python -m bench.sync_overhead_bench
+	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(VENV)/bin/python -m bench.dp_bench

@@ -1,13 +1,19 @@
 """In-process sglang-jax rollout worker for JAX/Flax RL trainers."""
 
-from .batch import RolloutBatch, StreamChunk
-from .compiles import compile_count, counting_compiles
-from .config import WorkerConfig
-from .consistency import ConsistencyError, ConsistencyReport, TokenMismatch, check_consistency, mismatch_stats
-from .engine import EngineError, UnsupportedEngineVersion
-from .kv import EngineMemory, KvReport, MemoryReport
-from .sampling import SamplingParams
-from .worker import RolloutWorker
+from .versions import UnsupportedVersionError, check_versions
+
+# Before anything imports jax or the engine: a version outside the supported ranges is one clear
+# error rather than a failure deep inside sglang-jax.
+check_versions()
+
+from .batch import RolloutBatch, StreamChunk  # noqa: E402
+from .compiles import compile_count, counting_compiles  # noqa: E402
+from .config import WorkerConfig  # noqa: E402
+from .consistency import ConsistencyError, ConsistencyReport, TokenMismatch, check_consistency, mismatch_stats  # noqa: E402
+from .engine import EngineError, UnsupportedEngineVersion  # noqa: E402
+from .kv import EngineMemory, KvReport, MemoryReport  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
+from .worker import RolloutWorker  # noqa: E402
 
 __all__ = [
     "ConsistencyError",
@@ -22,6 +28,7 @@ __all__ = [
     "StreamChunk",
     "TokenMismatch",
     "UnsupportedEngineVersion",
+    "UnsupportedVersionError",
     "WorkerConfig",
     "check_consistency",
     "compile_count",

@@ -6,12 +6,15 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from packaging.version import Version
 
 from rollout import EngineError, RolloutWorker
 from rollout.engine import patches
@@ -38,6 +41,7 @@ def test_every_workaround_is_documented():
         "concurrent-start-up",
         "gpu-matmul-precision",
         "sampler-logprobs",
+        "flax-eager-sharding",
     }
 
 
@@ -158,3 +162,37 @@ def test_engine_thread_error_is_an_exception_not_a_dead_process(doomed_worker):
         doomed_worker.generate(PROMPTS, temperature=0.0, max_new_tokens=4)
     with pytest.raises(EngineError):
         engine.call(lambda: None)
+
+
+# Starts a worker with the flax-eager-sharding workaround taken out.
+_WITHOUT_EAGER_SHARDING_WORKAROUND = """
+import contextlib, sys
+from rollout.engine import handle
+handle.variables_sharded_lazily = contextlib.nullcontext
+from rollout import RolloutWorker
+from tests.helpers import tiny_worker_config
+RolloutWorker(tiny_worker_config(sys.argv[1])).close()
+"""
+
+
+def test_flax_eager_sharding_is_off_only_while_the_engine_builds(qwen2_dir):
+    import flax
+
+    default = flax.config.flax_always_shard_variable
+    with patches.variables_sharded_lazily():
+        assert flax.config.flax_always_shard_variable is False
+    assert flax.config.flax_always_shard_variable == default
+    with RolloutWorker(tiny_worker_config(qwen2_dir)):
+        assert flax.config.flax_always_shard_variable == default
+    if Version(flax.__version__) < Version("0.12.1"):
+        return  # the bug came with flax 0.12.1: nothing fails without the workaround here
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_EAGER_SHARDING_WORKAROUND, str(qwen2_dir)],
+        cwd=Path(__file__).parents[1],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "An auto mesh context or metadata is required" in result.stderr

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..sampling import SamplingParams
-from .patches import LOGPROB_SINKS, install_workarounds, preserved_process_state
+from .patches import LOGPROB_SINKS, install_workarounds, preserved_process_state, variables_sharded_lazily
 from .runtime import SchedulerControl, engine_start_up
 from .types import (
     EngineError,
@@ -70,10 +70,11 @@ class EngineHandle:
             watchdog_timeout=options.watchdog_timeout_s,
             log_level="error",
         )
+        device = options.device or jax.default_backend()
         optional = {
             "context_length": options.context_length,
-            "attention_backend": options.attention_backend,
-            "device": options.device or jax.default_backend(),
+            "attention_backend": options.attention_backend or default_attention_backend(device),
+            "device": device,
             "precompile_token_paddings": list(options.precompile_token_paddings or []) or None,
             "precompile_bs_paddings": list(options.precompile_bs_paddings or []) or None,
         }
@@ -82,8 +83,9 @@ class EngineHandle:
 
         with engine_start_up(self.name, options.devices) as start_up:
             get_config.cache_clear()
+            logger.info("starting sglang-jax on %s with the %s attention backend", device, kwargs["attention_backend"])
             try:
-                with preserved_process_state():
+                with preserved_process_state(), variables_sharded_lazily():
                     self._engine = Engine(**kwargs)
             except BaseException:
                 if start_up.control is not None:  # the threads a half-built engine started
@@ -173,6 +175,10 @@ class EngineHandle:
     @property
     def vocab_size(self) -> int:
         return int(self._model_runner.model_config.vocab_size)
+
+    @property
+    def attention_backend(self) -> str:
+        return str(self._engine.server_args.attention_backend)
 
     @property
     def hf_config(self):
@@ -282,7 +288,8 @@ class EngineHandle:
         from flax import nnx
 
         runner = self._model_runner
-        runner.model.load_weights(runner.model_config, jax.random.key(self.options.seed))
+        with variables_sharded_lazily():
+            runner.model.load_weights(runner.model_config, jax.random.key(self.options.seed))
         _, state = nnx.split(runner.model)
         leaves, _ = jax.tree_util.tree_flatten(state)
         self._closure_cells()["model_state_leaves"].cell_contents = leaves
@@ -516,6 +523,13 @@ def _close_open_handles() -> None:
     for handle in list(_open_handles):
         with contextlib.suppress(Exception):
             handle.close()
+
+
+def default_attention_backend(device: str) -> str:
+    """The engine's attention backend when the config names none: its Pallas kernel ("fa") is
+    written for TPU, and 0.0.2 only falls back to "native" by itself on CPU (on GPU it would
+    try to compile the TPU kernel)."""
+    return "fa" if device == "tpu" else "native"
 
 
 # Stands in for a released weight leaf (see EngineHandle.release_weight_leaves).

@@ -130,6 +130,14 @@ WORKAROUNDS: dict[str, str] = {
         "ask for log-probs get them on the scheduler thread, fetched in the same device_get "
         "as the token ids and appended wherever the engine appends an output token."
     ),
+    "flax-eager-sharding": (
+        "With flax >= 0.12.1 (flax.config.flax_always_shard_variable, default on) every "
+        "nnx.Variable created with a sharding annotation is sharded at creation, which needs a "
+        "mesh context 0.0.2 does not set up: model creation fails with 'An auto mesh context or "
+        "metadata is required'. The flag is turned off while the engine builds or reloads its "
+        "model and restored afterwards (the weights get their shardings from the loader's "
+        "jit out_shardings either way), so the trainer's own models keep flax's default."
+    ),
 }
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
@@ -330,6 +338,19 @@ def _engine_device_memory(get_available_device_memory):
         return min(free)
 
     return engine_device_memory
+
+
+@contextlib.contextmanager
+def variables_sharded_lazily():
+    """Workaround "flax-eager-sharding": no eager sharding while the engine creates its model.
+
+    Process-wide while it lasts (flax's config is global): engine start-up is not thread-safe in
+    other respects either.
+    """
+    import flax
+
+    with flax.config.temp_flip_flag("always_shard_variable", False):
+        yield
 
 
 @contextlib.contextmanager

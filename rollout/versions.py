@@ -1,0 +1,139 @@
+"""The versions of the trainer-side libraries this worker supports, and the check at import.
+
+The worker runs in the trainer's process, so it uses the trainer's JAX. ``SUPPORTED`` is the one
+record of the ranges: ``pyproject.toml`` declares the same specifiers (a test keeps them equal),
+``make test`` runs the suite at both ends (the lower bounds, and the newest releases inside the
+ranges), and ``import rollout`` refuses versions outside them.
+
+sglang-jax 0.0.2 declares ``jax[tpu]~=0.8.0``, ``flax~=0.12.0``, ``transformers~=4.55.0`` and
+``numpy~=2.2.6``; it is installed without its declared dependencies (``make install``) and works
+across these ranges with the workarounds in ``rollout/engine/patches.py``.
+
+Also a script, run by path before the package is importable (stdlib only)::
+
+    python rollout/versions.py oldest       # requirements pinning every lower bound
+    python rollout/versions.py newest       # the ranges, for pip install --upgrade
+    python rollout/versions.py engine       # the engine requirement (installed with --no-deps)
+    python rollout/versions.py constraints  # pins of what the environment already has
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+# Distribution -> PEP 440 specifier. Lower bounds are the oldest versions CI tests; upper bounds
+# exclude the first release line not yet tested. transformers 5 moved rope_theta into
+# rope_parameters: 0.0.2 then silently falls back to its default RoPE base (wrong tokens).
+SUPPORTED: dict[str, str] = {
+    "jax": ">=0.8.0,<0.13",
+    "jaxlib": ">=0.8.0,<0.13",
+    "flax": ">=0.12.0,<0.13",
+    "transformers": ">=4.55.0,<5",
+    "numpy": ">=2.2.0,<2.6",
+}
+
+# The engine release whose internals rollout/engine knows (SUPPORTED_ENGINE_VERSION).
+ENGINE = ("sglang-jax", "0.0.2")
+
+
+class UnsupportedVersionError(ImportError):
+    """A library in the environment is outside the versions this worker supports."""
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def in_range(distribution: str, version: str) -> bool:
+    try:
+        from packaging.specifiers import SpecifierSet
+    except ImportError:  # run as a script in an environment without packaging (pip vendors it)
+        from pip._vendor.packaging.specifiers import SpecifierSet
+    return SpecifierSet(SUPPORTED[distribution]).contains(version, prereleases=True)
+
+
+def unsupported_versions() -> list[str]:
+    """One line per supported library that is missing or outside its range."""
+    problems = []
+    for distribution, spec in SUPPORTED.items():
+        version = installed_version(distribution)
+        if version is None:
+            problems.append(f"{distribution} is not installed (supported: {distribution}{spec})")
+        elif not in_range(distribution, version):
+            problems.append(f"{distribution} {version} is installed (supported: {distribution}{spec})")
+    name, version = ENGINE
+    found = installed_version(name)
+    if found != version:
+        what = "is not installed" if found is None else f"{found} is installed"
+        problems.append(f"{name} {what} (needed: {name}=={version}, installed by `make install`)")
+    return problems
+
+
+def check_versions() -> None:
+    """Raise :class:`UnsupportedVersionError` naming every library outside its supported range."""
+    problems = unsupported_versions()
+    if problems:
+        raise UnsupportedVersionError(
+            "sglang-jax-rollout cannot run with this environment:\n  "
+            + "\n  ".join(problems)
+            + "\nSupported ranges are listed in rollout/versions.py; install with "
+            "`make install PYTHON=/path/to/env/bin/python` (see the README)."
+        )
+
+
+def _lower_bound(spec: str) -> str:
+    for clause in spec.split(","):
+        if clause.startswith(">="):
+            return clause[2:]
+    raise ValueError(f"specifier {spec!r} has no >= lower bound")
+
+
+def oldest_requirements() -> list[str]:
+    return [f"{name}=={_lower_bound(spec)}" for name, spec in SUPPORTED.items()]
+
+
+def newest_requirements() -> list[str]:
+    return [f"{name}{spec}" for name, spec in SUPPORTED.items()]
+
+
+def installed_constraints() -> list[str]:
+    """Pins of the supported libraries already installed, so an install leaves them as they are."""
+    pins = []
+    for name in SUPPORTED:
+        version = installed_version(name)
+        if version is not None:
+            pins.append(f"{name}=={version}")
+    return pins
+
+
+def _main(argv: list[str]) -> int:
+    commands = {
+        "oldest": oldest_requirements,
+        "newest": newest_requirements,
+        "engine": lambda: [f"{ENGINE[0]}=={ENGINE[1]}"],
+        "constraints": installed_constraints,
+    }
+    if len(argv) != 1 or argv[0] not in commands:
+        print(f"usage: python rollout/versions.py {{{'|'.join(commands)}}}", file=sys.stderr)
+        return 2
+    if argv[0] == "constraints":
+        # An install must not move the environment's jax: refuse one outside the ranges.
+        outside = [
+            f"{name} {version} (supported: {name}{spec})"
+            for name, spec in SUPPORTED.items()
+            if (version := installed_version(name)) is not None and not in_range(name, version)
+        ]
+        if outside:
+            print("this environment has versions sglang-jax-rollout does not support:\n  "
+                  + "\n  ".join(outside), file=sys.stderr)
+            return 1
+    print("\n".join(commands[argv[0]]()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
