@@ -9,7 +9,13 @@ check_versions()
 from .batch import RolloutBatch, StreamChunk  # noqa: E402
 from .compiles import compile_count, counting_compiles  # noqa: E402
 from .config import WorkerConfig  # noqa: E402
-from .consistency import ConsistencyError, ConsistencyReport, TokenMismatch, check_consistency, mismatch_stats  # noqa: E402
+from .consistency import (  # noqa: E402
+    ConsistencyError,
+    ConsistencyReport,
+    TokenMismatch,
+    check_consistency,
+    mismatch_stats,
+)
 from .engine import EngineError, UnsupportedEngineVersion  # noqa: E402
 from .kv import EngineMemory, KvReport, MemoryReport  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402

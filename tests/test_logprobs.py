@@ -1,13 +1,13 @@
 """Engine log-probs against the Flax trainer's, the consistency check, and what it catches."""
 
-import contextlib
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
 from models import QwenConfig, QwenForCausalLM, sampling_log_probs
-from rollout import ConsistencyError, RolloutWorker
+from rollout import ConsistencyError, RolloutWorker, SamplingParams, counting_compiles
 from tests.helpers import tiny_worker_config
 from trainer_bridge import flatten_params, load_hf_params, unflatten_params
 
@@ -100,9 +100,13 @@ def test_greedy_rows_report_the_temperature_one_log_prob(synced):
     np.testing.assert_allclose(batch.logprobs, trainer_reference(model_dir, params, batch), atol=1e-4)
     # Batched with sampled requests (the engine's non-greedy branch), a greedy request keeps
     # its tokens and its temperature-1 log-probs.
-    greedy = dict(max_new_tokens=6, ignore_eos=True, temperature=0.0, sampling_seed=1)
-    sampled = dict(greedy, temperature=0.7, top_p=0.9)
-    outputs = worker.engine.generate(PROMPTS[:2], [greedy, sampled], return_logprobs=True)
+    greedy = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, return_logprobs=True)
+    sampled = dataclasses.replace(greedy, temperature=0.7, top_p=0.9)
+    seeds = np.ones((1, 1), np.int64)
+    engine = worker.engine
+    # Submitted together, the two requests run in one engine batch.
+    futures = [engine.submit(PROMPTS[:1], greedy, seeds), engine.submit(PROMPTS[1:2], sampled, seeds)]
+    outputs = [future.result()[0] for future in futures]
     assert outputs[0].output_ids == batch.completions[0]
     np.testing.assert_allclose(outputs[0].logprobs, batch.logprobs[0, batch.prompt_width :], atol=1e-5)
 
@@ -126,24 +130,6 @@ BF16_MAX_ABS_DIFF = 0.25
 BF16_KL = 1e-3
 
 
-@contextlib.contextmanager
-def counting_compiles():
-    """Counts XLA compilations (JAX's backend-compile duration events) while open."""
-    from jax import monitoring
-
-    count = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            count.append(event)
-
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield count
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.fixture(scope="module")
 def untied(qwen2_untied_dir):
     params = load_hf_params(qwen2_untied_dir)
@@ -160,7 +146,7 @@ def test_log_probs_on_or_off_compile_nothing_new(untied):
     with counting_compiles() as compiles:
         on = worker.generate(PROMPTS, return_logprobs=True, **kwargs)
         off = worker.generate(PROMPTS, **kwargs)
-    assert compiles == [] and on.cache_miss_count == 0 and off.cache_miss_count == 0
+    assert compiles.value == 0 and on.compiles == 0 and off.compiles == 0
     assert off.logprobs is None and on.logprobs is not None
 
 

@@ -19,7 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..sampling import SamplingParams
-from .patches import LOGPROB_SINKS, install_workarounds, preserved_process_state, variables_sharded_lazily
+from .patches import (
+    LOGPROB_SINKS,
+    install_workarounds,
+    preserved_process_state,
+    variables_sharded_lazily,
+)
 from .runtime import SchedulerControl, engine_start_up
 from .types import (
     EngineError,

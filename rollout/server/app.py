@@ -253,6 +253,7 @@ class ServerState:
             stop_token_ids=self.single_token_stops(req.stop),
             seed=req.seed,
             return_logprobs=req.logprobs,
+            ignore_eos=req.ignore_eos,
         )
 
     def single_token_stops(self, stop: list[str]) -> list[int] | None:

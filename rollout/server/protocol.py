@@ -54,6 +54,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     logprobs: bool = False  # each sampled token's log-prob (no top alternatives)
+    ignore_eos: bool = False  # an extension (as in vLLM and sglang): generate past EOS
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
@@ -100,6 +101,9 @@ def _common(body: dict, prompts: list, prompt_field: str, max_tokens: int | None
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise invalid("stream_options", "'stream_options' must be an object")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise invalid("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
     if max_tokens is not None and max_tokens >= context_length:
         raise invalid("max_tokens", f"'max_tokens' is {max_tokens}; the model's context length is {context_length} tokens (prompt included)")
     return GenerationRequest(
@@ -113,6 +117,7 @@ def _common(body: dict, prompts: list, prompt_field: str, max_tokens: int | None
         stop=_stop(body),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
+        ignore_eos=ignore_eos,
     )
 
 
