@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .patches import install_workarounds, preserved_process_state
+from .patches import install_workarounds, preserved_process_state, workaround_enabled
 from .runtime import SchedulerControl, detokenizers
 from .types import EngineError, EngineOptions, GenerateOutput, LeafSpec, device_nbytes
 
@@ -43,7 +43,7 @@ class EngineHandle:
             # Token ids in, token ids out: with a tokenizer loaded, 0.0.2's detokenizer path
             # returns output_ids that drop special tokens mid-sequence (len(output_ids) <
             # completion_tokens). The worker encodes and decodes text itself.
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=workaround_enabled("detokenizer-output-ids"),
             enable_single_process=True,
             # Weight swaps and KV work run between forwards on the scheduler thread; the overlap
             # scheduler would keep a batch in flight on another thread.
@@ -63,7 +63,8 @@ class EngineHandle:
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         from sgl_jax.srt.hf_transformers_utils import get_config
 
-        get_config.cache_clear()
+        if workaround_enabled("shared-hf-config"):
+            get_config.cache_clear()
         with preserved_process_state():
             self._engine = Engine(**kwargs)
 
@@ -78,7 +79,8 @@ class EngineHandle:
         self._result_task = self._loop.create_task(self._tokenizer_manager.handle_loop())
         self._closed = False
         self._kv_allocator = None
-        self.call(self._align_lm_head_dtype)
+        if workaround_enabled("untied-head-dtype"):
+            self.call(self._align_lm_head_dtype)
 
     def _align_lm_head_dtype(self) -> None:
         from flax import nnx
@@ -234,6 +236,9 @@ class EngineHandle:
 
         Must run on the scheduler thread while idle (use :meth:`call`).
         """
+        if not workaround_enabled("flush-cache"):
+            self._engine.flush_cache()
+            return
         scheduler = self._scheduler
         scheduler.tree_cache.reset()
         scheduler.req_to_token_pool.clear()

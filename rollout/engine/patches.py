@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import signal
 import threading
@@ -80,6 +81,27 @@ WORKAROUNDS: dict[str, str] = {
     ),
 }
 
+# Switches workarounds off for a process, to check whether a newer sglang-jax still needs one:
+# ROLLOUT_DISABLE_WORKAROUNDS=min-p-operands,flush-cache. The pinning test of each must then
+# fail (tests/test_engine_workarounds.py checks that it does, in a subprocess per workaround).
+DISABLE_ENV = "ROLLOUT_DISABLE_WORKAROUNDS"
+
+logger = logging.getLogger(__name__)
+
+
+def disabled_workarounds() -> frozenset[str]:
+    """The workarounds that ``ROLLOUT_DISABLE_WORKAROUNDS`` (comma-separated names) switches off."""
+    names = {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
+    unknown = sorted(names - set(WORKAROUNDS))
+    if unknown:
+        raise ValueError(f"{DISABLE_ENV} names unknown workaround(s) {unknown}; known: {sorted(WORKAROUNDS)}")
+    return frozenset(names)
+
+
+def workaround_enabled(name: str) -> bool:
+    if name not in WORKAROUNDS:
+        raise KeyError(f"no workaround named {name!r}")
+    return name not in disabled_workarounds()
 
 
 _install_lock = threading.Lock()
@@ -104,7 +126,12 @@ def install_workarounds() -> None:
                 f"sglang-jax {version} is installed; this release of sglang-jax-rollout knows the "
                 f"internals of sglang-jax=={SUPPORTED_ENGINE_VERSION} only"
             )
-        _import_native_backend_without_duplicate_registration()
+        if disabled_workarounds():
+            logger.warning("sglang-jax workarounds disabled (%s): %s", DISABLE_ENV, sorted(disabled_workarounds()))
+        if workaround_enabled("duplicate-pytree-registration"):
+            _import_native_backend_without_duplicate_registration()
+        else:
+            import sgl_jax.srt.layers.attention.native_backend  # noqa: F401
         with preserved_process_state():
             # Importing the entrypoint installs uvloop's policy and rebinds
             # threading._register_atexit; the guard puts both back.
@@ -165,8 +192,10 @@ def _keyed_categorical(operands):
 def _patch_sampler() -> None:
     from sgl_jax.srt.layers import sampler
 
-    sampler._apply_min_p_filter = _apply_min_p_filter
-    sampler.multinomial_with_seed = _keyed_categorical
+    if workaround_enabled("min-p-operands"):
+        sampler._apply_min_p_filter = _apply_min_p_filter
+    if workaround_enabled("sampler-rng"):
+        sampler.multinomial_with_seed = _keyed_categorical
 
 
 def _patch_start_up(engine_module) -> None:
@@ -175,21 +204,28 @@ def _patch_start_up(engine_module) -> None:
     def leave_logging_alone(*args, **kwargs):
         return None
 
-    for module in (engine_module, scheduler, detokenizer_manager):
-        module.configure_logger = leave_logging_alone
-    # No SIGCHLD/SIGQUIT handlers, no ulimit change, resource tracker left alone.
-    engine_module._set_envs_and_config = lambda server_args: None
-    # Engine.__init__ registers its process-tree-killing shutdown at exit, even when start-up
-    # then fails; EngineHandle.close does the shutdown instead.
-    engine_module.atexit = types.SimpleNamespace(register=lambda *args, **kwargs: None)
+    if workaround_enabled("process-global-side-effects"):
+        for module in (engine_module, scheduler, detokenizer_manager):
+            module.configure_logger = leave_logging_alone
+    # The scheduler thread is always this package's (queued calls run on it); with
+    # process-kill-on-error disabled, its loop runs under the engine's own error handling.
     engine_module.run_scheduler_loop_thread_after_create = start_scheduler_thread
-    engine_module.run_detokenizer_thread = run_detokenizer_thread
-    scheduler.Scheduler.watchdog_thread = watchdog_thread
+    if workaround_enabled("process-kill-on-error"):
+        # No SIGCHLD/SIGQUIT handlers, no ulimit change, resource tracker left alone.
+        engine_module._set_envs_and_config = lambda server_args: None
+        # Engine.__init__ registers its process-tree-killing shutdown at exit, even when start-up
+        # then fails; EngineHandle.close does the shutdown instead.
+        engine_module.atexit = types.SimpleNamespace(register=lambda *args, **kwargs: None)
+        engine_module.run_detokenizer_thread = run_detokenizer_thread
+        scheduler.Scheduler.watchdog_thread = watchdog_thread
 
 
 @contextlib.contextmanager
 def preserved_process_state():
     """Put back the process-global state that engine import and start-up change."""
+    if not workaround_enabled("process-global-side-effects"):
+        yield
+        return
     root = logging.getLogger()
     root_level, root_handlers = root.level, list(root.handlers)
     numpy_state = np.random.get_state()

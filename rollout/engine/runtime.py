@@ -104,6 +104,10 @@ def _scheduler_is_idle(scheduler) -> bool:
 
 def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller):
     """Replacement for Scheduler.recv_requests: runs queued calls and sleeps while idle."""
+    from .patches import workaround_enabled
+
+    # Disabled, the idle loop polls without blocking, as 0.0.2's own loop does.
+    idle_wait_ms = 1000 if workaround_enabled("idle-busy-spin") else 0
 
     def recv_requests():
         while True:
@@ -113,14 +117,17 @@ def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller
             control.run_pending()
             if requests:
                 return requests
-            poller.poll(1000)
+            poller.poll(idle_wait_ms)
             control.drain_wakeups()
 
     return recv_requests
 
 
-def _run_scheduler_loop(scheduler, control: SchedulerControl) -> None:
+def _run_scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
     import zmq
+    from sgl_jax.srt.managers.scheduler import scheduler_loop_after_create
+
+    from .patches import workaround_enabled
 
     threading.current_thread().name = "sglang-jax::scheduler"
     poller = zmq.Poller()
@@ -131,7 +138,11 @@ def _run_scheduler_loop(scheduler, control: SchedulerControl) -> None:
         scheduler, scheduler.recv_requests, control, poller
     )
     try:
-        scheduler.event_loop_normal()
+        if workaround_enabled("process-kill-on-error"):
+            scheduler.event_loop_normal()
+        else:
+            # The engine's own loop wrapper: an exception signals SIGQUIT to this process.
+            scheduler_loop_after_create(server_args, scheduler)
     except _StopScheduler:
         pass
     except BaseException as exc:
@@ -148,7 +159,7 @@ def start_scheduler_thread(server_args, port_args) -> dict:
     scheduler = Scheduler(server_args, port_args)
     control = SchedulerControl.of(scheduler)
     control.thread = threading.Thread(
-        target=_run_scheduler_loop, args=(scheduler, control), daemon=True
+        target=_run_scheduler_loop, args=(scheduler, control, server_args), daemon=True
     )
     control.thread.start()
     return {
