@@ -11,20 +11,19 @@ from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
 PROMPT = [5, 17, 42, 8, 100, 3]
-ROWS = 2000
-# Each frequency is a mean of 2000 draws: its standard deviation is at most 0.011, so 0.05 is
-# over 4.5 standard deviations; a filter that lets one wrong token through or a distribution
-# flattened towards uniform misses it by far more.
-TOLERANCE = 0.05
+ROWS = 1000
+# Each frequency is a mean of 1000 draws: its standard deviation is at most 0.016, so 0.065 is
+# over 4 standard deviations; a filter that lets a wrong token through or a distribution
+# flattened towards uniform misses by far more (and a token outside the allowed set fails outright).
+TOLERANCE = 0.065
 TEMPERATURE = 0.5
 
 
 @pytest.fixture(scope="module")
 def worker(qwen2_dir):
-    config = tiny_worker_config(
-        qwen2_dir, max_total_tokens=8192, max_running_requests=1024, max_prefill_tokens=4096, chunked_prefill_size=4096
-    )
-    with RolloutWorker(config) as w:
+    # The tiny config's 16 running requests: much larger sampled batches on 4 fake CPU devices
+    # can stall a collective while the sampler's host callback sorts (XLA then aborts).
+    with RolloutWorker(tiny_worker_config(qwen2_dir)) as w:
         yield w
 
 
