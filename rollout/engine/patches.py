@@ -207,17 +207,19 @@ def _patch_start_up(engine_module) -> None:
     if workaround_enabled("process-global-side-effects"):
         for module in (engine_module, scheduler, detokenizer_manager):
             module.configure_logger = leave_logging_alone
-    # The scheduler thread is always this package's (queued calls run on it); with
-    # process-kill-on-error disabled, its loop runs under the engine's own error handling.
+    # The scheduler, detokenizer and watchdog threads are always this package's (queued calls
+    # run on the scheduler thread; close() stops the others). With process-kill-on-error
+    # disabled, the scheduler loop runs under the engine's own error handling and the engine
+    # installs its signal handlers and exit hook.
     engine_module.run_scheduler_loop_thread_after_create = start_scheduler_thread
+    engine_module.run_detokenizer_thread = run_detokenizer_thread
+    scheduler.Scheduler.watchdog_thread = watchdog_thread
     if workaround_enabled("process-kill-on-error"):
         # No SIGCHLD/SIGQUIT handlers, no ulimit change, resource tracker left alone.
         engine_module._set_envs_and_config = lambda server_args: None
         # Engine.__init__ registers its process-tree-killing shutdown at exit, even when start-up
         # then fails; EngineHandle.close does the shutdown instead.
         engine_module.atexit = types.SimpleNamespace(register=lambda *args, **kwargs: None)
-        engine_module.run_detokenizer_thread = run_detokenizer_thread
-        scheduler.Scheduler.watchdog_thread = watchdog_thread
 
 
 @contextlib.contextmanager
