@@ -53,7 +53,10 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/python -m examples.grpo
 
 # Both ends of the supported range, one after the other (2 cores: running them side by side
-# takes as long and needs twice the memory); the second runs even if the first fails.
+# takes as long and needs twice the memory); the second runs even if the first fails. The
+# newest end skips only the `pinning` tests (each engine workaround disabled in a process of its
+# own, ~20 s each): they check the engine's bugs, the same 0.0.2 code at both ends; the flax
+# workaround, which differs, has its own test that runs at both.
 test: $(VENV)/.installed $(NEWEST)/.installed
 	@status=0; \
 	$(MAKE) --no-print-directory test-oldest || status=1; \
@@ -66,7 +69,7 @@ test-oldest: $(VENV)/.installed
 
 test-newest: $(NEWEST)/.installed
 	@$(NEWEST)/bin/python -c 'import jax, flax; print(f"== newest: jax {jax.__version__}, flax {flax.__version__}")'
-	$(NEWEST)/bin/python -m pytest -q
+	$(NEWEST)/bin/python -m pytest -q -m "not pinning"
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.sync_bench

@@ -58,7 +58,7 @@ def main(config: LogprobsBenchConfig) -> None:
                     batch = worker.generate(prompts, return_logprobs=logprobs, **kwargs)
                     if step:  # the first round compiles
                         times[logprobs].append(time.perf_counter() - start)
-                        assert batch.cache_miss_count == 0
+                        assert batch.compiles == 0
             check_prompts = prompts[: config.check_prompts]
             check = dict(max_new_tokens=config.new_tokens, atol=10.0)
             worker.check_consistency(params, check_prompts, **check)  # compiles the trainer forward

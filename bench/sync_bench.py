@@ -2,8 +2,9 @@
 
     JAX_PLATFORMS=cpu python bench/sync_bench.py [--layers 4]
 
-Measured in one run, on this machine: (a) this sync with an aliasable float32 tree, (b) this
-sync float32 trainer -> bfloat16 engine (cast), (c) the MLLM-JAX way (host numpy copy,
+Measured in one run, on this machine: (a) this sync with an aliasable float32 tree, with and
+without ``check_finite`` (a read of every weight), next to one plain read of the weights, (b)
+this sync float32 trainer -> bfloat16 engine (cast), (c) the MLLM-JAX way (host numpy copy,
 device_put, astype, assign each param), (d) sglang-jax's own reload from the safetensors dir,
 (e) one plain memory pass over the bytes the cast sync writes (the machine's bandwidth).
 """
@@ -68,6 +69,13 @@ def main(config: SyncBenchConfig) -> None:
                 alias_s = median_seconds(lambda: worker.sync_params(tree), config.repeats)
             report = worker.sync_params(tree)
             rows.append(("sync, aliasable f32", alias_s, report.bytes_copied, mem.extra_bytes))
+            # check_finite reads every weight once (one fused jitted reduction per leaf).
+            worker.sync_params(tree, check_finite=True)
+            with PeakRss() as mem:
+                finite_s = median_seconds(lambda: worker.sync_params(tree, check_finite=True), config.repeats)
+            rows.append(("sync, aliasable f32, check_finite", finite_s, 0, mem.extra_bytes))
+            read_s = median_seconds(lambda: jax.block_until_ready([x.sum() for x in jax.tree_util.tree_leaves(tree)]), config.repeats)
+            rows.append(("one read of every weight (x.sum())", read_s, 0, 0))
             mllm_jax_sync(worker, flat)
             with PeakRss() as mem:
                 mllm_s = median_seconds(lambda: mllm_jax_sync(worker, flat), config.repeats)
@@ -102,6 +110,9 @@ def main(config: SyncBenchConfig) -> None:
         print(f"{name:40s} {seconds:10.4f} {gib(moved):>14s} {gib(max(extra, 0)):>16s}")
     print(f"aliasable sync: {mllm_s / alias_s:.0f}x faster than the MLLM-JAX way (target >= 100x), "
           f"{reload_s / alias_s:.0f}x faster than sglang-jax's reload; bytes moved {rows[0][2]} (target 0)")
+    print(f"check_finite on an aliasable sync: {finite_s:.4f} s vs {alias_s:.4f} s without "
+          f"(+{finite_s - alias_s:.4f} s, {finite_s / alias_s:.0f}x); a plain read of the {gib(total)} "
+          f"takes {read_s:.4f} s, so the check costs {(finite_s - alias_s) / read_s:.2f}x one read")
     print(f"cast sync: {cast_s / memcpy_s:.2f}x one memory pass over the {gib(cast_report.bytes_copied)} it writes "
           f"into touched memory, {cast_s / fresh_s:.2f}x into fresh memory (target <= 2x; every sync writes "
           f"new buffers, and on the CPU backend first-touch page faults dominate); peak extra RSS "

@@ -3,6 +3,10 @@
     python -m examples.grpo                       # tiny preset: a few minutes on a CPU
     python -m examples.grpo --preset qwen2.5-3b   # Qwen2.5-3B-Instruct on GSM8K (TPU, network)
 
+The qwen2.5-3b preset downloads its model and dataset; ``--model DIR`` (an HF model dir with a
+chat template) and ``--dataset FILE`` (GSM8K rows as JSON lines) replace the downloads and
+nothing else.
+
 Each step: sync the trainer's params into the engine (zero copy where placements match),
 sample G completions per prompt, score them, compute group-relative advantages, and take
 PPO-clip steps with the KV cache dropped and the params donated to the train step. Metrics go
@@ -45,6 +49,7 @@ logger = logging.getLogger("grpo")
 class GRPOConfig:
     preset: str = "tiny"
     model: str | None = None  # HF hub id or local dir; None builds the tiny model
+    dataset: str | None = None  # GSM8K: HF hub id or a local JSON-lines file of its rows
     output_dir: str = "runs/grpo-tiny"
     steps: int = 60
     prompts_per_step: int = 8
@@ -55,6 +60,7 @@ class GRPOConfig:
     learning_rate: float = 6e-4
     ppo_epochs: int = 2
     clip_eps: float = 0.2
+    # > 0: a KL penalty to the initial model (the reference, kept frozen beside the policy).
     kl_beta: float = 0.0
     dtype: str = "float32"
     kv_tokens: int = 4096
@@ -100,8 +106,8 @@ class GRPOConfig:
                 f"kv_tokens={self.kv_tokens} cannot hold one step: {rows} rows x "
                 f"({self.max_prompt_tokens} + {self.max_new_tokens}) tokens"
             )
-        if self.preset != "tiny" and self.model is None:
-            raise ValueError(f"preset {self.preset!r} needs a model")
+        if self.preset != "tiny" and (self.model is None or self.dataset is None):
+            raise ValueError(f"preset {self.preset!r} needs a model and a dataset")
 
 
 PRESET_NAMES = ("tiny", "qwen2.5-3b")
@@ -111,6 +117,7 @@ PRESETS = {
     "qwen2.5-3b": GRPOConfig(
         preset="qwen2.5-3b",
         model="Qwen/Qwen2.5-3B-Instruct",
+        dataset="openai/gsm8k",
         output_dir="runs/grpo-qwen2.5-3b",
         steps=200,
         prompts_per_step=16,
@@ -120,7 +127,7 @@ PRESETS = {
         temperature=1.0,
         learning_rate=1e-6,
         ppo_epochs=1,
-        kl_beta=0.0,
+        kl_beta=0.04,
         dtype="bfloat16",
         kv_tokens=131072,
         tp_size=4,
@@ -158,7 +165,20 @@ class Task:
             self.pool = None
             self.reward_fn = addition_reward
         else:
-            self.pool = gsm8k_problems(tokenizer)
+            problems = gsm8k_problems(tokenizer, config.dataset)
+            # The rollout batch pads prompts to max_prompt_tokens: longer ones cannot be used.
+            self.pool = [
+                p for p in problems
+                if len(tokenizer.encode(p.prompt, add_special_tokens=False)) <= config.max_prompt_tokens
+            ]
+            if len(self.pool) < config.prompts_per_step:
+                raise ValueError(
+                    f"{config.dataset}: {len(self.pool)} of {len(problems)} prompts fit in "
+                    f"max_prompt_tokens={config.max_prompt_tokens}, fewer than prompts_per_step={config.prompts_per_step}"
+                )
+            if len(self.pool) < len(problems):
+                logger.info("%d of %d prompts are longer than max_prompt_tokens=%d: skipped",
+                            len(problems) - len(self.pool), len(problems), config.max_prompt_tokens)
             self.reward_fn = gsm8k_reward
 
     def sample(self, count: int) -> list[Problem]:
@@ -242,6 +262,9 @@ def _train(config: GRPOConfig, output_dir: Path, model_dir: Path, worker: Rollou
         lambda x, s: jax.device_put(jnp.asarray(x, config.dtype), s), load_hf_params(model_dir), shardings
     )
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(config.learning_rate))
+    # The reference policy for the KL penalty is the initial model, also after a resume; a copy,
+    # since the train step donates the policy's buffers.
+    ref_params = jax.tree_util.tree_map(jnp.copy, params) if config.kl_beta > 0 else None
     manager = checkpoint_manager(output_dir)
     state = restore_or_init(manager, params, optimizer)
     logprobs_fn, train_step = make_train_fns(model, optimizer, config)
@@ -255,7 +278,7 @@ def _train(config: GRPOConfig, output_dir: Path, model_dir: Path, worker: Rollou
     history = []
     try:
         while state.step < config.steps:
-            record = _step(config, worker, state, task, logprobs_fn, train_step)
+            record = _step(config, worker, state, task, logprobs_fn, train_step, ref_params)
             state.step += 1
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
@@ -281,9 +304,10 @@ def _train(config: GRPOConfig, output_dir: Path, model_dir: Path, worker: Rollou
     return _summary(config, output_dir, history)
 
 
-def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step) -> dict:
+def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step, ref_params) -> dict:
     start = time.perf_counter()
-    report = worker.sync_params(state.params) if config.resync else None
+    # check_finite: NaN weights would otherwise serve silently (the model then emits only EOS).
+    report = worker.sync_params(state.params, check_finite=True) if config.resync else None
     sync_s = time.perf_counter() - start
 
     problems = task.sample(config.prompts_per_step)
@@ -316,7 +340,10 @@ def _step(config, worker, state: TrainState, task: Task, logprobs_fn, train_step
     # released_for_training drops the KV cache and makes the next generate wait for a sync.
     context = worker.released_for_training() if config.resync else _kv_dropped(worker)
     with context:
-        old = logprobs_fn(state.params, arrays["tokens"], arrays["attention_mask"], arrays["positions"])
+        inputs = (arrays["tokens"], arrays["attention_mask"], arrays["positions"])
+        old = logprobs_fn(state.params, *inputs)
+        if ref_params is not None:
+            arrays["ref_logprobs"] = logprobs_fn(ref_params, *inputs)
         for _ in range(config.ppo_epochs):
             state.params, state.opt_state, stats = train_step(state.params, state.opt_state, arrays, old, advantages)
         stats = {k: float(v) for k, v in stats.items()}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -97,9 +99,39 @@ def gsm8k_prompt(tokenizer, question: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def gsm8k_problems(tokenizer, split: str = "train") -> list[Problem]:
-    """GSM8K from the HF hub (needs ``datasets`` and a network)."""
-    from datasets import load_dataset
+def gsm8k_problems(tokenizer, source: str = "openai/gsm8k", split: str = "train") -> list[Problem]:
+    """GSM8K rows (``question``, ``answer`` with a ``#### <n>`` line) as chat prompts.
 
-    rows = load_dataset("openai/gsm8k", "main", split=split)
-    return [Problem(gsm8k_prompt(tokenizer, row["question"]), gsm8k_reference_answer(row["answer"])) for row in rows]
+    ``source`` is a local JSON-lines file of such rows, or an HF hub dataset id (needs
+    ``datasets`` and a network; its ``main`` config and ``split``).
+    """
+    if Path(source).is_file():
+        rows = [(f"{source}:{i}", row) for i, row in _json_lines(Path(source))]
+    else:
+        from datasets import load_dataset
+
+        rows = [(f"{source}[{i}]", row) for i, row in enumerate(load_dataset(source, "main", split=split))]
+    problems = []
+    for where, row in rows:
+        if not isinstance(row, dict) or not {"question", "answer"} <= set(row):
+            raise ValueError(f"{where}: a GSM8K row needs 'question' and 'answer' fields")
+        try:
+            answer = gsm8k_reference_answer(row["answer"])
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        problems.append(Problem(gsm8k_prompt(tokenizer, row["question"]), answer))
+    if not problems:
+        raise ValueError(f"{source} has no GSM8K rows")
+    return problems
+
+
+def _json_lines(path: Path) -> list[tuple[int, object]]:
+    """(line number, parsed row) for each non-blank line."""
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append((i, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{i}: not a JSON line ({exc.msg})") from None
+    return rows

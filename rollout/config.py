@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -31,6 +32,9 @@ class WorkerConfig(EngineOptions):
     # Append one JSON line per lifecycle phase (engine_ready, weights_synced, kv_dropped,
     # kv_rebuilt, generate) with its duration and a memory summary to this file.
     phase_log: str | None = None
+    # Serve a context_length beyond what the model's config.json supports (max_position_embeddings,
+    # times a rope-scaling factor): positions past it were never trained and outputs degrade.
+    allow_long_context: bool = False
 
     def __post_init__(self):
         positive = ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "tp_size", "dp_size", "page_size")
@@ -72,6 +76,44 @@ class WorkerConfig(EngineOptions):
         looks_local = path.is_absolute() or str(self.model_path).startswith(".") or path.exists()
         if looks_local and not (path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {path} does not exist or has no config.json")
+
+    def validate(self) -> list[tuple]:
+        """Checks that need the machine or the model directory, run before any engine starts.
+        Returns each engine's devices. A model path that is not a local directory (an HF hub
+        id) skips the model checks."""
+        self.check_model_dir()
+        groups = self.device_groups()
+        limit = model_context_limit(self.model_path)
+        if self.context_length is not None and limit is not None and self.context_length > limit and not self.allow_long_context:
+            raise ValueError(
+                f"WorkerConfig.context_length={self.context_length} exceeds the model's context length "
+                f"{limit} ({Path(self.model_path) / 'config.json'}); pass allow_long_context=True to "
+                "serve positions the model was not trained on"
+            )
+        return groups
+
+
+# config.json keys the engine reads the context length from, in its order of precedence.
+_CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+
+
+def model_context_limit(model_path: str) -> int | None:
+    """The longest context a local model directory's config.json supports, as the engine derives
+    it (a rope-scaling ``factor`` extends it unless ``original_max_position_embeddings`` is
+    given or the rope type is llama3); None for a hub id or a config without such a key."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    scaling = config.get("rope_scaling") or {}
+    factor = scaling.get("factor", 1)
+    if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
+        factor = 1
+    for key in _CONTEXT_LENGTH_KEYS:
+        if config.get(key) is not None:
+            return int(factor * config[key])
+    return None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

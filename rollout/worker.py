@@ -78,8 +78,7 @@ class RolloutWorker:
     """
 
     def __init__(self, config: WorkerConfig):
-        config.check_model_dir()
-        device_groups = config.device_groups()
+        device_groups = config.validate()
         self.config = config
         start = time.perf_counter()
         self._engines: list[EngineHandle] = []

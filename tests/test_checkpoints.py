@@ -2,7 +2,6 @@
 bad input that leaves the worker serving, the phase log."""
 
 import json
-import os
 from pathlib import Path
 
 import jax
@@ -182,14 +181,21 @@ def test_load_hf_sharded_and_bad_files(worker, qwen2_dir, params, scaled, tmp_pa
 
 
 def test_phase_log_records_the_lifecycle(worker, params):
-    worker.sync_params(params)
-    worker.drop_kv()
+    report = worker.sync_params(params)
+    kv_bytes = worker.memory().kv_bytes
+    dropped_report = worker.drop_kv()
     greedy(worker)  # rebuilds the KV cache, then generates
     lines = [json.loads(line) for line in Path(worker.config.phase_log).read_text().splitlines()]
     phases = [line["phase"] for line in lines]
     assert phases[0] == "engine_ready"
     assert phases[-4:] == ["weights_synced", "kv_dropped", "kv_rebuilt", "generate"]
-    dropped = lines[-3]
-    assert dropped["kv_bytes"] == 0 and dropped["bytes"] == lines[-2]["bytes"] > 0
-    assert all(line["seconds"] >= 0 and line["live_bytes"] > 0 for line in lines)
-    assert os.path.getsize(worker.config.phase_log) > 0
+    synced, dropped, rebuilt, generated = lines[-4:]
+    # Each record carries the figures of its own event, not defaults.
+    assert synced["version"] == report.version and synced["bytes_copied"] == report.bytes_copied
+    assert synced["kv_bytes"] == kv_bytes > 0 and synced["weight_bytes"] == worker.memory().weight_bytes
+    assert dropped["bytes"] == dropped_report.bytes == kv_bytes and dropped["kv_bytes"] == 0
+    assert rebuilt["bytes"] == kv_bytes and rebuilt["kv_bytes"] == kv_bytes
+    assert generated["rows"] == len(PROMPTS)
+    # live_bytes counts every live array: dropping the KV cache lowers it by at least the pool.
+    assert synced["live_bytes"] - dropped["live_bytes"] >= kv_bytes
+    assert all(line["live_bytes"] == sum(line["live_bytes_per_device"].values()) for line in lines)

@@ -1,4 +1,4 @@
-"""Each sglang-jax 0.0.2 workaround in rollout/patches.py, pinned by a test that fails
+"""Each sglang-jax 0.0.2 workaround in rollout/engine/patches.py, pinned by a test that fails
 without it (the workaround names are the keys of ``WORKAROUNDS``)."""
 
 import asyncio
@@ -16,33 +16,79 @@ import numpy as np
 import pytest
 from packaging.version import Version
 
+from models import QwenConfig, QwenForCausalLM, greedy_decode
 from rollout import EngineError, RolloutWorker
 from rollout.engine import patches
 from tests.helpers import tiny_worker_config
+from trainer_bridge import load_hf_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3]]
+REPO = Path(__file__).resolve().parents[1]
+
+# The test that fails without each workaround (run with ROLLOUT_DISABLE_WORKAROUNDS=<name>).
+# A new entry of WORKAROUNDS needs one here.
+PINNING_TESTS = {
+    "duplicate-pytree-registration": "tests/test_engine_workarounds.py::test_duplicate_pytree_registration_import",
+    "sampler": "tests/test_sampling_filters.py::test_temperature_sampling_follows_the_softmax",
+    "process-kill-on-error": "tests/test_engine_workarounds.py::test_engine_thread_error_is_an_exception_not_a_dead_process",
+    "idle-busy-spin": "tests/test_generate.py::test_worker_idles_quietly",
+    "process-global-side-effects": "tests/test_engine_workarounds.py::test_process_global_state_is_preserved",
+    "untied-head-dtype": "tests/test_engine_workarounds.py::test_untied_head_computes_in_the_model_dtype",
+    "detokenizer-output-ids": "tests/test_generate.py::test_eos_stop_keeps_the_eos_token",
+    "shared-hf-config": "tests/test_engine_workarounds.py::test_second_tensor_parallel_engine_on_the_same_model",
+    "one-request-per-sample": "tests/test_generate.py::test_n_samples_per_prompt_are_independent_and_prompt_major",
+    "flush-cache": "tests/test_engine_workarounds.py::test_flush_prefix_cache_drops_kv_of_the_old_weights",
+    "engine-devices": "tests/test_multi_engine.py::test_pair_keeps_every_array_on_its_devices",
+    "device-memory-scope": "tests/test_multi_engine.py::test_device_memory_is_measured_on_the_engines_devices_without_clearing_caches",
+    "concurrent-start-up": "tests/test_multi_engine.py::test_start_ups_take_turns",
+    "gpu-matmul-precision": "tests/test_multi_engine.py::test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine",
+    "flax-eager-sharding": "tests/test_engine_workarounds.py::test_flax_eager_sharding_is_off_only_while_the_engine_builds",
+}
+# Workarounds that are part of how an engine runs here and cannot be switched off on their own;
+# their pinning tests check the behaviour directly.
+NOT_SWITCHABLE = {
+    "concurrent-start-up": "the start-up lock also tells each engine's threads which engine they serve",
+    "gpu-matmul-precision": "GPU only; its test simulates the engine's GPU branch on CPU",
+}
 
 
-def test_every_workaround_is_documented():
-    assert set(patches.WORKAROUNDS) == {
-        "duplicate-pytree-registration",
-        "min-p-operands",
-        "sampler-rng",
-        "process-kill-on-error",
-        "idle-busy-spin",
-        "process-global-side-effects",
-        "untied-head-dtype",
-        "detokenizer-output-ids",
-        "shared-hf-config",
-        "flush-cache",
-        "one-request-per-sample",
-        "engine-devices",
-        "device-memory-scope",
-        "concurrent-start-up",
-        "gpu-matmul-precision",
-        "sampler-logprobs",
-        "flax-eager-sharding",
-    }
+def run_pytest(nodes, disabled=""):
+    """Pytest in a fresh process (a workaround is installed once per process)."""
+    env = dict(os.environ, **{patches.DISABLE_ENV: disabled})
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodes]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_every_workaround_has_a_pinning_test():
+    assert sorted(PINNING_TESTS) == sorted(patches.WORKAROUNDS), "each workaround needs a pinning test"
+    assert set(NOT_SWITCHABLE) <= set(PINNING_TESTS)
+    for node in PINNING_TESTS.values():
+        file, name = node.split("::")
+        assert f"def {name}(" in (REPO / file).read_text(), f"{node} does not exist"
+
+
+def test_unknown_disabled_workaround_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(patches.DISABLE_ENV, "flush-cache, no-such-fix")
+    with pytest.raises(ValueError, match=r"ROLLOUT_DISABLE_WORKAROUNDS names unknown workaround\(s\) \['no-such-fix'\]"):
+        patches.disabled_workarounds()
+    monkeypatch.setenv(patches.DISABLE_ENV, "flush-cache, sampler")
+    assert patches.disabled_workarounds() == {"flush-cache", "sampler"}
+    assert not patches.workaround_enabled("flush-cache") and patches.workaround_enabled("idle-busy-spin")
+
+
+# One fresh process per workaround (a workaround is installed once per process): the slowest
+# tests of the suite, run in one environment of `make test` (the Makefile deselects the marker
+# in the other).
+@pytest.mark.pinning
+@pytest.mark.parametrize("name", sorted(set(PINNING_TESTS) - set(NOT_SWITCHABLE)))
+def test_pinning_test_fails_without_its_workaround(name):
+    result = run_pytest([PINNING_TESTS[name]], disabled=name)
+    # 1: the test failed; negative: the process was killed by a signal (the bug itself).
+    # Not 2-5 (interrupted, internal or usage error, nothing collected): those prove nothing.
+    assert result.returncode == 1 or result.returncode < 0, (
+        f"{PINNING_TESTS[name]} with {name} disabled exited {result.returncode}:\n"
+        + result.stdout[-3000:] + result.stderr[-3000:]
+    )
 
 
 def test_duplicate_pytree_registration_import():
@@ -107,12 +153,19 @@ def test_process_global_state_is_preserved(qwen2_dir, monkeypatch):
         assert signal.getsignal(signal.SIGTERM) is sigterm
 
 
+LONG_PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [1], [64, 65, 66], [300, 2, 4], [9] * 7, [12, 34]]
+
+
 def test_untied_head_computes_in_the_model_dtype(qwen2_untied_dir):
+    reference = greedy_decode(
+        QwenForCausalLM(QwenConfig.from_hf(qwen2_untied_dir)), load_hf_params(qwen2_untied_dir), LONG_PROMPTS, 24
+    )
     with RolloutWorker(tiny_worker_config(qwen2_untied_dir)) as worker:
         specs = {s.path: s for s in worker.engine.leaf_specs()}
         assert specs["lm_head.embedding"].dtype == np.float32
-        greedy = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=6)
-        assert all(len(c) > 0 for c in greedy.completions)
+        # float32 logits: greedy decoding agrees with the float32 Flax model token for token.
+        greedy = worker.generate(LONG_PROMPTS, temperature=0.0, max_new_tokens=24, ignore_eos=True)
+        assert greedy.completions == reference
 
 
 def test_second_tensor_parallel_engine_on_the_same_model(qwen2_dir):
@@ -131,12 +184,22 @@ def doomed_worker(qwen2_dir):
     worker.close()
 
 
-def test_flush_prefix_cache_keeps_greedy_output(doomed_worker):
+def test_flush_prefix_cache_drops_kv_of_the_old_weights(doomed_worker, qwen2_dir):
+    """Weights swapped under a warm prefix cache: without a flush the prompt's cached KV (from
+    the old weights) is reused and the output is wrong; after the flush it is right."""
     engine = doomed_worker.engine
-    before = doomed_worker.generate(PROMPTS, temperature=0.0, max_new_tokens=8)
+    prompt = [[5, 17, 42, 8, 100, 3, 250, 251, 252, 7, 9, 11, 64, 65, 66, 300]]
+    kwargs = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    doomed_worker.generate(prompt, **kwargs)  # caches the prompt's KV under the HF weights
+    scaled = jax.tree_util.tree_map(lambda x: x * 1.5, load_hf_params(qwen2_dir))
+    expected = greedy_decode(QwenForCausalLM(QwenConfig.from_hf(qwen2_dir)), scaled, prompt, 12)
+    # Every weight times 1.5 (elementwise, so the engine's layout does not matter).
+    new_leaves = [x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x for x in engine.weight_leaves()]
+    engine.call(lambda: engine.replace_weight_leaves(new_leaves))
+    stale = doomed_worker.generate(prompt, **kwargs).completions
+    assert stale != expected, "the cached prefix was reused (else this test shows nothing)"
     engine.call(engine.flush_prefix_cache)
-    after = doomed_worker.generate(PROMPTS, temperature=0.0, max_new_tokens=8)
-    assert after.completions == before.completions
+    assert doomed_worker.generate(prompt, **kwargs).completions == expected
 
 
 def test_error_in_a_scheduler_call_reaches_the_caller_and_engine_serves_on(doomed_worker):
@@ -155,8 +218,8 @@ def test_engine_thread_error_is_an_exception_not_a_dead_process(doomed_worker):
     engine.call(lambda: setattr(scheduler, "run_batch", broken_run_batch))
     with pytest.raises(EngineError, match="injected forward failure"):
         doomed_worker.generate(PROMPTS, temperature=0.0, max_new_tokens=4)
-    # The process (this pytest run) is alive, and the dead engine fails fast from now on.
-    assert os.getpid() > 0
+    # This process survived (the engine's own handler sends it SIGQUIT); the dead engine fails
+    # fast from now on.
     assert not engine.alive
     with pytest.raises(EngineError, match="engine thread failed"):
         doomed_worker.generate(PROMPTS, temperature=0.0, max_new_tokens=4)

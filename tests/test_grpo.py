@@ -12,19 +12,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples.grpo import PRESETS, GRPOConfig, parse_args
+from examples.grpo import PRESETS, GRPOConfig, Task, parse_args
 from examples.grpo_math import group_advantages, ppo_clip_loss, token_logprobs
 from examples.tasks import (
     addition_problems,
     addition_reward,
     extract_final_number,
     gsm8k_format_reward,
+    gsm8k_problems,
     gsm8k_prompt,
     gsm8k_reference_answer,
     gsm8k_reward,
 )
+from models import TinyModelSpec, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
+GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k_sample.jsonl"  # GSM8K-format rows, written for these tests
 
 # A real GSM8K train example (question and reference solution as the dataset stores them).
 GSM8K_QUESTION = (
@@ -136,10 +139,13 @@ def test_config_validation_and_presets():
         GRPOConfig(group_size=1)
     with pytest.raises(ValueError, match="kv_tokens=100 cannot hold one step"):
         GRPOConfig(kv_tokens=100)
-    with pytest.raises(ValueError, match="needs a model"):
+    with pytest.raises(ValueError, match="needs a model and a dataset"):
         dataclasses.replace(PRESETS["qwen2.5-3b"], model=None)
+    with pytest.raises(ValueError, match="needs a model and a dataset"):
+        dataclasses.replace(PRESETS["qwen2.5-3b"], dataset=None)
     big = PRESETS["qwen2.5-3b"]
-    assert big.model == "Qwen/Qwen2.5-3B-Instruct" and big.dtype == "bfloat16"
+    assert big.model == "Qwen/Qwen2.5-3B-Instruct" and big.dataset == "openai/gsm8k" and big.dtype == "bfloat16"
+    assert big.kl_beta > 0, "the preset trains against its reference model"
     assert big.prompts_per_step * big.group_size * (big.max_prompt_tokens + big.max_new_tokens) <= big.kv_tokens
     config = parse_args(["--preset", "qwen2.5-3b", "--steps", "3", "--no-resync"])
     assert config.steps == 3 and config.resync is False and config.max_new_tokens == 512
@@ -214,3 +220,54 @@ def test_consistency_check_stops_a_run_whose_engine_serves_another_policy(tmp_pa
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode != 0
     assert "grpo stopped: step 4: train-inference mismatch: max |Δ log p|" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """The stand-in for Qwen2.5-3B-Instruct: a tiny random Qwen2 dir with a ChatML template."""
+    return write_tiny_model(tmp_path_factory.mktemp("chat-model"), TinyModelSpec(chat_template=True))
+
+
+def test_gsm8k_rows_from_a_local_file_become_chat_prompts(chat_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    rows = [json.loads(line) for line in GSM8K_SAMPLE.read_text().splitlines()]
+    problems = gsm8k_problems(tokenizer, str(GSM8K_SAMPLE))
+    assert [p.answer for p in problems] == [gsm8k_reference_answer(r["answer"]) for r in rows]
+    assert problems[0].prompt == gsm8k_prompt(tokenizer, rows[0]["question"])
+    assert problems[0].prompt.startswith("<|im_start|>system\n") and problems[0].prompt.endswith("<|im_start|>assistant\n")
+    # The preset's task keeps the prompts that fit max_prompt_tokens (256; these are 238-296).
+    config = dataclasses.replace(PRESETS["qwen2.5-3b"], model=str(chat_model_dir), dataset=str(GSM8K_SAMPLE), prompts_per_step=2)
+    task = Task(config, tokenizer)
+    lengths = [len(tokenizer.encode(p.prompt, add_special_tokens=False)) for p in problems]
+    assert [p.prompt for p in task.pool] == [p.prompt for p, n in zip(problems, lengths) if n <= 256]
+    assert 2 <= len(task.pool) < len(problems) and task.reward_fn is gsm8k_reward
+    with pytest.raises(ValueError, match=r"3 of 8 prompts fit in max_prompt_tokens=256, fewer than prompts_per_step=16"):
+        Task(dataclasses.replace(config, prompts_per_step=16), tokenizer)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: GSM8K solution has no '####' answer line"):
+        gsm8k_problems(tokenizer, str(bad))
+
+
+def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
+    """The qwen2.5-3b preset end to end with its downloads replaced by local files: chat
+    template from the tokenizer, GSM8K rows and rewards, initial weights from the HF dir, the
+    KL penalty to the reference model, checkpoints and resume. The other overrides only make it
+    fit a CPU; a TPU user runs ``python -m examples.grpo --preset qwen2.5-3b``."""
+    local = ["--preset", "qwen2.5-3b", "--model", str(chat_model_dir), "--dataset", str(GSM8K_SAMPLE)]
+    cpu = ["--prompts-per-step", "2", "--max-new-tokens", "16", "--dtype", "float32", "--tp-size", "1",
+           "--kv-tokens", "8192", "--checkpoint-every", "1"]
+    records = run_grpo(tmp_path / "run", *local, *cpu, "--steps", "2")
+    assert [r["step"] for r in records] == [1, 2]
+    # The KL penalty ran against a reference equal to the initial policy (a reference loaded
+    # wrongly, e.g. random, would be far off). The random stand-in earns no GSM8K reward, so
+    # its advantages are zero and the policy stays where it started.
+    assert all("ref_kl" in r for r in records)
+    assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["1", "2"]
+    resumed = run_grpo(tmp_path / "run", *local, *cpu, "--steps", "3")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert resumed[2]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "3"]

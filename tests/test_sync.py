@@ -52,14 +52,17 @@ def test_synced_engine_matches_flax_greedy_decode(request, model_fixture, tp_siz
         before = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=32, ignore_eos=True)
         assert before.completions != reference, "dummy weights must not already give the answer"
         report = worker.sync_params(params)
-        assert report.version == 1 and report.leaves_copied + report.leaves_aliased == len(worker.mappings)
         batch = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=32, ignore_eos=True)
-        assert batch.weight_version == 1
+        assert batch.weight_version == report.version == 1
         assert batch.completions == reference
-        # The engine's leaves are exactly the transformed trainer leaves.
+        # Host (numpy) params: every engine leaf was written, and the report counts those bytes.
         flat = flatten_params(params)
         leaves = worker.engine.weight_leaves()
         by_path = {leaf.path: leaf for leaf in worker.leaves}
+        written = [leaves[by_path[m.engine].index] for m in worker.mappings]
+        assert (report.leaves_copied, report.leaves_aliased, report.bytes_aliased) == (len(written), 0, 0)
+        assert report.bytes_copied == sum(x.nbytes for x in written)
+        # The engine's leaves are exactly the transformed trainer leaves.
         for entry in worker.mappings:
             spec = by_path[entry.engine]
             expected = expected_engine_leaf(entry, flat[entry.trainer], spec.shape, worker.head_dim)
@@ -87,11 +90,15 @@ def test_aliasable_tree_moves_zero_bytes_and_shares_buffers(tp_worker, hf_flat):
     report = tp_worker.sync_params(unflatten_params(placed))
     # k/v projections must be head-repeated for tp=2 > 1 KV head: those 4 leaves per layer copy.
     repeated = [m for m in tp_worker.mappings if m.engine_transform.value == "repeat_kv_heads"]
-    assert report.leaves_copied == len(repeated)
-    assert report.leaves_aliased == len(tp_worker.mappings) - len(repeated)
+    assert report.leaves_copied == len(repeated) > 0
     assert report.leaves_relabeled == 0
     leaves = tp_worker.engine.weight_leaves()
     by_path = {leaf.path: leaf for leaf in tp_worker.leaves}
+    # Bytes counted from the arrays themselves: the trainer's for aliased leaves, the engine's
+    # (KV heads repeated: twice the trainer's) for copied ones.
+    assert report.bytes_aliased == sum(placed[m.trainer].nbytes for m in tp_worker.mappings if m not in repeated)
+    assert report.bytes_copied == sum(leaves[by_path[m.engine].index].nbytes for m in repeated)
+    assert report.bytes_copied == 2 * sum(placed[m.trainer].nbytes for m in repeated)
     for entry in tp_worker.mappings:
         if entry in repeated:
             continue
@@ -187,6 +194,39 @@ def test_duplicate_and_malformed_trees(tp_worker, hf_flat):
     assert tp_worker.weight_version == version
 
 
+@pytest.mark.parametrize(
+    "wrap, message",
+    [
+        (lambda t: {"params": {"params": t}},
+         r"its top-level keys are \['params'\], the model's are \['model'\]; the params are under 'params': pass tree\['params'\]"),
+        (lambda t: {"params": t, "opt_state": {"mu": t}},
+         r"its top-level keys are \['opt_state', 'params'\], the model's are \['model'\]; the params are under 'params': pass tree\['params'\]"),
+    ],
+    ids=["wrapped-twice", "train-state"],
+)
+def test_wrapped_trees_name_the_keys_found_and_what_to_pass(tp_worker, hf_flat, wrap, message):
+    version = tp_worker.weight_version
+    with pytest.raises(SyncError, match=message):
+        tp_worker.sync_params(wrap(unflatten_params(hf_flat)))
+    assert tp_worker.weight_version == version
+
+
+@pytest.mark.parametrize(
+    "leaf, message",
+    [
+        (None, r"'model\.norm\.scale' is NoneType None; expected an array"),
+        ("weights.bin", r"'model\.norm\.scale' is str 'weights\.bin'; expected an array"),
+        (jax.ShapeDtypeStruct((256,), jnp.float32), r"'model\.norm\.scale' is a jax\.ShapeDtypeStruct \(256,\) float32: a shape without values"),
+    ],
+    ids=["none", "string", "shape-dtype-struct"],
+)
+def test_leaves_that_are_not_arrays_are_named(tp_worker, hf_flat, leaf, message):
+    version = tp_worker.weight_version
+    with pytest.raises(SyncError, match=message):
+        tp_worker.sync_params(unflatten_params({**hf_flat, "model.norm.scale": leaf}))
+    assert tp_worker.weight_version == version
+
+
 def test_cast_refused_when_disabled(tp_worker, hf_flat):
     bf16 = {k: jnp.asarray(v, jnp.bfloat16) for k, v in hf_flat.items()}
     version = tp_worker.weight_version
@@ -272,5 +312,11 @@ def test_param_shardings_give_zero_copy_except_repeated_kv_heads(tp_worker, hf_f
     report = tp_worker.sync_params(placed)
     repeated = [m for m in tp_worker.mappings if m.engine_transform.value == "repeat_kv_heads"]
     assert report.leaves_copied == len(repeated)
-    assert report.leaves_aliased == len(tp_worker.mappings) - len(repeated)
+    flat = flatten_params(placed)
+    leaves = tp_worker.engine.weight_leaves()
+    by_path = {leaf.path: leaf for leaf in tp_worker.leaves}
+    for m in tp_worker.mappings:
+        if m not in repeated:
+            assert leaves[by_path[m.engine].index] is flat[m.trainer], m.trainer
+    assert report.bytes_aliased == sum(flat[m.trainer].nbytes for m in tp_worker.mappings if m not in repeated)
     assert greedy(tp_worker).compiles == 0

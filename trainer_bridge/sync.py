@@ -82,15 +82,37 @@ class SyncReport:
     per_engine: tuple[SyncReport, ...] = ()
 
 
-def _leaf_signature(leaf) -> tuple:
+def _leaf_signature(path: str, leaf) -> tuple:
     # Runs for every leaf of every sync: dtype objects, not their (slow) string forms.
     if isinstance(leaf, jax.Array):
         return (leaf.shape, leaf.dtype, leaf.sharding)
-    return (type(leaf), np.shape(leaf), getattr(leaf, "dtype", None))
+    if isinstance(leaf, np.ndarray):
+        return (np.ndarray, leaf.shape, leaf.dtype)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        raise SyncError(
+            f"'{path}' is a jax.ShapeDtypeStruct {leaf.shape} {leaf.dtype}: a shape without values "
+            "(an abstract tree, e.g. from jax.eval_shape or a restore target); pass the arrays"
+        )
+    raise SyncError(f"'{path}' is {type(leaf).__name__} {leaf!r:.60}; expected an array (jax.Array or numpy.ndarray)")
 
 
 def plan_key(flat: Mapping[str, object]) -> tuple:
-    return tuple((path, _leaf_signature(leaf)) for path, leaf in flat.items())
+    """What a compiled plan depends on; SyncError for a leaf that is not an array."""
+    return tuple((path, _leaf_signature(path, leaf)) for path, leaf in flat.items())
+
+
+def _wrapper_hint(flat: Mapping[str, object], expected: set[str]) -> str:
+    """When the tree's top level is not the model's (a train state, params wrapped twice), which
+    top-level keys were found and which one holds the params."""
+    top = sorted({p.split(".", 1)[0] for p in flat})
+    model_top = sorted({p.split(".", 1)[0] for p in expected})
+    if set(top) & set(model_top):
+        return ""
+    holders = [k for k in top if any(p.split(".", 1)[-1] in expected for p in flat if p.startswith(k + "."))]
+    hint = f"its top-level keys are {top}, the model's are {model_top}"
+    if holders:
+        hint += f"; the params are under {holders[0]!r}: pass tree[{holders[0]!r}] (the param dict alone)"
+    return hint + ". "
 
 
 def _normalized_index(index: tuple, shape: tuple[int, ...]) -> tuple:
@@ -174,7 +196,8 @@ def build_plan(
             parts.append(f"missing {len(missing)} expected path(s): {', '.join(missing[:8])}")
         if extra:
             parts.append(f"{len(extra)} unexpected path(s): {', '.join(extra[:8])}")
-        raise SyncError("param tree does not match the model: " + "; ".join(parts))
+        hint = _wrapper_hint(flat, seen_trainer)
+        raise SyncError("param tree does not match the model: " + hint + "; ".join(parts))
     unmapped = [
         leaf.path
         for leaf in engine_leaves

@@ -24,6 +24,7 @@ from .patches import (
     install_workarounds,
     preserved_process_state,
     variables_sharded_lazily,
+    workaround_enabled,
 )
 from .runtime import SchedulerControl, engine_start_up
 from .types import (
@@ -65,7 +66,7 @@ class EngineHandle:
             # Token ids in, token ids out: with a tokenizer loaded, 0.0.2's detokenizer path
             # returns output_ids that drop special tokens mid-sequence (len(output_ids) <
             # completion_tokens). The worker encodes and decodes text itself.
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=workaround_enabled("detokenizer-output-ids"),
             enable_single_process=True,
             # Weight swaps and KV work run between forwards on the scheduler thread; the overlap
             # scheduler would keep a batch in flight on another thread.
@@ -87,7 +88,8 @@ class EngineHandle:
         from sgl_jax.srt.hf_transformers_utils import get_config
 
         with engine_start_up(self.name, options.devices) as start_up:
-            get_config.cache_clear()
+            if workaround_enabled("shared-hf-config"):
+                get_config.cache_clear()
             logger.info("starting sglang-jax on %s with the %s attention backend", device, kwargs["attention_backend"])
             try:
                 with preserved_process_state(), variables_sharded_lazily():
@@ -118,7 +120,8 @@ class EngineHandle:
         # rid -> the log-probs of a request that asked for them (filled on the scheduler thread).
         self._logprob_sinks: dict[str, list[float]] = {}
         setattr(self._scheduler, LOGPROB_SINKS, self._logprob_sinks)
-        self.call(self._align_lm_head_dtype)
+        if workaround_enabled("untied-head-dtype"):
+            self.call(self._align_lm_head_dtype)
 
     def _align_lm_head_dtype(self) -> None:
         from flax import nnx
@@ -306,6 +309,9 @@ class EngineHandle:
 
         Must run on the scheduler thread while idle (use :meth:`call`).
         """
+        if not workaround_enabled("flush-cache"):
+            self._engine.flush_cache()
+            return
         scheduler = self._scheduler
         scheduler.tree_cache.reset()
         scheduler.req_to_token_pool.clear()
@@ -404,12 +410,14 @@ class EngineHandle:
         """The engine request for a call, and its request ids (prompt-major rows)."""
         from sgl_jax.srt.managers.io_struct import GenerateReqInput
 
-        # 0.0.2 ignores n for a single prompt and is slow with batched n: one request per
-        # sample (workaround "one-request-per-sample").
-        input_ids = [list(map(int, ids)) for ids in prompts for _ in range(params.n)]
-        sampling = [_sampling_dict(params, int(seed)) for seed in np.asarray(seeds).reshape(-1)]
-        if len(sampling) != len(input_ids):
-            raise ValueError(f"{len(sampling)} seeds for {len(input_ids)} rows")
+        seeds = np.asarray(seeds).reshape(len(prompts), params.n)
+        if workaround_enabled("one-request-per-sample"):
+            # 0.0.2 ignores n for a single prompt and is slow with batched n: one request per sample.
+            input_ids = [list(map(int, ids)) for ids in prompts for _ in range(params.n)]
+            sampling = [_sampling_dict(params, int(seed)) for seed in seeds.reshape(-1)]
+        else:  # the engine's own n (one seed per prompt)
+            input_ids = [list(map(int, ids)) for ids in prompts]
+            sampling = [dict(_sampling_dict(params, int(row[0])), n=params.n) for row in seeds]
         rids = [uuid.uuid4().hex for _ in input_ids]
         return GenerateReqInput(input_ids=input_ids, sampling_params=sampling, rid=rids, stream=stream), rids
 

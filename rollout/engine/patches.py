@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import signal
 import threading
@@ -31,20 +32,6 @@ WORKAROUNDS: dict[str, str] = {
         "already registers every Module subclass: importing it raises 'Duplicate custom "
         "PyTreeDef type registration'. It is imported here with the duplicate registration "
         "skipped."
-    ),
-    "min-p-operands": (
-        "Off TPU, layers/sampler.py passes 3 operands to _apply_min_p_filter, which unpacks 2; "
-        "lax.cond traces it even for greedy decoding, so every sampled request crashes. "
-        "The replacement sampler (see sampler-logprobs) does its own min-p filtering."
-    ),
-    "sampler-rng": (
-        "The sampler's RNG state is frozen inside a functools.partial, so every call and every "
-        "step reuses one key: temperature sampling repeats itself. The engine's own seeded "
-        "path (enable_deterministic_sampling) uses a weak integer hash and, off TPU, takes a "
-        "softmax of probabilities, which flattens the distribution. Deterministic sampling is "
-        "always on, every request gets its own seed, and each token is drawn with "
-        "jax.random.categorical under a key folded from (seed, position): fresh samples per "
-        "call, the same samples for the same seed, independent of how requests are batched."
     ),
     "process-kill-on-error": (
         "An exception in the scheduler or detokenizer thread, a failed scheduler start, or the "
@@ -118,17 +105,23 @@ WORKAROUNDS: dict[str, str] = {
         "changing the trainer's matmuls too. The process-wide value is restored after "
         "start-up and the engine's scheduler thread runs under the value it set."
     ),
-    "sampler-logprobs": (
-        "return_logprob=True (and top_logprobs_num) crashes the scheduler thread: the sampler "
-        "stores log-probs on a traced copy inside jit. They would be of the unfiltered "
-        "distribution anyway, and 0.0.2 filters differently per backend (top-k/top-p before "
-        "the temperature on TPU, after it elsewhere through a host callback; min-p on logits "
-        "on TPU). Sampler.__call__ is replaced by one that applies temperature, top-k, top-p "
-        "and min-p the same way on every backend (models/logprobs.py, shared with the "
-        "trainer), draws each token from that distribution and returns its log-prob with it, "
-        "always (one compiled program). The engine's return_logprob stays off; requests that "
-        "ask for log-probs get them on the scheduler thread, fetched in the same device_get "
-        "as the token ids and appended wherever the engine appends an output token."
+    "sampler": (
+        "0.0.2's sampler is wrong in four ways. Off TPU, _apply_min_p_filter receives 3 operands "
+        "and unpacks 2 (lax.cond traces it even for greedy decoding, so every sampled request "
+        "crashes). Its RNG state is frozen inside a functools.partial, so temperature sampling "
+        "repeats itself every step and call, and its own seeded path uses a weak integer hash "
+        "and, off TPU, a softmax of probabilities that flattens the distribution. "
+        "return_logprob=True (and top_logprobs_num) crashes the scheduler thread (log-probs "
+        "stored on a traced copy inside jit), and they would be of the unfiltered distribution "
+        "anyway. And it filters differently per backend (top-k/top-p before the temperature on "
+        "TPU, after it elsewhere through a host callback; min-p on logits on TPU). "
+        "Sampler.__call__ is replaced by one that applies temperature, top-k, top-p and min-p "
+        "the same way on every backend (models/logprobs.py, shared with the trainer), draws "
+        "each token with jax.random.categorical under a key folded from (request seed, "
+        "position) (fresh samples per call, the same samples for the same seed, whatever the "
+        "batch), and returns its log-prob with it, always (one compiled program). Requests that "
+        "ask for log-probs get them on the scheduler thread, fetched in the same device_get as "
+        "the token ids."
     ),
     "flax-eager-sharding": (
         "With flax >= 0.12.1 (flax.config.flax_always_shard_variable, default on) every "
@@ -143,6 +136,27 @@ WORKAROUNDS: dict[str, str] = {
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
 LOGPROB_SINKS = "_rollout_logprob_sinks"
 
+# Switches workarounds off for a process, to check whether a newer sglang-jax still needs one:
+# ROLLOUT_DISABLE_WORKAROUNDS=sampler,flush-cache. The pinning test of each must then
+# fail (tests/test_engine_workarounds.py checks that it does, in a subprocess per workaround).
+DISABLE_ENV = "ROLLOUT_DISABLE_WORKAROUNDS"
+
+logger = logging.getLogger(__name__)
+
+
+def disabled_workarounds() -> frozenset[str]:
+    """The workarounds that ``ROLLOUT_DISABLE_WORKAROUNDS`` (comma-separated names) switches off."""
+    names = {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
+    unknown = sorted(names - set(WORKAROUNDS))
+    if unknown:
+        raise ValueError(f"{DISABLE_ENV} names unknown workaround(s) {unknown}; known: {sorted(WORKAROUNDS)}")
+    return frozenset(names)
+
+
+def workaround_enabled(name: str) -> bool:
+    if name not in WORKAROUNDS:
+        raise KeyError(f"no workaround named {name!r}")
+    return name not in disabled_workarounds()
 
 
 _install_lock = threading.Lock()
@@ -167,7 +181,12 @@ def install_workarounds() -> None:
                 f"sglang-jax {version} is installed; this release of sglang-jax-rollout knows the "
                 f"internals of sglang-jax=={SUPPORTED_ENGINE_VERSION} only"
             )
-        _import_native_backend_without_duplicate_registration()
+        if disabled_workarounds():
+            logger.warning("sglang-jax workarounds disabled (%s): %s", DISABLE_ENV, sorted(disabled_workarounds()))
+        if workaround_enabled("duplicate-pytree-registration"):
+            _import_native_backend_without_duplicate_registration()
+        else:
+            import sgl_jax.srt.layers.attention.native_backend  # noqa: F401
         with preserved_process_state():
             # Importing the entrypoint installs uvloop's policy and rebinds
             # threading._register_atexit; the guard puts both back.
@@ -276,9 +295,10 @@ def _patch_sampler() -> None:
     from sgl_jax.srt.managers import scheduler
     from sgl_jax.srt.model_executor import model_runner
 
-    sampler.Sampler.__call__ = _sample_with_logprobs
-    model_runner.ModelRunner.sample = _sample_keeping_logprobs
-    scheduler.Scheduler.run_batch = _run_batch_collecting_logprobs(scheduler.Scheduler.run_batch)
+    if workaround_enabled("sampler"):
+        sampler.Sampler.__call__ = _sample_with_logprobs
+        model_runner.ModelRunner.sample = _sample_keeping_logprobs
+        scheduler.Scheduler.run_batch = _run_batch_collecting_logprobs(scheduler.Scheduler.run_batch)
 
 
 def _patch_start_up(engine_module) -> None:
@@ -288,20 +308,28 @@ def _patch_start_up(engine_module) -> None:
     def leave_logging_alone(*args, **kwargs):
         return None
 
-    for module in (engine_module, scheduler, detokenizer_manager):
-        module.configure_logger = leave_logging_alone
-    # No SIGCHLD/SIGQUIT handlers, no ulimit change, resource tracker left alone.
-    engine_module._set_envs_and_config = lambda server_args: None
-    # Engine.__init__ registers its process-tree-killing shutdown at exit, even when start-up
-    # then fails; EngineHandle.close does the shutdown instead.
-    engine_module.atexit = types.SimpleNamespace(register=lambda *args, **kwargs: None)
+    if workaround_enabled("process-global-side-effects"):
+        for module in (engine_module, scheduler, detokenizer_manager):
+            module.configure_logger = leave_logging_alone
+    # The scheduler, detokenizer and watchdog threads are always this package's (queued calls
+    # run on the scheduler thread; close() stops the others). With process-kill-on-error
+    # disabled, the scheduler loop runs under the engine's own error handling and the engine
+    # installs its signal handlers and exit hook.
     engine_module.run_scheduler_loop_thread_after_create = start_scheduler_thread
     engine_module.run_detokenizer_thread = run_detokenizer_thread
     scheduler.Scheduler.watchdog_thread = watchdog_thread
-    scheduler.create_device_mesh = _engine_mesh(scheduler.create_device_mesh)
-    model_runner.get_available_device_memory = _engine_device_memory(
-        model_runner.get_available_device_memory
-    )
+    if workaround_enabled("process-kill-on-error"):
+        # No SIGCHLD/SIGQUIT handlers, no ulimit change, resource tracker left alone.
+        engine_module._set_envs_and_config = lambda server_args: None
+        # Engine.__init__ registers its process-tree-killing shutdown at exit, even when start-up
+        # then fails; EngineHandle.close does the shutdown instead.
+        engine_module.atexit = types.SimpleNamespace(register=lambda *args, **kwargs: None)
+    if workaround_enabled("engine-devices"):
+        scheduler.create_device_mesh = _engine_mesh(scheduler.create_device_mesh)
+    if workaround_enabled("device-memory-scope"):
+        model_runner.get_available_device_memory = _engine_device_memory(
+            model_runner.get_available_device_memory
+        )
 
 
 def _engine_mesh(create_device_mesh):
@@ -349,6 +377,9 @@ def variables_sharded_lazily():
     """
     import flax
 
+    if not workaround_enabled("flax-eager-sharding"):
+        yield
+        return
     with flax.config.temp_flip_flag("always_shard_variable", False):
         yield
 
@@ -356,6 +387,9 @@ def variables_sharded_lazily():
 @contextlib.contextmanager
 def preserved_process_state():
     """Put back the process-global state that engine import and start-up change."""
+    if not workaround_enabled("process-global-side-effects"):
+        yield
+        return
     root = logging.getLogger()
     root_level, root_handlers = root.level, list(root.handlers)
     numpy_state = np.random.get_state()

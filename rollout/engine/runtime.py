@@ -158,6 +158,10 @@ def _scheduler_is_idle(scheduler) -> bool:
 
 def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller):
     """Replacement for Scheduler.recv_requests: runs queued calls and sleeps while idle."""
+    from .patches import workaround_enabled
+
+    # Disabled, the idle loop polls without blocking, as 0.0.2's own loop does.
+    idle_wait_ms = 1000 if workaround_enabled("idle-busy-spin") else 0
 
     def recv_requests():
         while True:
@@ -167,7 +171,7 @@ def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller
             control.run_pending()
             if requests:
                 return requests
-            poller.poll(1000)
+            poller.poll(idle_wait_ms)
             control.drain_wakeups()
 
     return recv_requests
@@ -187,16 +191,19 @@ def _timed(run_batch, control: SchedulerControl):
     return timed_run_batch
 
 
-def _run_scheduler_loop(scheduler, control: SchedulerControl, devices, matmul_precision) -> None:
+def _run_scheduler_loop(scheduler, control: SchedulerControl, server_args, devices, matmul_precision) -> None:
     # The engine's default device, and the matmul precision its start-up left set: 0.0.2 sets
     # 'highest' process-wide on GPU; preserved_process_state puts the process-wide value back,
     # so here it holds for this engine's thread only.
     with _default_device(devices), jax.default_matmul_precision(matmul_precision):
-        _scheduler_loop(scheduler, control)
+        _scheduler_loop(scheduler, control, server_args)
 
 
-def _scheduler_loop(scheduler, control: SchedulerControl) -> None:
+def _scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
     import zmq
+    from sgl_jax.srt.managers.scheduler import scheduler_loop_after_create
+
+    from .patches import workaround_enabled
 
     control.register_thread("scheduler")
     poller = zmq.Poller()
@@ -208,7 +215,11 @@ def _scheduler_loop(scheduler, control: SchedulerControl) -> None:
     )
     scheduler.run_batch = _timed(scheduler.run_batch, control)
     try:
-        scheduler.event_loop_normal()
+        if workaround_enabled("process-kill-on-error"):
+            scheduler.event_loop_normal()
+        else:
+            # The engine's own loop wrapper: an exception signals SIGQUIT to this process.
+            scheduler_loop_after_create(server_args, scheduler)
     except _StopScheduler:
         pass
     except BaseException as exc:
@@ -230,6 +241,7 @@ def start_scheduler_thread(server_args, port_args) -> dict:
         args=(
             scheduler,
             control,
+            server_args,
             start_up.devices if start_up else None,
             jax_config.default_matmul_precision.get_global(),
         ),

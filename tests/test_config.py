@@ -1,0 +1,47 @@
+"""WorkerConfig checks that need the machine or the model dir: clear errors before any engine starts."""
+
+import json
+import threading
+
+import jax
+import pytest
+
+from rollout import RolloutWorker, WorkerConfig
+from rollout.config import model_context_limit
+from tests.helpers import tiny_worker_config
+
+
+def engine_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("sglang")]
+
+
+def test_tp_size_beyond_the_devices_is_refused_before_the_engine_starts(qwen2_dir):
+    before = engine_threads()
+    with pytest.raises(ValueError, match=r"tp_size \(8\) = 8 devices, but the worker is given 4"):
+        RolloutWorker(tiny_worker_config(qwen2_dir, tp_size=8))
+    assert engine_threads() == before
+    # An explicit device list: the count checked is that of the given devices.
+    with pytest.raises(ValueError, match=r"tp_size \(2\) = 2 devices, but the worker is given 1"):
+        tiny_worker_config(qwen2_dir, tp_size=2, devices=jax.devices()[:1]).validate()
+    tiny_worker_config(qwen2_dir, tp_size=4).validate()
+
+
+def test_context_beyond_the_model_is_refused_unless_allowed(qwen2_dir):
+    assert model_context_limit(qwen2_dir) == 1024  # TinyModelSpec.max_position_embeddings
+    before = engine_threads()
+    with pytest.raises(ValueError, match=r"context_length=2048 exceeds the model's context length 1024 \(.*config\.json\); pass allow_long_context=True"):
+        RolloutWorker(tiny_worker_config(qwen2_dir, context_length=2048))
+    assert engine_threads() == before
+    tiny_worker_config(qwen2_dir, context_length=1024).validate()
+    tiny_worker_config(qwen2_dir, context_length=2048, allow_long_context=True).validate()
+
+
+def test_context_limit_follows_rope_scaling_and_skips_hub_ids(tmp_path):
+    config = {"max_position_embeddings": 4096, "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_context_limit(tmp_path) == 16384
+    config["rope_scaling"]["original_max_position_embeddings"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_context_limit(tmp_path) == 4096
+    assert model_context_limit("Qwen/Qwen2.5-3B-Instruct") is None
+    WorkerConfig(model_path="Qwen/Qwen2.5-3B-Instruct", context_length=10**6, devices=jax.devices()[:1]).validate()
