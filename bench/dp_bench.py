@@ -29,8 +29,8 @@ def run(model_dir: Path, params, *, dp_size: int, tp_size: int, devices, prompts
     )
     with RolloutWorker(config) as worker:
         tree = jax.device_put(params, worker.param_shardings())
-        worker.sync_params(tree)
-        sync = worker.sync_params(tree)
+        worker.sync_params(tree, check_finite=False)
+        sync = worker.sync_params(tree, check_finite=False)
         worker.generate(prompts, **kwargs)  # compile every padding bucket first
         start = time.perf_counter()
         batch = worker.generate(prompts, **kwargs)
