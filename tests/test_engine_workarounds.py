@@ -35,6 +35,7 @@ def test_every_workaround_is_documented():
         "engine-devices",
         "device-memory-scope",
         "concurrent-start-up",
+        "failed-start-sockets",
         "gpu-matmul-precision",
     }
 

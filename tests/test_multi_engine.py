@@ -2,7 +2,12 @@
 placement, greedy agreement with one engine on all devices, real concurrency (overlapping
 forward passes), thread-safe start-up, per-engine failures, and close() joining every thread."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -265,3 +270,34 @@ def test_a_failing_engine_names_itself_and_the_others_serve_on(quad, reference):
     with pytest.raises(EngineError, match=r"^engine 3 \(devices 3\)"):
         doomed.generate(PROMPTS, GREEDY)
     assert np.all([engine.alive for engine in quad[:3]])
+
+
+FAILED_START = textwrap.dedent(
+    """
+    import sys
+    from rollout.engine import EngineHandle, EngineOptions, install_workarounds
+
+    install_workarounds()
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+
+    def out_of_memory(self, total_device_memory):
+        raise RuntimeError("Not enough memory (injected)")
+
+    ModelRunner.profile_max_num_token = out_of_memory
+    try:
+        EngineHandle(EngineOptions(model_path=sys.argv[1], dtype="float32", max_total_tokens=256))
+    except RuntimeError as exc:
+        kept = exc  # a kept traceback keeps the half-built engine alive until exit, as pytest does
+        print("start-up failed:", exc)
+    """
+)
+
+
+def test_a_failed_start_up_lets_the_process_exit(qwen2_dir):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parents[1]))
+    result = subprocess.run(
+        [sys.executable, "-c", FAILED_START, str(qwen2_dir)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert "start-up failed: Not enough memory (injected)" in result.stdout, result.stderr[-2000:]
+    assert result.returncode == 0

@@ -106,6 +106,13 @@ WORKAROUNDS: dict[str, str] = {
         "interleave these. Start-ups are serialized by a process-wide lock, held until the "
         "engine's own threads have registered (they learn from it which engine they serve)."
     ),
+    "failed-start-sockets": (
+        "A start-up that fails (e.g. 'Not enough memory' when free RAM shrinks between the "
+        "engine's two measurements) leaves the zmq sockets the half-built scheduler opened; "
+        "their contexts then block interpreter exit for good (zmq_ctx_term waits on open "
+        "sockets) while the exception's traceback is kept, as pytest keeps it. The sockets "
+        "opened during a start-up are recorded and closed if it fails."
+    ),
     "gpu-matmul-precision": (
         "On GPU, ModelRunner sets jax_default_matmul_precision='highest' process-wide, "
         "changing the trainer's matmuls too. The process-wide value is restored after "
@@ -203,7 +210,7 @@ def _patch_sampler() -> None:
 
 
 def _patch_start_up(engine_module) -> None:
-    from sgl_jax.srt.managers import detokenizer_manager, scheduler
+    from sgl_jax.srt.managers import detokenizer_manager, scheduler, tokenizer_manager
     from sgl_jax.srt.model_executor import model_runner
 
     def leave_logging_alone(*args, **kwargs):
@@ -219,10 +226,23 @@ def _patch_start_up(engine_module) -> None:
     engine_module.run_scheduler_loop_thread_after_create = start_scheduler_thread
     engine_module.run_detokenizer_thread = run_detokenizer_thread
     scheduler.Scheduler.watchdog_thread = watchdog_thread
+    for module in (engine_module, scheduler, tokenizer_manager, detokenizer_manager):
+        module.get_zmq_socket = _recorded_socket(module.get_zmq_socket)
     scheduler.create_device_mesh = _engine_mesh(scheduler.create_device_mesh)
     model_runner.get_available_device_memory = _engine_device_memory(
         model_runner.get_available_device_memory
     )
+
+
+def _recorded_socket(get_zmq_socket):
+    def recorded_zmq_socket(*args, **kwargs):
+        sock = get_zmq_socket(*args, **kwargs)
+        start_up = current_start_up()
+        if start_up is not None:
+            start_up.sockets.append(sock)
+        return sock
+
+    return recorded_zmq_socket
 
 
 def _engine_mesh(create_device_mesh):
