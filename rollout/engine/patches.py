@@ -263,6 +263,7 @@ def _engine_mesh(create_device_mesh):
 def _engine_device_memory(get_available_device_memory):
     def engine_device_memory(device, distributed=False, empty_cache=True):
         start_up = current_start_up()
+        # The engine's own reading where it is not per device (host RAM) or spans hosts.
         if device == "cpu" or jax.process_count() > 1:
             return get_available_device_memory(device, distributed=distributed, empty_cache=False)
         if start_up is not None and start_up.devices is not None:
