@@ -42,6 +42,7 @@ PINNING_TESTS = {
     "device-memory-scope": "tests/test_multi_engine.py::test_device_memory_is_measured_on_the_engines_devices_without_clearing_caches",
     "concurrent-start-up": "tests/test_multi_engine.py::test_start_ups_take_turns",
     "gpu-matmul-precision": "tests/test_multi_engine.py::test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine",
+    "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
     "flax-eager-sharding": "tests/test_engine_workarounds.py::test_flax_eager_sharding_is_off_only_while_the_engine_builds",
 }
 # Workarounds that are part of how an engine runs here and cannot be switched off on their own;

@@ -2,7 +2,12 @@
 placement, greedy agreement with one engine on all devices, real concurrency (overlapping
 forward passes), thread-safe start-up, per-engine failures, and close() joining every thread."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -267,3 +272,50 @@ def test_a_failing_engine_names_itself_and_the_others_serve_on(quad, reference):
     with pytest.raises(EngineError, match=r"^engine 3 \(devices 3\)"):
         doomed.generate(PROMPTS, *GREEDY)
     assert np.all([engine.alive for engine in quad[:3]])
+
+
+FAILED_START = textwrap.dedent(
+    """
+    import os
+
+    import pytest
+
+    from rollout.engine import EngineHandle, EngineOptions, install_workarounds
+
+
+    @pytest.fixture(scope="module")
+    def engine():
+        install_workarounds()
+        from sgl_jax.srt.model_executor.model_runner import ModelRunner
+
+        def out_of_memory(self, total_device_memory):
+            raise RuntimeError("Not enough memory (injected)")
+
+        original = ModelRunner.profile_max_num_token
+        ModelRunner.profile_max_num_token = out_of_memory
+        try:
+            # pytest keeps the error (and the half-built engine) to report it.
+            yield EngineHandle(EngineOptions(os.environ["MODEL_DIR"], dtype="float32", max_total_tokens=256))
+        finally:
+            ModelRunner.profile_max_num_token = original
+
+
+    def test_start_up_fails(engine):
+        pass
+    """
+)
+
+
+def test_a_failed_start_up_lets_the_process_exit(qwen2_dir, tmp_path):
+    """Seen as a pytest run hanging after its last test (zmq_ctx_term in pytest's final
+    gc.collect), so it is reproduced with pytest in a subprocess."""
+    (tmp_path / "test_failed_start.py").write_text(FAILED_START)
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", MODEL_DIR=str(qwen2_dir), PYTHONPATH=str(Path(__file__).parents[1])
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert "RuntimeError: Not enough memory (injected)" in result.stdout, result.stdout[-3000:]
+    assert "1 error" in result.stdout

@@ -11,6 +11,12 @@ a daemon thread of the caller's process. Any work that touches weights or KV is 
 :meth:`EngineHandle.call` and runs on that thread at the top of a loop iteration while no
 request is waiting, running or half-prefilled, so it never races a forward pass.
 
+Several engines: each ``EngineHandle`` can be given its own devices (``EngineOptions.devices``,
+``tp_size`` of them; its mesh is exactly those). Engines may be started from any thread (start-
+ups take turns, process-wide) and driven concurrently; each names itself in its threads and
+errors (``EngineHandle.name``, e.g. ``engine 1 (devices 2,3)``), records its forward passes
+(``busy_intervals()``), fails alone, and joins all its threads on ``close()``.
+
 Modules: ``patches`` (every 0.0.2 workaround, ``WORKAROUNDS``), ``runtime`` (the scheduler thread),
 ``handle`` (``EngineHandle``), ``types`` (options, leaf specs, errors; no sgl_jax import).
 """

@@ -95,8 +95,10 @@ class EngineHandle:
                 with preserved_process_state(), variables_sharded_lazily():
                     self._engine = Engine(**kwargs)
             except BaseException:
-                if start_up.control is not None:  # the threads a half-built engine started
+                # What a half-built engine started: its threads, its sockets.
+                if start_up.control is not None:
                     start_up.control.stop_threads()
+                start_up.close_sockets()
                 raise
             self._scheduler = self._engine.scheduler_info["scheduler"]
             self._control = SchedulerControl.of(self._scheduler)

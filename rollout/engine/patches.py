@@ -100,6 +100,13 @@ WORKAROUNDS: dict[str, str] = {
         "interleave these. Start-ups are serialized by a process-wide lock, held until the "
         "engine's own threads have registered (they learn from it which engine they serve)."
     ),
+    "failed-start-sockets": (
+        "A start-up that fails (e.g. 'Not enough memory' when free RAM shrinks between the "
+        "engine's two measurements) leaves the zmq sockets the half-built scheduler opened; "
+        "their contexts then block interpreter exit for good (zmq_ctx_term waits on open "
+        "sockets) while the exception's traceback is kept, as pytest keeps it. The sockets "
+        "opened during a start-up are recorded and closed if it fails."
+    ),
     "gpu-matmul-precision": (
         "On GPU, ModelRunner sets jax_default_matmul_precision='highest' process-wide, "
         "changing the trainer's matmuls too. The process-wide value is restored after "
@@ -302,7 +309,7 @@ def _patch_sampler() -> None:
 
 
 def _patch_start_up(engine_module) -> None:
-    from sgl_jax.srt.managers import detokenizer_manager, scheduler
+    from sgl_jax.srt.managers import detokenizer_manager, scheduler, tokenizer_manager
     from sgl_jax.srt.model_executor import model_runner
 
     def leave_logging_alone(*args, **kwargs):
@@ -330,6 +337,20 @@ def _patch_start_up(engine_module) -> None:
         model_runner.get_available_device_memory = _engine_device_memory(
             model_runner.get_available_device_memory
         )
+    if workaround_enabled("failed-start-sockets"):
+        for module in (engine_module, scheduler, tokenizer_manager, detokenizer_manager):
+            module.get_zmq_socket = _recorded_socket(module.get_zmq_socket)
+
+
+def _recorded_socket(get_zmq_socket):
+    def recorded_zmq_socket(*args, **kwargs):
+        sock = get_zmq_socket(*args, **kwargs)
+        start_up = current_start_up()
+        if start_up is not None:
+            start_up.sockets.append(sock)
+        return sock
+
+    return recorded_zmq_socket
 
 
 def _engine_mesh(create_device_mesh):
@@ -350,6 +371,7 @@ def _engine_mesh(create_device_mesh):
 def _engine_device_memory(get_available_device_memory):
     def engine_device_memory(device, distributed=False, empty_cache=True):
         start_up = current_start_up()
+        # The engine's own reading where it is not per device (host RAM) or spans hosts.
         if device == "cpu" or jax.process_count() > 1:
             return get_available_device_memory(device, distributed=distributed, empty_cache=False)
         if start_up is not None and start_up.devices is not None:

@@ -311,6 +311,13 @@ class StartUp:
     name: str
     devices: tuple[jax.Device, ...] | None
     control: SchedulerControl | None = None  # once its scheduler exists
+    # zmq sockets the engine opened in the caller's thread: a failed start-up closes them.
+    sockets: list = dataclasses.field(default_factory=list)
+
+    def close_sockets(self) -> None:
+        for sock in self.sockets:
+            with contextlib.suppress(Exception):
+                sock.close(linger=0)
 
 
 _start_up_lock = threading.Lock()
