@@ -34,8 +34,9 @@ def live_bytes():
 def test_drop_and_rebuild_free_and_restore_exactly_the_kv_bytes(worker):
     reference = greedy(worker)
     shape, dtype, layers = worker.engine.kv_buffer_spec()
-    # tp=2 on 4 devices: each layer's buffer is split over 'tensor' and replicated over 'data'.
-    replicas = jax.device_count() // worker.config.tp_size
+    # Each layer's buffer is split over the engine's 'tensor' axis (and would be replicated over
+    # any other devices of its mesh).
+    replicas = len(worker.engine.devices) // worker.config.tp_size
     kv_size = int(np.prod(shape)) * dtype.itemsize * layers * replicas
     assert worker.memory().kv_bytes == kv_size
     before = live_bytes()
