@@ -1,6 +1,6 @@
 """Cost of engine log-probs, and of one consistency check, on a Qwen2.5-1.5B-shaped model.
 
-    JAX_PLATFORMS=cpu python -m bench.logprobs_bench [--layers 2] [--rows 16] [--new-tokens 32]
+    JAX_PLATFORMS=cpu python -m bench.logprobs_bench [--layers 1] [--rows 8] [--new-tokens 8]
 
 Generates the same rollout batch with and without ``return_logprobs`` (interleaved, same run,
 same seeds) and prints tokens/s of each and their ratio; then times
@@ -31,13 +31,13 @@ from trainer_bridge import load_hf_params
 
 @dataclasses.dataclass(frozen=True)
 class LogprobsBenchConfig:
-    layers: int = 2
-    rows: int = 16
+    layers: int = 1
+    rows: int = 8
     prompt_tokens: int = 16
-    new_tokens: int = 32
+    new_tokens: int = 8
     check_prompts: int = 4
     dtype: str = "bfloat16"
-    repeats: int = 5
+    repeats: int = 3
 
 
 def sampler_step(rows: int, vocab: int = 151936, repeats: int = 20) -> None:
