@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bench.common import median_seconds, qwen25_15b_dir
@@ -58,7 +57,7 @@ def sampler_step(rows: int, vocab: int = 151936, repeats: int = 20) -> None:
     timings = {}
     for name, fn in (("draw", draw), ("draw + log-prob", draw_with_log_prob)):
         jax.block_until_ready(fn(logits))
-        timings[name] = median_seconds(lambda: jax.block_until_ready(fn(logits)), repeats)
+        timings[name] = median_seconds(lambda fn=fn: jax.block_until_ready(fn(logits)), repeats)
     print(f"sampler step, {rows} x {vocab} logits, temperature 1: draw {timings['draw'] * 1e3:.2f} ms, "
           f"draw + log-prob {timings['draw + log-prob'] * 1e3:.2f} ms "
           f"({timings['draw + log-prob'] / timings['draw']:.2f}x)")
