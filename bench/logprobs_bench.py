@@ -1,12 +1,13 @@
 """Cost of engine log-probs, and of one consistency check, on a Qwen2.5-1.5B-shaped model.
 
-    JAX_PLATFORMS=cpu python -m bench.logprobs_bench [--layers 2] [--rows 16] [--new-tokens 32]
+    JAX_PLATFORMS=cpu python -m bench.logprobs_bench [--layers 1] [--rows 8] [--new-tokens 8]
 
 Generates the same rollout batch with and without ``return_logprobs`` (interleaved, same run,
 same seeds) and prints tokens/s of each and their ratio; then times
 ``RolloutWorker.check_consistency`` (sample with log-probs + the fp32 Flax trainer's forward)
 against one generate of the same prompts, and prints the mismatch it measured (bf16 engine,
-fp32 trainer).
+fp32 trainer). First, the sampler step alone on [rows, vocab] logits: a plain draw at the
+temperature against the engine's draw with its log-prob (models.sampling_log_probs).
 """
 
 from __future__ import annotations
@@ -18,25 +19,52 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
-from bench.common import qwen25_15b_dir
+from bench.common import median_seconds, qwen25_15b_dir
+from models import sampled_token_log_probs, sampling_log_probs
 from rollout import RolloutWorker, WorkerConfig
 from trainer_bridge import load_hf_params
 
 
 @dataclasses.dataclass(frozen=True)
 class LogprobsBenchConfig:
-    layers: int = 2
-    rows: int = 16
+    layers: int = 1
+    rows: int = 8
     prompt_tokens: int = 16
-    new_tokens: int = 32
+    new_tokens: int = 8
     check_prompts: int = 4
     dtype: str = "bfloat16"
-    repeats: int = 5
+    repeats: int = 3
+
+
+def sampler_step(rows: int, vocab: int = 151936, repeats: int = 20) -> None:
+    logits = jax.random.normal(jax.random.key(0), (rows, vocab)) * 4.0
+    keys = jax.random.split(jax.random.key(1), rows)
+    no_filter = (1.0, 2**30, 1.0, 0.0)
+
+    @jax.jit
+    def draw(logits):
+        return jax.vmap(jax.random.categorical)(keys, logits / no_filter[0])
+
+    @jax.jit
+    def draw_with_log_prob(logits):
+        tempered, filtered = sampling_log_probs(logits, *no_filter)
+        ids = jax.vmap(jax.random.categorical)(keys, filtered)
+        return ids, sampled_token_log_probs(tempered, filtered, ids, no_filter[1])
+
+    timings = {}
+    for name, fn in (("draw", draw), ("draw + log-prob", draw_with_log_prob)):
+        jax.block_until_ready(fn(logits))
+        timings[name] = median_seconds(lambda fn=fn: jax.block_until_ready(fn(logits)), repeats)
+    print(f"sampler step, {rows} x {vocab} logits, temperature 1: draw {timings['draw'] * 1e3:.2f} ms, "
+          f"draw + log-prob {timings['draw + log-prob'] * 1e3:.2f} ms "
+          f"({timings['draw + log-prob'] / timings['draw']:.2f}x)")
 
 
 def main(config: LogprobsBenchConfig) -> None:
+    sampler_step(config.rows)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, 151936, (config.rows, config.prompt_tokens)).tolist()
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,7 +32,10 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
     """
     logits = jnp.asarray(logits, jnp.float32)
     rows, vocab = logits.shape
-    column = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype).reshape(-1), (rows,))[:, None]
+
+    def column(x, dtype):
+        return jnp.broadcast_to(jnp.asarray(x, dtype).reshape(-1), (rows,))[:, None]
+
     temperature = column(temperature, jnp.float32)
     top_k, top_p, min_p = column(top_k, jnp.int32), column(top_p, jnp.float32), column(min_p, jnp.float32)
 
