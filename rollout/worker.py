@@ -515,28 +515,29 @@ class RolloutWorker:
             if self._kv_dropped:
                 self.rebuild_kv()
             self._gate.enter()
-            if not self._kv_dropped:
-                break
-            self._gate.leave()
-        try:
-            self._check_weights_alive()
-        except BaseException:
-            self._gate.leave()
-            raise
+            if self._admitted():
+                return
 
     async def _aadmit(self) -> None:
         while True:
             if self._kv_dropped:
                 await asyncio.to_thread(self.rebuild_kv)
             await self._gate.aenter()
-            if not self._kv_dropped:
-                break
+            if self._admitted():
+                return
+
+    def _admitted(self) -> bool:
+        """Right after entering the gate: False (gate left) when the KV caches were dropped
+        meanwhile; raises (gate left) when the weights cannot serve."""
+        if self._kv_dropped:
             self._gate.leave()
+            return False
         try:
             self._check_weights_alive()
         except BaseException:
             self._gate.leave()
             raise
+        return True
 
     def _check_weights_alive(self) -> None:
         self._check_open()
