@@ -138,6 +138,27 @@ def test_working_memory_does_not_follow_padding_limits(decode):
     assert large <= small * 1.1 + 65536, (small, large)
 
 
+def engine_forward_temp_bytes(model_dir, max_requests, context_length, paged=True):
+    config = tiny_worker_config(
+        model_dir, load_format="dummy", max_running_requests=max_requests, context_length=context_length
+    )
+    choice = contextlib.nullcontext() if paged else patches.engine_native_attention()
+    with choice, RolloutWorker(config) as worker:
+        prefill = worker.engine.forward_memory(256)
+        decode = worker.engine.forward_memory(8, decode=True)
+    return prefill.temp_bytes, decode.temp_bytes
+
+
+def test_engine_forward_memory_does_not_follow_padding_limits(qwen2_dir):
+    small = engine_forward_temp_bytes(qwen2_dir, 8, 256)
+    large = engine_forward_temp_bytes(qwen2_dir, 64, 1024)
+    for small_bytes, large_bytes in zip(small, large):
+        assert large_bytes <= small_bytes * 1.05 + 65536, (small, large)
+    # The engine's own attention at the large setting: logits against 64 x 1024 slots.
+    native = engine_forward_temp_bytes(qwen2_dir, 64, 1024, paged=False)
+    assert native[0] > 10 * large[0] and native[1] > 2 * large[1], (native, large)
+
+
 # ---- in the engine ---------------------------------------------------------------------------
 
 # One prompt longer than chunked_prefill_size (prefilled in 3 chunks) and short ones. Their
