@@ -125,11 +125,12 @@ def memory_analysis(model_dir: Path, config: AttentionBenchConfig) -> None:
             prefill, decode = temps[paged, max_requests, context]
             print(f"  {'paged ' if paged else 'native'} {max_requests:>4} x {context:<6} "
                   f"prefill {gib(prefill):>14}  decode {gib(decode):>14}", flush=True)
-    first, last = config.settings[0], config.settings[-1]
-    for paged in (True, False):
-        small, large = temps[(paged, *first)], temps[(paged, *last)]
-        print(f"  {'paged ' if paged else 'native'} {last[0]}x{last[1]} / {first[0]}x{first[1]}: "
-              f"prefill x{large[0] / small[0]:.2f}, decode x{large[1] / small[1]:.2f}")
+    first = config.settings[0]
+    for setting in config.settings[1:]:
+        for paged in (True, False):
+            small, large = temps[(paged, *first)], temps[(paged, *setting)]
+            print(f"  {'paged ' if paged else 'native'} {setting[0]}x{setting[1]} / {first[0]}x{first[1]}: "
+                  f"prefill x{large[0] / small[0]:.2f}, decode x{large[1] / small[1]:.2f}")
     for max_requests, context in config.settings:
         native, paged = temps[False, max_requests, context], temps[True, max_requests, context]
         print(f"  native / paged at {max_requests}x{context}: prefill x{native[0] / paged[0]:.1f}, "
