@@ -32,7 +32,7 @@ def test_every_workaround_is_documented():
         "detokenizer-output-ids",
         "shared-hf-config",
         "flush-cache",
-        "native-attention-memory",
+        "native-attention-memory",  # pinned in tests/test_attention.py
     }
 
 
