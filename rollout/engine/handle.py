@@ -30,6 +30,7 @@ from .runtime import SchedulerControl, engine_start_up
 from .types import (
     EngineError,
     EngineOptions,
+    ForwardMemory,
     GenerateOutput,
     LeafSpec,
     device_nbytes,
@@ -358,6 +359,51 @@ class EngineHandle:
             shape, dtype, _ = self.kv_buffer_spec()
             self._kv_allocator = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool.kv_sharding)
         pool.kv_buffer = [self._kv_allocator() for _ in range(pool.layer_num)]
+
+    # ---- compiled forward ------------------------------------------------------------------
+
+    def forward_memory(self, num_tokens: int, decode: bool = False) -> ForwardMemory:
+        """XLA's memory analysis of the forward compiled for one batch, padded as the scheduler
+        pads it: a prefill of ``num_tokens`` tokens (requests padded to the largest batch size,
+        ``cache_loc`` to that many full contexts) or a decode step of ``num_tokens`` rows.
+
+        Compiles (with this engine's weights, KV pool and attention) and runs nothing.
+        """
+
+        def analyse() -> ForwardMemory:
+            from sgl_jax.srt.layers.logits_processor import LogitsMetadata
+            from sgl_jax.srt.model_executor.forward_batch_info import (
+                ForwardBatch,
+                ForwardMode,
+            )
+
+            worker, runner = self._scheduler.tp_worker, self._model_runner
+            if decode:
+                rows, mode = num_tokens, ForwardMode.DECODE
+                page = worker.page_size
+                slots = -(-num_tokens * worker.max_req_len // page) * page
+            else:
+                rows, mode = worker.get_max_padded_size()[0], ForwardMode.EXTEND
+                slots = worker.precompile_cache_loc_paddings[-1]
+            batch = worker.generate_model_worker_batch(rows, num_tokens, mode, slots)
+            cells = self._closure_cells()
+            with jax.set_mesh(runner.mesh):
+                compiled = cells["jitted_run_model"].cell_contents.lower(
+                    cells["model_def"].cell_contents,
+                    cells["model_state_def"].cell_contents,
+                    cells["model_state_leaves"].cell_contents,
+                    ForwardBatch.init_new(batch, runner),
+                    runner.token_to_kv_pool,
+                    LogitsMetadata.from_model_worker_batch(batch, runner.mesh),
+                ).compile()
+            analysis = compiled.memory_analysis()
+            return ForwardMemory(
+                temp_bytes=int(analysis.temp_size_in_bytes),
+                argument_bytes=int(analysis.argument_size_in_bytes),
+                output_bytes=int(analysis.output_size_in_bytes),
+            )
+
+        return self.call(analyse)
 
     # ---- generation ------------------------------------------------------------------------
 

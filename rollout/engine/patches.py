@@ -18,6 +18,7 @@ from jax._src import config as jax_config
 
 from models import sampled_token_log_probs, sampling_log_probs
 
+from .attention import paged_attention
 from .runtime import (
     current_start_up,
     run_detokenizer_thread,
@@ -138,6 +139,15 @@ WORKAROUNDS: dict[str, str] = {
         "model and restored afterwards (the weights get their shardings from the loader's "
         "jit out_shardings either way), so the trainer's own models keep flax's default."
     ),
+    "native-attention-memory": (
+        "The native attention backend (the one used off TPU) gathers every slot of cache_loc, "
+        "which is padded to max_running_requests x context_length, and builds logits against "
+        "all of them for every token: a prefill chunk of a real model config asks for hundreds "
+        "of GB, and decode is slow. It also locates requests in cache_loc without the page "
+        "rounding the scheduler uses, so page_size > 1 attends to the wrong slots. Replaced by "
+        "attention.paged_attention: each query block walks only its own requests' slots in "
+        "fixed chunks with an online softmax (memory ~ tokens x chunk), same results."
+    ),
 }
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
@@ -200,6 +210,7 @@ def install_workarounds() -> None:
             import sgl_jax.srt.entrypoints.engine as engine_module
         _patch_sampler()
         _patch_start_up(engine_module)
+        _patch_native_attention()
         _installed = True
 
 
@@ -404,6 +415,61 @@ def variables_sharded_lazily():
         return
     with flax.config.temp_flip_flag("always_shard_variable", False):
         yield
+
+
+_native_attention_baseline = False
+
+
+@contextlib.contextmanager
+def engine_native_attention():
+    """Forwards compiled inside this block use 0.0.2's own native attention, not the paged one.
+
+    The baseline for parity tests and benchmarks. The choice is made when an engine's forward is
+    traced (its first generate, or start-up with precompile), so keep the engine's work inside.
+    """
+    global _native_attention_baseline
+    previous, _native_attention_baseline = _native_attention_baseline, True
+    try:
+        yield
+    finally:
+        _native_attention_baseline = previous
+
+
+def _patch_native_attention() -> None:
+    if not workaround_enabled("native-attention-memory"):
+        return
+    from sgl_jax.srt.layers.attention import native_backend
+    from sgl_jax.srt.layers.radix_attention import AttentionType
+    from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+
+    engine_call = native_backend.NativeAttention.__call__
+
+    def paged_call(self, q, k, v, layer, forward_batch, token_to_kv_pool):
+        if _native_attention_baseline:
+            return engine_call(self, q, k, v, layer, forward_batch, token_to_kv_pool)
+        # The engine's own KV write; the fused layer it returns is what the caller persists.
+        _, _, kv_fused = self._get_and_update_kv_cache(
+            k, v, forward_batch, token_to_kv_pool, layer.layer_id
+        )
+        mode = forward_batch.forward_mode
+        # The same mode dispatch as the engine's forward_attention: EXTEND or decode-like.
+        extend = mode == ForwardMode.EXTEND
+        output = paged_attention(
+            q,
+            kv_fused,
+            forward_batch.cache_loc,
+            forward_batch.seq_lens,
+            forward_batch.extend_prefix_lens if extend else None,
+            forward_batch.extend_seq_lens if extend else None,
+            num_heads=layer.q_head_num,
+            num_kv_heads=layer.kv_head_num,
+            scale=layer.head_dim**-0.5 if layer.scaling is None else layer.scaling,
+            causal=mode != ForwardMode.DECODE and layer.attn_type != AttentionType.ENCODER_ONLY,
+            page_size=token_to_kv_pool.page_size,
+        )
+        return output, kv_fused
+
+    native_backend.NativeAttention.__call__ = paged_call
 
 
 @contextlib.contextmanager

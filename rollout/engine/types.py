@@ -97,6 +97,15 @@ def engine_name(name: str, devices) -> str:
     return f"{name} (devices {_device_ids(devices)})"
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardMemory:
+    """XLA's memory analysis of one compiled forward pass, bytes per device."""
+
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+
+
 def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
     """The device buffers behind an array: (device id, buffer address) -> bytes."""
     return {

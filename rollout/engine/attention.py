@@ -1,0 +1,147 @@
+"""Attention over a paged KV pool whose working memory follows the tokens actually present.
+
+sglang-jax 0.0.2's native backend gathers every slot of ``cache_loc`` (padded to
+``max_running_requests x context_length``) and builds logits of shape
+[heads, tokens, max_running_requests x context_length]. Here each block of query tokens walks
+only the span of ``cache_loc`` that its own requests occupy, ``kv_chunk`` slots at a time, with an
+online (flash-attention style) softmax. The trip count is the longest span present in the batch,
+a traced value, so shapes stay static and nothing recompiles per request; the working memory is
+about ``tokens x heads x kv_chunk`` whatever the engine's padding limits.
+
+Pure JAX (no sglang-jax import); ``patches`` installs it into the engine's native backend.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Query tokens per block in prefill/extend: a block gathers one KV chunk for all its tokens.
+DEFAULT_Q_BLOCK = 64
+# KV slots gathered per step of the online softmax.
+DEFAULT_KV_CHUNK = 256
+
+# Masked logits: finite, so a row with nothing visible yet gives exp(0) corrections, not NaN.
+_MASKED = -1e30
+
+
+def paged_attention(
+    q: jax.Array,
+    kv_fused: jax.Array,
+    cache_loc: jax.Array,
+    seq_lens: jax.Array,
+    extend_prefix_lens: jax.Array | None = None,
+    extend_seq_lens: jax.Array | None = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    causal: bool = True,
+    page_size: int = 1,
+    q_block: int = DEFAULT_Q_BLOCK,
+    kv_chunk: int = DEFAULT_KV_CHUNK,
+) -> jax.Array:
+    """Attention of each query token to its own request's cached keys and values.
+
+    The engine's batch layout (``ForwardBatch``):
+
+    - ``q``: [tokens, heads, head_dim] or [tokens, heads * head_dim], tokens padded at the end.
+    - ``kv_fused``: one layer of the KV pool, [slots, 2 * kv_heads, head_dim], K and V of each
+      head interleaved (k0, v0, k1, v1, ...); slot 0 is the padding slot and never attended.
+    - ``cache_loc``: the pool slots of request 0's tokens, then request 1's, ..., each request's
+      span rounded up to ``page_size``; zeros after the last.
+    - ``seq_lens``: tokens per request (prefix included), 0 for padded requests.
+    - Extend (prefill): ``extend_seq_lens`` new tokens per request, laid out request after
+      request in ``q``, after ``extend_prefix_lens`` cached ones; token ``i`` of request ``b``
+      sees keys ``0 .. prefix_b + i`` (all ``seq_lens[b]`` keys if not ``causal``).
+    - Decode (``extend_seq_lens`` None): token ``b`` is request ``b``'s next token and sees all
+      its ``seq_lens[b]`` keys.
+
+    Returns [tokens, heads * head_dim] in ``q``'s dtype; padded tokens get zeros.
+    """
+    num_tokens = q.shape[0]
+    head_dim = kv_fused.shape[-1]
+    group = num_heads // num_kv_heads
+    q = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    # One row per slot: a row gather is far cheaper than a gather of [heads, head_dim] blocks.
+    kv_rows = kv_fused.reshape(kv_fused.shape[0], 2 * num_kv_heads * head_dim)
+
+    seq_lens = seq_lens.astype(jnp.int32)
+    num_reqs = seq_lens.shape[0]
+    spans = (seq_lens + page_size - 1) // page_size * page_size
+    key_ends = jnp.cumsum(spans)
+    key_starts = key_ends - spans
+
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    if extend_seq_lens is None:
+        req = tokens
+        q_end = seq_lens[jnp.minimum(req, num_reqs - 1)]
+        q_block = 1  # decode tokens belong to different requests: each walks its own span
+    else:
+        extend_seq_lens = extend_seq_lens.astype(jnp.int32)
+        q_ends = jnp.cumsum(extend_seq_lens)
+        req = jnp.searchsorted(q_ends, tokens, side="right").astype(jnp.int32)
+        safe = jnp.minimum(req, num_reqs - 1)
+        if causal:
+            offset = tokens - (q_ends - extend_seq_lens)[safe]
+            q_end = extend_prefix_lens.astype(jnp.int32)[safe] + offset + 1
+        else:
+            q_end = seq_lens[safe]
+    valid = req < num_reqs
+    req = jnp.where(valid, req, -1)
+    q_end = jnp.where(valid, q_end, 0)
+    q_start = jnp.where(valid, key_starts[jnp.maximum(req, 0)], 0)
+
+    q_block = max(1, min(q_block, num_tokens))
+    num_blocks = -(-num_tokens // q_block)
+    pad = num_blocks * q_block - num_tokens
+
+    def blocks(x, fill):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+        return x.reshape(num_blocks, q_block, *x.shape[1:])
+
+    q_b, req_b, end_b = blocks(q, 0), blocks(req, -1), blocks(q_end, 0)
+    start_b = blocks(q_start, 0)
+    # Each block reads the contiguous run of cache_loc from its first request's start to the
+    # furthest key any of its tokens sees.
+    seen = end_b > 0
+    hi = jnp.max(jnp.where(seen, start_b + end_b, 0), axis=1)
+    lo = jnp.minimum(jnp.min(jnp.where(seen, start_b, jnp.iinfo(jnp.int32).max), axis=1), hi)
+    num_chunks = (jnp.max(hi - lo) + kv_chunk - 1) // kv_chunk
+
+    last_loc = cache_loc.shape[0] - 1
+    chunk = jnp.arange(kv_chunk, dtype=jnp.int32)
+
+    def step(c, carry):
+        m, l, acc = carry
+        k = lo[:, None] + c * kv_chunk + chunk  # [blocks, kv_chunk] positions in cache_loc
+        loc = cache_loc[jnp.minimum(k, last_loc)]
+        key_req = jnp.searchsorted(key_ends, k, side="right").astype(jnp.int32)
+        key_pos = k - key_starts[jnp.minimum(key_req, num_reqs - 1)]
+        mask = (
+            (key_req[:, None, :] == req_b[:, :, None])
+            & (key_pos[:, None, :] < end_b[:, :, None])
+            & (loc > 0)[:, None, :]
+        )[:, :, None, None, :]  # [blocks, q_block, 1, 1, kv_chunk]
+        kv_c = kv_rows[jnp.where(loc > 0, loc, 0)].reshape(*loc.shape, num_kv_heads, 2, head_dim)
+        s = jnp.einsum("bqhgd,bchd->bqhgc", q_b, kv_c[..., 0, :], preferred_element_type=jnp.float32)
+        s = jnp.where(mask, s * scale, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + jnp.sum(p, axis=-1)
+        pv = jnp.einsum(
+            "bqhgc,bchd->bqhgd", p.astype(kv_c.dtype), kv_c[..., 1, :], preferred_element_type=jnp.float32
+        )
+        return m_new, l, acc * correction[..., None] + pv
+
+    stats = (num_blocks, q_block, num_kv_heads, group)
+    init = (
+        jnp.full(stats, _MASKED, jnp.float32),
+        jnp.zeros(stats, jnp.float32),
+        jnp.zeros((*stats, head_dim), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, step, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    out = out.reshape(num_blocks * q_block, num_heads * head_dim)[:num_tokens]
+    return out.astype(q.dtype)

@@ -1,0 +1,233 @@
+"""The paged attention that replaces 0.0.2's native one: equal results, memory that does not
+follow max_running_requests x context_length."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rollout import RolloutWorker
+from rollout.engine import patches
+from rollout.engine.attention import paged_attention
+from tests.helpers import tiny_worker_config
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def ragged_batch(rng, prefix_lens, extend_lens, page_size=1, pool_slots=256, loc_len=96, pad_tokens=5):
+    """A batch laid out the way the scheduler lays it out, with padded requests and tokens."""
+    prefix_lens = np.asarray(prefix_lens, np.int32)
+    extend_lens = np.asarray(extend_lens, np.int32)
+    seq_lens = prefix_lens + extend_lens
+    kv = rng.standard_normal((pool_slots, 2 * KV_HEADS, HEAD_DIM)).astype(np.float32)
+    # Slot 0 is the padding slot; real tokens sit anywhere else in the pool, in no order.
+    slots = iter(rng.permutation(np.arange(1, pool_slots)))
+    cache_loc = np.zeros(loc_len, np.int32)
+    offset = 0
+    for n in seq_lens:
+        cache_loc[offset : offset + n] = [next(slots) for _ in range(n)]
+        offset += -(-n // page_size) * page_size
+    q = rng.standard_normal((int(extend_lens.sum()) + pad_tokens, HEADS, HEAD_DIM)).astype(np.float32)
+    return q, kv, cache_loc, seq_lens, prefix_lens, extend_lens
+
+
+def dense_reference(q, kv, cache_loc, seq_lens, prefix_lens, extend_lens, scale, page_size=1, causal=True):
+    """Attention one token at a time, straight from the definition (numpy, float64)."""
+    out = np.zeros((q.shape[0], HEADS * HEAD_DIM))
+    group = HEADS // KV_HEADS
+    token, key_start = 0, 0
+    for seq_len, prefix, extend in zip(seq_lens, prefix_lens, extend_lens):
+        slots = cache_loc[key_start : key_start + seq_len]
+        keys, values = kv[slots, 0::2].astype(np.float64), kv[slots, 1::2].astype(np.float64)
+        for i in range(extend):
+            visible = prefix + i + 1 if causal else seq_len
+            for h in range(HEADS):
+                logits = keys[:visible, h // group] @ q[token, h] * scale
+                weights = np.exp(logits - logits.max())
+                weights /= weights.sum()
+                out[token, h * HEAD_DIM : (h + 1) * HEAD_DIM] = weights @ values[:visible, h // group]
+            token += 1
+        key_start += -(-seq_len // page_size) * page_size
+    return out
+
+
+def attend(q, kv, cache_loc, seq_lens, prefix_lens=None, extend_lens=None, **kwargs):
+    as_jax = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+    fn = jax.jit(
+        lambda *args: paged_attention(*args, num_heads=HEADS, num_kv_heads=KV_HEADS, **kwargs)
+    )
+    return np.asarray(fn(*map(as_jax, (q, kv, cache_loc, seq_lens, prefix_lens, extend_lens))))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_block, kv_chunk", [(4, 3), (64, 256)], ids=["small-blocks", "defaults"])
+def test_extend_matches_dense_reference(page_size, causal, q_block, kv_chunk):
+    rng = np.random.default_rng(0)
+    # Fresh prompts, cached prefixes, a one-token extend, and two padded requests.
+    batch = ragged_batch(rng, [0, 5, 3, 0, 11, 0, 0], [7, 4, 9, 1, 2, 0, 0], page_size)
+    q, kv, cache_loc, seq_lens, prefix_lens, extend_lens = batch
+    got = attend(*batch, scale=0.3, causal=causal, page_size=page_size, q_block=q_block, kv_chunk=kv_chunk)
+    want = dense_reference(*batch, scale=0.3, page_size=page_size, causal=causal)
+    real = int(extend_lens.sum())
+    np.testing.assert_allclose(got[:real], want[:real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[real:], 0.0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_matches_dense_reference(page_size):
+    rng = np.random.default_rng(1)
+    _, kv, cache_loc, seq_lens, _, _ = ragged_batch(rng, [6, 1, 13, 0, 0], [1, 1, 1, 0, 0], page_size)
+    q = rng.standard_normal((len(seq_lens), HEADS, HEAD_DIM)).astype(np.float32)
+    got = attend(q, kv, cache_loc, seq_lens, scale=0.5, page_size=page_size, kv_chunk=4)
+    # A decode token is an extend of one token after seq_len - 1 cached ones.
+    ones = (seq_lens > 0).astype(np.int32)
+    want = dense_reference(q, kv, cache_loc, seq_lens, seq_lens - ones, ones, 0.5, page_size)
+    real = seq_lens > 0
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[~real], 0.0)
+
+
+def test_matches_engine_native_attention():
+    """Against sglang-jax 0.0.2's own function on the same inputs (page_size 1, where it is right)."""
+    patches.install_workarounds()
+    from sgl_jax.srt.layers.attention.native_backend import forward_attention
+    from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+
+    rng = np.random.default_rng(2)
+    batch = ragged_batch(rng, [0, 5, 3, 0], [7, 4, 9, 1])
+    q, kv, cache_loc, seq_lens, prefix_lens, extend_lens = batch
+    k_cache, v_cache = jnp.asarray(kv[:, 0::2]), jnp.asarray(kv[:, 1::2])
+    engine = forward_attention(
+        jnp.asarray(q), k_cache, v_cache, jnp.asarray(seq_lens), jnp.asarray(cache_loc),
+        jnp.asarray(prefix_lens), jnp.asarray(extend_lens), HEADS, KV_HEADS, 0.3, True, ForwardMode.EXTEND,
+    )
+    real = int(extend_lens.sum())
+    np.testing.assert_allclose(attend(*batch, scale=0.3)[:real], np.asarray(engine)[:real], rtol=1e-5, atol=1e-6)
+    q_decode = q[: len(seq_lens)]
+    engine = forward_attention(
+        jnp.asarray(q_decode), k_cache, v_cache, jnp.asarray(seq_lens), jnp.asarray(cache_loc),
+        None, None, HEADS, KV_HEADS, 0.3, False, ForwardMode.DECODE,
+    )
+    got = attend(q_decode, kv, cache_loc, seq_lens, scale=0.3)
+    np.testing.assert_allclose(got, np.asarray(engine), rtol=1e-5, atol=1e-6)
+
+
+def temp_bytes(num_tokens, max_requests, context_length, decode):
+    """XLA's scratch bytes for one compiled paged attention call at the engine's padded shapes."""
+    shapes = [
+        jax.ShapeDtypeStruct((num_tokens, HEADS, HEAD_DIM), jnp.float32),
+        jax.ShapeDtypeStruct((4096, 2 * KV_HEADS, HEAD_DIM), jnp.float32),
+        jax.ShapeDtypeStruct((max_requests * context_length,), jnp.int32),
+        jax.ShapeDtypeStruct((max_requests,), jnp.int32),
+    ]
+    if not decode:
+        shapes += [jax.ShapeDtypeStruct((max_requests,), jnp.int32)] * 2
+    fn = jax.jit(lambda *args: paged_attention(*args, num_heads=HEADS, num_kv_heads=KV_HEADS, scale=1.0))
+    return fn.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
+def test_working_memory_does_not_follow_padding_limits(decode):
+    tokens = 16 if decode else 256
+    small = temp_bytes(tokens, 16, 256, decode)
+    # 4096 x 32768 slots of cache_loc: the engine's attention would need 16 x 4 x 2^27 x 4 bytes.
+    large = temp_bytes(tokens, 16 if decode else 4096, 32768, decode)
+    assert large <= small * 1.1 + 65536, (small, large)
+
+
+def engine_forward_temp_bytes(model_dir, max_requests, context_length, paged=True):
+    config = tiny_worker_config(
+        model_dir, load_format="dummy", max_running_requests=max_requests, context_length=context_length
+    )
+    choice = contextlib.nullcontext() if paged else patches.engine_native_attention()
+    with choice, RolloutWorker(config) as worker:
+        prefill = worker.engine.forward_memory(256)
+        decode = worker.engine.forward_memory(8, decode=True)
+    return prefill.temp_bytes, decode.temp_bytes
+
+
+def test_engine_forward_memory_does_not_follow_padding_limits(qwen2_dir):
+    small = engine_forward_temp_bytes(qwen2_dir, 8, 256)
+    large = engine_forward_temp_bytes(qwen2_dir, 64, 1024)
+    for small_bytes, large_bytes in zip(small, large):
+        assert large_bytes <= small_bytes * 1.05 + 65536, (small, large)
+    # The engine's own attention at the large setting: logits against 64 x 1024 slots.
+    native = engine_forward_temp_bytes(qwen2_dir, 64, 1024, paged=False)
+    assert native[0] > 10 * large[0] and native[1] > 2 * large[1], (native, large)
+
+
+# ---- in the engine ---------------------------------------------------------------------------
+
+# One prompt longer than chunked_prefill_size (prefilled in 3 chunks) and short ones. Their
+# lengths are far enough apart that a row's sequence length names its request and step.
+ENGINE_PROMPTS = [list(range(3, 153)), [5, 17, 42], [100, 3] * 6, [250, 251, 7] * 7, [9] * 30]
+NEW_TOKENS = 6
+
+
+@contextlib.contextmanager
+def captured_forwards(worker):
+    """Logits of each real row by its sequence length, and the prefix lengths of each extend.
+
+    Rows are keyed by content, not by forward: how requests are batched depends on when they
+    reach the scheduler.
+    """
+    runner = worker.engine._model_runner
+    forward = runner.forward
+    logits, prefixes = {}, []
+
+    def capture(forward_batch, logits_metadata):
+        seq_lens = np.asarray(forward_batch.seq_lens)
+        real = seq_lens > 0
+        if forward_batch.extend_prefix_lens is not None:
+            prefixes.append(np.asarray(forward_batch.extend_prefix_lens)[real])
+        output, misses = forward(forward_batch, logits_metadata)
+        for seq_len, row in zip(seq_lens[real], np.asarray(output.next_token_logits)):
+            assert int(seq_len) not in logits
+            logits[int(seq_len)] = row
+        return output, misses
+
+    runner.forward = capture
+    try:
+        yield logits, prefixes
+    finally:
+        del runner.forward
+
+
+def generate_twice(model_dir, tp_size, baseline):
+    """Greedy completions, logits and extend prefixes of two identical generate calls."""
+    config = tiny_worker_config(model_dir, tp_size=tp_size, chunked_prefill_size=64, max_prefill_tokens=64)
+    calls = []
+    with contextlib.ExitStack() as stack:
+        if baseline:
+            stack.enter_context(patches.engine_native_attention())
+        worker = stack.enter_context(RolloutWorker(config))
+        # The second call finds every prompt in the prefix cache.
+        for _ in range(2):
+            with captured_forwards(worker) as (logits, prefixes):
+                batch = worker.generate(ENGINE_PROMPTS, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            calls.append((batch.completions, logits, prefixes))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "model_fixture, tp_size",
+    [("qwen2_dir", 2), ("qwen2_untied_dir", 1), ("qwen3_dir", 2)],
+    ids=["qwen2-tied-bias-gqa-tp2", "qwen2-untied-tp1", "qwen3-qknorm-mha-tp2"],
+)
+def test_engine_greedy_tokens_and_logits_match_native_attention(request, model_fixture, tp_size):
+    model_dir = request.getfixturevalue(model_fixture)
+    calls = generate_twice(model_dir, tp_size, baseline=False)
+    want_calls = generate_twice(model_dir, tp_size, baseline=True)
+    for (completions, logits, _), (want_completions, want_logits, _) in zip(calls, want_calls):
+        assert completions == want_completions
+        assert logits.keys() == want_logits.keys()
+        for seq_len, row in logits.items():
+            np.testing.assert_allclose(row, want_logits[seq_len], rtol=1e-4, atol=1e-4, err_msg=f"seq_len {seq_len}")
+    (first, _, first_prefixes), (second, _, second_prefixes) = calls
+    assert first == second
+    # Chunked prefill (later chunks of the long prompt) and prefix-cache hits really happened.
+    assert any(p.max() >= 64 for p in first_prefixes)
+    assert all(p.min() > 0 for p in second_prefixes)
