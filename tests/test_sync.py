@@ -121,7 +121,7 @@ def test_no_recompilation_after_sync(tp_worker, hf_flat):
 def test_same_layout_other_mesh_is_relabeled_without_copy(tp_worker, hf_flat):
     """A trainer mesh with its own axis names but the engine's device layout: zero copy."""
     engine_mesh = tp_worker.engine.mesh
-    trainer_mesh = Mesh(engine_mesh.devices.reshape(2, 2), ("fsdp", "model"))
+    trainer_mesh = Mesh(engine_mesh.devices.reshape(engine_mesh.shape["data"], engine_mesh.shape["tensor"]), ("fsdp", "model"))
     specs = {leaf.path: leaf for leaf in tp_worker.leaves}
     rename = {"data": "fsdp", "tensor": "model", None: None}
     placed = {}
