@@ -65,6 +65,7 @@ class GRPOConfig:
     dtype: str = "float32"
     kv_tokens: int = 4096
     tp_size: int = 1
+    dp_size: int = 1  # engines in the process, each on tp_size devices (dp_size x tp_size = devices)
     seed: int = 0
     checkpoint_every: int = 20
     resync: bool = True  # False: an ablation that keeps generating with the initial weights
@@ -243,7 +244,9 @@ def main(config: GRPOConfig) -> dict:
     worker = RolloutWorker(
         WorkerConfig(
             model_path=str(model_dir), dtype=config.dtype, load_format="dummy", tp_size=config.tp_size,
-            max_total_tokens=config.kv_tokens, context_length=config.max_prompt_tokens + config.max_new_tokens + 1,
+            dp_size=config.dp_size,
+            # The engine takes prompt + completion <= context_length - 2 tokens whole.
+            max_total_tokens=config.kv_tokens, context_length=config.max_prompt_tokens + config.max_new_tokens + 2,
             max_running_requests=config.prompts_per_step * config.group_size, seed=config.seed,
             max_prefill_tokens=max(4096, config.max_prompt_tokens * 8), chunked_prefill_size=4096,
         )
