@@ -269,5 +269,8 @@ def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["1", "2"]
     resumed = run_grpo(tmp_path / "run", *local, *cpu, "--steps", "3")
     assert [r["step"] for r in resumed] == [1, 2, 3]
-    assert resumed[2]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    # After two updates: Adam turns the float noise of zero-advantage gradients into steps of
+    # about the learning rate, so the policy drifts by a hair (1.3e-6 seen on jax 0.12); a wrong
+    # reference would be off by orders of magnitude more.
+    assert resumed[2]["ref_kl"] == pytest.approx(0.0, abs=1e-4)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "3"]
