@@ -45,6 +45,7 @@ from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineError, EngineHandle, GenerateOutput
+from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
 from .gate import EngineGate
 from .kv import KvReport, MemoryReport
 from .phase_log import PhaseLog
@@ -137,8 +138,7 @@ class RolloutWorker:
 
     @property
     def engines(self) -> tuple[EngineHandle, ...]:
-        if self._closed:
-            raise RuntimeError("the RolloutWorker is closed")
+        self._check_open()
         return tuple(self._engines)
 
     @property
@@ -460,7 +460,7 @@ class RolloutWorker:
         )
         for j, stop in enumerate(params.stop_token_ids):
             if stop >= self.vocab_size:
-                raise ValueError(f"stop_token_ids[{j}] = {stop} is outside [0, {self.vocab_size})")
+                raise InvalidRequest(f"stop_token_ids[{j}]", f"stop_token_ids[{j}] = {stop} is outside [0, {self.vocab_size})")
         engine = self.engine
         check_request_lengths(
             prompt_ids,
@@ -472,7 +472,7 @@ class RolloutWorker:
         )
         pad_to = arguments.get("pad_prompts_to")
         if pad_to is not None and max(map(len, prompt_ids)) > pad_to:
-            raise ValueError(f"a prompt has {max(map(len, prompt_ids))} tokens, more than pad_prompts_to={pad_to}")
+            raise InvalidRequest("pad_prompts_to", f"a prompt has {max(map(len, prompt_ids))} tokens, more than pad_prompts_to={pad_to}")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         call_seed = params.seed
         if call_seed is None:
@@ -542,11 +542,12 @@ class RolloutWorker:
     def _check_weights_alive(self) -> None:
         self._check_open()
         if self._stale_reason is not None:
-            raise RuntimeError(f"{self._stale_reason}: call worker.sync_params(params) before generate")
+            raise WorkerUnavailable(self._stale_reason, f"{self._stale_reason}: call worker.sync_params(params) before generate")
         for index, weights in enumerate(self._weights):
             dead = weights.dead_leaves()
             if dead:
-                raise RuntimeError(
+                raise WorkerUnavailable(
+                    f"the weights of engine {index} were freed",
                     f"the weights of engine {index} were freed ({len(dead)} leaves, e.g. '{dead[0]}'): "
                     "the trainer donated buffers the engine was using. Call worker.sync_params(params) "
                     "before generate."
@@ -554,7 +555,7 @@ class RolloutWorker:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the RolloutWorker is closed")
+            raise WorkerClosed()
 
     def _pack(self, request: _Request, outputs: list[GenerateOutput], version: int, compiles: int) -> RolloutBatch:
         params = request.params
@@ -602,9 +603,9 @@ class RolloutWorker:
         Returns the perturbed leaf paths and the new weight version."""
         weights = [leaf for leaf in self.leaves if not leaf.rng_state]
         if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
-            raise ValueError(f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
+            raise InvalidRequest("num_leaves", f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
         if not math.isfinite(scale):
-            raise ValueError(f"scale must be a finite number, got {scale!r}")
+            raise InvalidRequest("scale", f"scale must be a finite number, got {scale!r}")
         self._check_weights_alive()
         # Held from reading the leaves to the swap, so no sync lands in between and is undone.
         with self._sync_lock:
