@@ -3,35 +3,48 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 
 from .protocol import check_bearer, invalid
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import SharedState
 
 logger = logging.getLogger(__name__)
 
 
-def mount_admin(app: FastAPI, state: ServerState) -> None:
+class AdminState:
+    """What the admin routes own: one admin change at a time, run off the event loop."""
+
+    def __init__(self):
+        self.lock = asyncio.Lock()
+        # Admin work blocks (checkpoint reads, swaps that wait for running requests): it runs
+        # on a thread of its own.
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-admin")
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
     """The /admin routes; every one requires the admin token."""
     backend, token = state.backend, state.config.admin_token
+    router = APIRouter(prefix="/admin")
+    run = admin.run
 
     def authorize(request: Request) -> None:
         check_bearer(request, token, "admin token")
 
-    async def run(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(state.admin_executor, fn, *args)
-
-    @app.get("/admin/weights_checksum")
+    @router.get("/weights_checksum")
     async def weights_checksum(request: Request):
         authorize(request)
         return await run(backend.weights_checksum)
 
-    @app.post("/admin/perturb_weights")
+    @router.post("/perturb_weights")
     async def perturb_weights(request: Request):
         authorize(request)
         body = await state.read_json(request)
@@ -40,13 +53,13 @@ def mount_admin(app: FastAPI, state: ServerState) -> None:
             raise invalid("seed", f"'seed' must be an int >= 0, got {seed!r}")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise invalid("scale", f"'scale' must be a number, got {scale!r}")
-        async with state.admin_lock:
+        async with admin.lock:
             before = await run(backend.weights_checksum)
             report = await run(backend.perturb_weights, seed, float(scale), num_leaves)
             after = await run(backend.weights_checksum)
         return {**report, "checksum_before": before["checksum"], "checksum_after": after["checksum"]}
 
-    @app.post("/admin/reload_weights")
+    @router.post("/reload_weights")
     async def reload_weights(request: Request):
         authorize(request)
         body = await state.read_json(request)
@@ -57,28 +70,30 @@ def mount_admin(app: FastAPI, state: ServerState) -> None:
             raise invalid("format", f"'format' must be 'orbax' or 'hf', got {fmt!r}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or fmt != "orbax"):
             raise invalid("step", "'step' must be an int, and only with format 'orbax'")
-        async with state.admin_lock:
+        async with admin.lock:
             report = await run(backend.reload_weights, path, fmt, step)
         logger.info("reloaded weights from %s (%s): version %d", path, fmt, report["version"])
         return report
 
-    @app.post("/admin/drop_kv")
+    @router.post("/drop_kv")
     async def drop_kv(request: Request):
         authorize(request)
-        async with state.admin_lock:
+        async with admin.lock:
             report = await run(backend.drop_kv)
             state.kv_held = True
             return report
 
-    @app.post("/admin/rebuild_kv")
+    @router.post("/rebuild_kv")
     async def rebuild_kv(request: Request):
         authorize(request)
-        async with state.admin_lock:
+        async with admin.lock:
             report = await run(backend.rebuild_kv)
             state.kv_held = False
             return report
 
-    @app.get("/admin/memory")
+    @router.get("/memory")
     async def memory(request: Request):
         authorize(request)
         return await run(backend.memory)
+
+    return router

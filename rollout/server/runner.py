@@ -31,7 +31,7 @@ class Server:
         self._socket = socket.create_server((config.host, config.port))
         self.port = self._socket.getsockname()[1]
         app = build_app(backend, config)
-        self._state = app.state.server
+        self._closers = app.state.closers
         uvicorn_config = uvicorn.Config(
             app,
             log_config=None,
@@ -77,7 +77,8 @@ class Server:
         self._thread.join(timeout=self.config.drain_timeout_s + 30)
         if self._thread.is_alive():
             logger.warning("HTTP server thread on %s did not stop", self.url)
-        self._state.close()
+        for close in self._closers:
+            close()
         self._socket.close()
         logger.info("stopped serving on %s", self.url)
 

@@ -1,0 +1,73 @@
+"""What every route shares: the backend, the settings, and the request checks they all run."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import Request
+
+from .backend import Backend
+from .config import ServerConfig
+from .protocol import ApiError, check_bearer, invalid
+
+
+class SharedState:
+    """The backend and settings of one app, the served model's name, and whether the KV
+    cache is held dropped by the admin routes (which the generation routes answer 503 to)."""
+
+    def __init__(self, backend: Backend, config: ServerConfig):
+        self.backend, self.config = backend, config
+        self.model_name = config.served_model_name or backend.model_name
+        self.created = int(time.time())
+        self.kv_held = False  # /admin/drop_kv ran and /admin/rebuild_kv did not yet
+
+    def check_api_key(self, request: Request) -> None:
+        if self.config.api_key is not None:
+            check_bearer(request, self.config.api_key, "API key")
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is None:
+            raise invalid("model", "'model' is required")
+        self.check_model_name(model)
+
+    def check_model_name(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "sglang-jax-rollout"}
+
+    def unavailable_reason(self) -> str | None:
+        """Why generation requests get 503 now (None: they run). A KV cache dropped through
+        /admin/drop_kv stays dropped until rebuilt; one the worker dropped (a train step) is
+        rebuilt by the first generate once the worker allows generating again."""
+        reason = self.backend.unavailable_reason
+        if reason is None and self.kv_held and not self.backend.kv_present:
+            reason = "the KV cache was dropped through /admin/drop_kv"
+        return reason
+
+    def check_available(self) -> None:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise ApiError(503, f"generation is paused: {reason}; retry later", type="service_unavailable", code="weights_updating")
