@@ -35,6 +35,11 @@ class WorkerConfig(EngineOptions):
     # Serve a context_length beyond what the model's config.json supports (max_position_embeddings,
     # times a rope-scaling factor): positions past it were never trained and outputs degrade.
     allow_long_context: bool = False
+    # Admission limits of one generate call (LimitExceeded naming the setting; None: no limit):
+    # rows (prompts x n), and tokens (prompt + max_new_tokens, summed over rows), which bound
+    # the host memory and engine time one call can claim.
+    max_rows_per_call: int | None = 65536
+    max_tokens_per_call: int | None = 1 << 26
 
     def __post_init__(self):
         positive = ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "tp_size", "dp_size", "page_size")
@@ -42,6 +47,10 @@ class WorkerConfig(EngineOptions):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"WorkerConfig.{name} must be a positive int, got {value!r}")
+        for name in ("max_rows_per_call", "max_tokens_per_call"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"WorkerConfig.{name} must be a positive int or None, got {value!r}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"WorkerConfig.context_length must be >= 2, got {self.context_length}")
         if self.dtype not in ("bfloat16", "float32", "float16"):

@@ -23,11 +23,18 @@ class InvalidRequest(RolloutError, ValueError):
 
 class LimitExceeded(InvalidRequest):
     """A request asks for more than an admission limit allows: ``limit`` names the setting
-    (``WorkerConfig.max_rows_per_request``), ``value`` what was asked, ``maximum`` the limit."""
+    (``WorkerConfig.max_rows_per_call``), ``value`` what was asked (``what``: "rows (prompts
+    x n)"), ``maximum`` the limit."""
 
-    def __init__(self, field: str, limit: str, value: int, maximum: int):
-        super().__init__(field, f"{field}: the request asks for {value}, more than {limit}={maximum}")
+    def __init__(self, field: str, what: str, value: int, limit: str, maximum: int):
+        super().__init__(field, f"the request asks for {value} {what}, more than {limit}={maximum}")
         self.limit, self.value, self.maximum = limit, value, maximum
+
+
+def check_limit(field: str, what: str, value: int, limit: str, maximum: int | None) -> None:
+    """Raise :class:`LimitExceeded` when ``value`` is over ``maximum`` (None: no limit)."""
+    if maximum is not None and value > maximum:
+        raise LimitExceeded(field, what, value, limit, maximum)
 
 
 class WorkerUnavailable(RolloutError, RuntimeError):

@@ -15,11 +15,12 @@ import numpy as np
 
 from .errors import InvalidRequest
 
-# Seeds travel to the engine as int32.
+# Seeds travel to the engine as int32; a call's seed may be any int64 (row seeds derive from it).
 MAX_SAMPLING_SEED = 2**31 - 1
+CALL_SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
-def _as_int(name: str, value, *, minimum: int | None = None) -> int:
+def as_int(name: str, value, *, minimum: int | None = None) -> int:
     """An int (Python or numpy integer, not bool), or InvalidRequest naming ``name``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise InvalidRequest(name, f"{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -82,8 +83,8 @@ class SamplingParams:
 
     def __post_init__(self):
         set_ = object.__setattr__
-        set_(self, "n", _as_int("n", self.n, minimum=1))
-        set_(self, "max_new_tokens", _as_int("max_new_tokens", self.max_new_tokens, minimum=1))
+        set_(self, "n", as_int("n", self.n, minimum=1))
+        set_(self, "max_new_tokens", as_int("max_new_tokens", self.max_new_tokens, minimum=1))
         temperature = _as_float("temperature", self.temperature)
         if temperature < 0:
             raise InvalidRequest("temperature", f"temperature must be >= 0, got {temperature}")
@@ -92,7 +93,7 @@ class SamplingParams:
         if not 0 < top_p <= 1:
             raise InvalidRequest("top_p", f"top_p must be in (0, 1], got {top_p}")
         set_(self, "top_p", top_p)
-        top_k = _as_int("top_k", self.top_k)
+        top_k = as_int("top_k", self.top_k)
         if top_k < 1 and top_k != -1:
             raise InvalidRequest("top_k", f"top_k must be -1 (all tokens) or >= 1, got {top_k}")
         set_(self, "top_k", top_k)
@@ -105,9 +106,10 @@ class SamplingParams:
                 raise InvalidRequest(flag, f"{flag} must be a bool, got {getattr(self, flag)!r}")
             set_(self, flag, bool(getattr(self, flag)))
         if self.seed is not None:
-            seed = _as_int("seed", self.seed)
-            if not 0 <= seed <= MAX_SAMPLING_SEED:
-                raise InvalidRequest("seed", f"seed must be in [0, {MAX_SAMPLING_SEED}], got {seed}")
+            seed = as_int("seed", self.seed)
+            low, high = CALL_SEED_RANGE
+            if not low <= seed <= high:
+                raise InvalidRequest("seed", f"seed must be an int64 (in [{low}, {high}]), got {seed}")
             set_(self, "seed", seed)
         stop = self.stop_token_ids
         if stop is None:
@@ -116,7 +118,7 @@ class SamplingParams:
             raise InvalidRequest("stop_token_ids", f"stop_token_ids must be a list of token ids, got {stop!r}")
         ids = []
         for j, value in enumerate(stop):
-            ids.append(_as_int(f"stop_token_ids[{j}]", value, minimum=0))
+            ids.append(as_int(f"stop_token_ids[{j}]", value, minimum=0))
         set_(self, "stop_token_ids", tuple(ids))
 
     @property
@@ -131,7 +133,7 @@ def row_seeds(seed: int, num_prompts: int, n: int, *, first_prompt: int = 0) -> 
     seeds = np.empty((num_prompts, n), dtype=np.int64)
     for i in range(num_prompts):
         for j in range(n):
-            word = np.random.SeedSequence([seed, first_prompt + i, j]).generate_state(1, dtype=np.uint32)[0]
+            word = np.random.SeedSequence([seed % 2**64, first_prompt + i, j]).generate_state(1, dtype=np.uint32)[0]
             seeds[i, j] = int(word) & MAX_SAMPLING_SEED
     return seeds
 
@@ -154,13 +156,34 @@ def prompt_token_ids(prompts, *, vocab_size: int, tokenizer=None, model_path: st
                     f"prompts[{i}] is a string but the model directory {model_path} has no "
                     "tokenizer: pass token ids"
                 )
-            tokens = list(tokenizer.encode(prompt, add_special_tokens=False))
+            tokens = encode_text(tokenizer, prompt, f"prompts[{i}]")
         else:
             tokens = list(token_id_list(f"prompts[{i}]", prompt, vocab_size))
         if not tokens:
             raise InvalidRequest(f"prompts[{i}]", f"prompts[{i}] is empty")
         ids.append(tokens)
     return ids
+
+
+def encode_text(tokenizer, text: str, field: str) -> list[int]:
+    """``text``'s token ids; text that is not valid Unicode (a lone surrogate, which JSON's
+    ``\\ud800`` escape can carry) is an error naming ``field``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(field, f"{field} is not valid Unicode: {exc.reason} at character {exc.start}") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def pad_width(value, prompt_ids: Sequence[Sequence[int]]) -> int | None:
+    """``pad_prompts_to`` checked: None, or an int at least the longest prompt."""
+    if value is None:
+        return None
+    width = as_int("pad_prompts_to", value, minimum=1)
+    longest = max(map(len, prompt_ids))
+    if longest > width:
+        raise InvalidRequest("pad_prompts_to", f"a prompt has {longest} tokens, more than pad_prompts_to={width}")
+    return width
 
 
 def check_request_lengths(

@@ -5,8 +5,9 @@
         [--served-model-name NAME] [--max-total-tokens N --tp-size N ...]
 
 Every ``ServerConfig`` and ``WorkerConfig`` field is a flag (engine settings; ``--devices 0,1`` are indices into
-``jax.local_devices()``, lists are comma-separated). The admin token may come from the
-``ROLLOUT_ADMIN_TOKEN`` environment variable instead (kept out of the process list). SIGINT or
+``jax.local_devices()``, lists are comma-separated). The admin token and the API key may come
+from the ``ROLLOUT_ADMIN_TOKEN`` and ``ROLLOUT_API_KEY`` environment variables instead (kept out
+of the process list). SIGINT or
 SIGTERM drain running requests, stop the server and the engine.
 """
 
@@ -25,6 +26,7 @@ from .server import ServerConfig, start_server
 from .worker import RolloutWorker
 
 ADMIN_TOKEN_ENV = "ROLLOUT_ADMIN_TOKEN"
+API_KEY_ENV = "ROLLOUT_API_KEY"
 
 
 def _flag_type(hint):
@@ -57,6 +59,7 @@ def parse_args(argv=None) -> tuple[WorkerConfig, ServerConfig, str]:
 
     server = values(ServerConfig)
     server.setdefault("admin_token", os.environ.get(ADMIN_TOKEN_ENV) or None)
+    server.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
     worker = values(WorkerConfig)
     if "devices" in worker:  # given as indices into jax.local_devices()
         local = jax.local_devices()

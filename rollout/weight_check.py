@@ -39,8 +39,20 @@ def weights_checksum(paths: Sequence[str], leaves: Sequence[jax.Array]) -> str:
 def perturbed(leaf: jax.Array, seed: int, index: int, scale: float) -> jax.Array:
     """``leaf + scale * normal(fold_in(key(seed), index))`` with the leaf's dtype and sharding."""
 
+    with np.errstate(over="ignore"):  # a scale beyond float32 is inf: the caller's finiteness check refuses it
+        factor = np.float32(scale)
+
     def add_noise(x):
         noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), x.shape, jnp.float32)
-        return (x.astype(jnp.float32) + np.float32(scale) * noise).astype(x.dtype)
+        return (x.astype(jnp.float32) + factor * noise).astype(x.dtype)
 
     return jax.jit(add_noise, out_shardings=leaf.sharding)(leaf)
+
+
+_all_finite_jit = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
+
+
+def non_finite(paths: Sequence[str], leaves: Sequence[jax.Array]) -> list[str]:
+    """The paths of the leaves holding a NaN or an inf."""
+    flags = jax.device_get([_all_finite_jit(leaf) for leaf in leaves])
+    return [path for path, ok in zip(paths, flags) if not ok]

@@ -44,7 +44,7 @@ from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineHandle, GenerateOutput
-from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
+from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable, check_limit
 from .gate import EngineGate
 from .group import EngineGroup, merge
 from .kv import KvReport, MemoryReport
@@ -52,12 +52,17 @@ from .phase_log import PhaseLog
 from .sampling import (
     MAX_SAMPLING_SEED,
     SamplingParams,
+    as_int,
     check_request_lengths,
+    pad_width,
     prompt_token_ids,
     row_seeds,
 )
 
 logger = logging.getLogger(__name__)
+
+# jax.random.key takes any int64; the admin route's seed is a non-negative one.
+MAX_PERTURB_SEED = 2**63 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +168,11 @@ class RolloutWorker:
         return self.engine.context_length
 
     @property
+    def max_request_tokens(self) -> int:
+        """Most prompt + new tokens one row may have (the engine's limit)."""
+        return self.engine.max_request_tokens
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
@@ -238,26 +248,32 @@ class RolloutWorker:
         replicated across engines); the others (transposed; k/v projections, whose heads the
         engine may repeat) are replicated, and the sync transforms them.
         """
+        self._check_open()
         return unflatten_params(self._group.param_shardings())
 
-    def load_hf(self, model_dir) -> SyncReport:
+    def load_hf(self, model_dir, *, check_finite: bool = True) -> SyncReport:
         """Serve the weights of an HF safetensors directory (single file or sharded with an
-        index json), through the same plan as ``sync_params``. On error nothing changes."""
-        return self._sync(load_hf_params(model_dir, dtype=None), allow_cast=True, check_finite=False, reason="weights are being reloaded")
+        index json), through the same plan as ``sync_params`` (NaN/inf refused unless
+        ``check_finite=False``). On error nothing changes."""
+        self._check_open()
+        params = load_hf_params(model_dir, dtype=None)
+        return self._sync(params, allow_cast=True, check_finite=check_finite, reason="weights are being reloaded")
 
-    def load_checkpoint(self, path, step: int | None = None) -> SyncReport:
+    def load_checkpoint(self, path, step: int | None = None, *, check_finite: bool = True) -> SyncReport:
         """Serve a trainer param tree saved with orbax: a ``StandardCheckpointer`` directory,
         or a ``CheckpointManager`` root (latest step, or ``step``).
 
         Leaves the engines can use as they are restored straight into the engines' dtype and
         sharding and then aliased; the others are restored replicated and transformed on
-        device. No host copy of the tree is made. On error nothing changes.
+        device. No host copy of the tree is made. NaN/inf weights are refused as by
+        ``sync_params`` (``check_finite=False`` skips that read). On error nothing changes.
         """
+        self._check_open()
         item_dir = resolve_checkpoint(path, step)
         saved, wrapped = saved_layout(item_dir)
         targets = self._group.checkpoint_targets(saved, item_dir)
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
-        return self._sync(restored, allow_cast=True, check_finite=False, reason="weights are being reloaded")
+        return self._sync(restored, allow_cast=True, check_finite=check_finite, reason="weights are being reloaded")
 
     def replace_engine_leaves(self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str) -> int:
         """Swap engine-owned arrays in by leaf index, one mapping per engine (same shapes,
@@ -392,6 +408,8 @@ class RolloutWorker:
         """Stream completions as tokens arrive: one :class:`StreamChunk` per row update
         (the new tokens since that row's last chunk), and a last chunk per row carrying its
         ``finish_reason``. Takes :meth:`generate`'s arguments except ``pad_prompts_to``."""
+        if "pad_prompts_to" in options:
+            raise TypeError("astream() got an unexpected keyword argument 'pad_prompts_to': streamed rows are not padded")
         request = self._request(prompts, {"self": self, "prompts": prompts, **options})
         await self._aadmit()
         try:
@@ -435,6 +453,11 @@ class RolloutWorker:
         prompt_ids = prompt_token_ids(
             prompts, vocab_size=self.vocab_size, tokenizer=self._tokenizer, model_path=self.config.model_path
         )
+        config = self.config
+        rows = len(prompt_ids) * params.n
+        check_limit("n", "rows (prompts x n)", rows, "WorkerConfig.max_rows_per_call", config.max_rows_per_call)
+        tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
+        check_limit("prompts", "tokens (prompt + max_new_tokens, over every row)", tokens, "WorkerConfig.max_tokens_per_call", config.max_tokens_per_call)
         for j, stop in enumerate(params.stop_token_ids):
             if stop >= self.vocab_size:
                 raise InvalidRequest(f"stop_token_ids[{j}]", f"stop_token_ids[{j}] = {stop} is outside [0, {self.vocab_size})")
@@ -447,9 +470,7 @@ class RolloutWorker:
             max_prompt_tokens=engine.max_prompt_tokens,
             kv_pool_tokens=engine.kv_pool_tokens,
         )
-        pad_to = arguments.get("pad_prompts_to")
-        if pad_to is not None and max(map(len, prompt_ids)) > pad_to:
-            raise InvalidRequest("pad_prompts_to", f"a prompt has {max(map(len, prompt_ids))} tokens, more than pad_prompts_to={pad_to}")
+        pad_to = pad_width(arguments.get("pad_prompts_to"), prompt_ids)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         call_seed = params.seed
         if call_seed is None:
@@ -546,11 +567,15 @@ class RolloutWorker:
             report["per_engine"] = checksums
         return report
 
-    def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict:
+    def perturb_weights(self, seed: int, scale: float, num_leaves: int, *, check_finite: bool = True) -> dict:
         """Add ``scale * normal(key(seed, i))`` to the first ``num_leaves`` weight leaves (engine
         order), on every engine: a deterministic weight update for testing the update path.
-        Returns the perturbed leaf paths and the new weight version."""
+        Perturbed weights that are not finite are refused as by ``sync_params`` (the previous
+        weights keep serving). Returns the perturbed leaf paths and the new weight version."""
         weights = [leaf for leaf in self.leaves if not leaf.rng_state]
+        seed = as_int("seed", seed, minimum=0)
+        if seed > MAX_PERTURB_SEED:
+            raise InvalidRequest("seed", f"seed must be in [0, {MAX_PERTURB_SEED}], got {seed}")
         if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
             raise InvalidRequest("num_leaves", f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
         if not math.isfinite(scale):
@@ -564,8 +589,13 @@ class RolloutWorker:
                 new_leaves.append(
                     {}
                     if arrays is None
-                    else {w.index: weight_check.perturbed(arrays[w.index], int(seed), i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
+                    else {w.index: weight_check.perturbed(arrays[w.index], seed, i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
                 )
+            if check_finite:
+                perturbed = new_leaves[0]
+                bad = weight_check.non_finite([w.path for w in weights[:num_leaves]], [perturbed[w.index] for w in weights[:num_leaves]])
+                if bad:
+                    raise InvalidRequest("scale", f"the perturbation makes weights non-finite (nan/inf) in: {', '.join(bad[:8])}")
             version = self.replace_engine_leaves(new_leaves, "weights are being perturbed")
         return {"leaves": [w.path for w in weights[:num_leaves]], "weight_version": version}
 
@@ -573,6 +603,7 @@ class RolloutWorker:
         """Serve this worker over HTTP (OpenAI-compatible and admin routes) from this process;
         ``options`` are :class:`rollout.server.ServerConfig` fields. Returns the started
         :class:`rollout.server.Server` (``url``, ``close()``)."""
+        self._check_open()
         # Imported here so that FastAPI loads only when serving.
         from .server import ServerConfig, start_server
 

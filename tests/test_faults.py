@@ -1,16 +1,28 @@
 """The worker and the server under faults and impolite clients (issue 19): typed errors and
 their statuses, admission limits, NaN on every load path, OpenAI conformance details."""
 
+import asyncio
+import json
 import logging
+import re
+from pathlib import Path
 
 import httpx
+import jax
+import numpy as np
+import openai
+import orbax.checkpoint as ocp
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from models.tiny import TinyModelSpec, write_tiny_model
 from rollout import RolloutWorker
-from rollout.errors import InvalidRequest, WorkerClosed, WorkerUnavailable
+from rollout.errors import InvalidRequest, LimitExceeded, WorkerClosed, WorkerUnavailable
 from rollout.server import Server, ServerConfig, WorkerBackend
 from tests.helpers import tiny_worker_config
+from trainer_bridge import SyncError, load_hf_params
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 PROMPT = [5, 17, 42, 8]
 ADMIN_TOKEN = "admin-faults"
@@ -30,7 +42,8 @@ def worker(chat_dir):
 
 @pytest.fixture(scope="module")
 def server(worker):
-    with worker.serve(admin_token=ADMIN_TOKEN, served_model_name="tiny") as s:
+    limits = dict(max_prompts_per_request=64, max_rows_per_request=128, max_tokens_per_request=4096)
+    with worker.serve(admin_token=ADMIN_TOKEN, served_model_name="tiny", **limits) as s:
         yield s
 
 
@@ -85,3 +98,272 @@ def test_an_unknown_error_is_a_500_with_a_request_id_never_a_503(worker, caplog)
     assert error["type"] == "server_error" and "KV rebuild failed" in error["message"]
     request_id = error["message"].split("request id ")[1].split(")")[0]
     assert any(request_id in record.getMessage() for record in caplog.records)
+
+
+# ---- API misuse ----------------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_clear_errors(worker):
+    with pytest.raises(InvalidRequest) as pad:
+        worker.generate([PROMPT], pad_prompts_to="x")
+    assert pad.value.field == "pad_prompts_to"
+
+    async def stream_padded():
+        async for _ in worker.astream([PROMPT], pad_prompts_to=8):
+            pass
+
+    with pytest.raises(TypeError, match="pad_prompts_to"):
+        asyncio.run(stream_padded())
+    with pytest.raises(InvalidRequest) as surrogate:
+        worker.generate(["ok", "\ud800abc"])
+    assert surrogate.value.field == "prompts[1]" and "Unicode" in str(surrogate.value)
+
+
+def test_a_closed_worker_says_so_everywhere(qwen2_dir):
+    worker = RolloutWorker(tiny_worker_config(qwen2_dir))
+    server = worker.serve()
+    try:
+        worker.close()
+        body = {"model": qwen2_dir.name, "prompt": PROMPT, "max_tokens": 2}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "worker_closed" and "retry-after" not in response.headers
+        assert httpx.get(server.url + "/ready").status_code == 503
+        with pytest.raises(WorkerClosed):
+            worker.param_shardings()
+        with pytest.raises(WorkerClosed):
+            worker.serve()
+        with pytest.raises(WorkerClosed):
+            worker.load_hf(qwen2_dir)
+    finally:
+        server.close()
+
+
+# ---- admission limits ----------------------------------------------------------------------------
+
+
+def test_admission_limits_refuse_oversized_calls(worker):
+    with pytest.raises(LimitExceeded) as rows:
+        worker.generate([PROMPT], n=100_000, max_new_tokens=1)
+    assert rows.value.limit == "WorkerConfig.max_rows_per_call" and rows.value.value == 100_000
+    defaults = ServerConfig()
+    assert (defaults.max_prompts_per_request, defaults.max_rows_per_request) == (256, 1024)
+
+
+@pytest.mark.parametrize(
+    "body,limit",
+    [
+        ({"prompt": [[5, 6]] * 1000, "n": 128, "max_tokens": 1}, "ServerConfig.max_prompts_per_request"),
+        ({"prompt": [[5, 6]] * 2, "n": 100, "max_tokens": 1}, "ServerConfig.max_rows_per_request"),
+        ({"prompt": PROMPT, "n": 16, "max_tokens": 255, "ignore_eos": True}, "ServerConfig.max_tokens_per_request"),
+    ],
+    ids=["prompts", "rows", "tokens"],
+)
+def test_admission_limits_answer_413_naming_the_limit(http, body, limit):
+    response = http.post("/v1/completions", json={"model": "tiny", **body})
+    assert response.status_code == 413, response.text
+    assert limit in response.json()["error"]["message"]
+    assert complete(http).status_code == 200
+
+
+# ---- NaN on every load path ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nan_sources(chat_dir, tmp_path_factory):
+    """The chat model's weights with one NaN: an orbax checkpoint and an HF directory."""
+    root = tmp_path_factory.mktemp("nan")
+    params = load_hf_params(chat_dir)
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    path, value = flat[-1]
+    broken = np.array(value, copy=True)
+    broken.reshape(-1)[0] = np.nan
+    params = jax.tree_util.tree_map_with_path(lambda p, v: broken if p == path else v, params)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(root / "ckpt", jax.tree_util.tree_map(jax.device_put, params))
+    checkpointer.wait_until_finished()
+    hf = root / "hf"
+    hf.mkdir()
+    for file in chat_dir.iterdir():
+        if file.suffix != ".safetensors":
+            (hf / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(chat_dir / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].copy()
+    tensors[name].reshape(-1)[0] = np.nan
+    save_file(tensors, hf / "model.safetensors")
+    return root / "ckpt", hf
+
+
+def checksum(http) -> str:
+    response = http.get("/admin/weights_checksum", headers=ADMIN)
+    assert response.status_code == 200, response.text
+    return response.json()["checksum"]
+
+
+def test_nan_weights_are_refused_on_every_load_path(worker, http, nan_sources, chat_dir):
+    ckpt, hf = nan_sources
+    before, version = checksum(http), worker.weight_version
+    with pytest.raises(SyncError, match="non-finite"):
+        worker.load_checkpoint(ckpt)
+    with pytest.raises(SyncError, match="non-finite"):
+        worker.load_hf(hf)
+    for body in ({"path": str(ckpt), "format": "orbax"}, {"path": str(hf), "format": "hf"}):
+        response = http.post("/admin/reload_weights", json=body, headers=ADMIN)
+        assert response.status_code == 400 and "non-finite" in response.json()["error"]["message"], response.text
+    inf = http.post("/admin/perturb_weights", json={"seed": 1, "scale": 1e308, "num_leaves": 2}, headers=ADMIN)
+    assert inf.status_code == 400 and inf.json()["error"]["param"] == "scale", inf.text
+    assert checksum(http) == before and worker.weight_version == version
+    assert complete(http).status_code == 200
+    # The opt-out, as for sync_params.
+    worker.load_hf(hf, check_finite=False)
+    assert checksum(http) != before
+    worker.load_hf(chat_dir)
+    assert checksum(http) == before
+
+
+# ---- statuses --------------------------------------------------------------------------------------
+
+
+def test_former_500s_are_4xx(http):
+    surrogate = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\\ud800abc"}', headers={"Content-Type": "application/json"})
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt", surrogate.text
+    chat = http.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', headers={"Content-Type": "application/json"})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+    seed = http.post("/admin/perturb_weights", json={"seed": 2**70, "scale": 0.1}, headers=ADMIN)
+    assert seed.status_code == 400 and seed.json()["error"]["param"] == "seed", seed.text
+
+
+def test_reloads_outside_the_reload_root_are_refused(worker, chat_dir, tmp_path):
+    with worker.serve(admin_token=ADMIN_TOKEN, reload_root=str(tmp_path)) as server:
+        for path in (str(chat_dir), str(tmp_path / ".." / chat_dir.name), "/etc/nope"):
+            response = httpx.post(server.url + "/admin/reload_weights", json={"path": path, "format": "hf"}, headers=ADMIN, timeout=60)
+            assert response.status_code == 403 and response.json()["error"]["code"] == "outside_reload_root", response.text
+
+
+# ---- OpenAI conformance ------------------------------------------------------------------------------
+
+
+def test_request_fields_as_openai_defines_them(http):
+    assert http.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert http.get("/v1/models/gpt-9").status_code == 404
+    bad_usage = complete(http, stream=True, stream_options={"include_usage": "x"})
+    assert bad_usage.status_code == 400 and bad_usage.json()["error"]["param"] == "stream_options"
+    not_streamed = complete(http, stream_options={"include_usage": True})
+    assert not_streamed.status_code == 400 and not_streamed.json()["error"]["param"] == "stream_options"
+    for seed in (-1, 2**40, -(2**63), 2**63 - 1):
+        first = complete(http, seed=seed, max_tokens=6, ignore_eos=True)
+        assert first.status_code == 200, first.text
+        assert complete(http, seed=seed, max_tokens=6, ignore_eos=True).json()["choices"][0]["token_ids"] == first.json()["choices"][0]["token_ids"]
+
+
+def sse(response: httpx.Response) -> list[dict]:
+    events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_streamed_usage_is_null_until_the_last_chunk(http):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        chunks = sse(response)
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == sum(len(c["choices"][0].get("token_ids", [])) for c in chunks[:-1] if c["choices"])
+
+
+def test_chat_logprob_bytes_are_each_tokens_own(http, worker):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 48, "temperature": 1.0, "seed": 4, "n": 2, "logprobs": True, "ignore_eos": True}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    special = set(worker.tokenizer.all_special_ids)
+    partial = 0
+    for choice in response.json()["choices"]:
+        entries = [e for e, t in zip(choice["logprobs"]["content"], choice["token_ids"]) if t not in special]
+        joined = b"".join(bytes(e["bytes"]) for e in entries)
+        assert joined.decode("utf-8", errors="replace") == choice["message"]["content"]
+        partial += sum(1 for e in entries if bytes(e["bytes"]) and not _valid_utf8(bytes(e["bytes"])))
+    assert partial > 0  # the check saw tokens that hold part of a character
+
+
+def _valid_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def streamed(http, body) -> dict:
+    """A streamed completion's choice 0 put together: text, token ids, log-probs, offsets, usage."""
+    result = {"text": "", "token_ids": None, "logprobs": [], "text_offset": [], "tokens": [], "finish_reason": None}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200
+        for chunk in sse(response):
+            if chunk["usage"] is not None:
+                result["usage"] = chunk["usage"]
+            for choice in chunk["choices"]:
+                result["text"] += choice["text"]
+                if choice["logprobs"]:
+                    result["logprobs"] += choice["logprobs"]["token_logprobs"]
+                    result["text_offset"] += choice["logprobs"]["text_offset"]
+                    result["tokens"] += choice["logprobs"]["tokens"]
+                result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
+                result["token_ids"] = choice.get("token_ids", result["token_ids"])
+    return result
+
+
+def test_streamed_text_offsets_match_the_non_streamed(http):
+    body = {"model": "tiny", "prompt": "1+2=", "max_tokens": 24, "temperature": 1.0, "seed": 11, "ignore_eos": True, "logprobs": 0}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    offsets = plain["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] > 0
+    stream = streamed(http, body)
+    assert stream["text_offset"] == offsets
+    assert stream["text"] == plain["text"]
+
+
+def test_a_stop_string_cuts_every_field_alike_streamed_or_not(http, worker):
+    body = {"model": "tiny", "prompt": "1+2=", "max_tokens": 32, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]
+    tokenizer = worker.tokenizer
+    # A stop string spanning two tokens, well inside the completion.
+    texts = [tokenizer.decode(full["token_ids"][:k], skip_special_tokens=True) for k in range(len(full["token_ids"]) + 1)]
+    k = next(k for k in range(4, len(texts) - 2) if len(texts[k]) > len(texts[k - 1]) and len(texts[k + 1]) > len(texts[k]))
+    stop = texts[k + 1][len(texts[k]) - 1 :]
+    cut_at = full["text"].index(stop)
+    request = {**body, "stop": [stop]}
+    plain = http.post("/v1/completions", json=request).json()
+    choice = plain["choices"][0]
+    assert choice["text"] == full["text"][:cut_at] and choice["finish_reason"] == "stop"
+    kept = choice["token_ids"]
+    assert tokenizer.decode(kept, skip_special_tokens=True).startswith(choice["text"])
+    assert len(tokenizer.decode(kept[:-1], skip_special_tokens=True)) < len(choice["text"])  # no token past the text
+    assert len(choice["logprobs"]["token_logprobs"]) == len(kept) == plain["usage"]["completion_tokens"]
+    stream = streamed(http, request)
+    assert (stream["text"], stream["token_ids"], stream["finish_reason"]) == (choice["text"], kept, "stop")
+    assert stream["logprobs"] == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-6)
+    assert stream["text_offset"] == choice["logprobs"]["text_offset"]
+    assert stream["usage"]["completion_tokens"] == len(kept)
+
+
+# ---- the README's examples, as written ---------------------------------------------------------------
+
+
+def readme_block(after: str, language: str) -> str:
+    text = README.read_text()
+    start = text.index(f"```{language}\n", text.index(after)) + len(language) + 4
+    return text[start : text.index("```", start)]
+
+
+def test_the_readme_client_example_runs_as_written(worker, capsys):
+    code = readme_block("## HTTP server", "python")
+    port = int(re.search(r"127\.0\.0\.1:(\d+)", code).group(1))
+    name = re.search(r'model="([^"]+)"', code).group(1)
+    try:
+        server = worker.serve(port=port, served_model_name=name)
+    except OSError:
+        pytest.skip(f"port {port} of the README's example is in use")
+    with server:
+        exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.strip()

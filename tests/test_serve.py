@@ -343,7 +343,7 @@ BAD_REQUESTS = [
     ("top_p zero", {"model": "tiny", "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     ("n zero", {"model": "tiny", "prompt": PROMPT, "n": 0}, 400, "n"),
     ("n a string", {"model": "tiny", "prompt": PROMPT, "n": "2"}, 400, "n"),
-    ("seed negative", {"model": "tiny", "prompt": PROMPT, "seed": -1}, 400, "seed"),
+    ("seed beyond int64", {"model": "tiny", "prompt": PROMPT, "seed": 2**63}, 400, "seed"),
     ("token id outside vocab", {"model": "tiny", "prompt": [5, 100000]}, 400, "prompt"),
     ("negative token id", {"model": "tiny", "prompt": [-3, 5]}, 400, "prompt"),
     ("unsupported logprobs", {"model": "tiny", "prompt": PROMPT, "logprobs": 2}, 400, "logprobs"),

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 
 from fastapi import APIRouter, Request
 
-from .protocol import check_bearer, invalid
+from .protocol import ApiError, check_bearer, invalid
 from .state import SharedState
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
             raise invalid("format", f"'format' must be 'orbax' or 'hf', got {fmt!r}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or fmt != "orbax"):
             raise invalid("step", "'step' must be an int, and only with format 'orbax'")
+        root = state.config.reload_root
+        if root is not None and not _is_under(path, root):
+            raise ApiError(403, f"'path' is outside the reload root ({root}): refused", param="path", type="permission_error", code="outside_reload_root")
         async with admin.lock:
             report = await run(backend.reload_weights, path, fmt, step)
         logger.info("reloaded weights from %s (%s): version %d", path, fmt, report["version"])
@@ -97,3 +101,10 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         return await run(backend.memory)
 
     return router
+
+
+def _is_under(path: str, root: str) -> bool:
+    """Whether ``path`` resolves (symlinks and ``..`` followed) inside ``root``; checked before
+    anything is read, so an outside path's existence is not revealed either."""
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, real_root]) == real_root

@@ -21,6 +21,7 @@ class Backend(Protocol):
     model_name: str  # the default served model name
     tokenizer: Any  # an HF tokenizer, or None (token-id prompts only)
     context_length: int
+    max_request_tokens: int  # prompt + completion tokens one request may have
     weight_version: int
     unavailable_reason: str | None  # why a generate cannot start now (None: it can)
     kv_present: bool  # False while the KV cache is dropped
@@ -49,6 +50,10 @@ class WorkerBackend:
     @property
     def context_length(self) -> int:
         return self.worker.context_length
+
+    @property
+    def max_request_tokens(self) -> int:
+        return self.worker.max_request_tokens
 
     @property
     def weight_version(self) -> int:

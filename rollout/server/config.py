@@ -23,6 +23,15 @@ class ServerConfig:
     retry_after_s: int = 1  # the Retry-After of a 503 while weights or KV are changing
     drain_timeout_s: float = 30.0  # how long close() lets running requests finish
     keep_alive_s: float = 75.0  # idle keep-alive connections are closed after this
+    # Admission limits of one generation request (413 naming the limit; None: no limit): the
+    # prompts, the rows (prompts x n) and the tokens (prompt + max_tokens over every row) it
+    # may ask for; they bound the memory and engine time one request claims.
+    max_prompts_per_request: int | None = 256
+    max_rows_per_request: int | None = 1024
+    max_tokens_per_request: int | None = 1 << 20
+    # Admin reloads read only paths under this directory (403 otherwise); None: any path the
+    # process can read.
+    reload_root: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -31,5 +40,9 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"ServerConfig.{name} must be a non-empty string or None")
+        for name in ("max_prompts_per_request", "max_rows_per_request", "max_tokens_per_request"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ServerConfig.{name} must be a positive int or None, got {value!r}")
         if self.max_body_bytes < 1 or self.retry_after_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("ServerConfig.max_body_bytes must be >= 1, retry_after_s and drain_timeout_s >= 0")

@@ -7,7 +7,7 @@ import hmac
 import math
 from typing import Any
 
-from ..sampling import MAX_SAMPLING_SEED
+from ..sampling import CALL_SEED_RANGE
 
 MAX_N = 128
 MAX_STOP_STRINGS = 4
@@ -98,9 +98,15 @@ def _common(body: dict, prompts: list, prompt_field: str, max_tokens: int | None
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream", f"'stream' must be a boolean, got {stream!r}")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise invalid("stream_options", "'stream_options' is only allowed with 'stream': true")
+    options = options or {}
     if not isinstance(options, dict):
         raise invalid("stream_options", "'stream_options' must be an object")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid("stream_options", f"'stream_options.include_usage' must be a boolean, got {include_usage!r}")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise invalid("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
@@ -113,10 +119,10 @@ def _common(body: dict, prompts: list, prompt_field: str, max_tokens: int | None
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        seed=_int(body, "seed", None, 0, MAX_SAMPLING_SEED),
+        seed=_int(body, "seed", None, *CALL_SEED_RANGE),
         stop=_stop(body),
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=include_usage,
         ignore_eos=ignore_eos,
     )
 

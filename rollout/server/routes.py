@@ -37,6 +37,12 @@ def openai_router(state: SharedState) -> APIRouter:
         state.check_api_key(request)
         return {"object": "list", "data": [state.model_card()]}
 
+    @router.get("/models/{model:path}")
+    async def model(request: Request, model: str):
+        state.check_api_key(request)
+        state.check_model_name(model)
+        return state.model_card()
+
     @router.post("/completions")
     async def create_completion(request: Request):
         return await completions.handle(request)

@@ -4,6 +4,8 @@ log-probs are laid out."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -13,10 +15,12 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..errors import check_limit
+from ..sampling import encode_text
 from .errors import api_error
 from .protocol import GenerationRequest, chat_messages, chat_request, completion_request, invalid
 from .state import SharedState
-from .text import IncrementalText, stop_index
+from .text import IncrementalText, TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,8 @@ class Serving:
     def __init__(self, state: SharedState):
         self.state = state
         self.backend = state.backend
+        tokenizer = state.backend.tokenizer
+        self.token_bytes = TokenBytes(tokenizer) if tokenizer is not None else None
 
     # ---- what subclasses define ----------------------------------------------------------------
 
@@ -52,7 +58,8 @@ class Serving:
         """Choices sent before any text (one event each)."""
         return []
 
-    def logprobs_body(self, tokens: list[str], values: list[float]) -> dict:
+    def logprobs_body(self, ids: list[int], values: list[float], offsets: list[int]) -> dict:
+        """The log-probs object of tokens ``ids`` whose texts start at ``offsets``."""
         raise NotImplementedError
 
     # ---- the route -----------------------------------------------------------------------------
@@ -66,8 +73,13 @@ class Serving:
     async def respond(self, request: Request, req: GenerationRequest) -> Response:
         request.state.prompt_field = req.prompt_field
         self.state.check_available()
+        config = self.state.config
+        check_limit(req.prompt_field, "prompts", len(req.prompts), "ServerConfig.max_prompts_per_request", config.max_prompts_per_request)
+        check_limit("n", "rows (prompts x n)", len(req.prompts) * req.n, "ServerConfig.max_rows_per_request", config.max_rows_per_request)
         prompts = self.prompt_ids(req)
         sampling = self.sampling(req, prompts)
+        tokens = req.n * sum(len(p) + sampling["max_new_tokens"] for p in prompts)
+        check_limit("max_tokens", "tokens (prompt + max_tokens, over every row)", tokens, "ServerConfig.max_tokens_per_request", config.max_tokens_per_request)
         base = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.state.model_name}
         if req.stream:
             chunks = self.backend.stream(prompts, **sampling)
@@ -77,27 +89,34 @@ class Serving:
             headers = {WEIGHT_VERSION_HEADER: str(first.weight_version), "Cache-Control": "no-cache"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
-        batch = await self.backend.generate(prompts, **sampling)
-        request.state.tokens = (sum(map(len, batch.prompts)), int(batch.completion_lengths.sum()))
-        choices = []
+        batch = await _unless_disconnected(request, self.backend.generate(prompts, **sampling))
+        if batch is None:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        choices, completion_tokens = [], 0
         for row, ids in enumerate(batch.completions):
-            text = batch.completion_texts[row] if batch.completion_texts is not None else ""
             finish = _FINISH_REASONS.get(batch.finish_reasons[row], "stop")
-            cut = stop_index(text, req.stop)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-            logprobs = None
+            values = None
             if req.logprobs:
                 start = batch.prompt_width
                 values = batch.logprobs[row, start : start + len(ids)].tolist()
-                logprobs = self.logprobs_body(self.token_texts(ids), values)
+            text, logprobs = batch.completion_texts[row] if batch.completion_texts is not None else "", None
+            if req.stop or req.logprobs:  # which tokens make the returned text
+                row_text = IncrementalText(self.backend.tokenizer, req.stop)
+                row_text.add(ids)
+                row_text.finish()
+                text, ids = row_text.text, ids[: row_text.kept]
+                finish = "stop" if row_text.stopped else finish
+                if req.logprobs:
+                    logprobs = self.logprobs_body(ids, values[: len(ids)], [row_text.start_offset(i) for i in range(len(ids))])
+            completion_tokens += len(ids)
             choices.append({"index": row, **self.content(text), "finish_reason": finish, "logprobs": logprobs, "token_ids": ids})
+        request.state.tokens = (sum(map(len, batch.prompts)), completion_tokens)
         body = {
             **base,
             "weight_version": batch.weight_version,
             "object": self.object_name,
             "choices": choices,
-            "usage": _usage(sum(map(len, batch.prompts)), int(batch.completion_lengths.sum())),
+            "usage": _usage(sum(map(len, batch.prompts)), completion_tokens),
         }
         return JSONResponse(body, headers={WEIGHT_VERSION_HEADER: str(batch.weight_version)})
 
@@ -111,7 +130,7 @@ class Serving:
             if isinstance(prompt, str):
                 if tokenizer is None:
                     raise invalid(req.prompt_field, f"{req.prompt_field}[{i}] is a string but the model has no tokenizer: send token ids")
-                prompt = tokenizer.encode(prompt, add_special_tokens=False)
+                prompt = encode_text(tokenizer, prompt, f"prompts[{i}]")  # named as the worker names it
                 if not prompt:
                     raise invalid(req.prompt_field, f"{req.prompt_field}[{i}] encodes to no tokens")
             ids.append(list(prompt))
@@ -119,10 +138,10 @@ class Serving:
 
     def sampling(self, req: GenerationRequest, prompts: list[list[int]]) -> dict:
         max_tokens = req.max_tokens
-        if max_tokens is None:  # chat without a limit: the rest of the context
-            max_tokens = self.backend.context_length - len(prompts[0])
+        if max_tokens is None:  # chat without a limit: as many as the engine allows the prompt
+            max_tokens = self.backend.max_request_tokens - len(prompts[0])
             if max_tokens < 1:
-                raise invalid("messages", f"the rendered messages have {len(prompts[0])} tokens, the whole context length {self.backend.context_length}")
+                raise invalid("messages", f"the rendered messages have {len(prompts[0])} tokens: no room for a completion (at most {self.backend.max_request_tokens} tokens per request)")
         return dict(
             n=req.n,
             temperature=req.temperature,
@@ -149,50 +168,59 @@ class Serving:
     # ---- streaming -----------------------------------------------------------------------------
 
     async def events(self, request, req, prompts, base, first, chunks) -> AsyncIterator[str]:
-        """Server-sent events as the engine's tokens arrive: per choice, text increments, then
-        a last event with its finish reason and token ids; optionally usage; then [DONE]."""
+        """Server-sent events as the engine's tokens arrive: per choice, text increments (with
+        the log-probs of the tokens that make them), then a last event with its finish reason
+        and token ids; optionally usage; then [DONE]. Once every choice has stopped (a stop
+        string) the rest of the generation is abandoned."""
+        usage = {"usage": None} if req.include_usage else {}
 
         def event(choices: list[dict], **extra) -> str:
-            return "data: " + json.dumps({**base, "object": self.chunk_object_name, "choices": choices, **extra}) + "\n\n"
+            return "data: " + json.dumps({**base, "object": self.chunk_object_name, "choices": choices, **usage, **extra}) + "\n\n"
 
         def choice(row: int, piece: str | None, finish: str | None = None, **extra) -> dict:
             return {**self.delta(row, piece), "finish_reason": finish, "logprobs": None, **extra}
 
         rows = len(prompts) * req.n
         texts = [IncrementalText(self.backend.tokenizer, req.stop) for _ in range(rows)]
+        values: list[list[float]] = [[] for _ in range(rows)]  # log-probs so far
+        released = [0] * rows  # tokens whose log-probs were sent
         done = [False] * rows
-        generated = 0
         try:
             for opening in self.opening_choices(rows):
                 yield event([opening])
             chunk = first
-            while chunk is not None:
-                generated += len(chunk.token_ids)
+            while chunk is not None and not all(done):
                 text = texts[chunk.row]
                 if not done[chunk.row]:
+                    if req.logprobs:
+                        values[chunk.row].extend(chunk.logprobs)
                     piece = text.add(chunk.token_ids)
                     finished = chunk.finish_reason is not None or text.stopped
                     if finished:
                         piece += text.finish()
-                    if piece or (req.logprobs and chunk.token_ids):
+                    start, end = released[chunk.row], text.kept
+                    if piece or (req.logprobs and end > start):
                         logprobs = None
                         if req.logprobs:
-                            logprobs = self.logprobs_body(self.token_texts(chunk.token_ids), chunk.logprobs)
+                            ids = text.token_ids[start:end]
+                            logprobs = self.logprobs_body(ids, values[chunk.row][start:end], [text.start_offset(i) for i in range(start, end)])
+                            released[chunk.row] = end
                         yield event([choice(chunk.row, piece, logprobs=logprobs)])
                     if finished:
                         done[chunk.row] = True
                         reason = "stop" if text.stopped else _FINISH_REASONS.get(chunk.finish_reason, "stop")
-                        yield event([choice(chunk.row, None, reason, token_ids=text.token_ids)])
-                chunk = await anext(chunks, None)
+                        yield event([choice(chunk.row, None, reason, token_ids=text.token_ids[: text.kept])])
+                if not all(done):
+                    chunk = await anext(chunks, None)
         except Exception as exc:  # the status line is sent: the error goes into the stream
             error = api_error(exc, prompt_field=req.prompt_field, where=f"stream {base['id']}")
             yield "data: " + json.dumps(error.body()) + "\n\n"
             return
         finally:
-            request.state.tokens = (sum(map(len, prompts)), generated)
-            await chunks.aclose()
+            request.state.tokens = (sum(map(len, prompts)), sum(t.kept for t in texts))
+            await chunks.aclose()  # abandons rows still generating
         if req.include_usage:
-            yield event([], usage=_usage(sum(map(len, prompts)), generated))
+            yield event([], usage=_usage(sum(map(len, prompts)), sum(t.kept for t in texts)))
         yield "data: [DONE]\n\n"
 
 
@@ -211,11 +239,8 @@ class CompletionServing(Serving):
     def delta(self, row: int, piece: str | None) -> dict:
         return {"index": row, "text": piece or ""}
 
-    def logprobs_body(self, tokens: list[str], values: list[float]) -> dict:
-        offsets = [0]
-        for tok in tokens[:-1]:
-            offsets.append(offsets[-1] + len(tok))
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+    def logprobs_body(self, ids: list[int], values: list[float], offsets: list[int]) -> dict:
+        return {"tokens": self.token_texts(ids), "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
 
 
 class ChatServing(Serving):
@@ -236,7 +261,7 @@ class ChatServing(Serving):
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a Jinja template error names what the messages lack
             raise invalid("messages", f"cannot render messages with the chat template: {exc}") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode_text(tokenizer, text, "messages")
 
     def content(self, text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}
@@ -247,14 +272,40 @@ class ChatServing(Serving):
     def opening_choices(self, rows: int) -> list[dict]:
         return [{"index": row, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None} for row in range(rows)]
 
-    def logprobs_body(self, tokens: list[str], values: list[float]) -> dict:
+    def logprobs_body(self, ids: list[int], values: list[float], offsets: list[int]) -> dict:
+        token_bytes = self.token_bytes
         return {
             "content": [
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                for tok, lp in zip(tokens, values)
+                {"token": tok, "logprob": lp, "bytes": list(token_bytes(t)) if token_bytes else list(tok.encode()), "top_logprobs": []}
+                for t, tok, lp in zip(ids, self.token_texts(ids), values)
             ]
         }
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """``awaitable``'s result, or None once the client has gone (then it is cancelled, which
+    aborts its rows in the engine)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.cancelled():
+        return work.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    logger.info("%s left before its response: generation abandoned", request.client)
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read: the next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
