@@ -43,7 +43,7 @@ from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
-from .engine import EngineHandle, GenerateOutput
+from .engine import EngineError, EngineHandle, GenerateOutput
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable, check_limit
 from .gate import EngineGate
 from .group import EngineGroup, merge
@@ -379,7 +379,7 @@ class RolloutWorker:
         """
         request = self._request(prompts, locals())
         start = time.perf_counter()
-        with counting_compiles() as compiles:
+        with counting_compiles() as compiles, self._closed_is_clear():
             self._admit()
             try:
                 version = self.weight_version
@@ -391,9 +391,11 @@ class RolloutWorker:
         return self._pack(request, outputs, version, compiles.value)
 
     async def agenerate(self, prompts, **options) -> RolloutBatch:
-        """:meth:`generate` for asyncio callers: awaits the engines without blocking the loop."""
+        """:meth:`generate` for asyncio callers: awaits the engines without blocking the loop.
+        Cancelling it (``asyncio.wait_for``'s timeout, a task's ``cancel()``) aborts its rows
+        in the engines: they stop within a forward and free their KV cache."""
         request = self._request(prompts, {"self": self, "prompts": prompts, **options})
-        with counting_compiles() as compiles:
+        with counting_compiles() as compiles, self._closed_is_clear():
             await self._aadmit()
             try:
                 version = self.weight_version
@@ -407,7 +409,9 @@ class RolloutWorker:
     async def astream(self, prompts, **options) -> AsyncIterator[StreamChunk]:
         """Stream completions as tokens arrive: one :class:`StreamChunk` per row update
         (the new tokens since that row's last chunk), and a last chunk per row carrying its
-        ``finish_reason``. Takes :meth:`generate`'s arguments except ``pad_prompts_to``."""
+        ``finish_reason``. Takes :meth:`generate`'s arguments except ``pad_prompts_to``.
+        Leaving the loop early (``break``, ``aclose()``, cancellation) aborts the rows still
+        generating."""
         if "pad_prompts_to" in options:
             raise TypeError("astream() got an unexpected keyword argument 'pad_prompts_to': streamed rows are not padded")
         request = self._request(prompts, {"self": self, "prompts": prompts, **options})
@@ -420,27 +424,49 @@ class RolloutWorker:
                 async for row, output in weights.engine.astream(*part):
                     await updates.put((rows[row], output))
 
-            tasks = [
-                asyncio.ensure_future(pump(w, rows, part)) for w, rows, part in self._group.split(request.prompts, request.params, request.seeds)
-            ]
-            done_task = asyncio.ensure_future(asyncio.gather(*tasks))
-            done_task.add_done_callback(lambda _: updates.put_nowait(None))
+            parts = self._group.split(request.prompts, request.params, request.seeds)
+            tasks = [asyncio.ensure_future(pump(w, rows, part)) for w, rows, part in parts]
+            pending = set(tasks)
+
+            def ended(task):
+                pending.discard(task)
+                if not pending or (not task.cancelled() and task.exception() is not None):
+                    updates.put_nowait(None)
+
+            for task in tasks:
+                task.add_done_callback(ended)
             sent = [0] * (len(request.prompts) * request.params.n)
             try:
-                while (update := await updates.get()) is not None:
-                    row, output = update
-                    new = output.output_ids[sent[row] :]
-                    logprobs = None if output.logprobs is None else output.logprobs[sent[row] : len(output.output_ids)]
-                    sent[row] = len(output.output_ids)
-                    if new or output.finish_reason:
-                        n = request.params.n
-                        yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version, logprobs)
-                done_task.result()
+                with self._closed_is_clear():
+                    while (update := await updates.get()) is not None:
+                        row, output = update
+                        new = output.output_ids[sent[row] :]
+                        logprobs = None if output.logprobs is None else output.logprobs[sent[row] : len(output.output_ids)]
+                        sent[row] = len(output.output_ids)
+                        if new or output.finish_reason:
+                            n = request.params.n
+                            yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version, logprobs)
+                    for task in tasks:
+                        if task.done() and not task.cancelled() and task.exception() is not None:
+                            raise task.exception()
             finally:
                 for task in tasks:
                     task.cancel()
+                # Every pump's outcome is collected (no "exception was never retrieved").
+                await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             self._gate.leave()
+
+    @contextlib.contextmanager
+    def _closed_is_clear(self) -> Iterator[None]:
+        """A call that the worker's close() ended fails with WorkerClosed, not with the engine's
+        shutdown error."""
+        try:
+            yield
+        except EngineError as exc:
+            if self._closed:
+                raise WorkerClosed("the RolloutWorker was closed during the call") from exc
+            raise
 
     def _request(self, prompts, arguments: dict) -> _Request:
         """Validate a generate call's arguments (``generate``'s own names)."""

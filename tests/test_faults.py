@@ -2,9 +2,17 @@
 their statuses, admission limits, NaN on every load path, OpenAI conformance details."""
 
 import asyncio
+import gc
 import json
 import logging
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -51,6 +59,14 @@ def server(worker):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
+
+
+def wait_until(condition, timeout: float = 120.0) -> None:
+    """Poll state the code under test sets (not a sleep standing in for an event)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
 
 
 def chat_dir_name(worker) -> str:
@@ -119,11 +135,27 @@ def test_bad_arguments_are_clear_errors(worker):
     assert surrogate.value.field == "prompts[1]" and "Unicode" in str(surrogate.value)
 
 
-def test_a_closed_worker_says_so_everywhere(qwen2_dir):
+def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everywhere(qwen2_dir):
     worker = RolloutWorker(tiny_worker_config(qwen2_dir))
+    engine = worker.engine
     server = worker.serve()
     try:
+        outcome = {}
+
+        def long_call():
+            try:
+                worker.generate([PROMPT], max_new_tokens=240, ignore_eos=True)
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                outcome["error"] = exc
+
+        caller = threading.Thread(target=long_call)
+        caller.start()
+        wait_until(lambda: engine.requests_in_flight > 0)
         worker.close()
+        caller.join(timeout=60)
+        assert not caller.is_alive(), "the running call did not return after close()"
+        assert isinstance(outcome.get("error"), WorkerClosed), outcome
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("sglang-jax::")]
         body = {"model": qwen2_dir.name, "prompt": PROMPT, "max_tokens": 2}
         response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 503, response.text
@@ -367,3 +399,117 @@ def test_the_readme_client_example_runs_as_written(worker, capsys):
         exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert printed.strip()
+
+
+# ---- signals: drain and exit 0 -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_a_request_drains_it_and_exits_0(chat_dir, signum):
+    """``python -m rollout.serve`` got a signal while a stream runs: the stream ends whole, then
+    the process exits 0 (it aborted with absl's stack dump, exit 134)."""
+    env = {**os.environ, "XLA_FLAGS": ""}
+    command = [
+        sys.executable, "-m", "rollout.serve", "--model-path", str(chat_dir), "--port", "0", "--dtype", "float32",
+        "--max-total-tokens", "1024", "--context-length", "256", "--max-running-requests", "4", "--drain-timeout-s", "120",
+    ]
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = process.stderr.readline()
+            assert line, "the server exited before serving"
+            match = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+            url = match.group(1) if match else None
+        # Compiles the forwards, and imports what the engine imports on its first forward.
+        warm = httpx.post(url + "/v1/completions", json={"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 2}, timeout=120)
+        assert warm.status_code == 200
+        body = {"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # running
+            process.send_signal(signum)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
+        assert process.wait(timeout=120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+# ---- aborts: abandoned work stops within a forward --------------------------------------------------
+
+LONG = 240  # tokens a request would generate for nobody (the context is 256)
+
+
+def abandoned_forwards(worker, start: int) -> int:
+    """Forwards the engine ran from ``start`` until it holds no request, once idle again;
+    also checks that the KV cache was given back."""
+    engine = worker.engine
+    wait_until(lambda: engine.requests_in_flight == 0 and worker.active_calls == 0)
+    spent = engine.forward_count - start
+    assert engine.kv_tokens_held() == 0
+    return spent
+
+
+def test_a_cancelled_agenerate_aborts_its_rows(worker):
+    engine = worker.engine
+
+    async def cancelled() -> int:
+        call = asyncio.ensure_future(worker.agenerate([PROMPT], max_new_tokens=LONG, ignore_eos=True))
+        while engine.requests_in_flight == 0:
+            await asyncio.sleep(0.005)
+        start = engine.forward_count
+        call.cancel()  # what asyncio.wait_for does when it times out
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        return start
+
+    start = asyncio.run(cancelled())
+    assert abandoned_forwards(worker, start) < LONG // 4
+
+
+def test_leaving_an_astream_aborts_its_rows_and_logs_nothing(worker, caplog):
+    engine = worker.engine
+
+    async def leave() -> int:
+        stream = worker.astream([PROMPT, PROMPT[:2]], max_new_tokens=LONG, ignore_eos=True)
+        async for _ in stream:
+            break
+        start = engine.forward_count
+        await stream.aclose()
+        return start
+
+    with caplog.at_level(logging.ERROR):
+        start = asyncio.run(leave())
+        gc.collect()
+    assert abandoned_forwards(worker, start) < LONG // 4
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_a_client_leaving_a_stream_aborts_its_rows(http, worker, caplog):
+    engine = worker.engine
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with caplog.at_level(logging.ERROR), http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        start = engine.forward_count
+    assert abandoned_forwards(worker, start) < LONG // 4
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert complete(http).status_code == 200
+
+
+def test_a_client_leaving_before_its_response_aborts_its_rows(server, worker):
+    engine = worker.engine
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    client = socket.create_connection(("127.0.0.1", server.port))
+    client.sendall(head.encode() + body)
+    wait_until(lambda: engine.requests_in_flight > 0)
+    start = engine.forward_count
+    client.close()
+    assert abandoned_forwards(worker, start) < LONG // 4

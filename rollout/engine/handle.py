@@ -107,6 +107,13 @@ class EngineHandle(ModelState, RequestLoop):
         return int(self._scheduler.forward_ct)
 
     @property
+    def requests_in_flight(self) -> int:
+        """Requests the scheduler holds now, waiting or running (a racy read: for waiting on
+        work to start or end, not for decisions)."""
+        scheduler = self._scheduler
+        return len(scheduler.waiting_queue) + len(scheduler.running_batch.reqs)
+
+    @property
     def devices(self) -> tuple[jax.Device, ...]:
         """The devices of this engine's mesh."""
         return tuple(self.mesh.devices.flat)

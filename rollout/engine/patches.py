@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import random
 import signal
@@ -61,10 +62,28 @@ def install_workarounds() -> None:
             # Importing the entrypoint installs uvloop's policy and rebinds
             # threading._register_atexit; the guard puts both back.
             import sgl_jax.srt.entrypoints.engine as engine_module
+        if workaround_enabled("failure-signal-handler"):
+            _import_test_util_keeping_sigterm()
         _patch_sampler()
         _patch_start_up(engine_module)
         _patch_native_attention()
         _installed = True
+
+
+def _import_test_util_keeping_sigterm() -> None:
+    # The handler is saved and restored as raw bytes with sigaction(2): Python's signal module
+    # only sees handlers it installed, and only the main thread may install them.
+    libc = ctypes.CDLL(None, use_errno=True)
+    saved = ctypes.create_string_buffer(_SIGACTION_BYTES)
+    if libc.sigaction(signal.SIGTERM, None, saved) != 0:
+        raise OSError(ctypes.get_errno(), "sigaction(SIGTERM) failed")
+    import jax._src.test_util  # noqa: F401
+
+    libc.sigaction(signal.SIGTERM, saved, None)
+
+
+# Larger than struct sigaction on every supported platform (152 bytes on Linux x86-64).
+_SIGACTION_BYTES = 512
 
 
 def _import_native_backend_without_duplicate_registration() -> None:

@@ -40,6 +40,9 @@ class RequestLoop:
             target=self._loop.run_forever, name="sglang-jax::requests", daemon=True
         )
         self._loop_thread.start()
+        # Futures of the calls running on the loop: close() lets each fail with the engine's
+        # error before the loop stops.
+        self._in_flight: set[concurrent.futures.Future] = set()
         # rid -> the log-probs of a request that asked for them (filled on the scheduler thread).
         self._logprob_sinks: dict[str, list[float]] = {}
         setattr(self._scheduler, LOGPROB_SINKS, self._logprob_sinks)
@@ -76,7 +79,7 @@ class RequestLoop:
         request, rids = self._request(prompts, params, seeds, stream=True)
 
         async def pump():
-            with self._logprobs_collected(rids, params.return_logprobs) as sinks:
+            with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._aborted_if_cancelled(rids):
                 async for result in self._tokenizer_manager.generate_request(request, None):
                     row = int(result.get("index", 0))
                     output = _to_output(result, finished_only=False)
@@ -123,9 +126,22 @@ class RequestLoop:
             for rid in rids:
                 self._logprob_sinks.pop(rid, None)
 
+    @contextlib.contextmanager
+    def _aborted_if_cancelled(self, rids: list[str]):
+        """A call cancelled by its caller (a client gone, a timeout) aborts its requests in the
+        scheduler: they leave the running batch after at most one more forward and free their
+        KV, instead of generating to the end for nobody (the tokenizer manager does not abort
+        on cancellation)."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            for rid in rids:
+                self._tokenizer_manager.abort_request(rid)
+            raise
+
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
         request, rids = self._request(prompts, params, seeds)
-        with self._logprobs_collected(rids, params.return_logprobs) as sinks:
+        with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._aborted_if_cancelled(rids):
             results = await self._tokenizer_manager.generate_request(request, None).__anext__()
         if isinstance(results, dict):
             results = [results]
@@ -147,7 +163,10 @@ class RequestLoop:
         except EngineError:
             coroutine.close()
             raise
-        return asyncio.run_coroutine_threadsafe(self._guarded(coroutine), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._guarded(coroutine), self._loop)
+        self._in_flight.add(future)
+        future.add_done_callback(self._in_flight.discard)
+        return future
 
     async def _guarded(self, coroutine):
         task = asyncio.ensure_future(coroutine)
@@ -168,6 +187,10 @@ class RequestLoop:
                     await task
 
     def _stop_request_loop(self) -> None:
+        # The scheduler has stopped: every running call sees it within a poll and fails with
+        # the engine's error (a caller waits for that, not for the loop's end).
+        concurrent.futures.wait(list(self._in_flight), timeout=10)
+
         async def stop_results():
             self._result_task.cancel()
             with contextlib.suppress(BaseException):

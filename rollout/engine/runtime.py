@@ -163,6 +163,8 @@ def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller
 
     def recv_requests():
         while True:
+            if control.stop_requested:  # close(): stop between forwards, even with work running
+                raise _StopScheduler()
             requests = original_recv()
             if not _scheduler_is_idle(scheduler):
                 return requests

@@ -162,6 +162,17 @@ class ModelState:
     def _kv_pool(self):
         return self._model_runner.token_to_kv_pool
 
+    def kv_tokens_held(self) -> int:
+        """KV slots held by requests once the engine is idle (waits for that): what a request
+        that ended or was aborted did not give back. Prefix-cache slots are free to evict and
+        not counted."""
+        return self.call(self._kv_tokens_held)
+
+    def _kv_tokens_held(self) -> int:
+        scheduler = self._scheduler
+        free = scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size()
+        return int(scheduler.max_total_num_tokens) - int(free)
+
     def kv_buffers(self) -> list[jax.Array]:
         return list(self._kv_pool.kv_buffer)
 

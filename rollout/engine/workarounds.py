@@ -121,6 +121,14 @@ WORKAROUNDS: dict[str, str] = {
         "model and restored afterwards (the weights get their shardings from the loader's "
         "jit out_shardings either way), so the trainer's own models keep flax's default."
     ),
+    "failure-signal-handler": (
+        "ModelRunner._forward and the sampling step import jax._src.test_util on every forward; "
+        "its first import installs absl's failure signal handler for SIGTERM (among others) in "
+        "place of the process's own, so a SIGTERM after the first request dumps a stack trace "
+        "and aborts the process (exit 134) instead of reaching Python's handler (a server's "
+        "drain). It is imported once when the workarounds are installed, with the process's "
+        "SIGTERM handler saved and put back."
+    ),
     "native-attention-memory": (
         "The native attention backend (the one used off TPU) gathers every slot of cache_loc, "
         "which is padded to max_running_requests x context_length, and builds logits against "
