@@ -27,6 +27,12 @@ def qwen2_untied_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def chat_dir(tmp_path_factory):
+    """The session's tiny Qwen2 (same weights: seed 0) with a ChatML chat template."""
+    return write_tiny_model(tmp_path_factory.mktemp("chat"), TinyModelSpec(chat_template=True))
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     """Qwen3: qk-norm, no biases, multi-head (2 KV heads), no tokenizer files."""
     spec = TinyModelSpec(architecture="qwen3", num_key_value_heads=2, seed=2)

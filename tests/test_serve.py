@@ -18,7 +18,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 from bench.serve_load import ADMIN_TOKEN, run_load
-from models.tiny import TinyModelSpec, write_tiny_model
 from rollout import RolloutWorker
 from rollout.weight_check import weights_checksum
 from tests.helpers import tiny_worker_config
@@ -27,12 +26,6 @@ from trainer_bridge import load_hf_params
 API_KEY = "sk-test"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PROMPT = [5, 17, 42, 8]
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory):
-    """The session's tiny Qwen2 (same weights: seed 0) with a ChatML chat template."""
-    return write_tiny_model(tmp_path_factory.mktemp("chat"), TinyModelSpec(chat_template=True))
 
 
 @pytest.fixture(scope="module")

@@ -295,12 +295,13 @@ async def _unless_disconnected(request: Request, awaitable):
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not work.done():
+        if not work.done():  # the client left (or this request's task is being cancelled)
             work.cancel()
+    if not work.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
     if not work.cancelled():
         return work.result()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work
     logger.info("%s left before its response: generation abandoned", request.client)
     return None
 
