@@ -36,7 +36,7 @@ def _run_in_threads(*fns):
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
+    threads = [threading.Thread(target=run, args=(i, fn), name=fn.__name__) for i, fn in enumerate(fns)]
     for t in threads:
         t.start()
     for t in threads:
@@ -92,40 +92,52 @@ def test_astream_yields_tokens_as_they_come_and_matches_generate(worker):
     assert {c.weight_version for c in chunks} == {worker.weight_version}
 
 
-def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params):
+def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params, monkeypatch):
     worker.sync_params(params)
     version = worker.weight_version
     long_call = dict(temperature=1.0, max_new_tokens=150, ignore_eos=True, n=4, seed=1)
     started = threading.Event()
-    timeline = {}
+    # The order in which the code under test leaves the gate and commits the swap (appended by
+    # the threads themselves, so the list order is the event order: no clocks compared).
+    events = []
+    gate, leave = worker._gate, worker._gate.leave
+    monkeypatch.setattr(gate, "leave", lambda: (events.append(("leave", threading.current_thread().name)), leave()))
+    for weights in worker._weights:
+        monkeypatch.setattr(weights, "commit", _recording(weights.commit, events, "commit"))
 
     def generate_long():
         started.set()
-        batch = worker.generate(PROMPTS, **long_call)
-        timeline["long_done"] = time.perf_counter()
-        return batch
+        return worker.generate(PROMPTS, **long_call)
 
     def sync_during():
         started.wait()
         while worker.active_calls == 0:  # the long call has been admitted
             time.sleep(0.001)
-        report = worker.sync_params(params)
-        timeline["sync_done"] = time.perf_counter()
-        return report
+        return worker.sync_params(params)
 
     def generate_after_sync_started():
         started.wait()
         while worker.unavailable_reason is None:
             time.sleep(0.001)
-        timeline["late_start"] = time.perf_counter()
         return worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=4)
 
     long_batch, report, late = _run_in_threads(generate_long, sync_during, generate_after_sync_started)
     assert long_batch.weight_version == version
     assert report.version == version + 1
     assert late.weight_version == version + 1, "a call issued while a swap waits runs after it"
-    assert timeline["sync_done"] >= timeline["long_done"]
+    long_left = events.index(("leave", "generate_long"))
+    first_commit = next(i for i, e in enumerate(events) if e[0] == "commit")
+    assert long_left < first_commit, f"the swap waited for the running call: {events}"
+    assert events[-1] == ("leave", "generate_after_sync_started"), f"the late call ran after the swap: {events}"
     assert (long_batch.weight_versions == version).all()
+
+
+def _recording(fn, events, name):
+    def wrapped(*args, **kwargs):
+        events.append((name, threading.current_thread().name))
+        return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def test_compile_counter_sees_what_cache_miss_count_missed(worker):

@@ -469,15 +469,17 @@ def test_command_line_server_stops_on_sigterm(chat_dir, worker):
 def test_close_drains_running_requests(worker, chat_dir):
     threads_before = set(threading.enumerate())
     server = worker.serve(admin_token="t")
-    body = {"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+    body = {"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=httpx.post(server.url + "/v1/completions", json=body, timeout=120)))
     thread.start()
-    time.sleep(0.3)  # the request is running
+    while worker.active_calls == 0 and thread.is_alive():  # wait until the request is running
+        time.sleep(0.01)
+    assert worker.active_calls == 1, "the request still runs when the server closes"
     server.close()
     thread.join()
     assert result["r"].status_code == 200
-    assert len(result["r"].json()["choices"][0]["token_ids"]) == 48
+    assert len(result["r"].json()["choices"][0]["token_ids"]) == 160
     assert not server.running
     assert set(threading.enumerate()) <= threads_before
     with pytest.raises(httpx.ConnectError):
