@@ -17,6 +17,13 @@ from .consistency import (  # noqa: E402
     mismatch_stats,
 )
 from .engine import EngineError, UnsupportedEngineVersion  # noqa: E402
+from .errors import (  # noqa: E402
+    InvalidRequest,
+    LimitExceeded,
+    RolloutError,
+    WorkerClosed,
+    WorkerUnavailable,
+)
 from .kv import EngineMemory, KvReport, MemoryReport  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 from .worker import RolloutWorker  # noqa: E402
@@ -26,16 +33,21 @@ __all__ = [
     "ConsistencyReport",
     "EngineError",
     "EngineMemory",
+    "InvalidRequest",
     "KvReport",
+    "LimitExceeded",
     "MemoryReport",
     "RolloutBatch",
+    "RolloutError",
     "RolloutWorker",
     "SamplingParams",
     "StreamChunk",
     "TokenMismatch",
     "UnsupportedEngineVersion",
     "UnsupportedVersionError",
+    "WorkerClosed",
     "WorkerConfig",
+    "WorkerUnavailable",
     "check_consistency",
     "compile_count",
     "counting_compiles",

@@ -5,12 +5,9 @@ import asyncio
 import gc
 import json
 import logging
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from rollout import RolloutWorker
 from rollout.errors import InvalidRequest, LimitExceeded, WorkerClosed, WorkerUnavailable
 from rollout.server import Server, ServerConfig, WorkerBackend
-from tests.helpers import tiny_worker_config
+from tests.helpers import serve_process, tiny_worker_config
 from trainer_bridge import SyncError, load_hf_params
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -406,20 +403,7 @@ def test_a_signal_during_a_request_drains_it_and_exits_0(chat_dir, signum, drain
     """``python -m rollout.serve`` got a signal while a stream runs: the stream ends whole (or,
     past the drain timeout, is cut and its rows aborted), then the process exits 0 (it aborted
     with absl's stack dump, exit 134; or, past the drain, hung on the busy engine and aborted)."""
-    env = {**os.environ, "XLA_FLAGS": ""}
-    command = [
-        sys.executable, "-m", "rollout.serve", "--model-path", str(chat_dir), "--port", "0", "--dtype", "float32",
-        "--max-total-tokens", "1024", "--context-length", "256", "--max-running-requests", "4", "--drain-timeout-s", str(drain_s),
-    ]
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        url = None
-        deadline = time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            assert line, "the server exited before serving"
-            match = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
-            url = match.group(1) if match else None
+    with serve_process(chat_dir, "--drain-timeout-s", str(drain_s)) as (process, url):
         # Compiles the forwards, and imports what the engine imports on its first forward.
         warm = httpx.post(url + "/v1/completions", json={"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 2}, timeout=120)
         assert warm.status_code == 200
@@ -438,10 +422,6 @@ def test_a_signal_during_a_request_drains_it_and_exits_0(chat_dir, signum, drain
         else:
             assert "data: [DONE]" not in rest
         assert process.wait(timeout=120) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 # ---- aborts: abandoned work stops within a forward --------------------------------------------------

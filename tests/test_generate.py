@@ -120,7 +120,7 @@ def test_stop_token_ends_the_completion(worker):
         ([[1, 2]], {"min_p": 1.5}, "min_p must be"),
         ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens must be"),
         ([[1, 2]], {"max_new_tokens": True}, "max_new_tokens must be an int, got True"),
-        ([[1, 2]], {"seed": -3}, "seed must be"),
+        ([[1, 2]], {"seed": 2**63}, "seed must be an int64"),
         ([[1, 2]], {"seed": True}, "seed must be an int, got True"),
         ([[1, 2]], {"stop_token_ids": [10**7]}, r"stop_token_ids\[0\] = 10000000 is outside"),
         ([[1, 2]], {"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5"),

@@ -1,11 +1,7 @@
 """HTTP server mode: a real server on a loopback port, called with the openai client and httpx."""
 
 import asyncio
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +16,7 @@ import pytest
 from bench.serve_load import ADMIN_TOKEN, run_load
 from rollout import RolloutWorker
 from rollout.weight_check import weights_checksum
-from tests.helpers import tiny_worker_config
+from tests.helpers import serve_process, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 API_KEY = "sk-test"
@@ -439,20 +435,7 @@ def test_concurrent_requests_during_reloads_are_served_or_refused_cleanly(server
 
 def test_command_line_server_stops_on_sigterm(chat_dir, worker):
     """Another process serving the same weights: the same checksum; SIGTERM stops it cleanly."""
-    env = {**os.environ, "ROLLOUT_ADMIN_TOKEN": "env-token", "XLA_FLAGS": ""}
-    command = [
-        sys.executable, "-m", "rollout.serve", "--model-path", str(chat_dir), "--port", "0", "--dtype", "float32",
-        "--max-total-tokens", "1024", "--context-length", "256", "--max-running-requests", "4",
-    ]
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        url = None
-        deadline = time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            assert line, "the server exited before serving"
-            match = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
-            url = match.group(1) if match else None
+    with serve_process(chat_dir, env={"ROLLOUT_ADMIN_TOKEN": "env-token"}) as (process, url):
         assert httpx.get(url + "/health").status_code == 200
         remote = httpx.get(url + "/admin/weights_checksum", headers={"Authorization": "Bearer env-token"}, timeout=60)
         assert remote.json()["checksum"] == worker.weights_checksum()["checksum"]
@@ -460,10 +443,6 @@ def test_command_line_server_stops_on_sigterm(chat_dir, worker):
         assert response.status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_close_drains_running_requests(worker, chat_dir):
