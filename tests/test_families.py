@@ -245,3 +245,54 @@ def test_head_dim_64_boots_from_safetensors_and_generates_the_flax_tokens(tmp_pa
     reference = greedy_decode(flax_model_for(spec.hf_config()), params, PROMPTS, NEW_TOKENS)
     with RolloutWorker(tiny_worker_config(model_dir, load_format="auto", tp_size=2)) as worker:
         assert greedy(worker) == reference
+
+
+@pytest.fixture(scope="module")
+def llama_pool(tmp_path_factory):
+    """The tiny-random-LlamaForCausalLM shapes with a tokenizer, two engines (dp_size=2) booted
+    from safetensors: the set-up of the seeds' several-engines and HTTP admin runs."""
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("llama-pool"), tiny_random_llama_spec(seed=23))
+    with RolloutWorker(tiny_worker_config(model_dir, load_format="auto", dp_size=2)) as worker:
+        yield worker, model_dir
+
+
+def test_llama_engine_pool_and_kv_drop_rebuild(llama_pool):
+    worker, model_dir = llama_pool
+    params = load_hf_params(model_dir)
+    reference = greedy_decode(flax_model_for(json.loads((model_dir / "config.json").read_text())), params, PROMPTS, NEW_TOKENS)
+    assert greedy(worker) == reference
+    report = worker.sync_params(jax.device_put(params, worker.param_shardings()))
+    # Only the untied head is transposed; every engine aliases the rest.
+    assert [r.leaves_copied for r in report.per_engine] == [1, 1]
+    assert greedy(worker) == reference
+    dropped = worker.drop_kv()
+    assert dropped.bytes > 0 and worker.memory().kv_bytes == 0
+    assert greedy(worker) == reference  # rebuilds first
+    assert worker.memory().kv_bytes == dropped.bytes
+
+
+def test_llama_http_admin_checksum_perturb_reload(llama_pool):
+    import httpx
+
+    from bench.serve_load import ADMIN_TOKEN
+
+    worker, model_dir = llama_pool
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    reload = {"path": str(model_dir), "format": "hf"}
+
+    def complete(http):
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        return http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+    with worker.serve(admin_token=ADMIN_TOKEN, served_model_name="tiny") as server, httpx.Client(
+        base_url=server.url, timeout=120
+    ) as http:
+        assert http.post("/admin/reload_weights", json=reload, headers=admin).status_code == 200
+        original = http.get("/admin/weights_checksum", headers=admin).json()
+        assert original["leaves"] == len(worker.mappings)
+        before = complete(http)
+        perturbed = http.post("/admin/perturb_weights", json={"seed": 3, "scale": 0.05, "num_leaves": 4}, headers=admin)
+        assert perturbed.json()["checksum_after"] != original["checksum"]
+        assert http.post("/admin/reload_weights", json=reload, headers=admin).status_code == 200
+        assert http.get("/admin/weights_checksum", headers=admin).json()["checksum"] == original["checksum"]
+        assert complete(http) == before
