@@ -67,6 +67,7 @@ def install_workarounds() -> None:
         _patch_sampler()
         _patch_start_up(engine_module)
         _patch_native_attention()
+        _patch_model_loading()
         _installed = True
 
 
@@ -342,6 +343,30 @@ def _patch_native_attention() -> None:
         return output, kv_fused
 
     native_backend.NativeAttention.__call__ = paged_call
+
+
+def _patch_model_loading() -> None:
+    from sgl_jax.srt.layers import embeddings
+    from sgl_jax.srt.utils import weight_utils
+
+    if workaround_enabled("llama3-rope-scaling"):
+        init_rope = embeddings.Llama3RotaryEmbedding.__init__
+
+        def init_with_scaled_frequencies(self, *args, **kwargs):
+            init_rope(self, *args, **kwargs)
+            # The engine's own scaled frequencies; built while the model is traced, from constants.
+            with jax.ensure_compile_time_eval():
+                self._inv_freq_np = np.asarray(self._compute_inv_freq(self.base), dtype=np.float32)
+
+        embeddings.Llama3RotaryEmbedding.__init__ = init_with_scaled_frequencies
+    if workaround_enabled("head-dim-padding"):
+        init_loader = weight_utils.WeightLoader.__init__
+
+        def init_without_head_dim_padding(self, *args, **kwargs):
+            init_loader(self, *args, **kwargs)
+            self.head_dim, self.head_dim_pad = self.head_dim_original, 0
+
+        weight_utils.WeightLoader.__init__ = init_without_head_dim_padding
 
 
 @contextlib.contextmanager

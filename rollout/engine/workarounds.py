@@ -138,6 +138,21 @@ WORKAROUNDS: dict[str, str] = {
         "attention.paged_attention: each query block walks only its own requests' slots in "
         "fixed chunks with an online softmax (memory ~ tokens x chunk), same results."
     ),
+    "llama3-rope-scaling": (
+        "Llama3RotaryEmbedding (rope_scaling rope_type 'llama3', Llama 3.1-3.3) overrides "
+        "_compute_inv_freq, but RotaryEmbedding.__call__ reads the unscaled frequencies its "
+        "__init__ computed: the scaling is silently ignored and every position past a few "
+        "tokens differs from HF transformers and the trainer. The scaled frequencies are "
+        "computed once when the embedding is built."
+    ),
+    "head-dim-padding": (
+        "The safetensors WeightLoader pads head_dim up to a multiple of 128 (q/k/v/o weights "
+        "and biases) but the model code keeps the config's head_dim: a model with head_dim 64 "
+        "(Qwen2.5-0.5B, Llama 3.2-1B) boots with load_format='auto' and its first generate "
+        "kills the engine ('Incompatible shapes for broadcasting: (256, 4, 64) and requested "
+        "shape (128, 4, 64)'). The loader keeps the config's head_dim (the TPU attention "
+        "kernel pads to 128 lanes by itself)."
+    ),
 }
 
 # Switches workarounds off for a process, to check whether a newer sglang-jax still needs one:
