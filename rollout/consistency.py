@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import QwenConfig, QwenForCausalLM, completion_log_probs
+from models import QwenConfig, QwenForCausalLM, completion_log_probs, trainer_config
 
 
 class ConsistencyError(RuntimeError):
@@ -93,7 +93,7 @@ def check_consistency(
     )
     tree = params["params"] if set(params) == {"params"} else params
     trainer_fn = _trainer_log_probs(
-        QwenConfig.from_hf(worker.config.model_path, dtype=_float_dtype(tree)),
+        trainer_config(worker.config.model_path, dtype=_float_dtype(tree)),
         float(temperature), int(top_k), float(top_p), float(min_p),
     )
     trainer = np.asarray(trainer_fn(tree, batch.tokens, batch.attention_mask, batch.positions, batch.completion_mask))
