@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from models.moe import route
+from models.qwen3_moe import sparse_layers
 
 # The mesh axes the engine shards experts over, in its order.
 EXPERT_AXES = ("data", "tensor")
@@ -62,3 +63,63 @@ def routed_experts(inputs, router_logits, wi_0, wi_1, wo, *, top_k: int, norm_to
         out_specs=P(),
         check_vma=False,
     )(inputs, weights, experts, wi_0, wi_1, wo)
+
+
+def patch_expert_block(enabled) -> None:
+    """Install the MoE workarounds that ``enabled(name)`` allows (see WORKAROUNDS)."""
+    from sgl_jax.srt.layers import moe
+    from sgl_jax.srt.models import qwen3_moe
+
+    if enabled("moe-forward"):
+        moe.EPMoE.__call__ = _expert_block_call
+    if enabled("moe-expert-shapes"):
+        moe.EPMoE.__init__ = _with_every_expert(moe.EPMoE.__init__)
+    if enabled("moe-sparse-step"):
+        qwen3_moe.Qwen3MoeForCausalLM.__init__ = _dense_layers_listed(qwen3_moe.Qwen3MoeForCausalLM.__init__)
+
+
+def _expert_block_call(self, inputs, router_logits=None):
+    """``EPMoE.__call__`` replacement."""
+    if router_logits is None:
+        raise ValueError("router_logits is required for EPMoE")
+    return routed_experts(
+        inputs,
+        router_logits,
+        self.wi_0.value,
+        self.wi_1.value,
+        self.wo.value,
+        top_k=self.num_experts_per_tok,
+        # transformers' Qwen3MoeConfig default.
+        norm_topk_prob=bool(getattr(self.config, "norm_topk_prob", False)),
+        mesh=self.mesh,
+        dtype=self.dtype,
+    )
+
+
+def _with_every_expert(init):
+    """``EPMoE.__init__`` creating [num_experts, ...] weights (sharded over the expert shards)
+    rather than [num_experts / shards, ...]."""
+
+    def __init__(self, *args, num_experts: int, expert_parallel_size: int, **kwargs):
+        if num_experts % expert_parallel_size:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by the engine's expert shards "
+                f"(data x tensor = {expert_parallel_size}): choose tp_size accordingly"
+            )
+        init(self, *args, num_experts=num_experts, expert_parallel_size=1, **kwargs)
+        self.expert_parallel_size = expert_parallel_size
+        self.experts_per_device = num_experts // expert_parallel_size
+
+    return __init__
+
+
+def _dense_layers_listed(init):
+    """``Qwen3MoeForCausalLM.__init__`` seeing every dense layer in ``mlp_only_layers``, those
+    ``decoder_sparse_step`` makes dense included (the same model for HF transformers)."""
+
+    def __init__(self, config, *args, **kwargs):
+        sparse = sparse_layers(lambda key, default=None: getattr(config, key, default))
+        config.mlp_only_layers = [i for i in range(config.num_hidden_layers) if i not in sparse]
+        init(self, config, *args, **kwargs)
+
+    return __init__

@@ -19,6 +19,7 @@ from jax._src import config as jax_config
 from models import sampled_token_log_probs, sampling_log_probs
 
 from .attention import paged_attention
+from .moe import patch_expert_block
 from .runtime import (
     current_start_up,
     run_detokenizer_thread,
@@ -148,6 +149,31 @@ WORKAROUNDS: dict[str, str] = {
         "attention.paged_attention: each query block walks only its own requests' slots in "
         "fixed chunks with an online softmax (memory ~ tokens x chunk), same results."
     ),
+    "moe-forward": (
+        "The mixture-of-experts block (layers/moe.py EPMoE) is wrong in three ways. With one "
+        "expert shard (tp_size 1) every forward raises TypeError: _single_device_forward is "
+        "defined twice and the router-logit variant is shadowed. With several, the expert "
+        "matmuls are megablox's TPU-only Pallas kernel and ragged_all_to_all, which do not run "
+        "off TPU. And the routing weights are a bfloat16 softmax of the top-k logits whatever "
+        "the model dtype, always renormalized (norm_topk_prob ignored). Replaced by "
+        "moe.routed_experts: HF's float32 routing (models/moe.py, shared with the trainer), "
+        "each device running its own experts on the tokens routed to them with "
+        "jax.lax.ragged_dot, partial sums added across devices."
+    ),
+    "moe-expert-shapes": (
+        "EPMoE creates its stacked expert weights with num_experts / expert_shards experts, "
+        "the per-device count used as the global shape: a dummy-loaded engine with tp_size > 1 "
+        "holds too few experts (the safetensors loader replaces them with full stacks, so only "
+        "load_format='dummy' shows it) and syncs of the trainer's [E, ...] stacks fail. They are "
+        "created with all num_experts, sharded over the expert shards."
+    ),
+    "moe-sparse-step": (
+        "Qwen3-MoE's decoder_sparse_step is ignored: every layer not in mlp_only_layers gets "
+        "experts, where HF transformers makes every layer whose (index + 1) is not a multiple "
+        "of the step dense; the loader then finds no expert tensors for those layers and "
+        "leaves them random (a warning only). The model is built with every dense layer listed "
+        "in mlp_only_layers."
+    ),
 }
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
@@ -211,6 +237,7 @@ def install_workarounds() -> None:
         _patch_sampler()
         _patch_start_up(engine_module)
         _patch_native_attention()
+        patch_expert_block(workaround_enabled)
         _installed = True
 
 
