@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import gib, median_seconds
-from models import QwenForCausalLM, TinyMoeSpec, trainer_config
+from models import TinyMoeSpec, flax_model_for
 from rollout import RolloutWorker, WorkerConfig
 from trainer_bridge import flatten_params, unflatten_params
 
@@ -48,11 +48,11 @@ def moe_spec(config: MoeSyncBenchConfig) -> TinyMoeSpec:
     )
 
 
-def patterned_tree(model_dir: Path, dtype: str, shardings) -> dict:
+def patterned_tree(hf_config: dict, dtype: str, shardings) -> dict:
     """Params of the trainer's Flax model (small values in a fixed pattern: the sync does not
     look at them), made on device where ``shardings`` place them. One fused elementwise
     computation per leaf: a random generator's temporaries would multiply the peak memory."""
-    model = QwenForCausalLM(trainer_config(model_dir, dtype=dtype))
+    model = flax_model_for(hf_config, dtype)
     shapes = flatten_params(jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 4), np.int32))["params"])
     places = flatten_params(shardings)
 
@@ -69,14 +69,15 @@ def main(config: MoeSyncBenchConfig) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         # config.json only: the engine starts with dummy weights and gets the trainer's.
-        (model_dir / "config.json").write_text(json.dumps(moe_spec(config).hf_config()))
+        hf_config = moe_spec(config).hf_config()
+        (model_dir / "config.json").write_text(json.dumps(hf_config))
         worker_config = WorkerConfig(
             model_path=str(model_dir), dtype=config.dtype, load_format="dummy", tp_size=config.tp,
             devices=tuple(jax.devices()[: config.tp]), max_total_tokens=256, context_length=256,
             max_running_requests=4, max_prefill_tokens=256, chunked_prefill_size=256,
         )
         with RolloutWorker(worker_config) as worker:
-            tree = patterned_tree(model_dir, config.dtype, worker.param_shardings())
+            tree = patterned_tree(hf_config, config.dtype, worker.param_shardings())
             flat = flatten_params(tree)
             total = sum(x.nbytes for x in flat.values())
             print(f"model: Qwen3-30B-A3B layer shape, {config.layers} of 48 layers, {config.experts} of 128 experts, vocab {config.vocab}, "

@@ -5,30 +5,36 @@ from .logprobs import completion_log_probs, sampled_token_log_probs, sampling_lo
 from .mapping import Condition, EngineTransform, ParamMapping, expand_mappings
 from .moe import route
 from .qwen3_moe_flax import Qwen3MoeConfig
-from .qwen_flax import QwenConfig, QwenForCausalLM, greedy_decode
-from .registry import MAPPINGS, TRAINER_CONFIGS, mappings_for, trainer_config
-from .tiny import TinyModelSpec, random_hf_weights, write_tiny_model
+from .qwen_flax import Llama3RopeScaling, QwenConfig, QwenForCausalLM, greedy_decode, rope_inv_freq
+from .registry import FAMILIES, MAPPINGS, Family, family_for, flax_model_for, mappings_for
+from .tiny import TinyModelSpec, random_hf_weights, tiny_llama3_spec, tiny_random_llama_spec, write_tiny_model
 from .tiny_moe import TinyMoeSpec
 
 __all__ = [
+    "FAMILIES",
     "MAPPINGS",
     "Condition",
     "EngineTransform",
+    "Family",
+    "Llama3RopeScaling",
     "ParamMapping",
     "Qwen3MoeConfig",
     "QwenConfig",
     "QwenForCausalLM",
-    "TRAINER_CONFIGS",
     "TinyModelSpec",
     "TinyMoeSpec",
     "completion_log_probs",
     "expand_mappings",
+    "family_for",
+    "flax_model_for",
     "greedy_decode",
     "mappings_for",
     "random_hf_weights",
+    "rope_inv_freq",
     "route",
     "sampled_token_log_probs",
     "sampling_log_probs",
-    "trainer_config",
+    "tiny_llama3_spec",
+    "tiny_random_llama_spec",
     "write_tiny_model",
 ]

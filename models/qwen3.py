@@ -1,20 +1,9 @@
 """Qwen3: qk-norm, no attention biases. Trainer <-> HF <-> sglang-jax 0.0.2 names."""
 
-from .mapping import EngineTransform, ParamMapping
-from .qwen2 import SHARED
+from . import llama
+from .mapping import ParamMapping
 
-T = EngineTransform
-
-MAPPING = SHARED + tuple(
-    ParamMapping(
-        f"model.layers_{{layer}}.self_attn.{proj}.kernel",
-        f"transformer.layers.{{layer}}.self_attn.{proj}.weight",
-        f"model.layers.{{layer}}.self_attn.{proj}.weight",
-        T.REPEAT_KV_HEADS if proj in ("k_proj", "v_proj") else T.IDENTITY,
-        hf_transposed=True,
-    )
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
-) + tuple(
+MAPPING = llama.MAPPING + tuple(
     ParamMapping(
         f"model.layers_{{layer}}.self_attn.{norm}.scale",
         f"transformer.layers.{{layer}}.self_attn.{norm}.scale",

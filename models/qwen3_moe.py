@@ -80,9 +80,7 @@ def sparse_layers(get: Callable[[str, object], object]) -> frozenset[int]:
 
 
 def check_config(get: Callable[[str, object], object]) -> None:
-    """ValueError for a Qwen3-MoE config this project does not serve."""
-    if get("attention_bias", False):
-        raise ValueError("qwen3_moe config.json: attention_bias=true is not supported (Qwen3-MoE has none)")
+    """ValueError for a Qwen3-MoE config the engine and the trainer model cannot both serve."""
     experts, top_k = int(get("num_experts", 0) or 0), int(get("num_experts_per_tok", 0) or 0)
     if experts and not 0 < top_k <= experts:
-        raise ValueError(f"qwen3_moe config.json: num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts} for qwen3_moe")

@@ -55,7 +55,7 @@ class Qwen3MoeConfig(QwenConfig):
         qwen3_moe.check_config(source.get)
         base = QwenConfig.from_hf({**source, "model_type": "qwen3"}, dtype=dtype)
         return cls(
-            **{**dataclasses.asdict(base), "architecture": qwen3_moe.MODEL_TYPE},
+            **{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, "architecture": qwen3_moe.MODEL_TYPE},
             num_experts=int(source["num_experts"]),
             num_experts_per_tok=int(source["num_experts_per_tok"]),
             moe_intermediate_size=int(source["moe_intermediate_size"]),

@@ -1,4 +1,7 @@
-"""Flax (linen) Qwen2/Qwen2.5/Qwen3 causal LM with the MLLM-JAX parameter layout.
+"""Flax (linen) Qwen2/Qwen2.5/Qwen3 and Llama causal LM with the MLLM-JAX parameter layout.
+
+One decoder for the three families: Qwen2 adds q/k/v biases, Qwen3 qk-norm, Llama neither (and
+may scale its RoPE frequencies the Llama 3 way, ``rope_scaling.rope_type == "llama3"``).
 
 Params: ``{'model': {'embed_tokens': {'embedding' [V, H]}, 'layers_0': {'self_attn':
 {'q_proj': {'kernel' [in, out], 'bias'}, ..., 'q_norm': {'scale'} (Qwen3)}, 'mlp': {...},
@@ -20,9 +23,59 @@ import jax.numpy as jnp
 import numpy as np
 
 
+ARCHITECTURES = ("qwen2", "qwen3", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (HF ``rope_scaling`` with ``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, rope_scaling: dict | None) -> Llama3RopeScaling | None:
+        """None for no scaling; ValueError naming the field for a type this model lacks."""
+        if not rope_scaling:
+            return None
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind == "default":
+            return None
+        if kind != "llama3":
+            raise ValueError(f"config.json rope_scaling type {kind!r} is not supported (llama3 or none)")
+        try:
+            return cls(
+                float(rope_scaling["factor"]),
+                float(rope_scaling["low_freq_factor"]),
+                float(rope_scaling["high_freq_factor"]),
+                int(rope_scaling["original_max_position_embeddings"]),
+            )
+        except KeyError as exc:
+            raise ValueError(f"config.json rope_scaling (llama3) lacks {exc.args[0]!r}") from None
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding [dim / 2], float32, with Llama 3 scaling as in
+    HF transformers' ``_compute_llama3_parameters``: wavelengths shorter than
+    ``original / high_freq_factor`` kept, longer than ``original / low_freq_factor`` divided by
+    ``factor``, a linear blend in between."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > original / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= original / scaling.high_freq_factor) & (wavelen <= original / scaling.low_freq_factor)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class QwenConfig:
-    architecture: str  # "qwen2" or "qwen3"
+    architecture: str  # "qwen2", "qwen3" or "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,6 +87,7 @@ class QwenConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     dtype: str = "float32"
+    rope_scaling: Llama3RopeScaling | None = None
 
     @property
     def attention_bias(self) -> bool:
@@ -52,8 +106,10 @@ class QwenConfig:
         """From an HF ``config.json`` (a model dir, the file, or its parsed dict)."""
         source = read_hf_config(source)
         model_type = source.get("model_type")
-        if model_type not in ("qwen2", "qwen3"):
-            raise ValueError(f"model_type {model_type!r} is not supported (qwen2 or qwen3)")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"model_type {model_type!r} is not supported ({', '.join(ARCHITECTURES)})")
+        if model_type == "llama" and (source.get("attention_bias") or source.get("mlp_bias")):
+            raise ValueError("config.json: Llama with attention_bias or mlp_bias is not supported")
         heads = source["num_attention_heads"]
         return cls(
             architecture=model_type,
@@ -68,6 +124,7 @@ class QwenConfig:
             rms_norm_eps=float(source.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(source.get("tie_word_embeddings", True)),
             dtype=dtype,
+            rope_scaling=Llama3RopeScaling.from_hf(source.get("rope_scaling")),
         )
 
 
@@ -92,10 +149,10 @@ class RMSNorm(nn.Module):
         return (normed * scale.astype(jnp.float32)).astype(self.dtype)
 
 
-def apply_rope(x, positions, theta: float):
-    """Rotary embedding, rotate-half (NeoX) convention as in HF Qwen. x: [B, T, heads, D]."""
+def apply_rope(x, positions, theta: float, scaling: Llama3RopeScaling | None = None):
+    """Rotary embedding, rotate-half (NeoX) convention as in HF Qwen and Llama. x: [B, T, heads, D]."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    inv_freq = jnp.asarray(rope_inv_freq(dim, theta, scaling))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
     sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
@@ -123,8 +180,8 @@ class Attention(nn.Module):
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(k)
-        q = apply_rope(q, positions, c.rope_theta)
-        k = apply_rope(k, positions, c.rope_theta)
+        q = apply_rope(q, positions, c.rope_theta, c.rope_scaling)
+        k = apply_rope(k, positions, c.rope_theta, c.rope_scaling)
         groups = c.num_attention_heads // c.num_key_value_heads
         k = jnp.repeat(k, groups, axis=2)
         v = jnp.repeat(v, groups, axis=2)

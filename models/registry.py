@@ -1,49 +1,128 @@
-"""Which mapping table and which Flax trainer config serve which HF ``model_type``."""
+"""The model families the trainer and the engine share, by HF ``model_type``.
 
-from pathlib import Path
+A family is data: its mapping table (trainer <-> HF <-> engine names, ``models/<family>.py``),
+the Flax trainer model that has exactly the trainer paths of that table, and the config
+features both sides agree on (RoPE scaling types). Adding a family is adding an entry here
+(README, "Adding a model family").
+"""
 
-from . import qwen2, qwen3, qwen3_moe
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from . import llama, qwen2, qwen3, qwen3_moe
 from .mapping import ParamMapping, expand_mappings
 from .qwen3_moe_flax import Qwen3MoeConfig
-from .qwen_flax import QwenConfig, read_hf_config
+from .qwen_flax import QwenConfig, QwenForCausalLM
 
-MAPPINGS: dict[str, tuple[ParamMapping, ...]] = {
-    "qwen2": qwen2.MAPPING,
-    "qwen3": qwen3.MAPPING,
-    qwen3_moe.MODEL_TYPE: qwen3_moe.MAPPING,
+# RoPE scaling types every family's Flax model and the engine (0.0.2's get_rope, with the
+# "llama3-rope-scaling" workaround) compute alike; None/"default" is plain RoPE.
+DEFAULT_ROPE_TYPES = frozenset({"default", "llama3"})
+
+
+def _expand(table, get) -> list[ParamMapping]:
+    return expand_mappings(table, num_layers=int(get("num_hidden_layers")), tied=bool(get("tie_word_embeddings", True)))
+
+
+def _qwen_flax(config: dict, dtype: str):
+    return QwenForCausalLM(QwenConfig.from_hf(config, dtype=dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: everything the worker needs to know about it, as data."""
+
+    model_type: str  # HF config.json "model_type"
+    mapping: tuple[ParamMapping, ...]
+    # (HF config dict, dtype) -> the Flax trainer model (params in the MLLM-JAX layout).
+    flax_model: Callable[[dict, str], object]
+    rope_types: frozenset[str] = DEFAULT_ROPE_TYPES
+    # (table, config getter) -> concrete entries; a family with layer-dependent entries
+    # (dense and sparse layers) supplies its own.
+    expand: Callable = _expand
+    # config.json keys that must be false/absent (features the table and the model lack).
+    unsupported_flags: tuple[str, ...] = ()
+    # (config getter) -> None, or ValueError for values the family cannot serve.
+    check: Callable | None = None
+
+
+def _qwen3_moe_expand(table, get) -> list[ParamMapping]:
+    return expand_mappings(
+        table,
+        num_layers=int(get("num_hidden_layers")),
+        tied=bool(get("tie_word_embeddings", True)),
+        sparse_layers=qwen3_moe.sparse_layers(get),
+    )
+
+
+def _qwen3_moe_flax(config: dict, dtype: str):
+    return QwenForCausalLM(Qwen3MoeConfig.from_hf(config, dtype=dtype))
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family("qwen2", qwen2.MAPPING, _qwen_flax),
+    "qwen3": Family("qwen3", qwen3.MAPPING, _qwen_flax),
+    "llama": Family("llama", llama.MAPPING, _qwen_flax, unsupported_flags=("attention_bias", "mlp_bias")),
+    # 0.0.2's Qwen3-MoE attention builds its RotaryEmbedding without the config's rope_scaling.
+    qwen3_moe.MODEL_TYPE: Family(
+        qwen3_moe.MODEL_TYPE,
+        qwen3_moe.MAPPING,
+        _qwen3_moe_flax,
+        rope_types=frozenset({"default"}),
+        expand=_qwen3_moe_expand,
+        unsupported_flags=("attention_bias",),
+        check=qwen3_moe.check_config,
+    ),
 }
+
+# model_type -> mapping table (the tables alone).
+MAPPINGS: dict[str, tuple[ParamMapping, ...]] = {name: family.mapping for name, family in FAMILIES.items()}
+
+
+def _getter(hf_config):
+    if isinstance(hf_config, dict):
+        return hf_config.get
+    return lambda key, default=None: getattr(hf_config, key, default)
+
+
+def family_for(hf_config, where: str = "config") -> Family:
+    """The family of an HF config (dict or PretrainedConfig), after checking that the trainer
+    model and the engine both support what it asks for. ValueError naming the field otherwise."""
+    get = _getter(hf_config)
+    model_type = get("model_type")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+    scaling = get("rope_scaling")
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in family.rope_types:
+            raise ValueError(
+                f"{where}: rope_scaling type {kind!r} is not supported for {model_type}; "
+                f"supported: none, {', '.join(sorted(family.rope_types))}"
+            )
+    for flag in family.unsupported_flags:
+        if get(flag):
+            raise ValueError(f"{where}: {flag}={get(flag)!r} is not supported for {model_type}")
+    if family.check is not None:
+        try:
+            family.check(get)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    heads = int(get("num_attention_heads"))
+    head_dim = get("head_dim") or int(get("hidden_size")) // heads
+    if int(head_dim) % 2:
+        raise ValueError(f"{where}: head_dim {head_dim} is odd; rotary embeddings need an even head_dim")
+    return family
 
 
 def mappings_for(hf_config) -> list[ParamMapping]:
     """Concrete mapping entries for a model, from its HF config (dict or PretrainedConfig)."""
-    get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
-    model_type = get("model_type")
-    if model_type not in MAPPINGS:
-        raise ValueError(f"no mapping table for model_type {model_type!r}; known: {sorted(MAPPINGS)}")
-    sparse = frozenset()
-    if model_type == qwen3_moe.MODEL_TYPE:
-        qwen3_moe.check_config(get)
-        sparse = qwen3_moe.sparse_layers(get)
-    return expand_mappings(
-        MAPPINGS[model_type],
-        num_layers=int(get("num_hidden_layers")),
-        tied=bool(get("tie_word_embeddings", True)),
-        sparse_layers=sparse,
-    )
+    family = family_for(hf_config)
+    return family.expand(family.mapping, _getter(hf_config))
 
 
-TRAINER_CONFIGS: dict[str, type[QwenConfig]] = {
-    "qwen2": QwenConfig,
-    "qwen3": QwenConfig,
-    qwen3_moe.MODEL_TYPE: Qwen3MoeConfig,
-}
-
-
-def trainer_config(source: str | Path | dict, dtype: str = "float32") -> QwenConfig:
-    """The Flax trainer model's config (``QwenForCausalLM(config)``) for an HF ``config.json``
-    (a model dir, the file, or its parsed dict)."""
-    source = read_hf_config(source)
-    model_type = source.get("model_type")
-    if model_type not in TRAINER_CONFIGS:
-        raise ValueError(f"no Flax trainer model for model_type {model_type!r}; known: {sorted(TRAINER_CONFIGS)}")
-    return TRAINER_CONFIGS[model_type].from_hf(source, dtype=dtype)
+def flax_model_for(hf_config: dict, dtype: str = "float32"):
+    """The Flax trainer model of an HF config dict (``config.json`` parsed)."""
+    return family_for(hf_config).flax_model(hf_config, dtype)

@@ -1,4 +1,4 @@
-"""Tiny random Qwen2 / Qwen3 model directories, built locally with no network.
+"""Tiny random Qwen2 / Qwen3 / Llama model directories, built locally with no network.
 
 A directory holds what a Hugging Face checkpoint holds: ``config.json``, ``model.safetensors``
 with HF key names and [out, in] linear weights, and a tokenizer (``tokenizer.json`` plus
@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-# The engine's safetensors loader pads head_dim to a multiple of 128 and its model code does
-# not, so head_dim stays 128 for every tiny model (see the field notes on sglang-jax 0.0.2).
+# The default head_dim: the engine's fast TPU attention kernel works in 128-lane blocks.
 TINY_HEAD_DIM = 128
+
+_HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAR_VOCAB = "0123456789+-*=() "
@@ -42,7 +43,7 @@ _TOKENIZER_CORPUS = (
 class TinyModelSpec:
     """Shape of a tiny model. Defaults give a 2-layer GQA Qwen2 with biases and tied embeddings."""
 
-    architecture: str = "qwen2"  # "qwen2" or "qwen3"
+    architecture: str = "qwen2"  # "qwen2", "qwen3" or "llama"
     vocab_size: int = 320
     hidden_size: int = 256
     intermediate_size: int = 512
@@ -53,6 +54,9 @@ class TinyModelSpec:
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    head_dim: int = TINY_HEAD_DIM
+    # HF rope_scaling, e.g. Llama 3.1's {"rope_type": "llama3", "factor": 8.0, ...}; None: plain RoPE.
+    rope_scaling: dict | None = None
     seed: int = 0
     # "bpe": byte-level BPE trained on a small corpus (needs vocab_size >= 259);
     # "chars": one token per character of CHAR_VOCAB, for toy arithmetic tasks.
@@ -61,8 +65,8 @@ class TinyModelSpec:
     chat_template: bool = False
 
     def __post_init__(self):
-        if self.architecture not in ("qwen2", "qwen3"):
-            raise ValueError(f"architecture must be 'qwen2' or 'qwen3', got {self.architecture!r}")
+        if self.architecture not in _HF_ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {sorted(_HF_ARCHITECTURES)}, got {self.architecture!r}")
         if self.tokenizer not in ("bpe", "chars"):
             raise ValueError(f"tokenizer must be 'bpe' or 'chars', got {self.tokenizer!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -71,14 +75,9 @@ class TinyModelSpec:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
 
-    @property
-    def head_dim(self) -> int:
-        return TINY_HEAD_DIM
-
     def hf_config(self) -> dict:
-        is_qwen3 = self.architecture == "qwen3"
         return {
-            "architectures": ["Qwen3ForCausalLM" if is_qwen3 else "Qwen2ForCausalLM"],
+            "architectures": [_HF_ARCHITECTURES[self.architecture]],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -91,10 +90,10 @@ class TinyModelSpec:
             "max_position_embeddings": self.max_position_embeddings,
             "max_window_layers": self.num_hidden_layers,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": self.rope_scaling,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": not is_qwen3,
+            "attention_bias": self.architecture == "qwen2",
             "attention_dropout": 0.0,
             "use_sliding_window": False,
             "sliding_window": None,
@@ -112,7 +111,7 @@ class TinyModelSpec:
 
 
 def random_hf_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
-    """Random float32 weights under HF Qwen2/Qwen3 key names ([out, in] linear layout).
+    """Random float32 weights under HF Qwen2/Qwen3/Llama key names ([out, in] linear layout).
 
     Scales give logits with a spread of about one unit: far from uniform, so a wrong mapping
     shows up in greedy tokens, yet temperature sampling still varies.
@@ -143,7 +142,7 @@ def random_hf_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
             weights[p + "self_attn.q_proj.bias"] = bias(q_out)
             weights[p + "self_attn.k_proj.bias"] = bias(kv_out)
             weights[p + "self_attn.v_proj.bias"] = bias(kv_out)
-        else:
+        elif spec.architecture == "qwen3":
             weights[p + "self_attn.q_norm.weight"] = norm(head_dim)
             weights[p + "self_attn.k_norm.weight"] = norm(head_dim)
         weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
@@ -218,3 +217,33 @@ def write_tiny_tokenizer(path: Path, spec: TinyModelSpec) -> None:
     if spec.chat_template:
         config["chat_template"] = CHATML_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def tiny_random_llama_spec(**overrides) -> TinyModelSpec:
+    """The shapes of ``hf-internal-testing/tiny-random-LlamaForCausalLM`` (vocab 32000, hidden
+    16, 2 layers, 4 heads of head_dim 4, untied), which the seeds' HTTP admin and several-engines
+    runs used; its tokenizer here is the offline BPE one (fewer tokens than the vocab)."""
+    settings = dict(
+        architecture="llama", vocab_size=32000, hidden_size=16, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=4, tie_word_embeddings=False,
+        max_position_embeddings=2048, rms_norm_eps=1e-6,
+    )
+    settings.update(overrides)
+    return TinyModelSpec(**settings)
+
+
+def tiny_llama3_spec(**overrides) -> TinyModelSpec:
+    """A Llama-3.1-style model: GQA (4 heads, 2 KV heads), head_dim 64 (as Llama 3.2-1B),
+    llama3 RoPE scaling, untied head. ``original_max_position_embeddings`` is short so that the
+    scaling changes the positions of a few tokens (at 8192 it would only show past thousands)."""
+    settings = dict(
+        architecture="llama", vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
+        rope_theta=10000.0, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    settings.update(overrides)
+    return TinyModelSpec(**settings)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import jax
 
+from models import family_for
+
 from .engine import EngineOptions
 
 
@@ -82,6 +84,7 @@ class WorkerConfig(EngineOptions):
         Returns each engine's devices. A model path that is not a local directory (an HF hub
         id) skips the model checks."""
         self.check_model_dir()
+        check_model_family(self.model_path)
         groups = self.device_groups()
         limit = model_context_limit(self.model_path)
         if self.context_length is not None and limit is not None and self.context_length > limit and not self.allow_long_context:
@@ -95,6 +98,14 @@ class WorkerConfig(EngineOptions):
 
 # config.json keys the engine reads the context length from, in its order of precedence.
 _CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+
+
+def check_model_family(model_path: str) -> None:
+    """ValueError naming the field when a local model directory's config.json asks for what the
+    trainer model or the engine does not support (model_type, RoPE scaling type, head_dim)."""
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        family_for(json.loads(config_file.read_text()), where=str(config_file))
 
 
 def model_context_limit(model_path: str) -> int | None:

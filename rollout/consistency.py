@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import QwenConfig, QwenForCausalLM, completion_log_probs, trainer_config
+from models import completion_log_probs, flax_model_for
 
 
 class ConsistencyError(RuntimeError):
@@ -92,9 +94,9 @@ def check_consistency(
         top_k=top_k, min_p=min_p, seed=seed, pad_prompts_to=pad_prompts_to, return_logprobs=True,
     )
     tree = params["params"] if set(params) == {"params"} else params
+    config_file = Path(worker.config.model_path) / "config.json"
     trainer_fn = _trainer_log_probs(
-        trainer_config(worker.config.model_path, dtype=_float_dtype(tree)),
-        float(temperature), int(top_k), float(top_p), float(min_p),
+        config_file.read_text(), _float_dtype(tree), float(temperature), int(top_k), float(top_p), float(min_p)
     )
     trainer = np.asarray(trainer_fn(tree, batch.tokens, batch.attention_mask, batch.positions, batch.completion_mask))
     stats = mismatch_stats(batch.logprobs, trainer, batch.completion_mask)
@@ -133,8 +135,9 @@ def _float_dtype(tree) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _trainer_log_probs(config: QwenConfig, temperature: float, top_k: int, top_p: float, min_p: float):
-    model = QwenForCausalLM(config)
+def _trainer_log_probs(config_json: str, dtype: str, temperature: float, top_k: int, top_p: float, min_p: float):
+    # Keyed by the config's text: the family's Flax model (models.FAMILIES) for that config.
+    model = flax_model_for(json.loads(config_json), dtype)
 
     @jax.jit
     def log_probs(params, tokens, attention_mask, positions, completion_mask):

@@ -1,6 +1,10 @@
 """Qwen3-MoE: the mapping table, HF loading, the Flax trainer model against the engine (greedy
-tokens and log-probs, tp 1 and 2, after every way of loading weights), zero-copy of the stacked
-experts, and what the consistency check catches."""
+tokens and log-probs after every way of loading weights), zero-copy of the stacked experts, what
+the consistency check catches, and the engine workarounds it needs. The contract suite
+(tests/test_families.py) runs the same checks at tp 2; here they run at tp 1."""
+
+import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -10,19 +14,17 @@ from safetensors.numpy import load_file
 
 from models import (
     Condition,
-    QwenForCausalLM,
-    TinyModelSpec,
     TinyMoeSpec,
+    flax_model_for,
     greedy_decode,
     mappings_for,
     qwen3_moe,
     route,
-    trainer_config,
     write_tiny_model,
 )
 from rollout import ConsistencyError, RolloutWorker
 from tests.helpers import tiny_worker_config
-from trainer_bridge import SyncError, flatten_params, load_hf_params, unflatten_params
+from trainer_bridge import flatten_params, load_hf_params, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 NEW_TOKENS = 8
@@ -35,6 +37,10 @@ def moe_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), TinyMoeSpec(), with_tokenizer=False)
 
 
+def flax_model(model_dir):
+    return flax_model_for(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
 @pytest.fixture(scope="module")
 def params(moe_dir):
     return load_hf_params(moe_dir)
@@ -43,7 +49,7 @@ def params(moe_dir):
 @pytest.fixture(scope="module")
 def reference(moe_dir, params):
     """The Flax trainer model's greedy tokens."""
-    return greedy_decode(QwenForCausalLM(trainer_config(moe_dir)), params, PROMPTS, NEW_TOKENS)
+    return greedy_decode(flax_model(moe_dir), params, PROMPTS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +125,24 @@ def test_mapping_table_expands_router_and_experts_in_sparse_layers_only(moe_dir)
     assert entries["model.layers_0.self_attn.o_proj.kernel"].engine == "transformer.layers.0.self_attn.c_proj.weight"
     assert "model.layers_0.mlp.gate.kernel" not in entries and "model.layers_1.mlp.up_proj.kernel" not in entries
     # Exactly the leaves of the Flax model.
-    model = QwenForCausalLM(trainer_config(moe_dir))
+    model = flax_model(moe_dir)
     shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
     assert set(flatten_params(shapes)) == set(entries)
+
+
+UNSUPPORTED = [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_scaling type 'llama3' is not supported for qwen3_moe"),
+    ({"attention_bias": True}, r"attention_bias=True is not supported for qwen3_moe"),
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in 1\.\.num_experts=8"),
+]
+
+
+@pytest.mark.parametrize("change, message", UNSUPPORTED, ids=["rope-scaling", "attention-bias", "top-k"])
+def test_unsupported_moe_configs_are_refused_before_anything_starts(moe_dir, tmp_path, change, message):
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps({**json.loads((moe_dir / "config.json").read_text()), **change}))
+    with pytest.raises(ValueError, match=message):
+        RolloutWorker(tiny_worker_config(tmp_path, load_format="dummy"))
 
 
 def test_hf_experts_are_stacked_in_trainer_layout(moe_dir, params):
@@ -153,41 +174,41 @@ def test_tensor_parallel_dummy_engine_holds_every_expert(tp2_worker):
         assert {index[0] for index in leaf.sharding.devices_indices_map(shape).values()} == {slice(0, 4), slice(4, 8)}
 
 
-def test_sync_params(worker, params, reference):
-    report = worker.sync_params(params)
-    assert report.leaves_copied == len(worker.mappings)
-    assert_serves(worker, params, reference)
+def test_sync_params(tp1_worker, params, reference):
+    report = tp1_worker.sync_params(params)
+    assert report.leaves_copied == len(tp1_worker.mappings)
+    assert_serves(tp1_worker, params, reference)
 
 
-def test_placed_tree_aliases_every_leaf_stacked_experts_included(worker, params, reference):
-    placed = jax.device_put(params, worker.param_shardings())
-    report = worker.sync_params(placed)
+def test_placed_tree_aliases_every_leaf_stacked_experts_included(tp1_worker, params, reference):
+    placed = jax.device_put(params, tp1_worker.param_shardings())
+    report = tp1_worker.sync_params(placed)
     # 2 KV heads: no tp here repeats them, so nothing is transformed.
     assert report.leaves_copied == 0 and report.bytes_copied == 0, report
-    assert report.leaves_aliased == len(worker.mappings)
-    flat, leaves = flatten_params(placed), worker.engine.weight_leaves()
-    by_path = {leaf.path: leaf for leaf in worker.leaves}
-    for m in worker.mappings:
+    assert report.leaves_aliased == len(tp1_worker.mappings)
+    flat, leaves = flatten_params(placed), tp1_worker.engine.weight_leaves()
+    by_path = {leaf.path: leaf for leaf in tp1_worker.leaves}
+    for m in tp1_worker.mappings:
         assert leaves[by_path[m.engine].index] is flat[m.trainer], m.trainer
-    batch, _ = assert_serves(worker, params, reference)
+    batch, _ = assert_serves(tp1_worker, params, reference)
     assert batch.compiles == 0
 
 
-def test_load_checkpoint(worker, params, reference, tmp_path):
+def test_load_checkpoint(tp1_worker, params, reference, tmp_path):
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "ckpt", jax.tree_util.tree_map(lambda x: x * 1.0, params))
     checkpointer.wait_until_finished()
-    worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
-    assert greedy(worker).completions != reference
-    report = worker.load_checkpoint(tmp_path / "ckpt")
+    tp1_worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
+    assert greedy(tp1_worker).completions != reference
+    report = tp1_worker.load_checkpoint(tmp_path / "ckpt")
     assert report.leaves_copied == 0
-    assert_serves(worker, params, reference)
+    assert_serves(tp1_worker, params, reference)
 
 
-def test_load_hf(worker, moe_dir, params, reference):
-    worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
-    worker.load_hf(moe_dir)
-    assert_serves(worker, params, reference)
+def test_load_hf(tp1_worker, moe_dir, params, reference):
+    tp1_worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
+    tp1_worker.load_hf(moe_dir)
+    assert_serves(tp1_worker, params, reference)
 
 
 def test_consistency_check_catches_experts_swapped_behind_the_routers_back(worker, params):
@@ -204,14 +225,6 @@ def test_consistency_check_catches_experts_swapped_behind_the_routers_back(worke
     worker.check_consistency(params, PROMPTS, max_new_tokens=NEW_TOKENS, atol=FP32_ATOL)
 
 
-def test_a_dense_qwen3_tree_is_refused_naming_the_first_missing_path(tp2_worker, tmp_path):
-    dense = write_tiny_model(tmp_path / "qwen3", TinyModelSpec(architecture="qwen3", num_key_value_heads=2), with_tokenizer=False)
-    version = tp2_worker.weight_version
-    with pytest.raises(SyncError, match=r"missing 4 expected path\(s\): model\.layers_1\.mlp\.gate\.kernel, "):
-        tp2_worker.sync_params(load_hf_params(dense))
-    assert tp2_worker.weight_version == version and greedy(tp2_worker).size == len(PROMPTS)
-
-
 def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
     """Pins WORKAROUNDS "moe-sparse-step": with decoder_sparse_step 2 layers 0 and 2 are dense
     (0.0.2 builds experts in every layer not in mlp_only_layers); norm_topk_prob false."""
@@ -220,7 +233,7 @@ def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
     params = load_hf_params(model_dir)
     flat = flatten_params(params)
     assert {"model.layers_0.mlp.gate_proj.kernel", "model.layers_1.mlp.gate_proj", "model.layers_2.mlp.up_proj.kernel"} <= set(flat)
-    reference = greedy_decode(QwenForCausalLM(trainer_config(model_dir)), params, PROMPTS, NEW_TOKENS)
+    reference = greedy_decode(flax_model(model_dir), params, PROMPTS, NEW_TOKENS)
     with RolloutWorker(tiny_worker_config(model_dir, load_format="auto")) as worker:
         assert {leaf.path for leaf in worker.leaves} >= {
             "transformer.layers.0.mlp.gate_proj.weight",

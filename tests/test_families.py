@@ -1,0 +1,301 @@
+"""The contract every registered model family (``models.FAMILIES``) must meet, one module-scoped
+engine per case: greedy tokens and log-probs equal the family's Flax model after ``sync_params``,
+``load_hf`` and ``load_checkpoint``; a tree placed by ``param_shardings()`` copies only the
+leaves its table transforms; another family's tree is a SyncError naming the first mismatching
+path; unsupported configs are refused before anything starts. What tests/test_sync.py and
+tests/test_logprobs.py already check for every Qwen variant (exact leaf values, KV-head repeats,
+validation, sampling filters) is not repeated here.
+"""
+
+import dataclasses
+import json
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from models import (
+    FAMILIES,
+    EngineTransform,
+    TinyModelSpec,
+    TinyMoeSpec,
+    flax_model_for,
+    greedy_decode,
+    rope_inv_freq,
+    tiny_llama3_spec,
+    tiny_random_llama_spec,
+    write_tiny_model,
+)
+from models.qwen_flax import Llama3RopeScaling
+from rollout import RolloutWorker
+from tests.helpers import tiny_worker_config
+from trainer_bridge import SyncError, flatten_params, load_hf_params
+
+PROMPTS = [[5, 17, 42, 8, 100, 3, 250, 251, 252, 7, 9, 11, 64, 65, 66, 300], [100, 3], [12, 34, 56]]
+NEW_TOKENS = 8
+# fp32 engine vs fp32 Flax model: float rounding only (tests/test_logprobs.py uses the same).
+LOGPROB_ATOL = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    family: str
+    spec: Callable[[], TinyModelSpec]
+    tp_size: int
+
+
+# Every family in models.FAMILIES needs at least one case (checked below). Qwen2/Qwen3 parity at
+# both tp sizes and tied/untied is also covered by tests/test_sync.py and test_logprobs.py.
+CASES = [
+    Case("qwen2-tied-gqa-tp2", "qwen2", lambda: TinyModelSpec(seed=11), 2),
+    Case("qwen3-tied-tp1", "qwen3", lambda: TinyModelSpec(architecture="qwen3", num_key_value_heads=2, seed=12), 1),
+    Case("llama3-untied-gqa-hd64-tp2", "llama", lambda: tiny_llama3_spec(seed=13), 2),
+    Case("llama3-tied-hd64-tp1", "llama", lambda: tiny_llama3_spec(tie_word_embeddings=True, seed=14), 1),
+    Case("tiny-random-llama-hd4-tp2", "llama", lambda: tiny_random_llama_spec(seed=15), 2),
+    # 8 experts (top-2) sharded over 2 devices, layer 0 dense; tp 1 in tests/test_qwen3_moe.py.
+    Case("qwen3-moe-tp2", "qwen3_moe", lambda: TinyMoeSpec(seed=16), 2),
+]
+
+
+def greedy(worker):
+    return worker.generate(PROMPTS, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True).completions
+
+
+def save_checkpoint(path, tree):
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, tree)
+    checkpointer.wait_until_finished()
+    return path
+
+
+@dataclasses.dataclass
+class Served:
+    case: Case
+    model_dir: Path
+    config: dict
+    params: dict  # host arrays, trainer layout
+    reference: list  # the Flax model's greedy tokens
+    worker: RolloutWorker
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
+def served(request, tmp_path_factory):
+    case = request.param
+    model_dir = write_tiny_model(tmp_path_factory.mktemp(case.id), case.spec(), with_tokenizer=False)
+    config = json.loads((model_dir / "config.json").read_text())
+    params = load_hf_params(model_dir)
+    reference = greedy_decode(flax_model_for(config), params, PROMPTS, NEW_TOKENS)
+    worker_config = tiny_worker_config(model_dir, load_format="dummy", tp_size=case.tp_size)
+    with RolloutWorker(worker_config) as worker:
+        yield Served(case, model_dir, config, params, reference, worker)
+
+
+def transformed(served) -> list:
+    """Mapping entries whose engine leaf is not the trainer's array as it is: transposed heads,
+    and k/v projections whose heads the engine repeats (tp_size > num_key_value_heads)."""
+    repeat = served.case.tp_size > served.config["num_key_value_heads"]
+    return [
+        m for m in served.worker.mappings
+        if m.engine_transform is EngineTransform.TRANSPOSE
+        or (m.engine_transform is EngineTransform.REPEAT_KV_HEADS and repeat)
+    ]
+
+
+def test_every_family_has_a_contract_case():
+    assert set(FAMILIES) <= {case.family for case in CASES}
+
+
+def test_placed_tree_copies_only_transformed_leaves_and_serves_the_flax_policy(served):
+    worker = served.worker
+    assert greedy(worker) != served.reference, "dummy weights must not already give the answer"
+    tree = jax.device_put(served.params, worker.param_shardings())
+    report = worker.sync_params(tree)
+    copies = transformed(served)
+    by_path = {leaf.path: leaf for leaf in worker.leaves}
+    leaves = worker.engine.weight_leaves()
+    assert report.leaves_copied == len(copies)
+    assert report.bytes_copied == sum(leaves[by_path[m.engine].index].nbytes for m in copies)
+    assert report.leaves_aliased == len(worker.mappings) - len(copies)
+    assert greedy(worker) == served.reference
+    worker.check_consistency(tree, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)
+
+
+def test_load_hf_and_load_checkpoint_serve_the_flax_policy(served, tmp_path):
+    worker = served.worker
+    scaled = jax.tree_util.tree_map(lambda x: x * 1.1, served.params)
+    worker.sync_params(scaled)
+    assert greedy(worker) != served.reference
+    worker.load_hf(served.model_dir)
+    assert greedy(worker) == served.reference
+    worker.sync_params(scaled)
+    worker.load_checkpoint(save_checkpoint(tmp_path / "ckpt", served.params))
+    assert greedy(worker) == served.reference
+    worker.check_consistency(served.params, PROMPTS, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)
+
+
+def first_mismatching_path(mappings, flat) -> str:
+    """The path a SyncError must name first: an expected path the tree lacks (table order), else
+    a path the tree has and the table does not."""
+    expected = [m.trainer for m in mappings]
+    missing = [p for p in expected if p not in flat]
+    return missing[0] if missing else next(p for p in flat if p not in set(expected))
+
+
+def test_another_familys_tree_is_refused_naming_the_first_mismatching_path(served, tmp_path):
+    worker = served.worker
+    worker.sync_params(served.params)
+    other_family = "qwen2" if served.case.family != "qwen2" else "llama"
+    other = next(c for c in CASES if c.family == other_family)
+    flat = flatten_params(load_hf_params(write_tiny_model(tmp_path, other.spec(), with_tokenizer=False)))
+    with pytest.raises(SyncError, match=re.escape(first_mismatching_path(worker.mappings, flat))):
+        worker.sync_params(flat)
+    assert greedy(worker) == served.reference
+
+
+UNSUPPORTED = [
+    ({"model_type": "mistral"}, r"model_type 'mistral' is not supported; supported: \['llama', 'qwen2', 'qwen3'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling type 'yarn' is not supported for llama"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling type 'linear' is not supported"),
+    ({"attention_bias": True}, r"attention_bias=True is not supported for llama"),
+    ({"head_dim": 5, "num_attention_heads": 4, "hidden_size": 20}, r"head_dim 5 is odd"),
+]
+
+
+@pytest.mark.parametrize("change, message", UNSUPPORTED, ids=["model_type", "yarn", "linear", "bias", "odd-head-dim"])
+def test_unsupported_configs_are_refused_before_anything_starts(tmp_path, change, message):
+    model_dir = write_tiny_model(tmp_path, tiny_random_llama_spec(vocab_size=320), with_tokenizer=False)
+    config_file = model_dir / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **change}))
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match=message) as error:
+        RolloutWorker(tiny_worker_config(model_dir))
+    assert str(config_file) in str(error.value)
+    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("sglang-jax")]
+
+
+def test_llama3_frequencies_are_the_engines(tmp_path):
+    """The trainer's llama3 RoPE frequencies against the engine's own Llama3RotaryEmbedding
+    (built as the engine builds it, with the workarounds installed)."""
+    from rollout.engine import install_workarounds
+
+    install_workarounds()
+    from sgl_jax.srt.layers.embeddings import get_rope
+
+    scaling = tiny_llama3_spec().rope_scaling
+    rope = get_rope(64, 64, 1024, 10000.0, True, dict(scaling), dtype=np.float32)
+    ours = rope_inv_freq(64, 10000.0, Llama3RopeScaling.from_hf(scaling))
+    np.testing.assert_allclose(rope._inv_freq_np, ours, rtol=1e-6)
+    assert not np.allclose(ours, rope_inv_freq(64, 10000.0)), "the scaling must change some frequencies"
+
+
+def test_flax_llama_equals_hf_transformers_flax_llama(tmp_path):
+    """The trainer's Flax Llama against transformers' own (Flax) Llama on the same weights."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "FlaxLlamaForCausalLM"):
+        pytest.skip("this transformers has no Flax Llama")
+    from flax.traverse_util import unflatten_dict
+    from safetensors.numpy import load_file
+
+    model_dir = write_tiny_model(tmp_path, tiny_random_llama_spec(), with_tokenizer=False)
+    hf_config = transformers.LlamaConfig.from_pretrained(model_dir)
+    hf_model = transformers.FlaxLlamaForCausalLM(hf_config, dtype=np.float32, _do_init=False)
+    hf_params = {}
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        *module, kind = name.split(".")
+        if "embed_tokens" in name:
+            hf_params[(*module, "embedding")] = tensor
+        elif "norm" in name:
+            hf_params[(*module, "weight")] = tensor
+        else:
+            hf_params[(*module, "kernel")] = tensor.T
+    tokens = np.asarray([PROMPTS[0]], np.int32)
+    expected = np.asarray(hf_model(tokens, params=unflatten_dict(hf_params)).logits)
+    config = json.loads((model_dir / "config.json").read_text())
+    logits = np.asarray(flax_model_for(config).apply({"params": load_hf_params(model_dir)}, tokens))
+    np.testing.assert_allclose(logits, expected, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llama3_from_safetensors(tmp_path_factory):
+    """A Llama-3-style model (head_dim 64, llama3 RoPE) booted straight from its safetensors."""
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("llama3-auto"), tiny_llama3_spec(seed=21), with_tokenizer=False)
+    with RolloutWorker(tiny_worker_config(model_dir, load_format="auto")) as worker:
+        yield worker, model_dir
+
+
+def test_llama3_rope_scaling_gives_the_trainers_positions(llama3_from_safetensors):
+    """Pins "llama3-rope-scaling": without it the engine ignores the scaling and diverges from
+    the trainer after a few tokens."""
+    worker, model_dir = llama3_from_safetensors
+    params = load_hf_params(model_dir)
+    model = flax_model_for(json.loads((model_dir / "config.json").read_text()))
+    assert greedy(worker) == greedy_decode(model, params, PROMPTS, NEW_TOKENS)
+    worker.check_consistency(params, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)
+
+
+def test_head_dim_64_boots_from_safetensors_and_generates_the_flax_tokens(tmp_path):
+    """Pins "head-dim-padding": a Qwen2.5-0.5B-like model (head_dim 64, biases, 2 KV heads)
+    loaded by the engine's own safetensors loader, tensor-parallel."""
+    spec = TinyModelSpec(num_attention_heads=4, num_key_value_heads=2, head_dim=64, seed=22)
+    model_dir = write_tiny_model(tmp_path, spec, with_tokenizer=False)
+    params = load_hf_params(model_dir)
+    reference = greedy_decode(flax_model_for(spec.hf_config()), params, PROMPTS, NEW_TOKENS)
+    with RolloutWorker(tiny_worker_config(model_dir, load_format="auto", tp_size=2)) as worker:
+        assert greedy(worker) == reference
+
+
+@pytest.fixture(scope="module")
+def llama_pool(tmp_path_factory):
+    """The tiny-random-LlamaForCausalLM shapes with a tokenizer, two engines (dp_size=2) booted
+    from safetensors: the set-up of the seeds' several-engines and HTTP admin runs."""
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("llama-pool"), tiny_random_llama_spec(seed=23))
+    with RolloutWorker(tiny_worker_config(model_dir, load_format="auto", dp_size=2)) as worker:
+        yield worker, model_dir
+
+
+def test_llama_engine_pool_and_kv_drop_rebuild(llama_pool):
+    worker, model_dir = llama_pool
+    params = load_hf_params(model_dir)
+    reference = greedy_decode(flax_model_for(json.loads((model_dir / "config.json").read_text())), params, PROMPTS, NEW_TOKENS)
+    assert greedy(worker) == reference
+    report = worker.sync_params(jax.device_put(params, worker.param_shardings()))
+    # Only the untied head is transposed; every engine aliases the rest.
+    assert [r.leaves_copied for r in report.per_engine] == [1, 1]
+    assert greedy(worker) == reference
+    dropped = worker.drop_kv()
+    assert dropped.bytes > 0 and worker.memory().kv_bytes == 0
+    assert greedy(worker) == reference  # rebuilds first
+    assert worker.memory().kv_bytes == dropped.bytes
+
+
+def test_llama_http_admin_checksum_perturb_reload(llama_pool):
+    import httpx
+
+    from bench.serve_load import ADMIN_TOKEN
+
+    worker, model_dir = llama_pool
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    reload = {"path": str(model_dir), "format": "hf"}
+
+    def complete(http):
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        return http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+    with worker.serve(admin_token=ADMIN_TOKEN, served_model_name="tiny") as server, httpx.Client(
+        base_url=server.url, timeout=120
+    ) as http:
+        assert http.post("/admin/reload_weights", json=reload, headers=admin).status_code == 200
+        original = http.get("/admin/weights_checksum", headers=admin).json()
+        assert original["leaves"] == len(worker.mappings)
+        before = complete(http)
+        perturbed = http.post("/admin/perturb_weights", json={"seed": 3, "scale": 0.05, "num_leaves": 4}, headers=admin)
+        assert perturbed.json()["checksum_after"] != original["checksum"]
+        assert http.post("/admin/reload_weights", json=reload, headers=admin).status_code == 200
+        assert http.get("/admin/weights_checksum", headers=admin).json()["checksum"] == original["checksum"]
+        assert complete(http) == before
