@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: a Qwen2.5-1.5B-shaped random model dir, timing, memory."""
+"""Shared benchmark helpers: Qwen2.5-1.5B- and Llama-3.2-1B-shaped random model dirs, timing,
+memory."""
 
 from __future__ import annotations
 
@@ -21,11 +22,40 @@ QWEN25_15B_SHAPE = dict(
     num_attention_heads=12,
     num_key_value_heads=2,
     tie_word_embeddings=True,
+    max_position_embeddings=4096,
 )
 
 
+# Llama 3.2-1B: hidden 2048, intermediate 8192, 32 heads, 8 KV heads, head_dim 64, vocab 128256,
+# tied embeddings, llama3 RoPE scaling (16 layers in the real model).
+LLAMA32_1B_SHAPE = dict(
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+
+SHAPES = {"qwen2.5-1.5b": QWEN25_15B_SHAPE, "llama3.2-1b": LLAMA32_1B_SHAPE}
+
+
 def qwen25_15b_dir(root: Path, num_layers: int) -> Path:
-    spec = TinyModelSpec(num_hidden_layers=num_layers, max_position_embeddings=4096, **QWEN25_15B_SHAPE)
+    return shaped_model_dir(root, "qwen2.5-1.5b", num_layers)
+
+
+def shaped_model_dir(root: Path, shape: str, num_layers: int) -> Path:
+    """A random model dir with one of SHAPES and ``num_layers`` layers (no tokenizer)."""
+    spec = TinyModelSpec(num_hidden_layers=num_layers, **SHAPES[shape])
     return write_tiny_model(root, spec, with_tokenizer=False)
 
 

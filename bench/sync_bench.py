@@ -1,6 +1,7 @@
-"""sync_params against the published alternatives, on a random Qwen2.5-1.5B-shaped model.
+"""sync_params against the published alternatives, on a random Qwen2.5-1.5B-shaped model (or a
+Llama-3.2-1B-shaped one: head_dim 64, GQA 32/8, llama3 RoPE, ``--shape llama3.2-1b``).
 
-    JAX_PLATFORMS=cpu python bench/sync_bench.py [--layers 4]
+    JAX_PLATFORMS=cpu python bench/sync_bench.py [--layers 4] [--shape qwen2.5-1.5b]
 
 Measured in one run, on this machine: (a) this sync with an aliasable float32 tree, with and
 without ``check_finite`` (a read of every weight), next to one plain read of the weights, (b)
@@ -19,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import PeakRss, gib, median_seconds, qwen25_15b_dir
+from bench.common import SHAPES, PeakRss, gib, median_seconds, shaped_model_dir
 from rollout import RolloutWorker, WorkerConfig
 from trainer_bridge import flatten_params, load_hf_params, unflatten_params
 
@@ -28,6 +29,7 @@ from trainer_bridge import flatten_params, load_hf_params, unflatten_params
 class SyncBenchConfig:
     layers: int = 4
     repeats: int = 5
+    shape: str = "qwen2.5-1.5b"
 
 
 def worker_config(model_dir: Path, dtype: str, load_format: str = "dummy") -> WorkerConfig:
@@ -56,10 +58,10 @@ def mllm_jax_sync(worker: RolloutWorker, flat: dict) -> None:
 
 def main(config: SyncBenchConfig) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = qwen25_15b_dir(Path(tmp), config.layers)
+        model_dir = shaped_model_dir(Path(tmp), config.shape, config.layers)
         flat = {k: jax.device_put(v) for k, v in flatten_params(load_hf_params(model_dir)).items()}
         total = sum(v.nbytes for v in flat.values())
-        print(f"model: Qwen2.5-1.5B shape with {config.layers} of 28 layers, {len(flat)} tensors, {gib(total)} float32")
+        print(f"model: {config.shape} shape with {config.layers} layers, {len(flat)} tensors, {gib(total)} float32")
         rows = []
 
         with RolloutWorker(worker_config(model_dir, "float32")) as worker:
@@ -124,5 +126,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=SyncBenchConfig.layers)
     parser.add_argument("--repeats", type=int, default=SyncBenchConfig.repeats)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=SyncBenchConfig.shape)
     args = parser.parse_args()
-    main(SyncBenchConfig(layers=args.layers, repeats=args.repeats))
+    main(SyncBenchConfig(layers=args.layers, repeats=args.repeats, shape=args.shape))
