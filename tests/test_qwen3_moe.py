@@ -159,6 +159,16 @@ def test_hf_experts_are_stacked_in_trainer_layout(moe_dir, params):
 # ---- the engine against the Flax model ------------------------------------------------------
 
 
+def test_the_engine_knows_qwen3_moe():
+    """Pins WORKAROUNDS "moe-jax-import" (jax 0.12 cannot import 0.0.2's Qwen3-MoE module)."""
+    from rollout.engine import install_workarounds
+
+    install_workarounds()
+    from sgl_jax.srt.models.registry import ModelRegistry
+
+    assert "Qwen3MoeForCausalLM" in ModelRegistry.get_supported_archs()
+
+
 def test_engine_serves_the_flax_models_tokens_from_safetensors(tp1_worker, params, reference):
     """Pins WORKAROUNDS "moe-forward": 0.0.2's expert block crashes on one device (and off TPU
     on several), and routes with a bfloat16 softmax."""

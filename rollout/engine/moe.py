@@ -68,14 +68,34 @@ def routed_experts(inputs, router_logits, wi_0, wi_1, wo, *, top_k: int, norm_to
 def patch_expert_block(enabled) -> None:
     """Install the MoE workarounds that ``enabled(name)`` allows (see WORKAROUNDS)."""
     from sgl_jax.srt.layers import moe
-    from sgl_jax.srt.models import qwen3_moe
 
+    qwen3_moe = _import_engine_qwen3_moe()
     if enabled("moe-forward"):
         moe.EPMoE.__call__ = _expert_block_call
     if enabled("moe-expert-shapes"):
         moe.EPMoE.__init__ = _with_every_expert(moe.EPMoE.__init__)
     if enabled("moe-sparse-step"):
         qwen3_moe.Qwen3MoeForCausalLM.__init__ = _dense_layers_listed(qwen3_moe.Qwen3MoeForCausalLM.__init__)
+
+
+def _import_engine_qwen3_moe():
+    """WORKAROUNDS "moe-jax-import": the engine's Qwen3-MoE module, imported with ``jax.jax``
+    present for the duration (it does ``from jax import jax``), and registered as the engine's
+    model registry would have."""
+    import importlib
+
+    from sgl_jax.srt.models.registry import ModelRegistry
+
+    shim = not hasattr(jax, "jax")
+    if shim:
+        jax.jax = jax
+    try:
+        module = importlib.import_module("sgl_jax.srt.models.qwen3_moe")
+    finally:
+        if shim:
+            del jax.jax
+    ModelRegistry.models.setdefault(module.EntryClass.__name__, module.EntryClass)
+    return module
 
 
 def _expert_block_call(self, inputs, router_logits=None):
