@@ -1,6 +1,7 @@
 """GRPO with an in-process sglang-jax rollout worker.
 
     python -m examples.grpo                       # tiny preset: a few minutes on a CPU
+    python -m examples.grpo --preset tiny-llama   # the same on a tiny Llama-3-style model
     python -m examples.grpo --preset qwen2.5-3b   # Qwen2.5-3B-Instruct on GSM8K (TPU, network)
 
 The qwen2.5-3b preset downloads its model and dataset; ``--model DIR`` (an HF model dir with a
@@ -48,6 +49,8 @@ class GRPOConfig(RLConfig):
 
 PRESETS = {
     "tiny": GRPOConfig(),
+    # The same task on a tiny Llama-3-style model (GQA, llama3 RoPE scaling, untied, head_dim 64).
+    "tiny-llama": GRPOConfig(preset="tiny-llama", output_dir="runs/grpo-tiny-llama"),
     # Sizes in the range of the published MLLM-JAX GRPO runs on a TPU v4-8.
     "qwen2.5-3b": GRPOConfig(
         preset="qwen2.5-3b",

@@ -27,13 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
-from models import QwenConfig, QwenForCausalLM, TinyModelSpec, write_tiny_model
+from models import QwenForCausalLM, TinyModelSpec, flax_model_for, tiny_llama3_spec, write_tiny_model
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
 from trainer_bridge import load_hf_params
 
 logger = logging.getLogger(__name__)
 
-PRESET_NAMES = ("tiny", "qwen2.5-3b")
+# The tiny presets' models: digits and operators only, so a random policy often answers with a
+# number. "tiny-llama" is a Llama-3-style one (GQA, llama3 RoPE scaling, untied, head_dim 64).
+TINY_MODELS = {
+    "tiny": lambda seed: TinyModelSpec(vocab_size=32, tokenizer="chars", seed=seed),
+    "tiny-llama": lambda seed: tiny_llama3_spec(vocab_size=32, tokenizer="chars", seed=seed),
+}
+PRESET_NAMES = (*TINY_MODELS, "qwen2.5-3b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +102,7 @@ class RLConfig:
                 f"kv_tokens={self.kv_tokens} cannot hold one step: {rows} rows x "
                 f"({self.max_prompt_tokens} + {self.max_new_tokens}) tokens"
             )
-        if self.preset != "tiny" and (self.model is None or self.dataset is None):
+        if self.preset not in TINY_MODELS and (self.model is None or self.dataset is None):
             raise ValueError(f"preset {self.preset!r} needs a model and a dataset")
 
 
@@ -144,10 +150,8 @@ class Policy:
 
 
 def prepare_model(config: RLConfig, output_dir: Path) -> Path:
-    if config.preset == "tiny":
-        # Digits and operators only: a random policy often answers with a number.
-        spec = TinyModelSpec(vocab_size=32, tokenizer="chars", seed=config.seed)
-        return write_tiny_model(output_dir / "model", spec)
+    if config.preset in TINY_MODELS:
+        return write_tiny_model(output_dir / "model", TINY_MODELS[config.preset](config.seed))
     if Path(config.model).is_dir():
         return Path(config.model)
     from huggingface_hub import snapshot_download
@@ -161,7 +165,7 @@ class Task:
     def __init__(self, config: RLConfig, tokenizer):
         self.config = config
         self.rng = np.random.default_rng(config.seed)
-        if config.preset == "tiny":
+        if config.preset in TINY_MODELS:
             self.pool = None
             self.reward_fn = addition_reward
         else:
@@ -203,7 +207,7 @@ def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm
         )
     )
     try:
-        model = QwenForCausalLM(QwenConfig.from_hf(model_dir, dtype=config.dtype))
+        model = flax_model_for(json.loads((model_dir / "config.json").read_text()), config.dtype)
         # Placed as the engine places its weights: syncs alias these buffers instead of copying.
         shardings = worker.param_shardings()
         params = jax.tree_util.tree_map(
