@@ -4,6 +4,9 @@ the consistency check catches, and the engine workarounds it needs. The contract
 (tests/test_families.py) runs the same checks at tp 2; here they run at tp 1."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -251,3 +254,20 @@ def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
             "transformer.layers.2.mlp.down_proj.weight",
         }
         assert_serves(worker, params, reference)
+
+
+def test_grpo_example_runs_on_tiny_moe(tmp_path):
+    """``python -m examples.grpo --preset tiny-moe`` as a user runs it (2 steps): every sync
+    aliases all leaves (experts and routers included) and the engine serves the trainer's
+    policy (checked every step)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    command = [
+        sys.executable, "-m", "examples.grpo", "--preset", "tiny-moe", "--output-dir", str(tmp_path),
+        "--no-progress", "--no-plot", "--steps", "2", "--check-consistency-every", "1", "--prompts-per-step", "4",
+    ]
+    result = subprocess.run(command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["bytes_copied"] == 0 for r in records)
+    assert all(r["consistency_max"] < FP32_ATOL for r in records)
