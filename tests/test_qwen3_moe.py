@@ -224,6 +224,31 @@ def test_load_hf(tp1_worker, moe_dir, params, reference):
     assert_serves(tp1_worker, params, reference)
 
 
+def test_kv_drop_rebuild_and_http_admin_flow(tp1_worker, moe_dir, params, reference):
+    """The seeds' admin flow on a MoE engine: checksum, perturb, reload from the HF dir."""
+    import httpx
+
+    from bench.serve_load import ADMIN_TOKEN
+
+    tp1_worker.sync_params(params)
+    dropped = tp1_worker.drop_kv()
+    assert dropped.bytes > 0 and tp1_worker.memory().kv_bytes == 0
+    assert greedy(tp1_worker).completions == reference  # rebuilds first
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    reload = {"path": str(moe_dir), "format": "hf"}
+    with tp1_worker.serve(admin_token=ADMIN_TOKEN, served_model_name="moe") as server, httpx.Client(
+        base_url=server.url, timeout=120
+    ) as http:
+        original = http.get("/admin/weights_checksum", headers=admin).json()
+        assert original["leaves"] == len(tp1_worker.mappings)
+        perturbed = http.post("/admin/perturb_weights", json={"seed": 3, "scale": 0.05, "num_leaves": 4}, headers=admin)
+        assert perturbed.json()["checksum_after"] != original["checksum"]
+        assert http.post("/admin/reload_weights", json=reload, headers=admin).status_code == 200
+        assert http.get("/admin/weights_checksum", headers=admin).json()["checksum"] == original["checksum"]
+        body = {"model": "moe", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == reference[0]
+
+
 def test_consistency_check_catches_experts_swapped_behind_the_routers_back(worker, params):
     """Experts 0 and 1 of layer 1 exchanged in the stacked weights, the router left as it is:
     every shape matches, the engine routes tokens to the wrong experts."""
