@@ -281,14 +281,15 @@ def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
         assert_serves(worker, params, reference)
 
 
-def test_grpo_example_runs_on_tiny_moe(tmp_path):
-    """``python -m examples.grpo --preset tiny-moe`` as a user runs it (2 steps): every sync
-    aliases all leaves (experts and routers included) and the engine serves the trainer's
-    policy (checked every step)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+def test_grpo_example_runs_on_tiny_moe_with_an_engine_pool(tmp_path):
+    """``python -m examples.grpo --preset tiny-moe --dp-size 2`` as a user runs it (2 steps, two
+    engines): every sync aliases all leaves on both engines (experts and routers included)
+    and the engines serve the trainer's policy (checked every step)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     command = [
         sys.executable, "-m", "examples.grpo", "--preset", "tiny-moe", "--output-dir", str(tmp_path),
         "--no-progress", "--no-plot", "--steps", "2", "--check-consistency-every", "1", "--prompts-per-step", "4",
+        "--dp-size", "2",
     ]
     result = subprocess.run(command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
