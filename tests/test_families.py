@@ -22,6 +22,7 @@ import pytest
 from models import (
     FAMILIES,
     EngineTransform,
+    Llama3RopeScaling,
     TinyModelSpec,
     TinyMoeSpec,
     flax_model_for,
@@ -31,7 +32,6 @@ from models import (
     tiny_random_llama_spec,
     write_tiny_model,
 )
-from models.qwen_flax import Llama3RopeScaling
 from rollout import RolloutWorker
 from tests.helpers import tiny_worker_config
 from trainer_bridge import SyncError, flatten_params, load_hf_params
