@@ -2,6 +2,7 @@
 
     python -m examples.grpo                       # tiny preset: a few minutes on a CPU
     python -m examples.grpo --preset tiny-llama   # the same on a tiny Llama-3-style model
+    python -m examples.grpo --preset tiny-moe     # the same on a tiny Qwen3-MoE (8 experts, top-2)
     python -m examples.grpo --preset qwen2.5-3b   # Qwen2.5-3B-Instruct on GSM8K (TPU, network)
 
 The qwen2.5-3b preset downloads its model and dataset; ``--model DIR`` (an HF model dir with a
@@ -51,6 +52,7 @@ PRESETS = {
     "tiny": GRPOConfig(),
     # The same task on a tiny Llama-3-style model (GQA, llama3 RoPE scaling, untied, head_dim 64).
     "tiny-llama": GRPOConfig(preset="tiny-llama", output_dir="runs/grpo-tiny-llama"),
+    "tiny-moe": GRPOConfig(preset="tiny-moe", output_dir="runs/grpo-tiny-moe"),
     # Sizes in the range of the published MLLM-JAX GRPO runs on a TPU v4-8.
     "qwen2.5-3b": GRPOConfig(
         preset="qwen2.5-3b",

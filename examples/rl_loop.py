@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
-from models import QwenForCausalLM, TinyModelSpec, flax_model_for, tiny_llama3_spec, write_tiny_model
+from models import QwenForCausalLM, TinyModelSpec, TinyMoeSpec, flax_model_for, tiny_llama3_spec, write_tiny_model
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
 from trainer_bridge import load_hf_params
 
@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 TINY_MODELS = {
     "tiny": lambda seed: TinyModelSpec(vocab_size=32, tokenizer="chars", seed=seed),
     "tiny-llama": lambda seed: tiny_llama3_spec(vocab_size=32, tokenizer="chars", seed=seed),
+    # Qwen3-MoE: 8 experts of which 2 run per token, layer 0 dense.
+    "tiny-moe": lambda seed: TinyMoeSpec(vocab_size=32, tokenizer="chars", seed=seed),
 }
 PRESET_NAMES = (*TINY_MODELS, "qwen2.5-3b")
 

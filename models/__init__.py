@@ -3,9 +3,12 @@ sglang-jax, and tiny random model dirs for tests and examples."""
 
 from .logprobs import completion_log_probs, sampled_token_log_probs, sampling_log_probs
 from .mapping import Condition, EngineTransform, ParamMapping, expand_mappings
+from .moe import route
+from .qwen3_moe_flax import Qwen3MoeConfig
 from .qwen_flax import Llama3RopeScaling, QwenConfig, QwenForCausalLM, greedy_decode, rope_inv_freq
 from .registry import FAMILIES, MAPPINGS, Family, family_for, flax_model_for, mappings_for
 from .tiny import TinyModelSpec, random_hf_weights, tiny_llama3_spec, tiny_random_llama_spec, write_tiny_model
+from .tiny_moe import TinyMoeSpec
 
 __all__ = [
     "FAMILIES",
@@ -15,9 +18,11 @@ __all__ = [
     "Family",
     "Llama3RopeScaling",
     "ParamMapping",
+    "Qwen3MoeConfig",
     "QwenConfig",
     "QwenForCausalLM",
     "TinyModelSpec",
+    "TinyMoeSpec",
     "completion_log_probs",
     "expand_mappings",
     "family_for",
@@ -26,6 +31,7 @@ __all__ = [
     "mappings_for",
     "random_hf_weights",
     "rope_inv_freq",
+    "route",
     "sampled_token_log_probs",
     "sampling_log_probs",
     "tiny_llama3_spec",

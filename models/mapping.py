@@ -1,7 +1,8 @@
 """Mapping-table entries: how one trainer parameter relates to an HF tensor and an engine leaf.
 
 Tables are plain data (tuples of :class:`ParamMapping`), one module per architecture. Names may
-contain ``{layer}``, expanded for every decoder layer.
+contain ``{layer}``, expanded for every decoder layer; an HF name may contain ``{expert}``: the
+trainer and engine keep those experts stacked in one array (leading axis), HF one tensor each.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ class EngineTransform(enum.Enum):
 class Condition(enum.Enum):
     ALWAYS = "always"
     UNTIED = "untied"  # only when tie_word_embeddings is false
+    # Mixture-of-experts models: layers with a routed expert block, and those with a dense MLP.
+    SPARSE_LAYER = "sparse_layer"
+    DENSE_LAYER = "dense_layer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,14 +41,28 @@ class ParamMapping:
     def per_layer(self) -> bool:
         return "{layer}" in self.trainer
 
+    @property
+    def stacked_experts(self) -> bool:
+        """HF stores one tensor per expert (``hf`` names ``{expert}``); stacked on axis 0 here."""
+        return "{expert}" in self.hf
 
-def expand_mappings(table, *, num_layers: int, tied: bool) -> list[ParamMapping]:
-    """Concrete entries for a model with ``num_layers`` layers, in table order."""
+
+def expand_mappings(
+    table, *, num_layers: int, tied: bool, sparse_layers: frozenset[int] = frozenset()
+) -> list[ParamMapping]:
+    """Concrete entries for a model with ``num_layers`` layers, in table order.
+
+    ``sparse_layers``: the layers with a routed expert block (the others have a dense MLP).
+    """
     entries = []
     for entry in table:
         if entry.condition is Condition.UNTIED and tied:
             continue
         layers = range(num_layers) if entry.per_layer else [None]
+        if entry.condition is Condition.SPARSE_LAYER:
+            layers = [layer for layer in layers if layer in sparse_layers]
+        elif entry.condition is Condition.DENSE_LAYER:
+            layers = [layer for layer in layers if layer not in sparse_layers]
         for layer in layers:
             if layer is None:
                 entries.append(entry)
@@ -54,7 +72,7 @@ def expand_mappings(table, *, num_layers: int, tied: bool) -> list[ParamMapping]
                         entry,
                         trainer=entry.trainer.format(layer=layer),
                         engine=entry.engine.format(layer=layer),
-                        hf=entry.hf.format(layer=layer),
+                        hf=entry.hf.format(layer=layer, expert="{expert}"),
                     )
                 )
     return entries

@@ -97,13 +97,14 @@ class QwenConfig:
     def qk_norm(self) -> bool:
         return self.architecture == "qwen3"
 
+    def feed_forward(self, layer: int) -> nn.Module:
+        """Decoder layer ``layer``'s feed-forward block, built inside that layer as "mlp"."""
+        return MLP(self, name="mlp")
+
     @classmethod
     def from_hf(cls, source: str | Path | dict, dtype: str = "float32") -> QwenConfig:
         """From an HF ``config.json`` (a model dir, the file, or its parsed dict)."""
-        if not isinstance(source, dict):
-            path = Path(source)
-            path = path / "config.json" if path.is_dir() else path
-            source = json.loads(path.read_text())
+        source = read_hf_config(source)
         model_type = source.get("model_type")
         if model_type not in ARCHITECTURES:
             raise ValueError(f"model_type {model_type!r} is not supported ({', '.join(ARCHITECTURES)})")
@@ -125,6 +126,15 @@ class QwenConfig:
             dtype=dtype,
             rope_scaling=Llama3RopeScaling.from_hf(source.get("rope_scaling")),
         )
+
+
+def read_hf_config(source: str | Path | dict) -> dict:
+    """An HF ``config.json`` as a dict, from a model dir, the file, or the dict itself."""
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    path = path / "config.json" if path.is_dir() else path
+    return json.loads(path.read_text())
 
 
 class RMSNorm(nn.Module):
@@ -196,6 +206,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     config: QwenConfig
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x, positions, mask):
@@ -204,7 +215,7 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x)
         x = x + Attention(c, name="self_attn")(h, positions, mask)
         h = RMSNorm(c.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
-        return x + MLP(c, name="mlp")(h)
+        return x + c.feed_forward(self.layer)(h)
 
 
 class QwenModel(nn.Module):
@@ -214,7 +225,7 @@ class QwenModel(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype)
-        self.layers = [DecoderLayer(c) for _ in range(c.num_hidden_layers)]  # named layers_{i}
+        self.layers = [DecoderLayer(c, layer=i) for i in range(c.num_hidden_layers)]  # named layers_{i}
         self.norm = RMSNorm(c.rms_norm_eps, dtype)
 
     def __call__(self, tokens, positions, mask):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from . import llama, qwen2, qwen3
+from . import llama, qwen2, qwen3, qwen3_moe
 from .mapping import ParamMapping, expand_mappings
+from .qwen3_moe_flax import Qwen3MoeConfig
 from .qwen_flax import QwenConfig, QwenForCausalLM
 
 # RoPE scaling types every family's Flax model and the engine (0.0.2's get_rope, with the
@@ -42,12 +43,37 @@ class Family:
     expand: Callable = _expand
     # config.json keys that must be false/absent (features the table and the model lack).
     unsupported_flags: tuple[str, ...] = ()
+    # (config getter) -> None, or ValueError for values the family cannot serve.
+    check: Callable | None = None
+
+
+def _qwen3_moe_expand(table, get) -> list[ParamMapping]:
+    return expand_mappings(
+        table,
+        num_layers=int(get("num_hidden_layers")),
+        tied=bool(get("tie_word_embeddings", True)),
+        sparse_layers=qwen3_moe.sparse_layers(get),
+    )
+
+
+def _qwen3_moe_flax(config: dict, dtype: str):
+    return QwenForCausalLM(Qwen3MoeConfig.from_hf(config, dtype=dtype))
 
 
 FAMILIES: dict[str, Family] = {
     "qwen2": Family("qwen2", qwen2.MAPPING, _qwen_flax),
     "qwen3": Family("qwen3", qwen3.MAPPING, _qwen_flax),
     "llama": Family("llama", llama.MAPPING, _qwen_flax, unsupported_flags=("attention_bias", "mlp_bias")),
+    # 0.0.2's Qwen3-MoE attention builds its RotaryEmbedding without the config's rope_scaling.
+    qwen3_moe.MODEL_TYPE: Family(
+        qwen3_moe.MODEL_TYPE,
+        qwen3_moe.MAPPING,
+        _qwen3_moe_flax,
+        rope_types=frozenset({"default"}),
+        expand=_qwen3_moe_expand,
+        unsupported_flags=("attention_bias",),
+        check=qwen3_moe.check_config,
+    ),
 }
 
 # model_type -> mapping table (the tables alone).
@@ -79,6 +105,11 @@ def family_for(hf_config, where: str = "config") -> Family:
     for flag in family.unsupported_flags:
         if get(flag):
             raise ValueError(f"{where}: {flag}={get(flag)!r} is not supported for {model_type}")
+    if family.check is not None:
+        try:
+            family.check(get)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
     heads = int(get("num_attention_heads"))
     head_dim = get("head_dim") or int(get("hidden_size")) // heads
     if int(head_dim) % 2:

@@ -105,6 +105,10 @@ class TinyModelSpec:
             "pad_token_id": 0,
         }
 
+    def hf_weights(self) -> dict[str, np.ndarray]:
+        """The model's random weights under HF names (a subclass may add its own)."""
+        return random_hf_weights(self)
+
 
 def random_hf_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
     """Random float32 weights under HF Qwen2/Qwen3/Llama key names ([out, in] linear layout).
@@ -177,7 +181,7 @@ def write_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(spec.hf_config(), indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "pad_token_id": 0}))
-    save_file(random_hf_weights(spec), str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(spec.hf_weights(), str(path / "model.safetensors"), metadata={"format": "pt"})
     if with_tokenizer:
         write_tiny_tokenizer(path, spec)
     return path

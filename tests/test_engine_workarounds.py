@@ -48,12 +48,17 @@ PINNING_TESTS = {
     "failure-signal-handler": "tests/test_faults.py::test_a_signal_during_a_request_drains_it_and_exits_0[SIGTERM]",
     "llama3-rope-scaling": "tests/test_families.py::test_llama3_rope_scaling_gives_the_trainers_positions",
     "head-dim-padding": "tests/test_families.py::test_head_dim_64_boots_from_safetensors_and_generates_the_flax_tokens",
+    "moe-forward": "tests/test_qwen3_moe.py::test_engine_serves_the_flax_models_tokens_from_safetensors",
+    "moe-jax-import": "tests/test_qwen3_moe.py::test_the_engine_knows_qwen3_moe",
+    "moe-expert-shapes": "tests/test_qwen3_moe.py::test_tensor_parallel_dummy_engine_holds_every_expert",
+    "moe-sparse-step": "tests/test_qwen3_moe.py::test_decoder_sparse_step_and_unnormalized_routing",
 }
 # Workarounds that are part of how an engine runs here and cannot be switched off on their own;
 # their pinning tests check the behaviour directly.
 NOT_SWITCHABLE = {
     "concurrent-start-up": "the start-up lock also tells each engine's threads which engine they serve",
     "gpu-matmul-precision": "GPU only; its test simulates the engine's GPU branch on CPU",
+    "moe-jax-import": "only jax >= 0.12 needs it; it is always on",
 }
 
 

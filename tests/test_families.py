@@ -24,6 +24,7 @@ from models import (
     EngineTransform,
     Llama3RopeScaling,
     TinyModelSpec,
+    TinyMoeSpec,
     flax_model_for,
     greedy_decode,
     rope_inv_freq,
@@ -57,6 +58,8 @@ CASES = [
     Case("llama3-untied-gqa-hd64-tp2", "llama", lambda: tiny_llama3_spec(seed=13), 2),
     Case("llama3-tied-hd64-tp1", "llama", lambda: tiny_llama3_spec(tie_word_embeddings=True, seed=14), 1),
     Case("tiny-random-llama-hd4-tp2", "llama", lambda: tiny_random_llama_spec(seed=15), 2),
+    # 8 experts (top-2) sharded over 2 devices, layer 0 dense; tp 1 in tests/test_qwen3_moe.py.
+    Case("qwen3-moe-tp2", "qwen3_moe", lambda: TinyMoeSpec(seed=16), 2),
 ]
 
 

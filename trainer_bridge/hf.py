@@ -46,7 +46,7 @@ def _open(file: Path):
 
 
 def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
-    """Read an HF Qwen2/Qwen3 checkpoint into a nested trainer param dict of numpy arrays.
+    """Read an HF checkpoint of a registered model type (``models.MAPPINGS``) into a nested trainer param dict of numpy arrays.
 
     ``dtype=None`` keeps each tensor's stored dtype (bfloat16 comes back as ml_dtypes').
     """
@@ -58,18 +58,30 @@ def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {config_file}: {exc}") from exc
     handles: dict[Path, object] = {}
-    flat = {}
-    for entry in mappings_for(config):
-        file = located.get(entry.hf)
+
+    def read(name: str, trainer_path: str, transposed: bool) -> np.ndarray:
+        file = located.get(name)
         if file is None:
-            raise CheckpointError(f"{model_dir}: tensor '{entry.hf}' (for '{entry.trainer}') is missing")
+            raise CheckpointError(f"{model_dir}: tensor '{name}' (for '{trainer_path}') is missing")
         if file not in handles:
             handles[file] = _open(file)
         try:
-            tensor = handles[file].get_tensor(entry.hf)
+            tensor = handles[file].get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types on truncated data
-            raise CheckpointError(f"{file}: cannot read tensor '{entry.hf}': {exc}") from exc
-        if entry.hf_transposed:
-            tensor = tensor.T
-        flat[entry.trainer] = np.ascontiguousarray(tensor, dtype=dtype or tensor.dtype)
+            raise CheckpointError(f"{file}: cannot read tensor '{name}': {exc}") from exc
+        tensor = tensor.T if transposed else tensor
+        return np.ascontiguousarray(tensor, dtype=dtype or tensor.dtype)
+
+    flat = {}
+    for entry in mappings_for(config):
+        if entry.stacked_experts:
+            # One HF tensor per expert -> the trainer's [E, ...] stack.
+            flat[entry.trainer] = np.stack(
+                [
+                    read(entry.hf.format(expert=expert), entry.trainer, entry.hf_transposed)
+                    for expert in range(int(config["num_experts"]))
+                ]
+            )
+        else:
+            flat[entry.trainer] = read(entry.hf, entry.trainer, entry.hf_transposed)
     return unflatten_params(flat)

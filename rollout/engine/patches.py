@@ -20,6 +20,7 @@ from jax._src import config as jax_config
 from models import sampled_token_log_probs, sampling_log_probs
 
 from .attention import paged_attention
+from .moe import patch_expert_block
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
 from .types import SUPPORTED_ENGINE_VERSION, UnsupportedEngineVersion
@@ -67,6 +68,7 @@ def install_workarounds() -> None:
         _patch_sampler()
         _patch_start_up(engine_module)
         _patch_native_attention()
+        patch_expert_block(workaround_enabled)
         _patch_model_loading()
         _installed = True
 

@@ -153,6 +153,37 @@ WORKAROUNDS: dict[str, str] = {
         "shape (128, 4, 64)'). The loader keeps the config's head_dim (the TPU attention "
         "kernel pads to 128 lanes by itself)."
     ),
+    "moe-forward": (
+        "The mixture-of-experts block (layers/moe.py EPMoE) is wrong in three ways. With one "
+        "expert shard (tp_size 1) every forward raises TypeError: _single_device_forward is "
+        "defined twice and the router-logit variant is shadowed. With several, the expert "
+        "matmuls are megablox's TPU-only Pallas kernel and ragged_all_to_all, which do not run "
+        "off TPU. And the routing weights are a bfloat16 softmax of the top-k logits whatever "
+        "the model dtype, always renormalized (norm_topk_prob ignored). Replaced by "
+        "moe.routed_experts: HF's float32 routing (models/moe.py, shared with the trainer), "
+        "each device running its own experts on the tokens routed to them with "
+        "jax.lax.ragged_dot, partial sums added across devices."
+    ),
+    "moe-jax-import": (
+        "models/qwen3_moe.py does 'from jax import jax', which jax 0.12 no longer allows: the "
+        "model registry skips the module with a warning and Qwen3-MoE engines cannot start "
+        "('Model architectures [...] are not supported'). It is imported with jax.jax set for "
+        "the duration and registered. Always on (at jax 0.8 it changes nothing)."
+    ),
+    "moe-expert-shapes": (
+        "EPMoE creates its stacked expert weights with num_experts / expert_shards experts, "
+        "the per-device count used as the global shape: a dummy-loaded engine with tp_size > 1 "
+        "holds too few experts (the safetensors loader replaces them with full stacks, so only "
+        "load_format='dummy' shows it) and syncs of the trainer's [E, ...] stacks fail. They are "
+        "created with all num_experts, sharded over the expert shards."
+    ),
+    "moe-sparse-step": (
+        "Qwen3-MoE's decoder_sparse_step is ignored: every layer not in mlp_only_layers gets "
+        "experts, where HF transformers makes every layer whose (index + 1) is not a multiple "
+        "of the step dense; the loader then finds no expert tensors for those layers and "
+        "leaves them random (a warning only). The model is built with every dense layer listed "
+        "in mlp_only_layers."
+    ),
 }
 
 # Switches workarounds off for a process, to check whether a newer sglang-jax still needs one:

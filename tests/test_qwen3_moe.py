@@ -1,0 +1,299 @@
+"""Qwen3-MoE: the mapping table, HF loading, the Flax trainer model against the engine (greedy
+tokens and log-probs after every way of loading weights), zero-copy of the stacked experts, what
+the consistency check catches, and the engine workarounds it needs. The contract suite
+(tests/test_families.py) runs the same checks at tp 2; here they run at tp 1."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from safetensors.numpy import load_file
+
+from models import (
+    Condition,
+    TinyMoeSpec,
+    flax_model_for,
+    greedy_decode,
+    mappings_for,
+    qwen3_moe,
+    route,
+    write_tiny_model,
+)
+from rollout import ConsistencyError, RolloutWorker
+from tests.helpers import tiny_worker_config
+from trainer_bridge import flatten_params, load_hf_params, unflatten_params
+
+PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
+NEW_TOKENS = 8
+FP32_ATOL = 1e-4  # as tests/test_logprobs.py holds the dense families
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """8 experts, top-2, normalized top-k weights; layer 0 dense (mlp_only_layers), layer 1 sparse."""
+    return write_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), TinyMoeSpec(), with_tokenizer=False)
+
+
+def flax_model(model_dir):
+    return flax_model_for(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def params(moe_dir):
+    return load_hf_params(moe_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(moe_dir, params):
+    """The Flax trainer model's greedy tokens."""
+    return greedy_decode(flax_model(moe_dir), params, PROMPTS, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def tp1_worker(moe_dir):
+    """Weights from the engine's own safetensors loader (load_format auto)."""
+    with RolloutWorker(tiny_worker_config(moe_dir, tp_size=1, load_format="auto")) as worker:
+        yield worker
+
+
+@pytest.fixture(scope="module")
+def tp2_worker(moe_dir):
+    """Dummy weights at start-up; the experts sharded over 2 devices."""
+    with RolloutWorker(tiny_worker_config(moe_dir, tp_size=2, load_format="dummy")) as worker:
+        yield worker
+
+
+@pytest.fixture(params=["tp1", "tp2"])
+def worker(request):
+    return request.getfixturevalue(f"{request.param}_worker")
+
+
+def greedy(worker):
+    return worker.generate(PROMPTS, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def assert_serves(worker, params, reference):
+    """Greedy tokens equal the Flax model's, and sampled log-probs agree to fp32 rounding."""
+    batch = greedy(worker)
+    assert batch.completions == reference
+    report = worker.check_consistency(params, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=FP32_ATOL)
+    assert report.tokens == 2 * len(PROMPTS) * NEW_TOKENS and abs(report.kl) < 1e-6
+    return batch, report
+
+
+# ---- tables, routing, HF loading (no engine) -------------------------------------------------
+
+
+def reference_route(logits, top_k, norm):
+    """HF transformers' Qwen3MoeSparseMoeBlock routing, in numpy float64."""
+    logits = np.asarray(logits, np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
+    weights = np.take_along_axis(probs, experts, -1)
+    if norm:
+        weights /= weights.sum(-1, keepdims=True)
+    return weights, experts
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_routing_follows_hf_transformers(norm):
+    logits = np.asarray(jax.random.normal(jax.random.key(1), (16, 8)) * 2.0)
+    weights, experts = route(logits, 2, norm)
+    expected_weights, expected_experts = reference_route(logits, 2, norm)
+    np.testing.assert_array_equal(np.asarray(experts), expected_experts)
+    np.testing.assert_allclose(np.asarray(weights), expected_weights, rtol=1e-6)
+
+
+def test_sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step():
+    config = {"num_hidden_layers": 6, "num_experts": 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert qwen3_moe.sparse_layers(config.get) == {1, 5}
+    assert qwen3_moe.sparse_layers({**config, "decoder_sparse_step": 1}.get) == {0, 1, 2, 4, 5}
+    assert qwen3_moe.sparse_layers({**config, "num_experts": 0}.get) == frozenset()
+
+
+def test_mapping_table_expands_router_and_experts_in_sparse_layers_only(moe_dir):
+    spec = TinyMoeSpec()
+    entries = {m.trainer: m for m in mappings_for(spec.hf_config())}
+    assert entries["model.layers_1.mlp.gate_proj"].engine == "transformer.layers.1.mlp.wi_0"
+    assert entries["model.layers_1.mlp.down_proj"].hf == "model.layers.1.mlp.experts.{expert}.down_proj.weight"
+    assert entries["model.layers_1.mlp.gate.kernel"].engine == "transformer.layers.1.moe_gate.kernel"
+    assert entries["model.layers_0.mlp.gate_proj.kernel"].condition is Condition.DENSE_LAYER
+    assert entries["model.layers_0.self_attn.o_proj.kernel"].engine == "transformer.layers.0.self_attn.c_proj.weight"
+    assert "model.layers_0.mlp.gate.kernel" not in entries and "model.layers_1.mlp.up_proj.kernel" not in entries
+    # Exactly the leaves of the Flax model.
+    model = flax_model(moe_dir)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
+    assert set(flatten_params(shapes)) == set(entries)
+
+
+UNSUPPORTED = [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_scaling type 'llama3' is not supported for qwen3_moe"),
+    ({"attention_bias": True}, r"attention_bias=True is not supported for qwen3_moe"),
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in 1\.\.num_experts=8"),
+]
+
+
+@pytest.mark.parametrize("change, message", UNSUPPORTED, ids=["rope-scaling", "attention-bias", "top-k"])
+def test_unsupported_moe_configs_are_refused_before_anything_starts(moe_dir, tmp_path, change, message):
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps({**json.loads((moe_dir / "config.json").read_text()), **change}))
+    with pytest.raises(ValueError, match=message):
+        RolloutWorker(tiny_worker_config(tmp_path, load_format="dummy"))
+
+
+def test_hf_experts_are_stacked_in_trainer_layout(moe_dir, params):
+    hf = load_file(str(moe_dir / "model.safetensors"))
+    flat = flatten_params(params)
+    for expert in (0, 5):
+        prefix = f"model.layers.1.mlp.experts.{expert}."
+        np.testing.assert_array_equal(flat["model.layers_1.mlp.gate_proj"][expert], hf[prefix + "gate_proj.weight"].T)
+        np.testing.assert_array_equal(flat["model.layers_1.mlp.down_proj"][expert], hf[prefix + "down_proj.weight"].T)
+    assert flat["model.layers_1.mlp.up_proj"].shape == (8, 256, 128)
+    np.testing.assert_array_equal(flat["model.layers_1.mlp.gate.kernel"], hf["model.layers.1.mlp.gate.weight"].T)
+
+
+# ---- the engine against the Flax model ------------------------------------------------------
+
+
+def test_the_engine_knows_qwen3_moe():
+    """Pins WORKAROUNDS "moe-jax-import" (jax 0.12 cannot import 0.0.2's Qwen3-MoE module)."""
+    from rollout.engine import install_workarounds
+
+    install_workarounds()
+    from sgl_jax.srt.models.registry import ModelRegistry
+
+    assert "Qwen3MoeForCausalLM" in ModelRegistry.get_supported_archs()
+
+
+def test_engine_serves_the_flax_models_tokens_from_safetensors(tp1_worker, params, reference):
+    """Pins WORKAROUNDS "moe-forward": 0.0.2's expert block crashes on one device (and off TPU
+    on several), and routes with a bfloat16 softmax."""
+    assert_serves(tp1_worker, params, reference)
+
+
+def test_tensor_parallel_dummy_engine_holds_every_expert(tp2_worker):
+    """Pins WORKAROUNDS "moe-expert-shapes": each device holds its half of all 8 experts."""
+    leaves = {leaf.path: leaf for leaf in tp2_worker.leaves}
+    for name, shape in (("wi_0", (8, 256, 128)), ("wi_1", (8, 256, 128)), ("wo", (8, 128, 256))):
+        leaf = leaves[f"transformer.layers.1.mlp.{name}"]
+        assert leaf.shape == shape
+        assert {index[0] for index in leaf.sharding.devices_indices_map(shape).values()} == {slice(0, 4), slice(4, 8)}
+
+
+def test_sync_params(tp1_worker, params, reference):
+    report = tp1_worker.sync_params(params)
+    assert report.leaves_copied == len(tp1_worker.mappings)
+    assert_serves(tp1_worker, params, reference)
+
+
+def test_placed_tree_aliases_every_leaf_stacked_experts_included(tp1_worker, params, reference):
+    placed = jax.device_put(params, tp1_worker.param_shardings())
+    report = tp1_worker.sync_params(placed)
+    # 2 KV heads: no tp here repeats them, so nothing is transformed.
+    assert report.leaves_copied == 0 and report.bytes_copied == 0, report
+    assert report.leaves_aliased == len(tp1_worker.mappings)
+    flat, leaves = flatten_params(placed), tp1_worker.engine.weight_leaves()
+    by_path = {leaf.path: leaf for leaf in tp1_worker.leaves}
+    for m in tp1_worker.mappings:
+        assert leaves[by_path[m.engine].index] is flat[m.trainer], m.trainer
+    batch, _ = assert_serves(tp1_worker, params, reference)
+    assert batch.compiles == 0
+
+
+def test_load_checkpoint(tp1_worker, params, reference, tmp_path):
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", jax.tree_util.tree_map(lambda x: x * 1.0, params))
+    checkpointer.wait_until_finished()
+    tp1_worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
+    assert greedy(tp1_worker).completions != reference
+    report = tp1_worker.load_checkpoint(tmp_path / "ckpt")
+    assert report.leaves_copied == 0
+    assert_serves(tp1_worker, params, reference)
+
+
+def test_load_hf(tp1_worker, moe_dir, params, reference):
+    tp1_worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
+    tp1_worker.load_hf(moe_dir)
+    assert_serves(tp1_worker, params, reference)
+
+
+def test_kv_drop_rebuild_and_http_admin_flow(tp1_worker, moe_dir, params, reference):
+    """The seeds' admin flow on a MoE engine: checksum, perturb, reload from the HF dir."""
+    import httpx
+
+    from bench.serve_load import ADMIN_TOKEN
+
+    tp1_worker.sync_params(params)
+    dropped = tp1_worker.drop_kv()
+    assert dropped.bytes > 0 and tp1_worker.memory().kv_bytes == 0
+    assert greedy(tp1_worker).completions == reference  # rebuilds first
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    reload = {"path": str(moe_dir), "format": "hf"}
+    with tp1_worker.serve(admin_token=ADMIN_TOKEN, served_model_name="moe") as server, httpx.Client(
+        base_url=server.url, timeout=120
+    ) as http:
+        original = http.get("/admin/weights_checksum", headers=admin).json()
+        assert original["leaves"] == len(tp1_worker.mappings)
+        perturbed = http.post("/admin/perturb_weights", json={"seed": 3, "scale": 0.05, "num_leaves": 4}, headers=admin)
+        assert perturbed.json()["checksum_after"] != original["checksum"]
+        assert http.post("/admin/reload_weights", json=reload, headers=admin).status_code == 200
+        assert http.get("/admin/weights_checksum", headers=admin).json()["checksum"] == original["checksum"]
+        body = {"model": "moe", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == reference[0]
+
+
+def test_consistency_check_catches_experts_swapped_behind_the_routers_back(worker, params):
+    """Experts 0 and 1 of layer 1 exchanged in the stacked weights, the router left as it is:
+    every shape matches, the engine routes tokens to the wrong experts."""
+    flat = dict(flatten_params(params))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        path = f"model.layers_1.mlp.{name}"
+        flat[path] = flat[path][np.array([1, 0, 2, 3, 4, 5, 6, 7])]
+    worker.sync_params(unflatten_params(flat))
+    with pytest.raises(ConsistencyError, match=r"max \|Δ log p\|"):
+        worker.check_consistency(params, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=1e-3)
+    worker.sync_params(params)
+    worker.check_consistency(params, PROMPTS, max_new_tokens=NEW_TOKENS, atol=FP32_ATOL)
+
+
+def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
+    """Pins WORKAROUNDS "moe-sparse-step": with decoder_sparse_step 2 layers 0 and 2 are dense
+    (0.0.2 builds experts in every layer not in mlp_only_layers); norm_topk_prob false."""
+    spec = TinyMoeSpec(num_hidden_layers=3, mlp_only_layers=(), decoder_sparse_step=2, norm_topk_prob=False, seed=4)
+    model_dir = write_tiny_model(tmp_path / "moe", spec, with_tokenizer=False)
+    params = load_hf_params(model_dir)
+    flat = flatten_params(params)
+    assert {"model.layers_0.mlp.gate_proj.kernel", "model.layers_1.mlp.gate_proj", "model.layers_2.mlp.up_proj.kernel"} <= set(flat)
+    reference = greedy_decode(flax_model(model_dir), params, PROMPTS, NEW_TOKENS)
+    with RolloutWorker(tiny_worker_config(model_dir, load_format="auto")) as worker:
+        assert {leaf.path for leaf in worker.leaves} >= {
+            "transformer.layers.0.mlp.gate_proj.weight",
+            "transformer.layers.1.mlp.wi_0",
+            "transformer.layers.2.mlp.down_proj.weight",
+        }
+        assert_serves(worker, params, reference)
+
+
+def test_grpo_example_runs_on_tiny_moe_with_an_engine_pool(tmp_path):
+    """``python -m examples.grpo --preset tiny-moe --dp-size 2`` as a user runs it (2 steps, two
+    engines): every sync aliases all leaves on both engines (experts and routers included)
+    and the engines serve the trainer's policy (checked every step)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    command = [
+        sys.executable, "-m", "examples.grpo", "--preset", "tiny-moe", "--output-dir", str(tmp_path),
+        "--no-progress", "--no-plot", "--steps", "2", "--check-consistency-every", "1", "--prompts-per-step", "4",
+        "--dp-size", "2",
+    ]
+    result = subprocess.run(command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["bytes_copied"] == 0 for r in records)
+    assert all(r["consistency_max"] < FP32_ATOL for r in records)
