@@ -195,7 +195,13 @@ class RolloutWorker:
     # ---- weights ---------------------------------------------------------------------------
 
     def sync_params(
-        self, params: Mapping, *, allow_cast: bool = True, check_finite: bool = True
+        self,
+        params: Mapping,
+        *,
+        allow_cast: bool = True,
+        check_finite: bool = True,
+        in_flight: bool = False,
+        recompute_kv: bool = False,
     ) -> SyncReport:
         """Make the engines generate with ``params`` (MLLM-JAX layout; ``{'params': ...}`` too).
 
@@ -208,12 +214,31 @@ class RolloutWorker:
         generate. ``check_finite`` (on by default) refuses NaN/inf weights, naming the paths: it
         reads every weight once (about 1.15x one plain read; ``bench.sync_bench``), the price of
         never serving a broken policy silently; pass False where that read matters.
-        """
-        return self._sync(params, allow_cast=allow_cast, check_finite=check_finite)
 
-    def _sync(self, params: Mapping, *, allow_cast: bool, check_finite: bool, reason: str = "weights are being swapped") -> SyncReport:
+        ``in_flight=True`` swaps without draining: each engine stops at its next forward
+        boundary (the sync waits at most one forward step, however long the running requests
+        are), swaps, flushes its prefix cache and resumes the requests that were running;
+        generate calls are admitted throughout. Those requests continue from the KV computed
+        under the old weights, or with ``recompute_kv=True`` are prefilled again under the new
+        weights before their next token. Every token records the version that sampled it
+        (``batch.token_versions``) and its log-prob is that version's, so importance weights
+        stay exact.
+        """
+        return self._sync(params, allow_cast=allow_cast, check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
+
+    def _sync(
+        self,
+        params: Mapping,
+        *,
+        allow_cast: bool,
+        check_finite: bool,
+        in_flight: bool = False,
+        recompute_kv: bool = False,
+        reason: str = "weights are being swapped",
+    ) -> SyncReport:
         start = time.perf_counter()
         self._check_open()
+        _check_swap_mode(in_flight, recompute_kv)
         try:
             flat = flatten_params(params)
         except (TypeError, ValueError) as exc:
@@ -221,12 +246,12 @@ class RolloutWorker:
         with self._sync_lock, counting_compiles() as compiles:
             live = self._live()
             prepared = [w.prepare(flat, allow_cast=allow_cast, check_finite=check_finite) for w in live]
-            with self._gate.exclusive(reason), self._state_lock:
+            with self._swapping(reason, in_flight):
+                version = self.weight_version + 1
                 for weights, update in zip(live, prepared):
-                    weights.commit(update)
+                    weights.commit(update, version, in_flight=in_flight, recompute_kv=recompute_kv)
                 self._stale_reason = None
-                self.weight_version += 1
-                version = self.weight_version
+                self.weight_version = version
         seconds = time.perf_counter() - start
         reports = [update.plan.report(version, seconds) for update in prepared]
         report = _combine_sync_reports(reports, compiles.value)
@@ -258,19 +283,32 @@ class RolloutWorker:
         spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
         return NamedSharding(self._worker_mesh, spec)
 
-    def load_hf(self, model_dir) -> SyncReport:
-        """Serve the weights of an HF safetensors directory (single file or sharded with an
-        index json), through the same plan as ``sync_params``. On error nothing changes."""
-        return self._sync(load_hf_params(model_dir, dtype=None), allow_cast=True, check_finite=False, reason="weights are being reloaded")
+    @contextlib.contextmanager
+    def _swapping(self, reason: str, in_flight: bool) -> Iterator[None]:
+        """Around a swap's commits: a drain swap excludes generate calls; an in-flight one only
+        other changes of worker state."""
+        with contextlib.nullcontext() if in_flight else self._gate.exclusive(reason), self._state_lock:
+            yield
 
-    def load_checkpoint(self, path, step: int | None = None) -> SyncReport:
+    def load_hf(self, model_dir, *, in_flight: bool = False, recompute_kv: bool = False) -> SyncReport:
+        """Serve the weights of an HF safetensors directory (single file or sharded with an
+        index json), through the same plan as ``sync_params`` (``in_flight``, ``recompute_kv``
+        as there). On error nothing changes."""
+        return self._sync(
+            load_hf_params(model_dir, dtype=None), allow_cast=True, check_finite=False,
+            in_flight=in_flight, recompute_kv=recompute_kv, reason="weights are being reloaded",
+        )
+
+    def load_checkpoint(self, path, step: int | None = None, *, in_flight: bool = False, recompute_kv: bool = False) -> SyncReport:
         """Serve a trainer param tree saved with orbax: a ``StandardCheckpointer`` directory,
         or a ``CheckpointManager`` root (latest step, or ``step``).
 
         Leaves the engines can use as they are restored straight into the engines' dtype and
         sharding and then aliased; the others are restored replicated and transformed on
-        device. No host copy of the tree is made. On error nothing changes.
+        device. No host copy of the tree is made. ``in_flight``, ``recompute_kv``: as for
+        ``sync_params``. On error nothing changes.
         """
+        _check_swap_mode(in_flight, recompute_kv)
         item_dir = resolve_checkpoint(path, step)
         saved, wrapped = saved_layout(item_dir)
         targets = self._weights[0].checkpoint_targets(saved, item_dir)
@@ -280,17 +318,24 @@ class RolloutWorker:
                 for p, t in targets.items()
             }
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
-        return self._sync(restored, allow_cast=True, check_finite=False, reason="weights are being reloaded")
+        return self._sync(
+            restored, allow_cast=True, check_finite=False, in_flight=in_flight, recompute_kv=recompute_kv,
+            reason="weights are being reloaded",
+        )
 
-    def replace_engine_leaves(self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str) -> int:
+    def replace_engine_leaves(
+        self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str, *, in_flight: bool = False
+    ) -> int:
         """Swap engine-owned arrays in by leaf index, one mapping per engine (same shapes,
-        dtypes and shardings as the leaves they replace). Returns the new weight version."""
-        with self._sync_lock, self._gate.exclusive(reason), self._state_lock:
+        dtypes and shardings as the leaves they replace); ``in_flight`` as for ``sync_params``
+        (the running requests keep their KV). Returns the new weight version."""
+        with self._sync_lock, self._swapping(reason, in_flight):
+            version = self.weight_version + 1
             for weights, leaves in zip(self._weights, new_leaves):
                 if weights.engine.alive:
-                    weights.replace_leaves(leaves)
-            self.weight_version += 1
-            return self.weight_version
+                    weights.replace_leaves(leaves, version, in_flight=in_flight)
+            self.weight_version = version
+            return version
 
     # ---- KV cache and memory -----------------------------------------------------------------
 
@@ -435,11 +480,13 @@ class RolloutWorker:
                 while (update := await updates.get()) is not None:
                     row, output = update
                     new = output.output_ids[sent[row] :]
-                    logprobs = None if output.logprobs is None else output.logprobs[sent[row] : len(output.output_ids)]
-                    sent[row] = len(output.output_ids)
+                    end = len(output.output_ids)
+                    logprobs = None if output.logprobs is None else output.logprobs[sent[row] : end]
+                    versions = None if output.token_versions is None else output.token_versions[sent[row] : end]
+                    sent[row] = end
                     if new or output.finish_reason:
                         n = request.params.n
-                        yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version, logprobs)
+                        yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version, logprobs, versions)
                 done_task.result()
             finally:
                 for task in tasks:
@@ -575,6 +622,10 @@ class RolloutWorker:
             completion_texts=texts,
             prompt_width=request.pad_prompts_to,
             logprobs=[o.logprobs[: len(c)] for o, c in zip(outputs, completions)] if request.params.return_logprobs else None,
+            token_versions=(
+                None if any(o.token_versions is None for o in outputs)
+                else [o.token_versions[: len(c)] for o, c in zip(outputs, completions)]
+            ),
         )
 
     # ---- weight checks (the server's admin routes) -------------------------------------------
@@ -596,10 +647,11 @@ class RolloutWorker:
             report["per_engine"] = checksums
         return report
 
-    def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict:
+    def perturb_weights(self, seed: int, scale: float, num_leaves: int, *, in_flight: bool = False) -> dict:
         """Add ``scale * normal(key(seed, i))`` to the first ``num_leaves`` weight leaves (engine
-        order), on every engine: a deterministic weight update for testing the update path.
-        Returns the perturbed leaf paths and the new weight version."""
+        order), on every engine: a deterministic weight update for testing the update path
+        (``in_flight`` as for ``sync_params``). Returns the perturbed leaf paths and the new
+        weight version."""
         weights = [leaf for leaf in self.leaves if not leaf.rng_state]
         if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
             raise ValueError(f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
@@ -616,7 +668,7 @@ class RolloutWorker:
                     if arrays is None
                     else {w.index: weight_check.perturbed(arrays[w.index], int(seed), i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
                 )
-            version = self.replace_engine_leaves(new_leaves, "weights are being perturbed")
+            version = self.replace_engine_leaves(new_leaves, "weights are being perturbed", in_flight=in_flight)
         return {"leaves": [w.path for w in weights[:num_leaves]], "weight_version": version}
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, **options):
@@ -631,6 +683,11 @@ class RolloutWorker:
     def check_consistency(self, params: Mapping, prompts, **kwargs) -> ConsistencyReport:
         """Engine log-probs against the Flax model's on ``params``: see :func:`rollout.check_consistency`."""
         return check_consistency(self, params, prompts, **kwargs)
+
+
+def _check_swap_mode(in_flight: bool, recompute_kv: bool) -> None:
+    if recompute_kv and not in_flight:
+        raise ValueError("recompute_kv=True needs in_flight=True: a drain swap has no running request to recompute")
 
 
 def _merge(parts: list[tuple[list[int], list[GenerateOutput]]]) -> list[GenerateOutput]:

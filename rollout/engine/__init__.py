@@ -9,7 +9,9 @@ by a test in ``tests/test_engine_workarounds.py``). Nothing else in this project
 Threads: the engine runs its scheduler (which owns the model, the weights and the KV cache) in
 a daemon thread of the caller's process. Any work that touches weights or KV is queued with
 :meth:`EngineHandle.call` and runs on that thread at the top of a loop iteration while no
-request is waiting, running or half-prefilled, so it never races a forward pass.
+request is waiting, running or half-prefilled, so it never races a forward pass; work queued
+with :meth:`EngineHandle.call_at_boundary` runs there between two forwards with requests in
+flight (in-flight weight swaps, :mod:`.inflight`).
 
 Several engines: each ``EngineHandle`` can be given its own devices (``EngineOptions.devices``,
 ``tp_size`` of them; its mesh is exactly those). Engines may be started from any thread (start-
@@ -18,10 +20,11 @@ errors (``EngineHandle.name``, e.g. ``engine 1 (devices 2,3)``), records its for
 (``busy_intervals()``), fails alone, and joins all its threads on ``close()``.
 
 Modules: ``patches`` (every 0.0.2 workaround, ``WORKAROUNDS``), ``runtime`` (the scheduler thread),
-``handle`` (``EngineHandle``), ``types`` (options, leaf specs, errors; no sgl_jax import).
+``handle`` (``EngineHandle``), ``inflight`` (weight swaps with requests running), ``types`` (options, leaf specs, errors; no sgl_jax import).
 """
 
 from .handle import EngineHandle
+from .inflight import SwapRecord
 from .patches import WORKAROUNDS, engine_version, install_workarounds
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
@@ -46,6 +49,7 @@ __all__ = [
     "ForwardMemory",
     "GenerateOutput",
     "LeafSpec",
+    "SwapRecord",
     "UnsupportedEngineVersion",
     "device_buffers",
     "device_nbytes",

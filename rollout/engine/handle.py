@@ -26,6 +26,7 @@ from .patches import (
     variables_sharded_lazily,
     workaround_enabled,
 )
+from . import inflight
 from .runtime import SchedulerControl, engine_start_up
 from .types import (
     EngineError,
@@ -218,6 +219,31 @@ class EngineHandle:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._control.calls.put((fn, future))
         self._control.wake()
+        return self._wait(future, timeout)
+
+    def call_at_boundary(
+        self, fn: Callable[[], Any], when: Callable[[], bool] | None = None, timeout: float | None = None
+    ) -> Any:
+        """Run ``fn`` on the scheduler thread at the next forward boundary, with requests in
+        flight: after one forward's tokens are processed and before the next batch is chosen
+        (a waiting caller waits at most one forward). ``when`` (evaluated there, at each
+        boundary) delays it to the first boundary where it holds. Returns ``fn``'s result."""
+        self.check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._control.queue_at_boundary(fn, when, future)
+        return self._wait(future, timeout)
+
+    @property
+    def boundary_calls_queued(self) -> int:
+        """Calls queued with :meth:`call_at_boundary` that have not started."""
+        return self._control.boundary_calls_queued
+
+    def output_lengths(self) -> dict[str, int]:
+        """rid -> tokens sampled so far of every request the scheduler holds. Scheduler thread
+        only (a ``call_at_boundary`` condition, for instance)."""
+        return inflight.output_lengths(self._scheduler)
+
+    def _wait(self, future: concurrent.futures.Future, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -290,6 +316,45 @@ class EngineHandle:
         cells["model_state_leaves"].cell_contents = leaves
         nnx.update(self._model_runner.model, jax.tree_util.tree_unflatten(cells["model_state_def"].cell_contents, leaves))
 
+    @property
+    def weight_version(self) -> int:
+        """The weight version the next forward samples with (set by :meth:`swap_weights`)."""
+        return self._control.weight_version
+
+    def swap_weights(
+        self, swap: Callable[[], None], version: int, *, in_flight: bool = False, recompute_kv: bool = False
+    ) -> inflight.SwapRecord:
+        """Run ``swap`` (it replaces the weight leaves) on the scheduler thread, flush the prefix
+        cache and label the tokens sampled from then on with ``version``.
+
+        Drain (default): runs while the engine is idle. ``in_flight``: runs at the next forward
+        boundary and the running requests go on (see :mod:`.inflight`), keeping their KV or,
+        with ``recompute_kv``, prefilled again under the new weights first.
+        """
+        control = self._control
+
+        def drained() -> inflight.SwapRecord:
+            start = time.perf_counter()
+            swap()
+            self.flush_prefix_cache()
+            control.weight_version = version
+            return inflight.SwapRecord(version, start, time.perf_counter(), False, 0, 0)
+
+        def in_flight_swap() -> inflight.SwapRecord:
+            def swap_and_label():
+                swap()
+                control.weight_version = version
+
+            return inflight.swap_at_boundary(self._scheduler, swap_and_label, version=version, recompute=recompute_kv)
+
+        record = self.call_at_boundary(in_flight_swap) if in_flight else self.call(drained)
+        control.swaps.append(record)
+        return record
+
+    def swap_records(self) -> list[inflight.SwapRecord]:
+        """This engine's latest weight swaps (see :meth:`busy_intervals` for its forwards)."""
+        return list(self._control.swaps)
+
     def reload_weights_from_model_dir(self) -> None:
         """sglang-jax's own safetensors load into the running model. Scheduler thread only.
 
@@ -315,11 +380,7 @@ class EngineHandle:
         if not workaround_enabled("flush-cache"):
             self._engine.flush_cache()
             return
-        scheduler = self._scheduler
-        scheduler.tree_cache.reset()
-        scheduler.req_to_token_pool.clear()
-        scheduler.token_to_kv_pool_allocator.clear()
-        scheduler.last_batch = None
+        inflight.reset_kv_state(self._scheduler)
 
     @property
     def _kv_pool(self):
@@ -437,12 +498,14 @@ class EngineHandle:
         request, rids = self._request(prompts, params, seeds, stream=True)
 
         async def pump():
-            with self._logprobs_collected(rids, params.return_logprobs) as sinks:
+            with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._versions_collected(rids) as versions:
                 async for result in self._tokenizer_manager.generate_request(request, None):
                     row = int(result.get("index", 0))
                     output = _to_output(result, finished_only=False)
+                    count = len(output.output_ids)
+                    output = dataclasses.replace(output, token_versions=versions[row][:count])
                     if sinks is not None:
-                        output = dataclasses.replace(output, logprobs=sinks[row][: len(output.output_ids)])
+                        output = dataclasses.replace(output, logprobs=sinks[row][:count])
                     caller.call_soon_threadsafe(updates.put_nowait, (row, output))
 
         future = self._submit(pump())
@@ -484,13 +547,35 @@ class EngineHandle:
             for rid in rids:
                 self._logprob_sinks.pop(rid, None)
 
+    @contextlib.contextmanager
+    def _versions_collected(self, rids: list[str]):
+        """Per row, the list the scheduler appends each sampled token's weight version to."""
+        sinks = [[] for _ in rids]
+        versions = self._control.version_sinks
+        versions.update(zip(rids, sinks))
+        try:
+            yield sinks
+        finally:
+            for rid in rids:
+                versions.pop(rid, None)
+
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
         request, rids = self._request(prompts, params, seeds)
-        with self._logprobs_collected(rids, params.return_logprobs) as sinks:
+        with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._versions_collected(rids) as versions:
             results = await self._tokenizer_manager.generate_request(request, None).__anext__()
         if isinstance(results, dict):
             results = [results]
         outputs = [_to_output(r) for r in results]
+        if len(outputs) != len(rids):  # the engine's own n: its rows are not our request ids
+            versions = [None] * len(outputs)
+        for i, (out, tokens) in enumerate(zip(outputs, versions)):
+            if tokens is None:
+                continue
+            if len(tokens) != out.completion_tokens:
+                raise EngineError(
+                    f"request {i}: recorded {len(tokens)} weight versions for {out.completion_tokens} completion tokens"
+                )
+        outputs = [dataclasses.replace(out, token_versions=tokens) for out, tokens in zip(outputs, versions)]
         if sinks is None:
             return outputs
         for i, (out, logprobs) in enumerate(zip(outputs, sinks)):
