@@ -199,7 +199,11 @@ class ServerState:
                 start = batch.prompt_width
                 values = batch.logprobs[row, start : start + len(ids)].tolist()
                 logprobs = self.logprobs_body(ids, values, chat=chat)
-            choices.append({"index": row, **content, "finish_reason": finish, "logprobs": logprobs, "token_ids": ids})
+            choice = {"index": row, **content, "finish_reason": finish, "logprobs": logprobs, "token_ids": ids}
+            if batch.token_versions is not None:  # extension: the weight version that sampled each token
+                start = batch.prompt_width
+                choice["token_versions"] = batch.token_versions[row, start : start + len(ids)].tolist()
+            choices.append(choice)
         body = {
             **base,
             "weight_version": batch.weight_version,
@@ -281,6 +285,7 @@ class ServerState:
 
         rows = len(prompts) * req.n
         texts = [IncrementalText(self.backend.tokenizer, req.stop) for _ in range(rows)]
+        versions: list[list[int] | None] = [[] for _ in range(rows)]
         done = [False] * rows
         generated = 0
         try:
@@ -292,6 +297,10 @@ class ServerState:
                 generated += len(chunk.token_ids)
                 text = texts[chunk.row]
                 if not done[chunk.row]:
+                    if chunk.token_versions is None or versions[chunk.row] is None:
+                        versions[chunk.row] = None
+                    else:
+                        versions[chunk.row] += chunk.token_versions
                     piece = text.add(chunk.token_ids)
                     finished = chunk.finish_reason is not None or text.stopped
                     if finished:
@@ -304,7 +313,10 @@ class ServerState:
                     if finished:
                         done[chunk.row] = True
                         reason = "stop" if text.stopped else _FINISH_REASONS.get(chunk.finish_reason, "stop")
-                        yield event([choice(chunk.row, None, reason, token_ids=text.token_ids)])
+                        extra = {"token_ids": text.token_ids}
+                        if versions[chunk.row] is not None:
+                            extra["token_versions"] = versions[chunk.row][: len(text.token_ids)]
+                        yield event([choice(chunk.row, None, reason, **extra)])
                 chunk = await anext(chunks, None)
         except Exception as exc:  # the status line is sent: the error goes into the stream
             logger.exception("stream of %s failed", base["id"])
