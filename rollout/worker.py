@@ -655,6 +655,8 @@ class RolloutWorker:
         weights = [leaf for leaf in self.leaves if not leaf.rng_state]
         if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
             raise ValueError(f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be a finite number, got {scale!r}")
         self._check_weights_alive()

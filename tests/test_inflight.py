@@ -1,12 +1,15 @@
 """In-flight weight swaps: exactness at the swap position, per-token versions, drain unchanged."""
 
+import asyncio
+import json
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 
-from rollout import RolloutWorker
+from rollout import RolloutWorker, compile_count
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -17,7 +20,12 @@ SWAP_AT = 7  # the swap lands after this many tokens of the running request
 
 @pytest.fixture(scope="module")
 def worker(qwen2_dir):
-    with RolloutWorker(tiny_worker_config(qwen2_dir)) as w:
+    # One padding bucket for decode batches and one for prefills: the load test's batches,
+    # whatever sizes the timing gives them, compile nothing after a short warm-up.
+    config = tiny_worker_config(
+        qwen2_dir, max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(512,)
+    )
+    with RolloutWorker(config) as w:
         yield w
 
 
@@ -137,3 +145,91 @@ def test_prefix_cache_is_flushed_for_new_requests_while_old_kv_keeps_running(wor
 def test_recompute_kv_needs_in_flight(worker, params):
     with pytest.raises(ValueError, match="in_flight"):
         worker.sync_params(params, recompute_kv=True)
+
+
+# ---- under load: the HTTP server --------------------------------------------------------------
+
+ADMIN = {"Authorization": "Bearer inflight-admin"}
+LOAD_TOKENS = 4
+
+
+async def _serve_load(worker, url: str, model: str, requests: int, swaps: int, reload_dir: str):
+    """``requests`` concurrent completions (half streamed) while ``swaps`` in-flight swaps run
+    one after another, each issued while generate calls are running: perturbations keeping
+    the KV, and reloads recomputing it. Returns (per request: (status, token_ids,
+    token_versions, weight_version)), swap statuses)."""
+    limits = httpx.Limits(max_connections=requests + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+
+        async def one(i: int):
+            body = {
+                "model": model, "prompt": [5 + i % 200, 17, 42, 8], "max_tokens": LOAD_TOKENS,
+                "temperature": 1.0, "seed": i, "ignore_eos": True, "stream": i % 2 == 1,
+            }
+            if not body["stream"]:
+                response = await client.post("/v1/completions", json=body)
+                if response.status_code != 200:
+                    return response.status_code, None, None, None
+                data = response.json()
+                choice = data["choices"][0]
+                return 200, choice["token_ids"], choice["token_versions"], data["weight_version"]
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    return response.status_code, None, None, None
+                final, done = None, False
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if event["choices"] and event["choices"][0].get("token_ids") is not None:
+                            final = event
+                if not done or final is None:
+                    return "incomplete", None, None, None
+                choice = final["choices"][0]
+                return 200, choice["token_ids"], choice["token_versions"], final["weight_version"]
+
+        async def swapper():
+            statuses = []
+            for k in range(swaps):
+                while worker.active_calls == 0 and pending[0]:  # a swap meets running calls
+                    await asyncio.sleep(0.001)
+                if k % 2:
+                    body, route = {"path": reload_dir, "format": "hf", "recompute_kv": True}, "/admin/reload_weights"
+                else:
+                    body, route = {"seed": k, "scale": 0.01, "num_leaves": 3}, "/admin/perturb_weights"
+                statuses.append((await client.post(route, json=body, headers=ADMIN)).status_code)
+            return statuses
+
+        pending = [requests]
+
+        async def counted(i: int):
+            try:
+                return await one(i)
+            finally:
+                pending[0] -= 1
+
+        *outcomes, statuses = await asyncio.gather(*(counted(i) for i in range(requests)), swapper())
+        return outcomes, statuses
+
+
+def test_in_flight_swaps_under_load_lose_nothing_and_compile_nothing(worker, qwen2_dir):
+    with worker.serve(admin_token="inflight-admin") as server:
+        model = server.backend.model_name
+        # Compiles what this load reaches: its batch sizes, re-prefills, the swaps' copies.
+        asyncio.run(_serve_load(worker, server.url, model, 32, 2, str(qwen2_dir)))
+        first_version = worker.weight_version
+        before = compile_count()
+        outcomes, statuses = asyncio.run(_serve_load(worker, server.url, model, 200, 20, str(qwen2_dir)))
+        compiles = compile_count() - before
+    assert statuses == [200] * 20
+    assert worker.weight_version == first_version + 20
+    mixed = 0
+    for status, tokens, versions, start in outcomes:
+        assert status == 200
+        assert len(tokens) == LOAD_TOKENS and len(versions) == LOAD_TOKENS
+        assert versions == sorted(versions), "versions never go back within a request"
+        assert first_version <= start <= versions[0] and versions[-1] <= first_version + 20
+        mixed += versions[0] != versions[-1]
+    assert mixed > 0, "some requests ran across a swap"
+    assert compiles == 0
