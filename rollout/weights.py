@@ -93,18 +93,10 @@ class EngineWeights:
         ``in_flight`` at the next forward boundary), flush the prefix cache, label later tokens
         with ``version``, and free the engine-owned arrays that were replaced. Returns the
         engine's :class:`~rollout.engine.SwapRecord`."""
-        engine, owned = self.engine, set(self._owned)
-
-        def swap():
-            old = engine.weight_leaves()
-            engine.replace_weight_leaves(prepared.leaves)
-            # Freed now rather than whenever the last reference goes: the peak memory of a
-            # sync stays at the bytes it writes. (The forward that read them has finished.)
-            for index in owned & prepared.updated:
-                if old[index] is not prepared.leaves[index]:
-                    old[index].delete()
-
-        record = engine.swap_weights(swap, version, in_flight=in_flight, recompute_kv=recompute_kv)
+        record = self.engine.replace_weight_leaves(
+            prepared.leaves, free=self._owned & prepared.updated, version=version,
+            in_flight=in_flight, recompute_kv=recompute_kv,
+        )
         self._owned = set(prepared.copied) | (self._owned - prepared.updated)
         return record
 
@@ -170,7 +162,7 @@ class EngineWeights:
         donate them. The engine must not run a forward until the next commit."""
         mapped = {leaf.index for leaf in self.leaves if not leaf.rng_state}
         aliased = sorted(mapped - self._owned)
-        self.engine.call(lambda: self.engine.release_weight_leaves(aliased))
+        self.engine.release_weight_leaves(aliased)
 
     def dead_leaves(self) -> list[str]:
         """Paths of leaves whose buffers were freed (donated by the trainer)."""
