@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import ParamMapping
 from trainer_bridge import (
@@ -44,8 +43,9 @@ from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
-from .engine import EngineError, EngineHandle, GenerateOutput
+from .engine import EngineHandle, GenerateOutput
 from .gate import EngineGate
+from .group import EngineGroup, merge
 from .kv import KvReport, MemoryReport
 from .phase_log import PhaseLog
 from .sampling import (
@@ -55,7 +55,6 @@ from .sampling import (
     prompt_token_ids,
     row_seeds,
 )
-from .weights import EngineWeights
 
 logger = logging.getLogger(__name__)
 
@@ -81,38 +80,31 @@ class RolloutWorker:
         device_groups = config.validate()
         self.config = config
         start = time.perf_counter()
-        self._engines: list[EngineHandle] = []
+        self._group = EngineGroup(config, device_groups)
         try:
-            # One at a time: engine start-up touches process-global state (config caches,
-            # jax flags) that is not safe to share between concurrent start-ups.
-            for index, devices in enumerate(device_groups):
-                self._engines.append(EngineHandle(config.engine_options(devices, index)))
             self._set_up(config)
         except BaseException:
-            for engine in self._engines:
-                engine.close()
+            self._group.close()
             raise
         self._phases.record("engine_ready", time.perf_counter() - start)
 
     def _set_up(self, config: WorkerConfig) -> None:
-        self._state_lock = threading.RLock()
+        # Lock order (always taken in this order, never the reverse): ``_sync_lock`` (one
+        # weight change at a time, held while new weights are prepared), then the gate's
+        # exclusive section (no generate call in flight), then ``_state_lock`` (the fields
+        # below). Generate calls take only the gate (admitted) and, briefly, ``_state_lock``.
         self._sync_lock = threading.RLock()
         self._gate = EngineGate()
+        self._state_lock = threading.RLock()
         self._rng = np.random.default_rng(config.seed)
         self._closed = False
         self.weight_version = 0
-        self._weights = [EngineWeights(engine) for engine in self._engines]
         self._kv_dropped = False
         self._stale_reason: str | None = None
         self._tokenizer = _load_tokenizer(config.model_path)
         self.pad_token_id = _pad_token_id(self._tokenizer)
         self.eos_token_ids = _eos_token_ids(self._tokenizer, self.engine.hf_config)
         self._phases = PhaseLog(config.phase_log, self.memory)
-        if len(self._engines) > 1:
-            self._worker_mesh = Mesh(
-                np.stack([engine.mesh.devices for engine in self._engines]),
-                ("replica", *self.engine.mesh.axis_names),
-            )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -128,8 +120,7 @@ class RolloutWorker:
             if self._closed:
                 return
             self._closed = True
-            for engine in self._engines:
-                engine.close()
+            self._group.close()
 
     @property
     def closed(self) -> bool:
@@ -139,7 +130,7 @@ class RolloutWorker:
     def engines(self) -> tuple[EngineHandle, ...]:
         if self._closed:
             raise RuntimeError("the RolloutWorker is closed")
-        return tuple(self._engines)
+        return self._group.engines
 
     @property
     def engine(self) -> EngineHandle:
@@ -156,16 +147,16 @@ class RolloutWorker:
     @property
     def leaves(self) -> tuple[EngineLeaf, ...]:
         """The engine's weight leaves: path, shape, dtype, sharding (of the first engine)."""
-        return self._weights[0].leaves
+        return self._group.first.leaves
 
     @property
     def mappings(self) -> tuple[ParamMapping, ...]:
         """The model's trainer path -> engine leaf mapping table, expanded per layer."""
-        return self._weights[0].mappings
+        return self._group.first.mappings
 
     @property
     def head_dim(self) -> int:
-        return self._weights[0].head_dim
+        return self._group.first.head_dim
 
     @property
     def context_length(self) -> int:
@@ -244,7 +235,7 @@ class RolloutWorker:
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
         with self._sync_lock, counting_compiles() as compiles:
-            live = self._live()
+            live = self._group.live()
             prepared = [w.prepare(flat, allow_cast=allow_cast, check_finite=check_finite) for w in live]
             with self._swapping(reason, in_flight):
                 version = self.weight_version + 1
@@ -262,7 +253,7 @@ class RolloutWorker:
     def sync_memory_analysis(self, params: Mapping):
         """XLA's memory analysis of the jitted copy a sync of ``params`` runs on the first
         engine (after a first sync of the same structure): output and temporary bytes."""
-        return self._weights[0].memory_analysis(flatten_params(params))
+        return self._group.first.memory_analysis(flatten_params(params))
 
     def param_shardings(self) -> dict:
         """Where to place a trainer param tree so that ``sync_params`` moves no bytes.
@@ -272,16 +263,7 @@ class RolloutWorker:
         replicated across engines); the others (transposed; k/v projections, whose heads the
         engine may repeat) are replicated, and the sync transforms them.
         """
-        flat = self._weights[0].param_shardings()
-        if len(self._engines) > 1:
-            flat = {path: self._across_engines(sharding) for path, sharding in flat.items()}
-        return unflatten_params(flat)
-
-    def _across_engines(self, sharding: jax.sharding.Sharding) -> NamedSharding:
-        """The sharding that gives every engine's devices the slices that ``sharding`` gives
-        the first engine's."""
-        spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
-        return NamedSharding(self._worker_mesh, spec)
+        return unflatten_params(self._group.param_shardings())
 
     @contextlib.contextmanager
     def _swapping(self, reason: str, in_flight: bool) -> Iterator[None]:
@@ -311,12 +293,7 @@ class RolloutWorker:
         _check_swap_mode(in_flight, recompute_kv)
         item_dir = resolve_checkpoint(path, step)
         saved, wrapped = saved_layout(item_dir)
-        targets = self._weights[0].checkpoint_targets(saved, item_dir)
-        if len(self._engines) > 1:
-            targets = {
-                p: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=self._across_engines(t.sharding))
-                for p, t in targets.items()
-            }
+        targets = self._group.checkpoint_targets(saved, item_dir)
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
         return self._sync(
             restored, allow_cast=True, check_finite=False, in_flight=in_flight, recompute_kv=recompute_kv,
@@ -331,7 +308,7 @@ class RolloutWorker:
         (the running requests keep their KV). Returns the new weight version."""
         with self._sync_lock, self._swapping(reason, in_flight):
             version = self.weight_version + 1
-            for weights, leaves in zip(self._weights, new_leaves):
+            for weights, leaves in zip(self._group.weights, new_leaves):
                 if weights.engine.alive:
                     weights.replace_leaves(leaves, version, in_flight=in_flight)
             self.weight_version = version
@@ -350,7 +327,7 @@ class RolloutWorker:
             if self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = [kv.drop_kv(w.engine) for w in self._live()]
+            reports = [kv.drop_kv(w.engine) for w in self._group.live()]
             self._kv_dropped = True
         report = kv.combine(reports, time.perf_counter() - start)
         self._phases.record("kv_dropped", report.seconds, bytes=report.bytes)
@@ -363,7 +340,7 @@ class RolloutWorker:
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = [kv.rebuild_kv(w.engine) for w in self._live()]
+            reports = [kv.rebuild_kv(w.engine) for w in self._group.live()]
             self._kv_dropped = False
         report = kv.combine(reports, time.perf_counter() - start)
         self._phases.record("kv_rebuilt", report.seconds, bytes=report.bytes)
@@ -382,18 +359,18 @@ class RolloutWorker:
             report = self.drop_kv()
             with self._state_lock:
                 self._stale_reason = "a train step ran since the last sync_params"
-                for weights in self._live():
+                for weights in self._group.live():
                     weights.release_aliased()
         yield report
 
     def memory(self) -> MemoryReport:
         """Device bytes of weights and KV per engine, and of all live arrays per device."""
         engines, all_weights = [], {}
-        for engine, weights in zip(self.engines, self._weights):
+        for engine, weights in zip(self.engines, self._group.weights):
             buffers = weights.device_buffers()
             all_weights.update(buffers)
             engines.append(kv.engine_memory(engine, buffers))
-        devices = [d for engine in self._engines for d in engine.devices]
+        devices = self._group.devices
         names = {d.id: str(d) for d in devices}
         per_device = dict.fromkeys(names.values(), 0)
         for (device_id, _), nbytes in kv.live_device_buffers(devices).items():
@@ -435,8 +412,8 @@ class RolloutWorker:
             self._admit()
             try:
                 version = self.weight_version
-                futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._split(request)]
-                outputs = _merge([(rows, future.result()) for _, rows, future in futures])
+                futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._group.split(request.prompts, request.params, request.seeds)]
+                outputs = merge([(rows, future.result()) for _, rows, future in futures])
             finally:
                 self._gate.leave()
         self._phases.record("generate", time.perf_counter() - start, rows=len(outputs))
@@ -449,9 +426,9 @@ class RolloutWorker:
             await self._aadmit()
             try:
                 version = self.weight_version
-                futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._split(request)]
+                futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._group.split(request.prompts, request.params, request.seeds)]
                 results = await asyncio.gather(*(asyncio.wrap_future(future) for _, _, future in futures))
-                outputs = _merge([(rows, result) for (_, rows, _), result in zip(futures, results)])
+                outputs = merge([(rows, result) for (_, rows, _), result in zip(futures, results)])
             finally:
                 self._gate.leave()
         return self._pack(request, outputs, version, compiles.value)
@@ -471,7 +448,7 @@ class RolloutWorker:
                     await updates.put((rows[row], output))
 
             tasks = [
-                asyncio.ensure_future(pump(w, rows, part)) for w, rows, part in self._split(request)
+                asyncio.ensure_future(pump(w, rows, part)) for w, rows, part in self._group.split(request.prompts, request.params, request.seeds)
             ]
             done_task = asyncio.ensure_future(asyncio.gather(*tasks))
             done_task.add_done_callback(lambda _: updates.put_nowait(None))
@@ -528,34 +505,6 @@ class RolloutWorker:
         params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
         return _Request(prompt_ids, params, row_seeds(call_seed, len(prompt_ids), params.n), pad_to)
 
-    def _split(self, request: _Request) -> list[tuple[EngineWeights, list[int], tuple]]:
-        """(engine, its global rows, (prompts, params, seeds)) per live engine with work:
-        whole prompts (their n samples together), balanced by tokens."""
-        prompts, params, n = request.prompts, request.params, request.params.n
-        live = self._live()
-        load = [0] * len(live)
-        assigned: list[list[int]] = [[] for _ in live]
-        cost = [len(p) + params.max_new_tokens for p in prompts]
-        for i in sorted(range(len(prompts)), key=lambda i: -cost[i]):
-            target = load.index(min(load))
-            assigned[target].append(i)
-            load[target] += cost[i]
-        parts = []
-        for weights, indices in zip(live, assigned):
-            if indices:
-                indices.sort()
-                rows = [i * n + j for i in indices for j in range(n)]
-                parts.append((weights, rows, ([prompts[i] for i in indices], params, request.seeds[indices])))
-        return parts
-
-    def _live(self) -> list[EngineWeights]:
-        """The engines still running (an engine whose thread failed stays failed)."""
-        live = [w for w in self._weights if w.engine.alive]
-        if not live:
-            self._check_open()
-            self._weights[0].engine.check_alive()  # raises the engine's own error
-        return live
-
     def _admit(self) -> None:
         """Enter the gate as a generate call, rebuilding the KV caches first if dropped."""
         while True:
@@ -590,7 +539,7 @@ class RolloutWorker:
         self._check_open()
         if self._stale_reason is not None:
             raise RuntimeError(f"{self._stale_reason}: call worker.sync_params(params) before generate")
-        for index, weights in enumerate(self._weights):
+        for index, weights in enumerate(self._group.weights):
             dead = weights.dead_leaves()
             if dead:
                 raise RuntimeError(
@@ -690,18 +639,6 @@ class RolloutWorker:
 def _check_swap_mode(in_flight: bool, recompute_kv: bool) -> None:
     if recompute_kv and not in_flight:
         raise ValueError("recompute_kv=True needs in_flight=True: a drain swap has no running request to recompute")
-
-
-def _merge(parts: list[tuple[list[int], list[GenerateOutput]]]) -> list[GenerateOutput]:
-    """Per-engine outputs back into global row order."""
-    total = sum(len(rows) for rows, _ in parts)
-    merged: list[GenerateOutput | None] = [None] * total
-    for rows, outputs in parts:
-        if len(outputs) != len(rows):
-            raise EngineError(f"an engine returned {len(outputs)} outputs for {len(rows)} requests")
-        for row, output in zip(rows, outputs):
-            merged[row] = output
-    return merged
 
 
 def _combine_sync_reports(reports: list[SyncReport], compiles: int) -> SyncReport:
