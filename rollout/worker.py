@@ -44,6 +44,7 @@ from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineHandle, GenerateOutput
+from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
 from .gate import EngineGate
 from .group import EngineGroup, merge
 from .kv import KvReport, MemoryReport
@@ -128,8 +129,7 @@ class RolloutWorker:
 
     @property
     def engines(self) -> tuple[EngineHandle, ...]:
-        if self._closed:
-            raise RuntimeError("the RolloutWorker is closed")
+        self._check_open()
         return self._group.engines
 
     @property
@@ -484,7 +484,7 @@ class RolloutWorker:
         )
         for j, stop in enumerate(params.stop_token_ids):
             if stop >= self.vocab_size:
-                raise ValueError(f"stop_token_ids[{j}] = {stop} is outside [0, {self.vocab_size})")
+                raise InvalidRequest(f"stop_token_ids[{j}]", f"stop_token_ids[{j}] = {stop} is outside [0, {self.vocab_size})")
         engine = self.engine
         check_request_lengths(
             prompt_ids,
@@ -496,7 +496,7 @@ class RolloutWorker:
         )
         pad_to = arguments.get("pad_prompts_to")
         if pad_to is not None and max(map(len, prompt_ids)) > pad_to:
-            raise ValueError(f"a prompt has {max(map(len, prompt_ids))} tokens, more than pad_prompts_to={pad_to}")
+            raise InvalidRequest("pad_prompts_to", f"a prompt has {max(map(len, prompt_ids))} tokens, more than pad_prompts_to={pad_to}")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         call_seed = params.seed
         if call_seed is None:
@@ -538,11 +538,12 @@ class RolloutWorker:
     def _check_weights_alive(self) -> None:
         self._check_open()
         if self._stale_reason is not None:
-            raise RuntimeError(f"{self._stale_reason}: call worker.sync_params(params) before generate")
+            raise WorkerUnavailable(self._stale_reason, f"{self._stale_reason}: call worker.sync_params(params) before generate")
         for index, weights in enumerate(self._group.weights):
             dead = weights.dead_leaves()
             if dead:
-                raise RuntimeError(
+                raise WorkerUnavailable(
+                    f"the weights of engine {index} were freed",
                     f"the weights of engine {index} were freed ({len(dead)} leaves, e.g. '{dead[0]}'): "
                     "the trainer donated buffers the engine was using. Call worker.sync_params(params) "
                     "before generate."
@@ -550,7 +551,7 @@ class RolloutWorker:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the RolloutWorker is closed")
+            raise WorkerClosed()
 
     def _pack(self, request: _Request, outputs: list[GenerateOutput], version: int, compiles: int) -> RolloutBatch:
         params = request.params
@@ -603,11 +604,11 @@ class RolloutWorker:
         weight version."""
         weights = [leaf for leaf in self.leaves if not leaf.rng_state]
         if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
-            raise ValueError(f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
+            raise InvalidRequest("num_leaves", f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+            raise InvalidRequest("seed", f"seed must be an int in [0, 2**32), got {seed!r}")
         if not math.isfinite(scale):
-            raise ValueError(f"scale must be a finite number, got {scale!r}")
+            raise InvalidRequest("scale", f"scale must be a finite number, got {scale!r}")
         self._check_weights_alive()
         # Held from reading the leaves to the swap, so no sync lands in between and is undone.
         with self._sync_lock:
@@ -638,7 +639,7 @@ class RolloutWorker:
 
 def _check_swap_mode(in_flight: bool, recompute_kv: bool) -> None:
     if recompute_kv and not in_flight:
-        raise ValueError("recompute_kv=True needs in_flight=True: a drain swap has no running request to recompute")
+        raise InvalidRequest("recompute_kv", "recompute_kv=True needs in_flight=True: a drain swap has no running request to recompute")
 
 
 def _combine_sync_reports(reports: list[SyncReport], compiles: int) -> SyncReport:

@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from models import mappings_for
 
+from .checkpoint import CheckpointError
 from .tree import unflatten_params
 
 _INDEX = "model.safetensors.index.json"
@@ -25,7 +26,7 @@ def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as exc:
-            raise ValueError(f"{index} is not a valid safetensors index: {exc}") from exc
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
         return {name: model_dir / file for name, file in weight_map.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -41,7 +42,7 @@ def _open(file: Path):
     try:
         return safe_open(str(file), framework="numpy")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"cannot read safetensors file {file}: {exc}") from exc
+        raise CheckpointError(f"cannot read safetensors file {file}: {exc}") from exc
 
 
 def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
@@ -55,19 +56,19 @@ def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
     try:
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {config_file}: {exc}") from exc
+        raise CheckpointError(f"cannot read {config_file}: {exc}") from exc
     handles: dict[Path, object] = {}
     flat = {}
     for entry in mappings_for(config):
         file = located.get(entry.hf)
         if file is None:
-            raise ValueError(f"{model_dir}: tensor '{entry.hf}' (for '{entry.trainer}') is missing")
+            raise CheckpointError(f"{model_dir}: tensor '{entry.hf}' (for '{entry.trainer}') is missing")
         if file not in handles:
             handles[file] = _open(file)
         try:
             tensor = handles[file].get_tensor(entry.hf)
         except Exception as exc:  # safetensors raises its own error types on truncated data
-            raise ValueError(f"{file}: cannot read tensor '{entry.hf}': {exc}") from exc
+            raise CheckpointError(f"{file}: cannot read tensor '{entry.hf}': {exc}") from exc
         if entry.hf_transposed:
             tensor = tensor.T
         flat[entry.trainer] = np.ascontiguousarray(tensor, dtype=dtype or tensor.dtype)

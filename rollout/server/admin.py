@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
-from ..engine import EngineError
-from .protocol import ApiError, check_bearer, invalid
+from .protocol import check_bearer, invalid
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -25,16 +24,7 @@ def mount_admin(app: FastAPI, state: ServerState) -> None:
         check_bearer(request, token, "admin token")
 
     async def run(fn, *args):
-        try:
-            return await asyncio.get_running_loop().run_in_executor(state.admin_executor, fn, *args)
-        except FileNotFoundError as exc:
-            raise ApiError(404, str(exc), param="path", code="not_found") from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        except EngineError:
-            raise
-        except RuntimeError as exc:
-            raise ApiError(409, str(exc), type="conflict_error") from None
+        return await asyncio.get_running_loop().run_in_executor(state.admin_executor, fn, *args)
 
     @app.get("/admin/weights_checksum")
     async def weights_checksum(request: Request):

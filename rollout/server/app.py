@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..engine import EngineError
 from .admin import mount_admin
 from .backend import Backend
 from .config import ServerConfig
+from .errors import KNOWN_ERRORS, api_error, retry_after
 from .protocol import (
     ApiError,
     GenerationRequest,
@@ -40,20 +40,21 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
     state = ServerState(backend, config)
     app.state.server = state
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError):
-        headers = {"Retry-After": str(config.retry_after_s)} if exc.status == 503 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        logger.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse(ApiError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)
+    async def any_error(request: Request, exc: Exception):
+        prompt_field = getattr(request.state, "prompt_field", "prompt")
+        error = api_error(exc, prompt_field=prompt_field, where=f"{request.method} {request.url.path}")
+        return JSONResponse(error.body(), status_code=error.status, headers=retry_after(error, config.retry_after_s))
+
+    # Known types are answered by the app; Exception (the rest) by Starlette's outermost
+    # middleware, which also re-raises it for the server's log.
+    for kind in (*KNOWN_ERRORS, Exception):
+        app.add_exception_handler(kind, any_error)
 
     app.add_middleware(_RequestLog)
 
@@ -171,6 +172,7 @@ class ServerState:
     # ---- generation --------------------------------------------------------------------------
 
     async def respond(self, request: Request, req: GenerationRequest, *, chat: bool) -> Response:
+        request.state.prompt_field = req.prompt_field
         self.check_available()
         prompts = self.prompt_ids(req)
         sampling = self.sampling(req, prompts)
@@ -178,13 +180,13 @@ class ServerState:
         base = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             chunks = self.backend.stream(prompts, **sampling)
-            first = await _mapped_errors(anext(chunks), req)
+            first = await anext(chunks)
             base["weight_version"] = first.weight_version
             events = self.events(request, req, prompts, base, first, chunks, chat=chat)
             headers = {WEIGHT_VERSION_HEADER: str(first.weight_version), "Cache-Control": "no-cache"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
-        batch = await _mapped_errors(self.backend.generate(prompts, **sampling), req)
+        batch = await self.backend.generate(prompts, **sampling)
         request.state.tokens = (sum(map(len, batch.prompts)), int(batch.completion_lengths.sum()))
         choices = []
         for row, ids in enumerate(batch.completions):
@@ -319,8 +321,8 @@ class ServerState:
                         yield event([choice(chunk.row, None, reason, **extra)])
                 chunk = await anext(chunks, None)
         except Exception as exc:  # the status line is sent: the error goes into the stream
-            logger.exception("stream of %s failed", base["id"])
-            yield "data: " + json.dumps(ApiError(500, f"generation failed: {exc}", type="server_error").body()) + "\n\n"
+            error = api_error(exc, prompt_field=req.prompt_field, where=f"stream {base['id']}")
+            yield "data: " + json.dumps(error.body()) + "\n\n"
             return
         finally:
             request.state.tokens = (sum(map(len, prompts)), generated)
@@ -328,21 +330,6 @@ class ServerState:
         if req.include_usage:
             yield event([], usage=_usage(sum(map(len, prompts)), generated))
         yield "data: [DONE]\n\n"
-
-
-async def _mapped_errors(awaitable, req: GenerationRequest):
-    """The worker's errors as API errors: bad input 400 naming the field, a worker that cannot
-    generate now (weights released for a train step, closed) 503."""
-    try:
-        return await awaitable
-    except ValueError as exc:
-        message = str(exc).replace("max_new_tokens", "max_tokens").replace("prompts[", f"{req.prompt_field}[")
-        param = "max_tokens" if "max_tokens" in message else req.prompt_field
-        raise invalid(param, message) from None
-    except EngineError:
-        raise
-    except RuntimeError as exc:
-        raise ApiError(503, f"generation is paused: {exc}", type="service_unavailable", code="weights_updating") from None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
