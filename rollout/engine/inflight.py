@@ -32,6 +32,7 @@ class SwapRecord:
     """One weight swap on the scheduler thread (``time.perf_counter()`` seconds)."""
 
     version: int
+    queued: float  # when the swap was asked for
     start: float
     end: float
     in_flight: bool
@@ -164,7 +165,7 @@ def _stale_requests(scheduler) -> dict:
     return stale
 
 
-def swap_at_boundary(scheduler, swap, *, version: int, recompute: bool) -> SwapRecord:
+def swap_at_boundary(scheduler, swap, *, version: int, recompute: bool, queued: float) -> SwapRecord:
     """Run ``swap`` (the weights change) with requests in flight, then make the KV state agree."""
     start = time.perf_counter()
     swap()
@@ -172,4 +173,4 @@ def swap_at_boundary(scheduler, swap, *, version: int, recompute: bool) -> SwapR
         running, tokens = recompute_running(scheduler)
     else:
         running, tokens = keep_running(scheduler), 0
-    return SwapRecord(version, start, time.perf_counter(), True, running, tokens)
+    return SwapRecord(version, queued, start, time.perf_counter(), True, running, tokens)

@@ -84,7 +84,7 @@ class ModelState:
         with ``recompute_kv``, prefilled again under the new weights first.
         """
         new_leaves, free = list(new_leaves), tuple(free)
-        control = self._control
+        control, queued = self._control, time.perf_counter()
 
         def swap():
             old = self.weight_leaves()
@@ -100,10 +100,11 @@ class ModelState:
             swap()
             if flush_prefix_cache:
                 self._flush_prefix_cache()
-            return inflight.SwapRecord(control.weight_version, start, time.perf_counter(), False, 0, 0)
+            return inflight.SwapRecord(control.weight_version, queued, start, time.perf_counter(), False, 0, 0)
 
         def in_flight_swap() -> inflight.SwapRecord:
-            return inflight.swap_at_boundary(self._scheduler, swap, version=control.weight_version if version is None else version, recompute=recompute_kv)
+            label = control.weight_version if version is None else version
+            return inflight.swap_at_boundary(self._scheduler, swap, version=label, recompute=recompute_kv, queued=queued)
 
         record = self.call_at_boundary(in_flight_swap) if in_flight else self.call(drained)
         control.swaps.append(record)
