@@ -34,6 +34,7 @@ from examples.rl_loop import (
     checkpoint_manager,
     prepare_model,
     restore_or_init,
+    rollout_metrics,
 )
 from models import QwenConfig, QwenForCausalLM
 from rollout import RolloutBatch, RolloutWorker, WorkerConfig
@@ -132,11 +133,7 @@ def _train_async(config: RLConfig, output_dir: Path, worker: RolloutWorker, algo
             sync_s = time.perf_counter() - start_sync
             record = {
                 "step": state.step + 1,
-                "reward": float(rewards.mean()),
-                "reward_std": float(rewards.std()),
-                "solved": float((rewards >= 1.0).mean()),
-                "completion_tokens": float(batch.completion_lengths.mean()),
-                "weight_version": batch.weight_version,
+                **rollout_metrics(batch, rewards),
                 **staleness(batch, trainer_version),
                 "bytes_copied": report.bytes_copied,
                 "sync_s": sync_s,
