@@ -213,15 +213,16 @@ def test_tiny_grpo_with_engine_logprobs_and_tis_learns(tmp_path):
 def test_async_grpo_overlaps_generation_and_learns(tmp_path):
     """Trainer on 2 devices, engine on the other 2: each step trains on the rollout generated
     during the previous update (one version behind, TIS-corrected) and learns as the plain
-    run does."""
-    records = run_grpo(tmp_path / "async", "--steps", str(STEPS), "--async-rollout", "--tis-cap", "2", devices=4)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    run does (20 steps: measured gains of 0.19 and more, against a 5-step noise of ~0.02)."""
+    steps = 20
+    records = run_grpo(tmp_path / "async", "--steps", str(steps), "--async-rollout", "--tis-cap", "2", devices=4)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     # The first rollout is the initial policy's; later tokens are 1 version behind, or 0 where
     # the pushed weights reached a rollout still running.
     lags = [r["version_lag"] for r in records]
     assert lags[0] == 0 and all(0 <= lag <= 1 for lag in lags) and np.mean(lags[1:]) > 0.5
     assert all(r["bytes_copied"] > 0 for r in records), "the engine's devices hold their own copy"
-    assert mean_reward(records[-5:]) - mean_reward(records[:5]) > 0.15
+    assert mean_reward(records[-5:]) - mean_reward(records[:5]) > 0.1
 
 
 def test_consistency_check_stops_a_run_whose_engine_serves_another_policy(tmp_path):
