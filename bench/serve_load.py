@@ -1,11 +1,16 @@
-"""HTTP server under load: concurrent completion requests while the weights reload.
+"""HTTP server under load: concurrent completion requests while the weights reload, with
+drain swaps and in-flight swaps side by side.
 
     JAX_PLATFORMS=cpu python -m bench.serve_load [--requests 200] [--reloads 5] [--max-tokens 8]
 
 Serves a tiny Qwen2 on a loopback port and sends ``requests`` completion requests, started
 evenly over ``window_s`` seconds, from one asyncio client, while ``reloads`` admin reloads of
-the model's own safetensors run one after another. Prints the status counts (every request must
-end as a 200 carrying a weight version or a 503 with Retry-After) and latency percentiles, and
+the model's own safetensors run one after another: drain reloads (``"in_flight": false``: wait
+for running requests, 503 meanwhile), in-flight reloads keeping the running requests' KV, and
+in-flight reloads recomputing it. Prints per mode the status counts (every request must end as
+a 200 carrying a weight version or a 503 with Retry-After), latency percentiles, the reload
+calls' latency, and per swap the stall the running requests saw (from the engine's last forward
+before the swap to its first after) and how long the swap waited for its forward boundary; and
 as the baseline the same load with no reloads, measured in the same run.
 """
 
@@ -42,6 +47,7 @@ class LoadResult:
     outcomes: list[Outcome]
     reload_statuses: list[int]
     seconds: float
+    reload_seconds: list[float] = dataclasses.field(default_factory=list)
 
     def counts(self) -> dict:
         return dict(collections.Counter(o.status for o in self.outcomes))
@@ -84,19 +90,23 @@ async def run_load(
                 response.status_code, seconds, response.headers.get("x-weight-version"), version, response.headers.get("retry-after")
             )
 
+        reload_seconds = []
+
         async def reloader() -> list[int]:
             statuses = []
             for k in range(reloads):
                 await asyncio.sleep(window_s / (reloads + 1) if k == 0 else 0.2)
+                begin = time.perf_counter()
                 response = await client.post(
                     "/admin/reload_weights", json=reload_body, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
                 )
+                reload_seconds.append(time.perf_counter() - begin)
                 statuses.append(response.status_code)
             return statuses
 
         start = time.perf_counter()
         *outcomes, reload_statuses = await asyncio.gather(*(one(i) for i in range(requests)), reloader())
-        return LoadResult(outcomes, reload_statuses, time.perf_counter() - start)
+        return LoadResult(outcomes, reload_statuses, time.perf_counter() - start, reload_seconds)
 
 
 def describe(name: str, result: LoadResult) -> str:
@@ -109,6 +119,41 @@ def describe(name: str, result: LoadResult) -> str:
     )
 
 
+def swap_stalls(engine, since: float) -> tuple[list[tuple[float, float, int]], float]:
+    """Per swap of ``engine`` since ``since`` (perf_counter): (stall of the running requests:
+    from the end of the engine's last forward before the swap to the end of its first forward
+    after it, i.e. between two tokens of a running request, or 0 with none running; seconds it
+    waited for its boundary; requests running). And the median forward-to-forward interval
+    over the same time without swaps (one decode step, for scale)."""
+    busy = [(start, end) for start, end in engine.busy_intervals() if start >= since]
+    records = [r for r in engine.swap_records() if r.start >= since]
+    stalls = []
+    for record in records:
+        before = [end for _, end in busy if end <= record.start]
+        after = [end for start, end in busy if start >= record.end]
+        stall = after[0] - before[-1] if record.running and before and after else 0.0
+        stalls.append((stall, record.start - record.queued, record.running))
+    steps = [
+        b[1] - a[1] for a, b in zip(busy, busy[1:]) if not any(a[1] <= r.start <= b[1] for r in records)
+    ]
+    return stalls, float(np.median(steps)) if steps else float("nan")
+
+
+def describe_swaps(stalls: list[tuple[float, float, int]], step: float, result: LoadResult) -> str:
+    if not stalls:
+        return "  no swaps"
+    stall = np.array([s for s, _, _ in stalls]) * 1e3
+    wait = np.array([w for _, w, _ in stalls]) * 1e3
+    running = [n for _, _, n in stalls]
+    calls = np.array(result.reload_seconds) * 1e3
+    return (
+        f"  reload calls p50 {np.median(calls):.0f} ms max {calls.max():.0f} ms; per swap: running requests {running}, "
+        f"their stall (token to token across the swap) p50 {np.median(stall):.1f} ms max {stall.max():.1f} ms "
+        f"vs a step without swap p50 {step * 1e3:.1f} ms; swap's wait for its boundary p50 {np.median(wait):.1f} ms "
+        f"max {wait.max():.1f} ms"
+    )
+
+
 def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(tmp, TinyModelSpec())
@@ -118,14 +163,26 @@ def main(args: argparse.Namespace) -> None:
         )
         with RolloutWorker(config) as worker, worker.serve(admin_token=ADMIN_TOKEN) as server:
             load = {"model": server.backend.model_name, "requests": args.requests, "max_tokens": args.max_tokens, "window_s": args.window_s}
-            reload_body = {"path": str(model_dir), "format": "hf"}
+            modes = {
+                "drain": {"in_flight": False},
+                "in-flight": {"in_flight": True},
+                "in-flight recompute_kv": {"in_flight": True, "recompute_kv": True},
+            }
+            bodies = {name: {"path": str(model_dir), "format": "hf", **mode} for name, mode in modes.items()}
             # Compiles the forward for the batch sizes this load reaches, and the reload's copies.
-            asyncio.run(run_load(server.url, reloads=1, reload_body=reload_body, **load))
-            baseline = asyncio.run(run_load(server.url, reloads=0, reload_body=reload_body, **load))
-            under_reloads = asyncio.run(run_load(server.url, reloads=args.reloads, reload_body=reload_body, **load))
+            for body in bodies.values():
+                asyncio.run(run_load(server.url, reloads=1, reload_body=body, **load))
+            baseline = asyncio.run(run_load(server.url, reloads=0, reload_body=bodies["drain"], **load))
+            results = {}
+            for name, body in bodies.items():
+                since = time.perf_counter()
+                result = asyncio.run(run_load(server.url, reloads=args.reloads, reload_body=body, **load))
+                results[name] = (result, *swap_stalls(worker.engine, since))
     print(describe("no reloads (baseline)", baseline))
-    print(describe(f"{args.reloads} reloads", under_reloads))
-    print(f"p50 ratio under reloads / baseline: {under_reloads.percentile(50) / baseline.percentile(50):.2f}x")
+    for name, (result, stalls, step) in results.items():
+        print(describe(f"{args.reloads} {name} reloads", result))
+        print(describe_swaps(stalls, step, result))
+        print(f"  p50 ratio / baseline: {result.percentile(50) / baseline.percentile(50):.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ G completions per prompt, score them, compute group-relative advantages, and tak
 with the KV cache dropped and the params donated to the train step. Metrics go to
 ``<output_dir>/metrics.jsonl``, a reward plot to ``reward.png``; orbax checkpoints of the trainer
 state let a rerun with the same output dir resume.
+
+``--async-rollout --tis-cap 2`` overlaps generation with the update instead (trainer on the first
+half of the devices, engines on the second; on CPU ``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from examples.async_rl import run_async
 from examples.grpo_math import group_advantages, ppo_clip_loss, token_logprobs
 from examples.rl_loop import Policy, RLConfig, Rollout, cli, mismatch_metrics, parse_args as parse_config, run
 
@@ -35,6 +39,9 @@ class GRPOConfig(RLConfig):
     group_size: int = 8
     # > 0: a KL penalty to the initial model (the reference, kept frozen beside the policy).
     kl_beta: float = 0.0
+    # Generate step k+1 during the update of step k, trainer and engines on separate devices,
+    # weights pushed in flight (examples/async_rl.py). Needs tis_cap.
+    async_rollout: bool = False
 
     @property
     def samples_per_prompt(self) -> int:
@@ -137,7 +144,7 @@ def make_train_fns(model, optimizer, config: GRPOConfig):
 
 
 def main(config: GRPOConfig) -> dict:
-    return run(config, GRPO)
+    return (run_async if config.async_rollout else run)(config, GRPO)
 
 
 def parse_args(argv=None) -> GRPOConfig:

@@ -296,17 +296,24 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     train_s = time.perf_counter() - start
     return {
         "step": state.step + 1,
-        "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        "solved": float((rewards >= 1.0).mean()),
-        "completion_tokens": float(batch.completion_lengths.mean()),
-        "weight_version": batch.weight_version,
+        **rollout_metrics(batch, rewards),
         "bytes_copied": report.bytes_copied if report else 0,
         "sync_s": sync_s,
         "generate_s": generate_s,
         "train_s": train_s,
         **consistency,
         **stats,
+    }
+
+
+def rollout_metrics(batch: RolloutBatch, rewards: np.ndarray) -> dict[str, float]:
+    """A step's rewards and completion lengths."""
+    return {
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "solved": float((rewards >= 1.0).mean()),
+        "completion_tokens": float(batch.completion_lengths.mean()),
+        "weight_version": batch.weight_version,
     }
 
 

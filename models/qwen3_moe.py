@@ -55,7 +55,6 @@ _ROUTER_AND_EXPERTS = (
 def _from_qwen3(entry: ParamMapping) -> ParamMapping:
     """Qwen3's entry as Qwen3-MoE has it: the dense MLP only in dense layers, and the engine
     names the attention output projection ``c_proj``."""
-    import dataclasses
 
     if ".mlp." in entry.trainer:
         return dataclasses.replace(entry, condition=Condition.DENSE_LAYER)

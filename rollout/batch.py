@@ -38,6 +38,10 @@ class RolloutBatch:
     # the log-prob of each completion token under the distribution the engine drew it from,
     # 0 where there is no sampled token. See models/logprobs.py.
     logprobs: np.ndarray | None = None
+    # [B, T] int64 aligned with ``tokens``: the weight version whose forward sampled each
+    # completion token (swaps in flight change it mid-row; ``weight_version`` is the version
+    # when the call was admitted), -1 where there is no sampled token.
+    token_versions: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -49,7 +53,7 @@ class RolloutBatch:
 
     @property
     def weight_versions(self) -> np.ndarray:
-        """[B] int64: the weight version each row was generated with."""
+        """[B] int64: the weight version each row started with (``weight_version``)."""
         return np.full(self.size, self.weight_version, dtype=np.int64)
 
 
@@ -64,6 +68,7 @@ class StreamChunk:
     finish_reason: str | None  # set on the row's last chunk
     weight_version: int
     logprobs: list[float] | None = None  # of token_ids, with return_logprobs=True
+    token_versions: list[int] | None = None  # the weight version that sampled each of token_ids
 
 
 def pack_rollouts(
@@ -80,6 +85,7 @@ def pack_rollouts(
     completion_texts: list[str] | None = None,
     prompt_width: int | None = None,
     logprobs: Sequence[Sequence[float]] | None = None,
+    token_versions: Sequence[Sequence[int]] | None = None,
 ) -> RolloutBatch:
     """Lay out prompt-major completions as left-padded prompts followed by completions.
 
@@ -116,6 +122,13 @@ def pack_rollouts(
             if len(lp) != len(c):
                 raise ValueError(f"row {row}: {len(lp)} log-probs for a completion of {len(c)} tokens")
             logprob_array[row, prompt_width : prompt_width + len(c)] = lp
+    version_array = None
+    if token_versions is not None:
+        version_array = np.full((rows, width), -1, dtype=np.int64)
+        for row, (c, versions) in enumerate(zip(completions, token_versions)):
+            if len(versions) != len(c):
+                raise ValueError(f"row {row}: {len(versions)} token versions for a completion of {len(c)} tokens")
+            version_array[row, prompt_width : prompt_width + len(c)] = versions
     return RolloutBatch(
         prompts=[list(map(int, p)) for p in prompts],
         completions=[list(map(int, c)) for c in completions],
@@ -132,4 +145,5 @@ def pack_rollouts(
         compiles=compiles,
         completion_texts=completion_texts,
         logprobs=logprob_array,
+        token_versions=version_array,
     )

@@ -36,17 +36,21 @@ def weights_checksum(paths: Sequence[str], leaves: Sequence[jax.Array]) -> str:
     return digest.hexdigest()[:32]
 
 
+def _add_noise(x, seed, index, scale):
+    noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), x.shape, jnp.float32)
+    return (x.astype(jnp.float32) + scale * noise).astype(x.dtype)
+
+
+# Seed, index and scale are traced: perturbing again (the serving load's swaps) compiles nothing.
+_add_noise_jit = jax.jit(_add_noise)
+
+
 def perturbed(leaf: jax.Array, seed: int, index: int, scale: float) -> jax.Array:
     """``leaf + scale * normal(fold_in(key(seed), index))`` with the leaf's dtype and sharding."""
-
     with np.errstate(over="ignore"):  # a scale beyond float32 is inf: the caller's finiteness check refuses it
         factor = np.float32(scale)
-
-    def add_noise(x):
-        noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), x.shape, jnp.float32)
-        return (x.astype(jnp.float32) + factor * noise).astype(x.dtype)
-
-    return jax.jit(add_noise, out_shardings=leaf.sharding)(leaf)
+    out = _add_noise_jit(leaf, np.uint32(seed), np.uint32(index), factor)
+    return out if out.sharding == leaf.sharding else jax.device_put(out, leaf.sharding)
 
 
 _all_finite_jit = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))

@@ -88,20 +88,26 @@ class EngineWeights:
         copied = frozenset(p.engine.index for p in plan.copies)
         return PreparedSync(plan, leaves, frozenset(updates), copied)
 
-    def commit(self, prepared: PreparedSync) -> None:
-        """Swap the prepared leaves in (on the scheduler thread, between forwards), flush the
-        prefix cache, and free the engine-owned arrays that were replaced."""
-        self.engine.replace_weight_leaves(prepared.leaves, free=self._owned & prepared.updated)
+    def commit(self, prepared: PreparedSync, version: int, *, in_flight: bool = False, recompute_kv: bool = False):
+        """Swap the prepared leaves in (on the scheduler thread, between forwards: idle, or
+        ``in_flight`` at the next forward boundary), flush the prefix cache, label later tokens
+        with ``version``, and free the engine-owned arrays that were replaced. Returns the
+        engine's :class:`~rollout.engine.SwapRecord`."""
+        record = self.engine.replace_weight_leaves(
+            prepared.leaves, free=self._owned & prepared.updated, version=version,
+            in_flight=in_flight, recompute_kv=recompute_kv,
+        )
         self._owned = set(prepared.copied) | (self._owned - prepared.updated)
+        return record
 
-    def replace_leaves(self, new_leaves: Mapping[int, jax.Array]) -> None:
+    def replace_leaves(self, new_leaves: Mapping[int, jax.Array], version: int, *, in_flight: bool = False):
         """Swap in engine-owned arrays at the given indices (same layout as the old ones)."""
         leaves = self.engine.weight_leaves()
         for index, array in new_leaves.items():
             leaves[index] = array
         self._check_layout(leaves, new_leaves)
         updated = frozenset(new_leaves)
-        self.commit(PreparedSync(None, leaves, updated, updated))
+        return self.commit(PreparedSync(None, leaves, updated, updated), version, in_flight=in_flight)
 
     def _check_layout(self, leaves: list, indices) -> None:
         for index in indices:

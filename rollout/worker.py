@@ -62,7 +62,7 @@ from .sampling import (
 logger = logging.getLogger(__name__)
 
 # jax.random.key takes any int64; the admin route's seed is a non-negative one.
-MAX_PERTURB_SEED = 2**63 - 1
+MAX_PERTURB_SEED = 2**32 - 1  # the perturbation's seed is a traced uint32 (one compile for all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,13 @@ class RolloutWorker:
     # ---- weights ---------------------------------------------------------------------------
 
     def sync_params(
-        self, params: Mapping, *, allow_cast: bool = True, check_finite: bool = True
+        self,
+        params: Mapping,
+        *,
+        allow_cast: bool = True,
+        check_finite: bool = True,
+        in_flight: bool = False,
+        recompute_kv: bool = False,
     ) -> SyncReport:
         """Make the engines generate with ``params`` (MLLM-JAX layout; ``{'params': ...}`` too).
 
@@ -209,12 +215,31 @@ class RolloutWorker:
         generate. ``check_finite`` (on by default) refuses NaN/inf weights, naming the paths: it
         reads every weight once (about 1.15x one plain read; ``bench.sync_bench``), the price of
         never serving a broken policy silently; pass False where that read matters.
-        """
-        return self._sync(params, allow_cast=allow_cast, check_finite=check_finite)
 
-    def _sync(self, params: Mapping, *, allow_cast: bool, check_finite: bool, reason: str = "weights are being swapped") -> SyncReport:
+        ``in_flight=True`` swaps without draining: each engine stops at its next forward
+        boundary (the sync waits at most one forward step, however long the running requests
+        are), swaps, flushes its prefix cache and resumes the requests that were running;
+        generate calls are admitted throughout. Those requests continue from the KV computed
+        under the old weights, or with ``recompute_kv=True`` are prefilled again under the new
+        weights before their next token. Every token records the version that sampled it
+        (``batch.token_versions``) and its log-prob is that version's, so importance weights
+        stay exact.
+        """
+        return self._sync(params, allow_cast=allow_cast, check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
+
+    def _sync(
+        self,
+        params: Mapping,
+        *,
+        allow_cast: bool,
+        check_finite: bool,
+        in_flight: bool = False,
+        recompute_kv: bool = False,
+        reason: str = "weights are being swapped",
+    ) -> SyncReport:
         start = time.perf_counter()
         self._check_open()
+        _check_swap_mode(in_flight, recompute_kv)
         try:
             flat = flatten_params(params)
         except (TypeError, ValueError) as exc:
@@ -222,12 +247,12 @@ class RolloutWorker:
         with self._sync_lock, counting_compiles() as compiles:
             live = self._group.live()
             prepared = [w.prepare(flat, allow_cast=allow_cast, check_finite=check_finite) for w in live]
-            with self._gate.exclusive(reason), self._state_lock:
+            with self._swapping(reason, in_flight):
+                version = self.weight_version + 1
                 for weights, update in zip(live, prepared):
-                    weights.commit(update)
+                    weights.commit(update, version, in_flight=in_flight, recompute_kv=recompute_kv)
                 self._stale_reason = None
-                self.weight_version += 1
-                version = self.weight_version
+                self.weight_version = version
         seconds = time.perf_counter() - start
         reports = [update.plan.report(version, seconds) for update in prepared]
         report = _combine_sync_reports(reports, compiles.value)
@@ -251,39 +276,61 @@ class RolloutWorker:
         self._check_open()
         return unflatten_params(self._group.param_shardings())
 
-    def load_hf(self, model_dir, *, check_finite: bool = True) -> SyncReport:
+    @contextlib.contextmanager
+    def _swapping(self, reason: str, in_flight: bool) -> Iterator[None]:
+        """Around a swap's commits: a drain swap excludes generate calls; an in-flight one only
+        other changes of worker state."""
+        with contextlib.nullcontext() if in_flight else self._gate.exclusive(reason), self._state_lock:
+            yield
+
+    def load_hf(self, model_dir, *, check_finite: bool = True, in_flight: bool = False, recompute_kv: bool = False) -> SyncReport:
         """Serve the weights of an HF safetensors directory (single file or sharded with an
         index json), through the same plan as ``sync_params`` (NaN/inf refused unless
-        ``check_finite=False``). On error nothing changes."""
+        ``check_finite=False``; ``in_flight``, ``recompute_kv`` as there). On error nothing
+        changes."""
         self._check_open()
-        params = load_hf_params(model_dir, dtype=None)
-        return self._sync(params, allow_cast=True, check_finite=check_finite, reason="weights are being reloaded")
+        _check_swap_mode(in_flight, recompute_kv)
+        return self._sync(
+            load_hf_params(model_dir, dtype=None), allow_cast=True, check_finite=check_finite,
+            in_flight=in_flight, recompute_kv=recompute_kv, reason="weights are being reloaded",
+        )
 
-    def load_checkpoint(self, path, step: int | None = None, *, check_finite: bool = True) -> SyncReport:
+    def load_checkpoint(
+        self, path, step: int | None = None, *, check_finite: bool = True, in_flight: bool = False, recompute_kv: bool = False
+    ) -> SyncReport:
         """Serve a trainer param tree saved with orbax: a ``StandardCheckpointer`` directory,
         or a ``CheckpointManager`` root (latest step, or ``step``).
 
         Leaves the engines can use as they are restored straight into the engines' dtype and
         sharding and then aliased; the others are restored replicated and transformed on
         device. No host copy of the tree is made. NaN/inf weights are refused as by
-        ``sync_params`` (``check_finite=False`` skips that read). On error nothing changes.
+        ``sync_params`` (``check_finite=False`` skips that read); ``in_flight``,
+        ``recompute_kv``: as for ``sync_params``. On error nothing changes.
         """
         self._check_open()
+        _check_swap_mode(in_flight, recompute_kv)
         item_dir = resolve_checkpoint(path, step)
         saved, wrapped = saved_layout(item_dir)
         targets = self._group.checkpoint_targets(saved, item_dir)
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
-        return self._sync(restored, allow_cast=True, check_finite=check_finite, reason="weights are being reloaded")
+        return self._sync(
+            restored, allow_cast=True, check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv,
+            reason="weights are being reloaded",
+        )
 
-    def replace_engine_leaves(self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str) -> int:
+    def replace_engine_leaves(
+        self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str, *, in_flight: bool = False
+    ) -> int:
         """Swap engine-owned arrays in by leaf index, one mapping per engine (same shapes,
-        dtypes and shardings as the leaves they replace). Returns the new weight version."""
-        with self._sync_lock, self._gate.exclusive(reason), self._state_lock:
+        dtypes and shardings as the leaves they replace); ``in_flight`` as for ``sync_params``
+        (the running requests keep their KV). Returns the new weight version."""
+        with self._sync_lock, self._swapping(reason, in_flight):
+            version = self.weight_version + 1
             for weights, leaves in zip(self._group.weights, new_leaves):
                 if weights.engine.alive:
-                    weights.replace_leaves(leaves)
-            self.weight_version += 1
-            return self.weight_version
+                    weights.replace_leaves(leaves, version, in_flight=in_flight)
+            self.weight_version = version
+            return version
 
     # ---- KV cache and memory -----------------------------------------------------------------
 
@@ -441,11 +488,13 @@ class RolloutWorker:
                     while (update := await updates.get()) is not None:
                         row, output = update
                         new = output.output_ids[sent[row] :]
-                        logprobs = None if output.logprobs is None else output.logprobs[sent[row] : len(output.output_ids)]
-                        sent[row] = len(output.output_ids)
+                        end = len(output.output_ids)
+                        logprobs = None if output.logprobs is None else output.logprobs[sent[row] : end]
+                        versions = None if output.token_versions is None else output.token_versions[sent[row] : end]
+                        sent[row] = end
                         if new or output.finish_reason:
                             n = request.params.n
-                            yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version, logprobs)
+                            yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version, logprobs, versions)
                     for task in tasks:
                         if task.done() and not task.cancelled() and task.exception() is not None:
                             raise task.exception()
@@ -572,6 +621,10 @@ class RolloutWorker:
             completion_texts=texts,
             prompt_width=request.pad_prompts_to,
             logprobs=[o.logprobs[: len(c)] for o, c in zip(outputs, completions)] if request.params.return_logprobs else None,
+            token_versions=(
+                None if any(o.token_versions is None for o in outputs)
+                else [o.token_versions[: len(c)] for o, c in zip(outputs, completions)]
+            ),
         )
 
     # ---- weight checks (the server's admin routes) -------------------------------------------
@@ -593,11 +646,14 @@ class RolloutWorker:
             report["per_engine"] = checksums
         return report
 
-    def perturb_weights(self, seed: int, scale: float, num_leaves: int, *, check_finite: bool = True) -> dict:
+    def perturb_weights(
+        self, seed: int, scale: float, num_leaves: int, *, check_finite: bool = True, in_flight: bool = False
+    ) -> dict:
         """Add ``scale * normal(key(seed, i))`` to the first ``num_leaves`` weight leaves (engine
-        order), on every engine: a deterministic weight update for testing the update path.
-        Perturbed weights that are not finite are refused as by ``sync_params`` (the previous
-        weights keep serving). Returns the perturbed leaf paths and the new weight version."""
+        order), on every engine: a deterministic weight update for testing the update path
+        (``in_flight`` as for ``sync_params``). Perturbed weights that are not finite are
+        refused as by ``sync_params`` (the previous weights keep serving). Returns the perturbed
+        leaf paths and the new weight version."""
         weights = [leaf for leaf in self.leaves if not leaf.rng_state]
         seed = as_int("seed", seed, minimum=0)
         if seed > MAX_PERTURB_SEED:
@@ -622,7 +678,7 @@ class RolloutWorker:
                 bad = weight_check.non_finite([w.path for w in weights[:num_leaves]], [perturbed[w.index] for w in weights[:num_leaves]])
                 if bad:
                     raise InvalidRequest("scale", f"the perturbation makes weights non-finite (nan/inf) in: {', '.join(bad[:8])}")
-            version = self.replace_engine_leaves(new_leaves, "weights are being perturbed")
+            version = self.replace_engine_leaves(new_leaves, "weights are being perturbed", in_flight=in_flight)
         return {"leaves": [w.path for w in weights[:num_leaves]], "weight_version": version}
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, **options):
@@ -638,6 +694,11 @@ class RolloutWorker:
     def check_consistency(self, params: Mapping, prompts, **kwargs) -> ConsistencyReport:
         """Engine log-probs against the Flax model's on ``params``: see :func:`rollout.check_consistency`."""
         return check_consistency(self, params, prompts, **kwargs)
+
+
+def _check_swap_mode(in_flight: bool, recompute_kv: bool) -> None:
+    if recompute_kv and not in_flight:
+        raise InvalidRequest("recompute_kv", "recompute_kv=True needs in_flight=True: a drain swap has no running request to recompute")
 
 
 def _combine_sync_reports(reports: list[SyncReport], compiles: int) -> SyncReport:

@@ -152,9 +152,9 @@ def test_config_validation_and_presets():
     assert config.steps == 3 and config.resync is False and config.max_new_tokens == 512
 
 
-def run_grpo(output_dir, *args):
-    """The example as a user runs it, in a fresh process with one CPU device."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+def run_grpo(output_dir, *args, devices: int = 1):
+    """The example as a user runs it, in a fresh process with ``devices`` CPU devices."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     command = [sys.executable, "-m", "examples.grpo", "--output-dir", str(output_dir), "--no-progress", "--no-plot", *args]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -208,6 +208,21 @@ def test_tiny_grpo_with_engine_logprobs_and_tis_learns(tmp_path):
     assert all(r["mismatch_max"] < 1e-4 and abs(r["mismatch_kl"]) < 1e-8 for r in records)
     assert all(r["tis_weight"] == pytest.approx(1.0, abs=1e-3) and r["tis_capped"] == 0 for r in records)
     assert [r["step"] for r in records if "consistency_max" in r] == [1, 11, 21]
+
+
+def test_async_grpo_overlaps_generation_and_learns(tmp_path):
+    """Trainer on 2 devices, engine on the other 2: each step trains on the rollout generated
+    during the previous update (one version behind, TIS-corrected) and learns as the plain
+    run does (20 steps: measured gains of 0.19 and more, against a 5-step noise of ~0.02)."""
+    steps = 20
+    records = run_grpo(tmp_path / "async", "--steps", str(steps), "--async-rollout", "--tis-cap", "2", devices=4)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    # The first rollout is the initial policy's; later tokens are 1 version behind, or 0 where
+    # the pushed weights reached a rollout still running.
+    lags = [r["version_lag"] for r in records]
+    assert lags[0] == 0 and all(0 <= lag <= 1 for lag in lags) and np.mean(lags[1:]) > 0.5
+    assert all(r["bytes_copied"] > 0 for r in records), "the engine's devices hold their own copy"
+    assert mean_reward(records[-5:]) - mean_reward(records[:5]) > 0.1
 
 
 def test_consistency_check_stops_a_run_whose_engine_serves_another_policy(tmp_path):

@@ -9,7 +9,9 @@ by a test in ``tests/test_engine_workarounds.py``). Nothing else in this project
 Threads: the engine runs its scheduler (which owns the model, the weights and the KV cache) in
 a daemon thread of the caller's process. Any work that touches weights or KV is queued with
 :meth:`EngineHandle.call` and runs on that thread at the top of a loop iteration while no
-request is waiting, running or half-prefilled, so it never races a forward pass.
+request is waiting, running or half-prefilled, so it never races a forward pass; work queued
+with :meth:`EngineHandle.call_at_boundary` runs there between two forwards with requests in
+flight (in-flight weight swaps, ``inflight``).
 
 Several engines: each ``EngineHandle`` can be given its own devices (``EngineOptions.devices``,
 ``tp_size`` of them; its mesh is exactly those). Engines may be started from any thread (start-
@@ -27,10 +29,11 @@ Modules: ``workarounds`` (the registry ``WORKAROUNDS`` and its switches; imports
 ``patches`` (the 0.0.2 patches themselves), ``start_up`` (one start-up at a time, and which
 engine is being built), ``runtime`` (the engine's threads), ``handle`` (``EngineHandle``:
 start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
-loop), ``types`` (options, leaf specs, errors; no sgl_jax import).
+loop), ``inflight`` (weight swaps with requests running), ``types`` (options, leaf specs, errors; no sgl_jax import).
 """
 
 from .handle import EngineHandle
+from .inflight import SwapRecord
 from .patches import engine_version, install_workarounds
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
@@ -57,6 +60,7 @@ __all__ = [
     "ForwardMemory",
     "GenerateOutput",
     "LeafSpec",
+    "SwapRecord",
     "UnsupportedEngineVersion",
     "device_buffers",
     "device_nbytes",

@@ -14,12 +14,13 @@ from typing import Any
 
 import jax
 
+from . import inflight
 from .patches import install_workarounds, preserved_process_state, variables_sharded_lazily
 from .requests import RequestLoop
 from .runtime import SchedulerControl
 from .start_up import engine_start_up
 from .state import ModelState
-from .types import EngineError, EngineOptions, engine_name
+from .types import EngineOptions, engine_name
 from .workarounds import workaround_enabled
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,31 @@ class EngineHandle(ModelState, RequestLoop):
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._control.calls.put((fn, future))
         self._control.wake()
+        return self._wait(future, timeout)
+
+    def call_at_boundary(
+        self, fn: Callable[[], Any], when: Callable[[], bool] | None = None, timeout: float | None = None
+    ) -> Any:
+        """Run ``fn`` on the scheduler thread at the next forward boundary, with requests in
+        flight: after one forward's tokens are processed and before the next batch is chosen
+        (a waiting caller waits at most one forward). ``when`` (evaluated there, at each
+        boundary) delays it to the first boundary where it holds. Returns ``fn``'s result."""
+        self.check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._control.queue_at_boundary(fn, when, future)
+        return self._wait(future, timeout)
+
+    @property
+    def boundary_calls_queued(self) -> int:
+        """Calls queued with :meth:`call_at_boundary` that have not started."""
+        return self._control.boundary_calls_queued
+
+    def output_lengths(self) -> dict[str, int]:
+        """rid -> tokens sampled so far of every request the scheduler holds. Scheduler thread
+        only (a ``call_at_boundary`` condition, for instance)."""
+        return inflight.output_lengths(self._scheduler)
+
+    def _wait(self, future: concurrent.futures.Future, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:

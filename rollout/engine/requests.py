@@ -79,12 +79,14 @@ class RequestLoop:
         request, rids = self._request(prompts, params, seeds, stream=True)
 
         async def pump():
-            with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._aborted_if_cancelled(rids):
+            with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._versions_collected(rids) as versions, self._aborted_if_cancelled(rids):
                 async for result in self._tokenizer_manager.generate_request(request, None):
                     row = int(result.get("index", 0))
                     output = _to_output(result, finished_only=False)
+                    count = len(output.output_ids)
+                    output = dataclasses.replace(output, token_versions=versions[row][:count])
                     if sinks is not None:
-                        output = dataclasses.replace(output, logprobs=sinks[row][: len(output.output_ids)])
+                        output = dataclasses.replace(output, logprobs=sinks[row][:count])
                     caller.call_soon_threadsafe(updates.put_nowait, (row, output))
 
         future = self._submit(pump())
@@ -139,13 +141,33 @@ class RequestLoop:
                 self._tokenizer_manager.abort_request(rid)
             raise
 
+    @contextlib.contextmanager
+    def _versions_collected(self, rids: list[str]):
+        """Per row, the list the scheduler appends each sampled token's weight version to."""
+        sinks = [[] for _ in rids]
+        versions = self._control.version_sinks
+        versions.update(zip(rids, sinks))
+        try:
+            yield sinks
+        finally:
+            for rid in rids:
+                versions.pop(rid, None)
+
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
         request, rids = self._request(prompts, params, seeds)
-        with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._aborted_if_cancelled(rids):
+        with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._versions_collected(rids) as versions, self._aborted_if_cancelled(rids):
             results = await self._tokenizer_manager.generate_request(request, None).__anext__()
         if isinstance(results, dict):
             results = [results]
         outputs = [_to_output(r) for r in results]
+        if len(outputs) != len(rids):  # the engine's own n: its rows are not our request ids
+            versions = [None] * len(outputs)
+        for i, (out, tokens) in enumerate(zip(outputs, versions)):
+            if tokens is not None and len(tokens) != out.completion_tokens:
+                raise EngineError(
+                    f"request {i}: recorded {len(tokens)} weight versions for {out.completion_tokens} completion tokens"
+                )
+        outputs = [dataclasses.replace(out, token_versions=tokens) for out, tokens in zip(outputs, versions)]
         if sinks is None:
             return outputs
         for i, (out, logprobs) in enumerate(zip(outputs, sinks)):

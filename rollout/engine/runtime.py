@@ -40,6 +40,13 @@ class SchedulerControl:
     def __init__(self, name: str = "engine"):
         self.name = name
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        # Calls that run at the next forward boundary, busy or not: [(condition, fn, future)].
+        self.boundary_calls: list[tuple] = []
+        self._boundary_lock = threading.Lock()
+        # The weight version the engine's forwards use (set by each swap, on the scheduler thread).
+        self.weight_version = 0
+        # rid -> the weight version of each token sampled for that request (every request).
+        self.version_sinks: dict[str, list[int]] = {}
         self.error: BaseException | None = None
         self.error_traceback = ""
         self.stop_requested = False
@@ -50,6 +57,7 @@ class SchedulerControl:
         self.threads: dict[str, threading.Thread] = {}
         self._threads_changed = threading.Condition()
         self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=BUSY_INTERVALS_KEPT)
+        self.swaps: collections.deque = collections.deque(maxlen=BUSY_INTERVALS_KEPT)
         # A socket pair lets other threads wake the scheduler out of its idle poll.
         self.wake_reader, self.wake_writer = socket.socketpair()
         self.wake_reader.setblocking(False)
@@ -114,6 +122,10 @@ class SchedulerControl:
         self._fail_pending()
 
     def _fail_pending(self) -> None:
+        with self._boundary_lock:
+            boundary, self.boundary_calls = self.boundary_calls, []
+        for _, _, future in boundary:
+            future.set_exception(self.dead_error())
         while True:
             try:
                 _, future = self.calls.get_nowait()
@@ -127,6 +139,37 @@ class SchedulerControl:
                 f"{self.name}: the sglang-jax engine thread failed: {self.error!r}\n{self.error_traceback}"
             )
         return EngineError(f"{self.name}: the sglang-jax engine has been shut down")
+
+    def queue_at_boundary(self, fn, when, future) -> None:
+        with self._boundary_lock:
+            self.boundary_calls.append((when, fn, future))
+        self.wake()
+
+    @property
+    def boundary_calls_queued(self) -> int:
+        return len(self.boundary_calls)
+
+    def run_boundary_calls(self) -> None:
+        """Run the boundary calls whose condition holds (in queue order), again until none is
+        ready: a call queued while another runs (a swap queued during a hold) runs at the same
+        boundary, with no forward in between."""
+        while True:
+            with self._boundary_lock:
+                ready, waiting = [], []
+                for entry in self.boundary_calls:
+                    (ready if _ready(entry) else waiting).append(entry)
+                if not ready:
+                    return
+                self.boundary_calls = waiting
+            for when, fn, future in ready:
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if when is not None:
+                        when()  # re-raises a condition that failed
+                    future.set_result(fn())
+                except BaseException as exc:  # the caller gets it; the engine keeps serving
+                    future.set_exception(exc)
 
     def run_pending(self) -> None:
         while True:
@@ -147,6 +190,16 @@ class SchedulerControl:
             raise _StopScheduler()
 
 
+def _ready(entry) -> bool:
+    when, _, future = entry
+    if when is None or future.cancelled():
+        return True
+    try:
+        return bool(when())
+    except Exception:  # a broken condition fails its call (the call re-raises it), not the engine
+        return True
+
+
 def _scheduler_is_idle(scheduler) -> bool:
     return (
         not scheduler.waiting_queue
@@ -165,6 +218,9 @@ def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller
         while True:
             if control.stop_requested:  # close(): stop between forwards, even with work running
                 raise _StopScheduler()
+            # The top of a loop iteration: the previous forward's results are processed and the
+            # next batch is not chosen yet.
+            control.run_boundary_calls()
             requests = original_recv()
             if not _scheduler_is_idle(scheduler):
                 return requests
@@ -191,6 +247,25 @@ def _timed(run_batch, control: SchedulerControl):
     return timed_run_batch
 
 
+def _versions_recorded(run_batch, control: SchedulerControl):
+    """Records, per request, the weight version of the forward that sampled each of its tokens:
+    exact across swaps at forward boundaries, whatever KV the request continues from."""
+
+    def versioned_run_batch(batch):
+        result = run_batch(batch)
+        version, sinks = control.weight_version, control.version_sinks
+        extend = batch.forward_mode.is_extend()
+        for req in batch.reqs:
+            # As process_batch_result (no overlap scheduler): retracted rows and prefill chunks
+            # before the last get no token.
+            sink = sinks.get(req.rid)
+            if sink is not None and not req.is_retracted and not (extend and req.is_chunked > 0):
+                sink.append(version)
+        return result
+
+    return versioned_run_batch
+
+
 def _run_scheduler_loop(scheduler, control: SchedulerControl, server_args, devices, matmul_precision) -> None:
     # The engine's default device, and the matmul precision its start-up left set: 0.0.2 sets
     # 'highest' process-wide on GPU; preserved_process_state puts the process-wide value back,
@@ -211,7 +286,7 @@ def _scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
     scheduler.recv_requests = _idle_aware_recv(
         scheduler, scheduler.recv_requests, control, poller
     )
-    scheduler.run_batch = _timed(scheduler.run_batch, control)
+    scheduler.run_batch = _versions_recorded(_timed(scheduler.run_batch, control), control)
     try:
         if workaround_enabled("process-kill-on-error"):
             scheduler.event_loop_normal()

@@ -8,6 +8,7 @@ private ``_...`` methods, and each public method runs its private one through
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import inflight
 from .patches import variables_sharded_lazily
 from .types import EngineError, ForwardMemory, LeafSpec, device_nbytes
 from .workarounds import workaround_enabled
@@ -62,24 +64,60 @@ class ModelState:
         return specs
 
     def replace_weight_leaves(
-        self, new_leaves: Sequence[jax.Array], *, flush_prefix_cache: bool = True, free: Iterable[int] = ()
-    ) -> None:
+        self,
+        new_leaves: Sequence[jax.Array],
+        *,
+        flush_prefix_cache: bool = True,
+        free: Iterable[int] = (),
+        version: int | None = None,
+        in_flight: bool = False,
+        recompute_kv: bool = False,
+    ) -> inflight.SwapRecord:
         """Swap in a whole new leaf list between forwards, then (by default) forget the cached
         prefixes computed with the old weights, and delete the old arrays at the indices in
         ``free`` (those the engine owns) at once, so a swap's peak memory stays at the bytes
-        it writes. Every leaf must keep its shape, dtype and sharding (the caller checks)."""
+        it writes. Every leaf must keep its shape, dtype and sharding (the caller checks).
+        Tokens sampled from then on are labelled ``version`` (``GenerateOutput.token_versions``).
+
+        Drain (default): runs while the engine is idle. ``in_flight``: runs at the next forward
+        boundary and the running requests go on (see :mod:`.inflight`), keeping their KV or,
+        with ``recompute_kv``, prefilled again under the new weights first.
+        """
         new_leaves, free = list(new_leaves), tuple(free)
+        control, queued = self._control, time.perf_counter()
 
         def swap():
             old = self.weight_leaves()
             self._replace_weight_leaves(new_leaves)
-            if flush_prefix_cache:
-                self._flush_prefix_cache()
+            if version is not None:
+                control.weight_version = version
             for index in free:
                 if old[index] is not new_leaves[index]:
                     old[index].delete()
 
-        self.call(swap)
+        def drained() -> inflight.SwapRecord:
+            start = time.perf_counter()
+            swap()
+            if flush_prefix_cache:
+                self._flush_prefix_cache()
+            return inflight.SwapRecord(control.weight_version, queued, start, time.perf_counter(), False, 0, 0)
+
+        def in_flight_swap() -> inflight.SwapRecord:
+            label = control.weight_version if version is None else version
+            return inflight.swap_at_boundary(self._scheduler, swap, version=label, recompute=recompute_kv, queued=queued)
+
+        record = self.call_at_boundary(in_flight_swap) if in_flight else self.call(drained)
+        control.swaps.append(record)
+        return record
+
+    @property
+    def weight_version(self) -> int:
+        """The version label of the weights the next forward samples with."""
+        return self._control.weight_version
+
+    def swap_records(self) -> list[inflight.SwapRecord]:
+        """This engine's latest weight swaps (see ``busy_intervals`` for its forwards)."""
+        return list(self._control.swaps)
 
     def _replace_weight_leaves(self, new_leaves: list[jax.Array]) -> None:
         # The forward reads its leaves from a closure cell on every call, so replacing the
@@ -152,11 +190,7 @@ class ModelState:
         if not workaround_enabled("flush-cache"):
             self._engine.flush_cache()
             return
-        scheduler = self._scheduler
-        scheduler.tree_cache.reset()
-        scheduler.req_to_token_pool.clear()
-        scheduler.token_to_kv_pool_allocator.clear()
-        scheduler.last_batch = None
+        inflight.reset_kv_state(self._scheduler)
 
     @property
     def _kv_pool(self):

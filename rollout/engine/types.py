@@ -86,6 +86,8 @@ class GenerateOutput:
     cache_miss_count: int
     # Log-prob of each output token under the distribution it was drawn from (requested only).
     logprobs: list[float] | None = None
+    # Weight version of the forward that sampled each output token.
+    token_versions: list[int] | None = None
 
 
 def _device_ids(devices) -> str:

@@ -45,10 +45,23 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         authorize(request)
         return await run(backend.weights_checksum)
 
+    def swap_mode(body: dict) -> tuple[bool, bool]:
+        # Reloads swap in flight by default: requests keep running and none is refused.
+        in_flight, recompute_kv = body.get("in_flight", True), body.get("recompute_kv", False)
+        for name, value in (("in_flight", in_flight), ("recompute_kv", recompute_kv)):
+            if not isinstance(value, bool):
+                raise invalid(name, f"'{name}' must be a boolean, got {value!r}")
+        if recompute_kv and not in_flight:
+            raise invalid("recompute_kv", "'recompute_kv' needs 'in_flight': true")
+        return in_flight, recompute_kv
+
     @router.post("/perturb_weights")
     async def perturb_weights(request: Request):
         authorize(request)
         body = await state.read_json(request)
+        in_flight, recompute_kv = swap_mode(body)
+        if recompute_kv:
+            raise invalid("recompute_kv", "'recompute_kv' is for reloads: a perturbation keeps the running requests' KV")
         seed, scale, num_leaves = body.get("seed", 0), body.get("scale", 1e-3), body.get("num_leaves", 1)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise invalid("seed", f"'seed' must be an int >= 0, got {seed!r}")
@@ -56,7 +69,7 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
             raise invalid("scale", f"'scale' must be a number, got {scale!r}")
         async with admin.lock:
             before = await run(backend.weights_checksum)
-            report = await run(backend.perturb_weights, seed, float(scale), num_leaves)
+            report = await run(backend.perturb_weights, seed, float(scale), num_leaves, in_flight)
             after = await run(backend.weights_checksum)
         return {**report, "checksum_before": before["checksum"], "checksum_after": after["checksum"]}
 
@@ -74,8 +87,9 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         root = state.config.reload_root
         if root is not None and not _is_under(path, root):
             raise ApiError(403, f"'path' is outside the reload root ({root}): refused", param="path", type="permission_error", code="outside_reload_root")
+        in_flight, recompute_kv = swap_mode(body)
         async with admin.lock:
-            report = await run(backend.reload_weights, path, fmt, step)
+            report = await run(backend.reload_weights, path, fmt, step, in_flight, recompute_kv)
         logger.info("reloaded weights from %s (%s): version %d", path, fmt, report["version"])
         return report
 

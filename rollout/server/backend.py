@@ -29,8 +29,10 @@ class Backend(Protocol):
     async def generate(self, prompts: list, **sampling) -> RolloutBatch: ...
     def stream(self, prompts: list, **sampling) -> AsyncIterator[StreamChunk]: ...
     def weights_checksum(self) -> dict: ...
-    def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict: ...
-    def reload_weights(self, path: str, format: str, step: int | None) -> dict: ...
+    def perturb_weights(self, seed: int, scale: float, num_leaves: int, in_flight: bool = False) -> dict: ...
+    def reload_weights(
+        self, path: str, format: str, step: int | None, in_flight: bool = False, recompute_kv: bool = False
+    ) -> dict: ...
     def drop_kv(self) -> dict: ...
     def rebuild_kv(self) -> dict: ...
     def memory(self) -> dict: ...
@@ -76,14 +78,17 @@ class WorkerBackend:
     def weights_checksum(self) -> dict:
         return self.worker.weights_checksum()
 
-    def perturb_weights(self, seed: int, scale: float, num_leaves: int) -> dict:
-        return self.worker.perturb_weights(seed, scale, num_leaves)
+    def perturb_weights(self, seed: int, scale: float, num_leaves: int, in_flight: bool = False) -> dict:
+        return self.worker.perturb_weights(seed, scale, num_leaves, in_flight=in_flight)
 
-    def reload_weights(self, path: str, format: str, step: int | None) -> dict:
+    def reload_weights(
+        self, path: str, format: str, step: int | None, in_flight: bool = False, recompute_kv: bool = False
+    ) -> dict:
+        swap = dict(in_flight=in_flight, recompute_kv=recompute_kv)
         if format == "orbax":
-            report = self.worker.load_checkpoint(path, step=step)
+            report = self.worker.load_checkpoint(path, step=step, **swap)
         else:
-            report = self.worker.load_hf(path)
+            report = self.worker.load_hf(path, **swap)
         return dataclasses.asdict(report)
 
     def drop_kv(self) -> dict:

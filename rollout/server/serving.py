@@ -109,7 +109,11 @@ class Serving:
                 if req.logprobs:
                     logprobs = self.logprobs_body(ids, values[: len(ids)], [row_text.start_offset(i) for i in range(len(ids))])
             completion_tokens += len(ids)
-            choices.append({"index": row, **self.content(text), "finish_reason": finish, "logprobs": logprobs, "token_ids": ids})
+            choice = {"index": row, **self.content(text), "finish_reason": finish, "logprobs": logprobs, "token_ids": ids}
+            if batch.token_versions is not None:  # extension: the weight version that sampled each token
+                start = batch.prompt_width
+                choice["token_versions"] = batch.token_versions[row, start : start + len(ids)].tolist()
+            choices.append(choice)
         request.state.tokens = (sum(map(len, batch.prompts)), completion_tokens)
         body = {
             **base,
@@ -183,6 +187,7 @@ class Serving:
         rows = len(prompts) * req.n
         texts = [IncrementalText(self.backend.tokenizer, req.stop) for _ in range(rows)]
         values: list[list[float]] = [[] for _ in range(rows)]  # log-probs so far
+        versions: list[list[int] | None] = [[] for _ in range(rows)]  # weight version per token so far
         released = [0] * rows  # tokens whose log-probs were sent
         done = [False] * rows
         try:
@@ -194,6 +199,10 @@ class Serving:
                 if not done[chunk.row]:
                     if req.logprobs:
                         values[chunk.row].extend(chunk.logprobs)
+                    if chunk.token_versions is None or versions[chunk.row] is None:
+                        versions[chunk.row] = None
+                    else:
+                        versions[chunk.row] += chunk.token_versions
                     piece = text.add(chunk.token_ids)
                     finished = chunk.finish_reason is not None or text.stopped
                     if finished:
@@ -209,7 +218,10 @@ class Serving:
                     if finished:
                         done[chunk.row] = True
                         reason = "stop" if text.stopped else _FINISH_REASONS.get(chunk.finish_reason, "stop")
-                        yield event([choice(chunk.row, None, reason, token_ids=text.token_ids[: text.kept])])
+                        extra = {"token_ids": text.token_ids[: text.kept]}
+                        if versions[chunk.row] is not None:
+                            extra["token_versions"] = versions[chunk.row][: text.kept]
+                        yield event([choice(chunk.row, None, reason, **extra)])
                 if not all(done):
                     chunk = await anext(chunks, None)
         except Exception as exc:  # the status line is sent: the error goes into the stream

@@ -1,0 +1,168 @@
+"""Asynchronous RL (``--async-rollout``): generation of step k+1 overlaps the update of step k.
+
+The trainer and the engines sit on different devices: the first half of the local devices
+train, the second half serve (on 4 fake CPU devices, 2 and 2). Each step waits for its rollout,
+starts generating the next step's rollout in a thread with the weights the engines have,
+updates on its own rollout meanwhile, and pushes the new weights in flight: the next rollout's
+running requests go on with them (``batch.token_versions`` says which version sampled each
+token). The off-policy tokens are corrected with truncated importance sampling against the
+engine's per-token log-probs, which are those of the weights that sampled each token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from examples.rl_loop import (
+    Algorithm,
+    Policy,
+    RLConfig,
+    Rollout,
+    Task,
+    _save,
+    _summary,
+    checkpoint_manager,
+    prepare_model,
+    restore_or_init,
+    rollout_metrics,
+)
+from models import QwenConfig, QwenForCausalLM
+from rollout import RolloutBatch, RolloutWorker, WorkerConfig
+from trainer_bridge import load_hf_params
+
+logger = logging.getLogger(__name__)
+
+
+def split_devices(tp_size: int) -> tuple[list, list]:
+    """(trainer devices, engine devices): the first and second half of the local devices."""
+    devices = jax.local_devices()
+    half = len(devices) // 2
+    if half < 1 or half % tp_size:
+        raise ValueError(
+            f"--async-rollout puts the trainer and the engines on separate halves of the local devices: "
+            f"{len(devices)} device(s) cannot give the engines a multiple of tp_size={tp_size} "
+            "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4)"
+        )
+    return devices[:half], devices[half:]
+
+
+def run_async(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
+    """:func:`examples.rl_loop.run` with rollouts generated one step ahead (see the module doc)."""
+    if config.tis_cap is None:
+        raise ValueError("--async-rollout trains on tokens of older weights: set --tis-cap")
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_model(config, output_dir)
+    trainer_devices, engine_devices = split_devices(config.tp_size)
+    worker = RolloutWorker(
+        WorkerConfig(
+            model_path=str(model_dir), dtype=config.dtype, load_format="dummy", tp_size=config.tp_size,
+            dp_size=len(engine_devices) // config.tp_size, devices=tuple(engine_devices),
+            max_total_tokens=config.kv_tokens, context_length=config.max_prompt_tokens + config.max_new_tokens + 2,
+            max_running_requests=config.prompts_per_step * config.samples_per_prompt, seed=config.seed,
+            max_prefill_tokens=max(4096, config.max_prompt_tokens * 8), chunked_prefill_size=4096,
+        )
+    )
+    try:
+        mesh = Mesh(np.array(trainer_devices), ("data",))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        model = QwenForCausalLM(QwenConfig.from_hf(model_dir, dtype=config.dtype))
+        params = jax.tree_util.tree_map(
+            lambda x: jax.device_put(jnp.asarray(x, config.dtype), replicated), load_hf_params(model_dir)
+        )
+        algorithm = make_algorithm(config, Policy(model, params, model_dir))
+        return _train_async(config, output_dir, worker, algorithm, params, mesh)
+    finally:
+        worker.close()
+
+
+def _train_async(config: RLConfig, output_dir: Path, worker: RolloutWorker, algorithm: Algorithm, params, mesh) -> dict:
+    manager = checkpoint_manager(output_dir)
+    state = restore_or_init(manager, algorithm.init_trees(params))
+    task = Task(config, worker.tokenizer)
+    rows = config.prompts_per_step * config.samples_per_prompt
+    # Rows split over the trainer's devices when they divide evenly.
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data" if rows % mesh.size == 0 else None))
+    # The engines hold copies on their own devices: the update may donate the trainer's params.
+    worker.sync_params(state.trees["params"])
+    trainer_version = worker.weight_version
+
+    def generate(problems):
+        return problems, worker.generate(
+            [p.prompt for p in problems], n=config.samples_per_prompt, temperature=config.temperature,
+            max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens, return_logprobs=True,
+        )
+
+    history = []
+    start = time.perf_counter()
+    with (
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool,
+        (output_dir / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file,
+    ):
+        ahead = pool.submit(generate, task.sample(config.prompts_per_step))
+        while state.step < config.steps:
+            step_start = time.perf_counter()
+            problems, batch = ahead.result()
+            generate_s = time.perf_counter() - step_start
+            if state.step + 1 < config.steps:  # the next rollout runs during this update
+                ahead = pool.submit(generate, task.sample(config.prompts_per_step))
+            rewards = np.array(
+                [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
+                dtype=np.float32,
+            )
+            arrays = {
+                name: jax.device_put(getattr(batch, name), batch_sharding)
+                for name in ("tokens", "attention_mask", "positions", "completion_mask")
+            }
+            start_train = time.perf_counter()
+            state.trees, stats = algorithm.update(state.trees, Rollout(problems, batch, rewards, arrays, state.step))
+            stats = {k: float(v) for k, v in stats.items()}
+            train_s = time.perf_counter() - start_train
+            start_sync = time.perf_counter()
+            report = worker.sync_params(state.trees["params"], in_flight=True)
+            sync_s = time.perf_counter() - start_sync
+            record = {
+                "step": state.step + 1,
+                **rollout_metrics(batch, rewards),
+                **staleness(batch, trainer_version),
+                "bytes_copied": report.bytes_copied,
+                "sync_s": sync_s,
+                "generate_s": generate_s,
+                "train_s": train_s,
+                "step_s": time.perf_counter() - step_start,
+                **stats,
+            }
+            trainer_version = report.version
+            state.step += 1
+            history.append(record)
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if state.step % config.checkpoint_every == 0 or state.step == config.steps:
+                _save(manager, state)
+        manager.wait_until_finished()
+    wall_s = time.perf_counter() - start
+    summary = _summary(config, output_dir, history, algorithm)
+    logger.info("async rollout: %d steps in %.1f s wall-clock", len(history), wall_s)
+    return {**summary, "wall_s": wall_s}
+
+
+def staleness(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
+    """How far behind the policy being updated (``trainer_version``) the rollout's tokens are:
+    the mean version lag per completion token, and the fraction of rows sampled by more than
+    one version (a swap landed while they ran)."""
+    mask = batch.completion_mask
+    versions = batch.token_versions
+    lag = (trainer_version - versions)[mask]
+    low = np.where(mask, versions, np.iinfo(np.int64).max).min(axis=1)
+    high = np.where(mask, versions, -1).max(axis=1)
+    return {"version_lag": float(lag.mean()) if lag.size else 0.0, "mixed_rows": float((high > low).mean())}
