@@ -18,6 +18,7 @@ from .consistency import (  # noqa: E402
 )
 from .engine import EngineError, UnsupportedEngineVersion  # noqa: E402
 from .kv import EngineMemory, KvReport, MemoryReport  # noqa: E402
+from .pod import PodError  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 from .worker import RolloutWorker  # noqa: E402
 
@@ -28,6 +29,7 @@ __all__ = [
     "EngineMemory",
     "KvReport",
     "MemoryReport",
+    "PodError",
     "RolloutBatch",
     "RolloutWorker",
     "SamplingParams",

@@ -46,6 +46,7 @@ from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineHandle, GenerateOutput
 from .gate import EngineGate
 from .group import EngineGroup, merge
+from .pod import Pod, tree_fingerprint
 from .kv import KvReport, MemoryReport
 from .phase_log import PhaseLog
 from .sampling import (
@@ -80,7 +81,7 @@ class RolloutWorker:
         device_groups = config.validate()
         self.config = config
         start = time.perf_counter()
-        self._group = EngineGroup(config, device_groups)
+        self._group = EngineGroup(config, device_groups, Pod.current(config.pod_timeout_s))
         try:
             self._set_up(config)
         except BaseException:
@@ -200,9 +201,9 @@ class RolloutWorker:
         reads every weight once (about 1.15x one plain read; ``bench.sync_bench``), the price of
         never serving a broken policy silently; pass False where that read matters.
         """
-        return self._sync(params, allow_cast=allow_cast, check_finite=check_finite)
+        return self._sync(params, "sync_params", allow_cast=allow_cast, check_finite=check_finite)
 
-    def _sync(self, params: Mapping, *, allow_cast: bool, check_finite: bool, reason: str = "weights are being swapped") -> SyncReport:
+    def _sync(self, params: Mapping, call: str, *, allow_cast: bool, check_finite: bool, reason: str = "weights are being swapped") -> SyncReport:
         start = time.perf_counter()
         self._check_open()
         try:
@@ -210,8 +211,14 @@ class RolloutWorker:
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
         with self._sync_lock, counting_compiles() as compiles:
+            # Before any collective: every process makes this call with a tree of this structure.
+            self._group.pod.agree(call, f"{tree_fingerprint(flat)} allow_cast={allow_cast} check_finite={check_finite}")
+            trees, gathered = self._group.localize(flat, call)
             live = self._group.live()
-            prepared = [w.prepare(flat, allow_cast=allow_cast, check_finite=check_finite) for w in live]
+            prepared = [
+                w.prepare(trees[self._group.weights.index(w)], allow_cast=allow_cast, check_finite=check_finite)
+                for w in live
+            ]
             with self._gate.exclusive(reason), self._state_lock:
                 for weights, update in zip(live, prepared):
                     weights.commit(update)
@@ -220,7 +227,7 @@ class RolloutWorker:
                 version = self.weight_version
         seconds = time.perf_counter() - start
         reports = [update.plan.report(version, seconds) for update in prepared]
-        report = _combine_sync_reports(reports, compiles.value)
+        report = dataclasses.replace(_combine_sync_reports(reports, compiles.value), bytes_gathered=gathered)
         logger.info("sync_params: %s", report)
         self._phases.record("weights_synced", seconds, version=version, bytes_copied=report.bytes_copied)
         return report
@@ -243,7 +250,7 @@ class RolloutWorker:
     def load_hf(self, model_dir) -> SyncReport:
         """Serve the weights of an HF safetensors directory (single file or sharded with an
         index json), through the same plan as ``sync_params``. On error nothing changes."""
-        return self._sync(load_hf_params(model_dir, dtype=None), allow_cast=True, check_finite=False, reason="weights are being reloaded")
+        return self._sync(load_hf_params(model_dir, dtype=None), "load_hf", allow_cast=True, check_finite=False, reason="weights are being reloaded")
 
     def load_checkpoint(self, path, step: int | None = None) -> SyncReport:
         """Serve a trainer param tree saved with orbax: a ``StandardCheckpointer`` directory,
@@ -256,8 +263,10 @@ class RolloutWorker:
         item_dir = resolve_checkpoint(path, step)
         saved, wrapped = saved_layout(item_dir)
         targets = self._group.checkpoint_targets(saved, item_dir)
+        # The restore is itself collective in a multi-process job (every process reads its shards).
+        self._group.pod.agree("load_checkpoint", tree_fingerprint(targets))
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
-        return self._sync(restored, allow_cast=True, check_finite=False, reason="weights are being reloaded")
+        return self._sync(restored, "load_checkpoint", allow_cast=True, check_finite=False, reason="weights are being reloaded")
 
     def replace_engine_leaves(self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str) -> int:
         """Swap engine-owned arrays in by leaf index, one mapping per engine (same shapes,
@@ -278,6 +287,10 @@ class RolloutWorker:
         Dropping twice frees nothing more.
         """
         self._check_open()
+        self._group.pod.agree("drop_kv")
+        return self._drop_kv()
+
+    def _drop_kv(self) -> KvReport:
         with self._gate.exclusive("the KV cache is being dropped"), self._state_lock:
             if self._kv_dropped:
                 return KvReport(0, 0, 0.0)
@@ -291,6 +304,10 @@ class RolloutWorker:
     def rebuild_kv(self) -> KvReport:
         """Recreate the KV caches with their original shapes, dtype and sharding (no recompile)."""
         self._check_open()
+        self._group.pod.agree("rebuild_kv")
+        return self._rebuild_kv()
+
+    def _rebuild_kv(self) -> KvReport:
         with self._gate.exclusive("the KV cache is being rebuilt"), self._state_lock:
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
@@ -310,8 +327,9 @@ class RolloutWorker:
         drop report.
         """
         self._check_open()
+        self._group.pod.agree("released_for_training")
         with self._gate.exclusive("a train step is running"):
-            report = self.drop_kv()
+            report = self._drop_kv()
             with self._state_lock:
                 self._stale_reason = "a train step ran since the last sync_params"
                 for weights in self._group.live():
@@ -351,6 +369,7 @@ class RolloutWorker:
         seed: int | None = None,
         pad_prompts_to: int | None = None,
         return_logprobs: bool = False,
+        prompt_offset: int = 0,
     ) -> RolloutBatch:
         """Sample ``n`` completions for every prompt (token-id lists, or strings).
 
@@ -360,6 +379,9 @@ class RolloutWorker:
         draws a call seed from the worker's own random stream). Calls from several threads
         run concurrently and are batched together by the engines.
         ``return_logprobs=True`` fills ``batch.logprobs`` (see :class:`RolloutBatch`).
+        ``prompt_offset=k``: ``prompts[i]`` draws as global prompt ``k + i`` does, so processes
+        that each generate their share of a global batch (same ``seed``) draw what one worker
+        would over the whole batch.
         """
         request = self._request(prompts, locals())
         start = time.perf_counter()
@@ -427,7 +449,7 @@ class RolloutWorker:
     def _request(self, prompts, arguments: dict) -> _Request:
         """Validate a generate call's arguments (``generate``'s own names)."""
         self._check_open()
-        options = {k: v for k, v in arguments.items() if k not in ("self", "prompts", "pad_prompts_to")}
+        options = {k: v for k, v in arguments.items() if k not in ("self", "prompts", "pad_prompts_to", "prompt_offset")}
         unknown = set(options) - {f.name for f in dataclasses.fields(SamplingParams)}
         if unknown:
             raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
@@ -456,13 +478,17 @@ class RolloutWorker:
             with self._state_lock:
                 call_seed = int(self._rng.integers(MAX_SAMPLING_SEED))
         params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
-        return _Request(prompt_ids, params, row_seeds(call_seed, len(prompt_ids), params.n), pad_to)
+        offset = arguments.get("prompt_offset", 0)
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"prompt_offset must be a non-negative int, got {offset!r}")
+        seeds = row_seeds(call_seed, len(prompt_ids), params.n, first_prompt=offset)
+        return _Request(prompt_ids, params, seeds, pad_to)
 
     def _admit(self) -> None:
         """Enter the gate as a generate call, rebuilding the KV caches first if dropped."""
         while True:
             if self._kv_dropped:
-                self.rebuild_kv()
+                self._rebuild_kv()
             self._gate.enter()
             if self._admitted():
                 return
@@ -470,7 +496,7 @@ class RolloutWorker:
     async def _aadmit(self) -> None:
         while True:
             if self._kv_dropped:
-                await asyncio.to_thread(self.rebuild_kv)
+                await asyncio.to_thread(self._rebuild_kv)
             await self._gate.aenter()
             if self._admitted():
                 return
