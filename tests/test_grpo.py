@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples.grpo import PRESETS, GRPOConfig, Task, parse_args
+from examples.grpo import PRESETS, GRPOConfig, parse_args
+from examples.rl_loop import Task
 from examples.grpo_math import group_advantages, ppo_clip_loss, token_logprobs
 from examples.tasks import (
     addition_problems,

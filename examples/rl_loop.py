@@ -1,0 +1,462 @@
+"""The RL loop that GRPO and PPO share, around an in-process sglang-jax rollout worker.
+
+Each step: sync the policy's params into the engine (zero copy where placements match), sample
+completions of the step's prompts, score them, then update with the KV cache dropped and the
+engine's references to the trainer's buffers released (the update may donate them). Metrics go
+to ``<output_dir>/metrics.jsonl`` (and the progress bar, W&B when configured), a plot to
+``reward.png``; orbax checkpoints of everything the algorithm trains let a rerun with the same
+output dir resume.
+
+An algorithm (:class:`Algorithm`) supplies only what differs: the trees it trains and
+checkpoints, and the update of one rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
+from models import QwenConfig, QwenForCausalLM, TinyModelSpec, write_tiny_model
+from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
+from trainer_bridge import load_hf_params
+
+logger = logging.getLogger(__name__)
+
+PRESET_NAMES = ("tiny", "qwen2.5-3b")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """What every algorithm's config has. A subclass adds its own fields and a
+    ``samples_per_prompt`` (a field or a property): the completions sampled per prompt."""
+
+    preset: str = "tiny"
+    model: str | None = None  # HF hub id or local dir; None builds the tiny model
+    dataset: str | None = None  # GSM8K: HF hub id or a local JSON-lines file of its rows
+    output_dir: str = "runs/tiny"
+    steps: int = 60
+    prompts_per_step: int = 8
+    max_prompt_tokens: int = 8
+    max_new_tokens: int = 3
+    temperature: float = 1.0
+    learning_rate: float = 6e-4
+    ppo_epochs: int = 2
+    clip_eps: float = 0.2
+    dtype: str = "float32"
+    kv_tokens: int = 4096
+    tp_size: int = 1
+    dp_size: int = 1  # engines in the process, each on tp_size devices (dp_size x tp_size = devices)
+    seed: int = 0
+    checkpoint_every: int = 20
+    resync: bool = True  # False: an ablation that keeps generating with the initial weights
+    progress: bool = True
+    plot: bool = True
+    wandb_project: str | None = None
+    # Engine log-probs with every sample: the train-inference mismatch is logged each step.
+    return_logprobs: bool = False
+    # Truncated importance sampling: weight each token by min(p_trainer / p_engine, tis_cap),
+    # the engine's log-probs being the behaviour policy (turns return_logprobs on). None: off.
+    tis_cap: float | None = None
+    # Every N steps run RolloutWorker.check_consistency and stop on a ConsistencyError. 0: off.
+    check_consistency_every: int = 0
+    consistency_atol: float = 1e-3
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.return_logprobs or self.tis_cap is not None
+
+    def __post_init__(self):
+        if self.preset not in PRESET_NAMES:
+            raise ValueError(f"preset must be one of {PRESET_NAMES}, got {self.preset!r}")
+        for name in ("steps", "prompts_per_step", "max_prompt_tokens", "max_new_tokens", "ppo_epochs", "kv_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
+        if self.learning_rate <= 0 or self.temperature <= 0:
+            raise ValueError("learning_rate and temperature must be > 0")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 (or unset), got {self.tis_cap}")
+        if self.check_consistency_every < 0 or self.consistency_atol <= 0:
+            raise ValueError("check_consistency_every must be >= 0 and consistency_atol > 0")
+        rows = self.prompts_per_step * self.samples_per_prompt
+        if rows * (self.max_prompt_tokens + self.max_new_tokens) > self.kv_tokens:
+            raise ValueError(
+                f"kv_tokens={self.kv_tokens} cannot hold one step: {rows} rows x "
+                f"({self.max_prompt_tokens} + {self.max_new_tokens}) tokens"
+            )
+        if self.preset != "tiny" and (self.model is None or self.dataset is None):
+            raise ValueError(f"preset {self.preset!r} needs a model and a dataset")
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's samples, scored, with the arrays the update needs on device."""
+
+    problems: list[Problem]
+    batch: RolloutBatch
+    rewards: np.ndarray  # [B] float32, one per completion
+    arrays: dict[str, jax.Array]  # tokens, attention_mask, positions, completion_mask: [B, T]
+    step: int  # 0-based index of the step that produced it
+
+
+class Algorithm(Protocol):
+    """What an RL algorithm supplies to :func:`run`."""
+
+    name: str
+    # Extra progress-bar fields, (label, metric key, "{:.3f}"-style template), and extra plot panels,
+    # (title, ((metric key, label), ...)).
+    progress_fields: tuple[tuple[str, str, str], ...]
+    plot_panels: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+
+    def init_trees(self, params) -> dict[str, Any]:
+        """Everything trained and checkpointed; ``"params"`` is the policy the engine serves."""
+
+    def update(self, trees: dict[str, Any], rollout: Rollout) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+        """The new trees and the step's statistics. Runs with the engine released: it may donate
+        ``trees``."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    trees: dict[str, Any]
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The trainer's model and its initial params, placed as the engine places its weights."""
+
+    model: QwenForCausalLM
+    params: dict
+    model_dir: Path
+
+
+def prepare_model(config: RLConfig, output_dir: Path) -> Path:
+    if config.preset == "tiny":
+        # Digits and operators only: a random policy often answers with a number.
+        spec = TinyModelSpec(vocab_size=32, tokenizer="chars", seed=config.seed)
+        return write_tiny_model(output_dir / "model", spec)
+    if Path(config.model).is_dir():
+        return Path(config.model)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(config.model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+
+
+class Task:
+    """Prompts and rewards of the preset's task."""
+
+    def __init__(self, config: RLConfig, tokenizer):
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+        if config.preset == "tiny":
+            self.pool = None
+            self.reward_fn = addition_reward
+        else:
+            problems = gsm8k_problems(tokenizer, config.dataset)
+            # The rollout batch pads prompts to max_prompt_tokens: longer ones cannot be used.
+            self.pool = [
+                p for p in problems
+                if len(tokenizer.encode(p.prompt, add_special_tokens=False)) <= config.max_prompt_tokens
+            ]
+            if len(self.pool) < config.prompts_per_step:
+                raise ValueError(
+                    f"{config.dataset}: {len(self.pool)} of {len(problems)} prompts fit in "
+                    f"max_prompt_tokens={config.max_prompt_tokens}, fewer than prompts_per_step={config.prompts_per_step}"
+                )
+            if len(self.pool) < len(problems):
+                logger.info("%d of %d prompts are longer than max_prompt_tokens=%d: skipped",
+                            len(problems) - len(self.pool), len(problems), config.max_prompt_tokens)
+            self.reward_fn = gsm8k_reward
+
+    def sample(self, count: int) -> list[Problem]:
+        if self.pool is None:
+            return addition_problems(self.rng, count)
+        return [self.pool[i] for i in self.rng.choice(len(self.pool), count, replace=False)]
+
+
+def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
+    """Train with the algorithm ``make_algorithm(config, policy)`` builds; returns a summary."""
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_model(config, output_dir)
+    worker = RolloutWorker(
+        WorkerConfig(
+            model_path=str(model_dir), dtype=config.dtype, load_format="dummy", tp_size=config.tp_size,
+            dp_size=config.dp_size,
+            # The engine takes prompt + completion <= context_length - 2 tokens whole.
+            max_total_tokens=config.kv_tokens, context_length=config.max_prompt_tokens + config.max_new_tokens + 2,
+            max_running_requests=config.prompts_per_step * config.samples_per_prompt, seed=config.seed,
+            max_prefill_tokens=max(4096, config.max_prompt_tokens * 8), chunked_prefill_size=4096,
+        )
+    )
+    try:
+        model = QwenForCausalLM(QwenConfig.from_hf(model_dir, dtype=config.dtype))
+        # Placed as the engine places its weights: syncs alias these buffers instead of copying.
+        shardings = worker.param_shardings()
+        params = jax.tree_util.tree_map(
+            lambda x, s: jax.device_put(jnp.asarray(x, config.dtype), s), load_hf_params(model_dir), shardings
+        )
+        algorithm = make_algorithm(config, Policy(model, params, model_dir))
+        return _train(config, output_dir, worker, algorithm, params)
+    finally:
+        worker.close()
+
+
+def _train(config: RLConfig, output_dir: Path, worker: RolloutWorker, algorithm: Algorithm, params) -> dict:
+    manager = checkpoint_manager(output_dir)
+    state = restore_or_init(manager, algorithm.init_trees(params))
+    task = Task(config, worker.tokenizer)
+    metrics_file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8")
+    wandb_run = _wandb(config)
+    progress = _progress(config, algorithm.name, state.step)
+    if not config.resync:
+        # The ablation's engine keeps its own copy of the initial weights for the whole run.
+        worker.sync_params(jax.tree_util.tree_map(jnp.copy, state.trees["params"]))
+    history = []
+    try:
+        while state.step < config.steps:
+            record = _step(config, worker, algorithm, state, task)
+            state.step += 1
+            history.append(record)
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if wandb_run is not None:
+                wandb_run.log(record, step=state.step)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(_postfix(record, algorithm))
+            if state.step % config.checkpoint_every == 0 or state.step == config.steps:
+                _save(manager, state)
+    finally:
+        metrics_file.close()
+        manager.wait_until_finished()
+        if progress is not None:
+            progress.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    return _summary(config, output_dir, history, algorithm)
+
+
+def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: TrainState, task: Task) -> dict:
+    start = time.perf_counter()
+    # check_finite: NaN weights would otherwise serve silently (the model then emits only EOS).
+    report = worker.sync_params(state.trees["params"], check_finite=True) if config.resync else None
+    sync_s = time.perf_counter() - start
+
+    problems = task.sample(config.prompts_per_step)
+    consistency = {}
+    if config.check_consistency_every and state.step % config.check_consistency_every == 0:
+        consistency = _check_consistency(config, worker, state, problems)
+    start = time.perf_counter()
+    batch = worker.generate(
+        [p.prompt for p in problems], n=config.samples_per_prompt, temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens,
+        return_logprobs=config.wants_logprobs,
+    )
+    generate_s = time.perf_counter() - start
+    rewards = np.array(
+        [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
+        dtype=np.float32,
+    )
+    arrays = {
+        "tokens": jnp.asarray(batch.tokens),
+        "attention_mask": jnp.asarray(batch.attention_mask),
+        "positions": jnp.asarray(batch.positions),
+        "completion_mask": jnp.asarray(batch.completion_mask),
+    }
+    rollout = Rollout(problems, batch, rewards, arrays, state.step)
+
+    start = time.perf_counter()
+    # With resync the engine serves the trainer's own buffers, which the update may donate:
+    # released_for_training drops the KV cache and makes the next generate wait for a sync.
+    context = worker.released_for_training() if config.resync else _kv_dropped(worker)
+    with context:
+        state.trees, stats = algorithm.update(state.trees, rollout)
+        # Reading the statistics waits for the update to finish while the engine is released.
+        stats = {k: float(v) for k, v in stats.items()}
+    train_s = time.perf_counter() - start
+    return {
+        "step": state.step + 1,
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "solved": float((rewards >= 1.0).mean()),
+        "completion_tokens": float(batch.completion_lengths.mean()),
+        "weight_version": batch.weight_version,
+        "bytes_copied": report.bytes_copied if report else 0,
+        "sync_s": sync_s,
+        "generate_s": generate_s,
+        "train_s": train_s,
+        **consistency,
+        **stats,
+    }
+
+
+def mismatch_metrics(batch: RolloutBatch, trainer_logprobs, rows=slice(None)) -> dict[str, float]:
+    """The engine's log-probs against the trainer's ([B', T - 1], for ``batch`` rows ``rows``) on
+    the same tokens, before any update."""
+    stats = mismatch_stats(
+        batch.logprobs[rows, 1:], np.asarray(trainer_logprobs), batch.completion_mask[rows, 1:]
+    )
+    return {"mismatch_mean": stats["mean_abs_diff"], "mismatch_max": stats["max_abs_diff"], "mismatch_kl": stats["kl"]}
+
+
+def _check_consistency(config: RLConfig, worker: RolloutWorker, state: TrainState, problems) -> dict:
+    """Engine against trainer on this step's prompts; a ConsistencyError stops the run."""
+    try:
+        report = worker.check_consistency(
+            state.trees["params"], [p.prompt for p in problems], max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature, pad_prompts_to=config.max_prompt_tokens,
+            seed=config.seed + state.step, atol=config.consistency_atol,
+        )
+    except ConsistencyError as error:
+        raise ConsistencyError(f"step {state.step + 1}: {error}", error.report) from None
+    return {"consistency_max": report.max_abs_diff, "consistency_s": report.seconds}
+
+
+@contextlib.contextmanager
+def _kv_dropped(worker):
+    """KV dropped around the update, for a worker that owns its weights (the ablation)."""
+    yield worker.drop_kv()
+
+
+def checkpoint_manager(output_dir: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        (output_dir / "checkpoints").resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
+    )
+
+
+def restore_or_init(manager, trees: dict[str, Any]) -> TrainState:
+    """The latest checkpoint restored onto the placements of ``trees``, or ``trees`` at step 0."""
+    import orbax.checkpoint as ocp
+
+    latest = manager.latest_step()
+    if latest is None:
+        return TrainState(trees, 0)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=getattr(x, "sharding", None)),
+        {**trees, "step": 0},
+    )
+    restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+    logger.info("resumed from step %d", latest)
+    step = int(restored.pop("step"))
+    return TrainState(restored, step)
+
+
+def _save(manager, state: TrainState) -> None:
+    import orbax.checkpoint as ocp
+
+    manager.save(state.step, args=ocp.args.StandardSave({**state.trees, "step": state.step}))
+
+
+def _postfix(record: dict, algorithm: Algorithm) -> dict[str, str]:
+    fields = (
+        ("reward", "reward", "{:.3f}"), ("kl", "approx_kl", "{:.4f}"), ("clip", "clip_fraction", "{:.3f}"),
+        *algorithm.progress_fields, ("sync", "sync_s", "{:.2f}s"), ("gen", "generate_s", "{:.2f}s"),
+        ("dlogp", "mismatch_mean", "{:.1e}"),
+    )
+    return {label: template.format(record[key]) for label, key, template in fields if key in record}
+
+
+def _progress(config: RLConfig, name: str, initial: int):
+    if not config.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=config.steps, initial=initial, desc=name, unit="step")
+
+
+def _wandb(config: RLConfig):
+    if config.wandb_project is None:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        logger.warning("wandb_project is set but wandb is not installed: not logging to W&B")
+        return None
+    return wandb.init(project=config.wandb_project, config=dataclasses.asdict(config))
+
+
+def _summary(config: RLConfig, output_dir: Path, history: list[dict], algorithm: Algorithm) -> dict:
+    if not history:
+        return {}
+    window = max(1, min(5, len(history) // 4))
+    first = float(np.mean([r["reward"] for r in history[:window]]))
+    last = float(np.mean([r["reward"] for r in history[-window:]]))
+    times = {k: float(sum(r[k] for r in history)) for k in ("sync_s", "generate_s", "train_s")}
+    summary = {"first_reward": first, "last_reward": last, "steps": len(history), **times}
+    logger.info(
+        "reward %.3f -> %.3f (mean of the first and last %d steps); time sync %.1fs, generate %.1fs, train %.1fs",
+        first, last, window, times["sync_s"], times["generate_s"], times["train_s"],
+    )
+    if config.plot:
+        _plot(output_dir / "reward.png", history, algorithm.plot_panels)
+    return summary
+
+
+def _plot(path: Path, history: list[dict], extra_panels) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    panels = [("", (("reward", "mean reward"), ("solved", "solved fraction")), "linear")]
+    panels += [(title, lines, "linear") for title, lines in extra_panels]
+    if "mismatch_mean" in history[-1]:
+        lines = (("mismatch_mean", "mean |Δ log p|"), ("mismatch_max", "max |Δ log p|"), ("mismatch_kl", "KL estimate"))
+        panels.append(("train-inference mismatch (engine vs trainer log-probs)", lines, "log"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(6, 0.5 + 2.75 * len(panels)), sharex=True, squeeze=False)
+    for ax, (title, lines, scale) in zip(axes[:, 0], panels):
+        for key, label in lines:
+            values = [r.get(key, np.nan) for r in history]
+            ax.plot(steps, np.abs(values) if scale == "log" else values, label=label)
+        ax.set_yscale(scale)
+        if title:
+            ax.set_title(title, fontsize=9)
+        ax.legend()
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def parse_args(config_class: type[RLConfig], presets: dict[str, RLConfig], argv=None, description: str = ""):
+    """A ``config_class`` from the command line: ``--preset`` plus one flag per field."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+    overridable = [f for f in dataclasses.fields(config_class) if f.name != "preset"]
+    for field in overridable:
+        flag = "--" + field.name.replace("_", "-")
+        if field.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            kind = field.type.removesuffix(" | None")
+            parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=None)
+    args = parser.parse_args(argv)
+    overrides = {f.name: getattr(args, f.name) for f in overridable if getattr(args, f.name) is not None}
+    return dataclasses.replace(presets[args.preset], **overrides)
+
+
+def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
+    """Run ``main(config)`` as a command: INFO logs of the loop, a ConsistencyError as the exit message."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger(__name__).setLevel(logging.INFO)
+    try:
+        main(config)
+    except ConsistencyError as error:
+        raise SystemExit(f"{name} stopped: {error}") from None
