@@ -145,9 +145,13 @@ class EngineGroup:
         """One jitted identity whose out_shardings are ``shardings``: XLA moves the bytes with
         collectives over every process. A lost process fails the collective (its sockets close):
         PodError naming it, after the survivors compare notes (at most ``pod.timeout_s``)."""
-        fn = self._reshard_fns.get(shardings)
+        key = (shardings, tuple((x.shape, x.dtype, x.sharding) for x in arrays))
+        fn = self._reshard_fns.get(key)
         if fn is None:
-            fn = self._reshard_fns[shardings] = jax.jit(lambda *xs: xs, out_shardings=shardings)
+            fn = self._reshard_fns[key] = jax.jit(lambda *xs: xs, out_shardings=shardings).lower(*arrays).compile()
+        # Compiled everywhere first, then started together: the CPU collectives (gloo) give a
+        # peer 30 s to join, less than a compile may take on a loaded host.
+        self.pod.agree(f"{call} (reshard)")
         try:
             return jax.block_until_ready(list(fn(*arrays)))
         except Exception as exc:  # the runtime's own error type differs between jax versions

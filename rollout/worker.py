@@ -247,6 +247,13 @@ class RolloutWorker:
         """
         return unflatten_params(self._group.param_shardings())
 
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The mesh of :meth:`param_shardings` with several engines: axis ``replica`` over every
+        engine of every process (process order), then the engine's own axes. A trainer shards its
+        batch over ``replica`` to train data-parallel over the engines' devices."""
+        return self._group.mesh
+
     def load_hf(self, model_dir) -> SyncReport:
         """Serve the weights of an HF safetensors directory (single file or sharded with an
         index json), through the same plan as ``sync_params``. On error nothing changes."""

@@ -110,9 +110,16 @@ def main(model_dir: str, out_dir: str) -> None:
     results["after_disagreement_greedy"] = worker.generate(PROMPTS[mine], **GREEDY).completions
     save()
 
-    # A process killed inside a sync, after the SPMD check, before the collective reshard.
+    # A process killed inside a sync: after every check, as the collective reshard starts.
     if me == 1:
-        worker._group._reshard = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+        agree = worker._group.pod.agree
+
+        def agree_then_die(call, *args):
+            agree(call, *args)
+            if call.endswith("(reshard)"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        worker._group.pod.agree = agree_then_die
     start = time.perf_counter()
     try:
         worker.sync_params(unflatten_params(fsdp))
