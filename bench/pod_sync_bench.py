@@ -42,15 +42,15 @@ def measure(model_dir: str, repeats: int) -> None:
         max_running_requests=4, max_prefill_tokens=256, chunked_prefill_size=256, dp_size=len(local), devices=local,
         pod_timeout_s=600.0,
     )
-    host = {p: x.astype(ml_dtypes.bfloat16) for p, x in flatten_params(load_hf_params(model_dir)).items()}
-
     def global_tree(shardings):
         return unflatten_params({p: jax.make_array_from_callback(x.shape, shardings[p], lambda i, x=x: x[i]) for p, x in host.items()})
 
-    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-    fsdp_shardings = {p: NamedSharding(mesh, P("fsdp") if x.shape[0] % mesh.size == 0 else P()) for p, x in host.items()}
     figures = {"process": jax.process_index(), "processes": jax.process_count(), "engines_here": len(local)}
     with RolloutWorker(config) as worker:
+        # Read after the engines start: their start-up sizes the KV pool from free memory.
+        host = flatten_params(load_hf_params(model_dir, dtype=ml_dtypes.bfloat16))
+        mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+        fsdp_shardings = {p: NamedSharding(mesh, P("fsdp") if x.shape[0] % mesh.size == 0 else P()) for p, x in host.items()}
         for name, shardings in (("placed", flatten_params(worker.param_shardings())), ("fsdp", fsdp_shardings)):
             tree = global_tree(shardings)
             report = worker.sync_params(tree, check_finite=False)  # compiles the plan
@@ -84,6 +84,7 @@ def main() -> None:
             if len(lines) != processes:
                 sys.exit("a bench process failed:\n" + "\n".join(r.log[-3000:] for r in results))
             runs[processes] = [json.loads(line[len(RESULT_PREFIX):]) for line in lines]
+            print(f"{processes} process(es): {runs[processes]}", flush=True)
     print(f"tree: {gib(runs[1][0]['tree_bytes'])}")
     print(f"{'run':<34} {'tree':<7} {'bytes per process (gathered + copied)':>40} {'seconds':>9}")
     for processes, per_process in runs.items():
