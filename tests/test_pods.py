@@ -41,8 +41,7 @@ def _both(pod, key):
 
 
 def test_each_process_runs_its_engines_on_its_own_devices(pod):
-    runs, results, logs = pod
-    assert [r["local_devices"] for r in results] == [[0, 1], [2048, 2049]], logs
+    assert _both(pod, "local_devices") == [[0, 1], [2048, 2049]]
     errors = _both(pod, "foreign_device_error")
     assert "(process 1)" in errors[0] and "(process 0)" in errors[1]
     # The placement mesh spans every engine of every process.
@@ -87,7 +86,7 @@ def test_a_process_killed_mid_sync_is_named_within_the_bound(pod):
     runs, results, logs = pod
     assert runs[1].returncode == -9 and runs[0].returncode == 0, logs
     survivor = results[0]
-    bound = pod_program.POD_TIMEOUT_S + 15  # the roll call's wait, plus the failed collective
+    bound = pod_program.LOSS_TIMEOUT_S + 15  # the roll call's wait, plus the failed collective
     for key in ("killed_mid_sync", "next_call_after_loss"):
         assert survivor[key]["processes"] == [1] and "[1]" in survivor[key]["message"], survivor[key]
         assert survivor[key]["seconds"] < bound, survivor[key]
