@@ -157,7 +157,7 @@ class EngineGroup:
         except Exception as exc:  # the runtime's own error type differs between jax versions
             lost = self.pod.lost_processes(call)
             raise PodError(
-                f"{call}: the cross-process reshard failed; process(es) {list(lost) or 'none'} lost "
+                f"{call}: the cross-process reshard failed; {f'process(es) {list(lost)} lost' if lost else 'no process lost'} "
                 f"({type(exc).__name__}: {str(exc)[:300]}). Restart the job and resume from the last "
                 "checkpoint (README 'Pods').",
                 lost,
