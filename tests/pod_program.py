@@ -46,7 +46,9 @@ def sync_figures(report) -> dict:
 
 
 def main(model_dir: str, out_dir: str) -> None:
-    join(heartbeat_timeout_s=60)
+    # JAX terminates the survivors this long after a process stops sending heartbeats: longer
+    # than the loss checks below take on a loaded machine.
+    join(heartbeat_timeout_s=300)
     me = jax.process_index()
     out = Path(out_dir)
     results: dict = {"process": me, "local_devices": [d.id for d in jax.local_devices()]}
@@ -130,6 +132,7 @@ def main(model_dir: str, out_dir: str) -> None:
         worker.sync_params(unflatten_params(fsdp))
     except PodError as exc:
         results["killed_mid_sync"] = {"message": str(exc), "processes": list(exc.processes), "seconds": time.perf_counter() - start}
+    save()
     # Its generates still run (they are local), and the next weight call names the lost process.
     results["greedy_after_loss"] = worker.generate(PROMPTS[mine], **GREEDY).completions
     start = time.perf_counter()
