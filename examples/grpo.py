@@ -103,9 +103,10 @@ class GRPO:
 
     def update(self, trees: dict, rollout: Rollout) -> tuple[dict, dict]:
         config, arrays = self.config, dict(rollout.arrays)
-        advantages = jnp.asarray(group_advantages(rollout.rewards, config.group_size))
+        # Per prompt group: this process's rows hold whole groups.
+        advantages = rollout.rows(group_advantages(rollout.rewards, config.group_size))
         if config.tis_cap is not None:
-            arrays["behaviour_logprobs"] = jnp.asarray(rollout.batch.logprobs[:, 1:])
+            arrays["behaviour_logprobs"] = rollout.rows(rollout.batch.logprobs[:, 1:])
         params, opt_state = trees["params"], trees["opt_state"]
         inputs = (arrays["tokens"], arrays["attention_mask"], arrays["positions"])
         old = self.logprobs(params, *inputs)

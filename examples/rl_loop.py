@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -29,6 +31,7 @@ import numpy as np
 from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
 from models import QwenForCausalLM, TinyModelSpec, TinyMoeSpec, flax_model_for, tiny_llama3_spec, write_tiny_model
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
+from rollout.launch import PROCESS_ID_ENV, join, launch_local
 from trainer_bridge import load_hf_params
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,10 @@ class RLConfig:
     # Every N steps run RolloutWorker.check_consistency and stop on a ConsistencyError. 0: off.
     check_consistency_every: int = 0
     consistency_atol: float = 1e-3
+    # > 1: start this many processes of one JAX job on this machine (CPU runs, tests). A job is
+    # otherwise joined from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID: each
+    # process generates its share of every step's prompts and the update runs over all of them.
+    local_processes: int = 1
 
     @property
     def wants_logprobs(self) -> bool:
@@ -104,6 +111,8 @@ class RLConfig:
                 f"kv_tokens={self.kv_tokens} cannot hold one step: {rows} rows x "
                 f"({self.max_prompt_tokens} + {self.max_new_tokens}) tokens"
             )
+        if self.local_processes < 1:
+            raise ValueError(f"local_processes must be >= 1, got {self.local_processes}")
         if self.preset not in TINY_MODELS and (self.model is None or self.dataset is None):
             raise ValueError(f"preset {self.preset!r} needs a model and a dataset")
 
@@ -117,6 +126,8 @@ class Rollout:
     rewards: np.ndarray  # [B] float32, one per completion
     arrays: dict[str, jax.Array]  # tokens, attention_mask, positions, completion_mask: [B, T]
     step: int  # 0-based index of the step that produced it
+    # This process's rows (numpy, [B, ...]) as an array of every process's rows, for the update.
+    rows: Callable[[Any], jax.Array] = jnp.asarray
 
 
 class Algorithm(Protocol):
@@ -197,7 +208,13 @@ def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm
     """Train with the algorithm ``make_algorithm(config, policy)`` builds; returns a summary."""
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_model(config, output_dir)
+    join()
+    if jax.process_count() > 1 and (config.wants_logprobs or config.check_consistency_every):
+        raise ValueError("return_logprobs, tis_cap and check_consistency_every run in one process only")
+    if config.prompts_per_step % jax.process_count():
+        raise ValueError(f"prompts_per_step={config.prompts_per_step} does not split over {jax.process_count()} processes")
+    # Each process writes its own copy of the tiny model (the same bytes): no shared-file race.
+    model_dir = prepare_model(config, output_dir if jax.process_count() == 1 else output_dir / f"process-{jax.process_index()}")
     worker = RolloutWorker(
         WorkerConfig(
             model_path=str(model_dir), dtype=config.dtype, load_format="dummy", tp_size=config.tp_size,
@@ -212,8 +229,10 @@ def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm
         model = flax_model_for(json.loads((model_dir / "config.json").read_text()), config.dtype)
         # Placed as the engine places its weights: syncs alias these buffers instead of copying.
         shardings = worker.param_shardings()
+        # Each process supplies its devices' slices (the shardings may span processes).
         params = jax.tree_util.tree_map(
-            lambda x, s: jax.device_put(jnp.asarray(x, config.dtype), s), load_hf_params(model_dir), shardings
+            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: np.asarray(x[i], config.dtype)),
+            load_hf_params(model_dir), shardings,
         )
         algorithm = make_algorithm(config, Policy(model, params, model_dir))
         return _train(config, output_dir, worker, algorithm, params)
@@ -225,9 +244,11 @@ def _train(config: RLConfig, output_dir: Path, worker: RolloutWorker, algorithm:
     manager = checkpoint_manager(output_dir)
     state = restore_or_init(manager, algorithm.init_trees(params))
     task = Task(config, worker.tokenizer)
-    metrics_file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8")
-    wandb_run = _wandb(config)
-    progress = _progress(config, algorithm.name, state.step)
+    # Process 0 reports for the job (every process computes the same global metrics).
+    lead = jax.process_index() == 0
+    metrics_file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8") if lead else None
+    wandb_run = _wandb(config) if lead else None
+    progress = _progress(config, algorithm.name, state.step) if lead else None
     if not config.resync:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
         worker.sync_params(jax.tree_util.tree_map(jnp.copy, state.trees["params"]))
@@ -237,8 +258,9 @@ def _train(config: RLConfig, output_dir: Path, worker: RolloutWorker, algorithm:
             record = _step(config, worker, algorithm, state, task)
             state.step += 1
             history.append(record)
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
             if wandb_run is not None:
                 wandb_run.log(record, step=state.step)
             if progress is not None:
@@ -247,13 +269,14 @@ def _train(config: RLConfig, output_dir: Path, worker: RolloutWorker, algorithm:
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
                 _save(manager, state)
     finally:
-        metrics_file.close()
+        if metrics_file is not None:
+            metrics_file.close()
         manager.wait_until_finished()
         if progress is not None:
             progress.close()
         if wandb_run is not None:
             wandb_run.finish()
-    return _summary(config, output_dir, history, algorithm)
+    return _summary(config, output_dir, history, algorithm) if lead else {}
 
 
 def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: TrainState, task: Task) -> dict:
@@ -262,7 +285,13 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     report = worker.sync_params(state.trees["params"], check_finite=True) if config.resync else None
     sync_s = time.perf_counter() - start
 
+    # Every process draws the same global prompts and generates its share; with the same call
+    # seeds (the workers' seed streams advance together) prompt_offset makes each sample draw
+    # what one process generating every prompt would.
     problems = task.sample(config.prompts_per_step)
+    share = config.prompts_per_step // jax.process_count()
+    offset = share * jax.process_index()
+    problems = problems[offset : offset + share]
     consistency = {}
     if config.check_consistency_every and state.step % config.check_consistency_every == 0:
         consistency = _check_consistency(config, worker, state, problems)
@@ -270,20 +299,22 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     batch = worker.generate(
         [p.prompt for p in problems], n=config.samples_per_prompt, temperature=config.temperature,
         max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens,
-        return_logprobs=config.wants_logprobs,
+        return_logprobs=config.wants_logprobs, prompt_offset=offset,
     )
     generate_s = time.perf_counter() - start
     rewards = np.array(
         [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
         dtype=np.float32,
     )
-    arrays = {
-        "tokens": jnp.asarray(batch.tokens),
-        "attention_mask": jnp.asarray(batch.attention_mask),
-        "positions": jnp.asarray(batch.positions),
-        "completion_mask": jnp.asarray(batch.completion_mask),
-    }
-    rollout = Rollout(problems, batch, rewards, arrays, state.step)
+    rows = _rows_over_processes(worker)
+    arrays = {name: rows(getattr(batch, name)) for name in ("tokens", "attention_mask", "positions", "completion_mask")}
+    rollout = Rollout(problems, batch, rewards, arrays, state.step, rows)
+    completion_tokens = batch.completion_lengths
+    if jax.process_count() > 1:
+        # The metrics are the job's: every process's rows.
+        from jax.experimental import multihost_utils
+
+        rewards, completion_tokens = (np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in (rewards, completion_tokens))
 
     start = time.perf_counter()
     # With resync the engine serves the trainer's own buffers, which the update may donate:
@@ -296,7 +327,7 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     train_s = time.perf_counter() - start
     return {
         "step": state.step + 1,
-        **rollout_metrics(batch, rewards),
+        **rollout_metrics(batch, rewards, completion_tokens),
         "bytes_copied": report.bytes_copied if report else 0,
         "sync_s": sync_s,
         "generate_s": generate_s,
@@ -306,15 +337,28 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     }
 
 
-def rollout_metrics(batch: RolloutBatch, rewards: np.ndarray) -> dict[str, float]:
-    """A step's rewards and completion lengths."""
+def rollout_metrics(batch: RolloutBatch, rewards: np.ndarray, completion_tokens: np.ndarray | None = None) -> dict[str, float]:
+    """A step's rewards and completion lengths (``completion_tokens``: the batch's own unless
+    given, e.g. every process's)."""
+    completion_tokens = batch.completion_lengths if completion_tokens is None else completion_tokens
     return {
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "solved": float((rewards >= 1.0).mean()),
-        "completion_tokens": float(batch.completion_lengths.mean()),
+        "completion_tokens": float(completion_tokens.mean()),
         "weight_version": batch.weight_version,
     }
+
+
+def _rows_over_processes(worker: RolloutWorker) -> Callable[[Any], jax.Array]:
+    """One process: ``jnp.asarray``. Several: each process's rows become its part of one array
+    sharded over the worker mesh's ``replica`` axis, so the update is one data-parallel step."""
+    if jax.process_count() == 1:
+        return jnp.asarray
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(worker.mesh, PartitionSpec("replica"))
+    return lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
 
 def mismatch_metrics(batch: RolloutBatch, trainer_logprobs, rows=slice(None)) -> dict[str, float]:
@@ -466,9 +510,18 @@ def parse_args(config_class: type[RLConfig], presets: dict[str, RLConfig], argv=
 
 
 def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
-    """Run ``main(config)`` as a command: INFO logs of the loop, a ConsistencyError as the exit message."""
+    """Run ``main(config)`` as a command: INFO logs of the loop, a ConsistencyError as the exit
+    message. ``--local-processes N`` (outside a job) runs the same command as N processes."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger(__name__).setLevel(logging.INFO)
+    if config.local_processes > 1 and not os.environ.get(PROCESS_ID_ENV):
+        results = launch_local(["-m", f"examples.{name}", *sys.argv[1:]], config.local_processes)
+        for result in results:
+            print(f"--- process {result.process_id} (exit {result.returncode}) ---\n{result.log}", end="")
+        failed = [r.process_id for r in results if r.returncode != 0]
+        if failed:
+            raise SystemExit(f"{name}: process(es) {failed} failed")
+        return
     try:
         main(config)
     except ConsistencyError as error:

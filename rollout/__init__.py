@@ -25,6 +25,7 @@ from .errors import (  # noqa: E402
     WorkerUnavailable,
 )
 from .kv import EngineMemory, KvReport, MemoryReport  # noqa: E402
+from .pod import PodError  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 from .worker import RolloutWorker  # noqa: E402
 
@@ -37,6 +38,7 @@ __all__ = [
     "KvReport",
     "LimitExceeded",
     "MemoryReport",
+    "PodError",
     "RolloutBatch",
     "RolloutError",
     "RolloutWorker",

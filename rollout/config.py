@@ -27,7 +27,8 @@ class WorkerConfig(EngineOptions):
     ``name`` prefixes the engines' names in thread names, logs and errors
     (``engine 1 (devices 2,3)``). ``dp_size`` engines run in the process, each on its own group of ``tp_size`` consecutive
     devices from ``devices`` (default: all local devices); ``dp_size * tp_size`` must equal
-    the number of devices.
+    the number of devices. In a multi-process job (``jax.distributed.initialize``) they are
+    this process's devices: each process runs its own engines (README "Pods").
     """
 
     dp_size: int = 1
@@ -42,6 +43,9 @@ class WorkerConfig(EngineOptions):
     # the host memory and engine time one call can claim.
     max_rows_per_call: int | None = 65536
     max_tokens_per_call: int | None = 1 << 26
+    # Multi-process jobs: how long a weight/KV call waits for every process to make the same call
+    # (and, after a failed collective, for the survivors to report) before a PodError.
+    pod_timeout_s: float = 60.0
 
     def __post_init__(self):
         positive = ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "tp_size", "dp_size", "page_size")
@@ -53,6 +57,8 @@ class WorkerConfig(EngineOptions):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"WorkerConfig.{name} must be a positive int or None, got {value!r}")
+        if isinstance(self.pod_timeout_s, bool) or not isinstance(self.pod_timeout_s, (int, float)) or not self.pod_timeout_s > 0:
+            raise ValueError(f"WorkerConfig.pod_timeout_s must be a positive number of seconds, got {self.pod_timeout_s!r}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"WorkerConfig.context_length must be >= 2, got {self.context_length}")
         if self.dtype not in ("bfloat16", "float32", "float16"):
@@ -67,6 +73,14 @@ class WorkerConfig(EngineOptions):
     def device_groups(self) -> list[tuple]:
         """The devices of each engine; a clear error when they do not add up."""
         devices = self.devices if self.devices is not None else tuple(jax.local_devices())
+        foreign = [d for d in devices if d.process_index != jax.process_index()]
+        if foreign:
+            raise ValueError(
+                f"WorkerConfig.devices names device(s) of other processes: "
+                f"{', '.join(f'{d} (process {d.process_index})' for d in foreign)}; each process runs "
+                f"engines on its own devices only (process {jax.process_index()}: "
+                f"{', '.join(str(d) for d in jax.local_devices())})"
+            )
         if self.dp_size * self.tp_size != len(devices):
             raise ValueError(
                 f"WorkerConfig: dp_size ({self.dp_size}) x tp_size ({self.tp_size}) = "

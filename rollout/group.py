@@ -1,9 +1,16 @@
 """The engines of this process as one group: start-up and close, which are live, how a
 generate call's rows are split over them and merged back, and where a trainer tree must live
-so that every engine can use it (the group mesh: an axis over the engines)."""
+so that every engine can use it (the group mesh: an axis over the engines).
+
+In a multi-process job the group mesh is global: its ``replica`` axis runs over every engine
+of every process (process order), so one placement serves all engines of all hosts, and a
+tree spread over hosts reaches every engine through one collective reshard (:meth:`localize`).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -11,8 +18,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainer_bridge import relabel
+
 from .config import WorkerConfig
 from .engine import EngineError, EngineHandle, GenerateOutput
+from .pod import Pod, PodError
 from .sampling import SamplingParams
 from .weights import EngineWeights
 
@@ -24,9 +34,11 @@ Part = tuple[EngineWeights, list[int], tuple]
 
 class EngineGroup:
     """``config.dp_size`` engines, each on its own ``tp_size`` devices, started one at a time;
-    every engine's weights side (:class:`EngineWeights`) in engine order."""
+    every engine's weights side (:class:`EngineWeights`) in engine order. ``pod`` is this
+    process's place in the job (one process: nothing is exchanged)."""
 
-    def __init__(self, config: WorkerConfig, device_groups: Sequence[Sequence[jax.Device]]):
+    def __init__(self, config: WorkerConfig, device_groups: Sequence[Sequence[jax.Device]], pod: Pod):
+        self.pod = pod
         engines: list[EngineHandle] = []
         try:
             # One at a time: engine start-up touches process-global state (config caches,
@@ -39,10 +51,24 @@ class EngineGroup:
                 engine.close()
             raise
         self.engines = tuple(engines)
-        # Axis "replica" over the engines, then each engine's own mesh axes.
-        self.mesh = Mesh(
-            np.stack([engine.mesh.devices for engine in engines]), ("replica", *engines[0].mesh.axis_names)
-        )
+        try:
+            self.mesh = self._global_mesh()
+        except BaseException:
+            self.close()
+            raise
+        self._reshard_fns: dict[tuple, object] = {}
+
+    def _global_mesh(self) -> Mesh:
+        """Axis ``replica`` over the engines of every process, then each engine's own mesh axes.
+        Every process must start the same engines (same model shapes, dp_size, tp_size)."""
+        first = self.engines[0]
+        layout = (len(self.engines), first.mesh.devices.shape, [(w.path, w.shape, str(w.dtype)) for w in self.first.leaves])
+        fingerprint = hashlib.sha256(repr(layout).encode()).hexdigest()[:16]
+        mine = [[d.id for d in engine.mesh.devices.flat] for engine in self.engines]
+        payloads = self.pod.agree("RolloutWorker start-up", fingerprint, json.dumps(mine))
+        by_id = {d.id: d for d in jax.devices()}
+        grids = [np.array([by_id[i] for i in ids]).reshape(first.mesh.devices.shape) for p in payloads for ids in json.loads(p)]
+        return Mesh(np.stack(grids), ("replica", *first.mesh.axis_names))
 
     @property
     def first(self) -> EngineWeights:
@@ -69,7 +95,7 @@ class EngineGroup:
     def across_engines(self, sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
         """The sharding that gives every engine's devices the slices that ``sharding`` gives
         the first engine's (``sharding`` itself with one engine)."""
-        if len(self.engines) == 1:
+        if self.mesh.devices.shape[0] == 1:
             return sharding
         spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
         return NamedSharding(self.mesh, spec)
@@ -84,6 +110,58 @@ class EngineGroup:
             p: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=self.across_engines(t.sharding))
             for p, t in self.first.checkpoint_targets(saved, item_dir).items()
         }
+
+    def localize(self, flat: Mapping[str, object], call: str) -> tuple[list[Mapping[str, object]], int]:
+        """(the tree each engine syncs from, bytes the cross-process reshard wrote on this
+        process's devices). One process: ``flat`` for every engine, 0. Several: leaves spread
+        over processes are first resharded to :meth:`param_shardings` in one collective (every
+        process runs it: the caller checked the SPMD rule), then each engine gets views of its
+        own devices' buffers, so what follows is local to each engine."""
+        if not self.pod.multi_process:
+            return [flat] * len(self.weights), 0
+        targets = self.param_shardings()
+        moving = [
+            p for p, x in flat.items()
+            if isinstance(x, jax.Array) and not x.is_fully_addressable and p in targets
+            and not x.sharding.is_equivalent_to(targets[p], x.ndim)
+        ]
+        flat = dict(flat)
+        gathered = 0
+        if moving:
+            out = self._reshard(tuple(targets[p] for p in moving), [flat[p] for p in moving], call)
+            for p, x in zip(moving, out):
+                flat[p] = x
+                gathered += sum(s.data.nbytes for s in x.addressable_shards)
+        trees = []
+        for weights in self.weights:
+            mesh = weights.engine.mesh
+            trees.append({
+                p: relabel(x, NamedSharding(mesh, x.sharding.spec)) if _on_group_mesh(x, self.mesh) else x
+                for p, x in flat.items()
+            })
+        return trees, gathered
+
+    def _reshard(self, shardings: tuple, arrays: list, call: str) -> list[jax.Array]:
+        """One jitted identity whose out_shardings are ``shardings``: XLA moves the bytes with
+        collectives over every process. A lost process fails the collective (its sockets close):
+        PodError naming it, after the survivors compare notes (at most ``pod.timeout_s``)."""
+        key = (shardings, tuple((x.shape, x.dtype, x.sharding) for x in arrays))
+        fn = self._reshard_fns.get(key)
+        if fn is None:
+            fn = self._reshard_fns[key] = jax.jit(lambda *xs: xs, out_shardings=shardings).lower(*arrays).compile()
+        # Compiled everywhere first, then started together: the CPU collectives (gloo) give a
+        # peer 30 s to join, less than a compile may take on a loaded host.
+        self.pod.agree(f"{call} (reshard)")
+        try:
+            return jax.block_until_ready(list(fn(*arrays)))
+        except Exception as exc:  # the runtime's own error type differs between jax versions
+            lost = self.pod.lost_processes(call)
+            raise PodError(
+                f"{call}: the cross-process reshard failed; {f'process(es) {list(lost)} lost' if lost else 'no process lost'} "
+                f"({type(exc).__name__}: {str(exc)[:300]}). Restart the job and resume from the last "
+                "checkpoint (README 'Pods').",
+                lost,
+            ) from exc
 
     # ---- generate fan-out --------------------------------------------------------------------
 
@@ -106,6 +184,10 @@ class EngineGroup:
                 rows = [i * n + j for i in indices for j in range(n)]
                 parts.append((weights, rows, ([prompts[i] for i in indices], params, seeds[indices])))
         return parts
+
+
+def _on_group_mesh(x, mesh: Mesh) -> bool:
+    return isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
 
 
 def merge(parts: list[tuple[list[int], list[GenerateOutput]]]) -> list[GenerateOutput]:

@@ -47,6 +47,7 @@ from .engine import EngineError, EngineHandle, GenerateOutput
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable, check_limit
 from .gate import EngineGate
 from .group import EngineGroup, merge
+from .pod import Pod, tree_fingerprint
 from .kv import KvReport, MemoryReport
 from .phase_log import PhaseLog
 from .sampling import (
@@ -86,7 +87,7 @@ class RolloutWorker:
         device_groups = config.validate()
         self.config = config
         start = time.perf_counter()
-        self._group = EngineGroup(config, device_groups)
+        self._group = EngineGroup(config, device_groups, Pod.current(config.pod_timeout_s))
         try:
             self._set_up(config)
         except BaseException:
@@ -225,11 +226,14 @@ class RolloutWorker:
         (``batch.token_versions``) and its log-prob is that version's, so importance weights
         stay exact.
         """
-        return self._sync(params, allow_cast=allow_cast, check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
+        return self._sync(
+            params, "sync_params", allow_cast=allow_cast, check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv
+        )
 
     def _sync(
         self,
         params: Mapping,
+        call: str,
         *,
         allow_cast: bool,
         check_finite: bool,
@@ -245,8 +249,16 @@ class RolloutWorker:
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
         with self._sync_lock, counting_compiles() as compiles:
+            # Before any collective: every process makes this call with a tree of this structure.
+            self._group.pod.agree(
+                call, f"{tree_fingerprint(flat)} allow_cast={allow_cast} check_finite={check_finite} in_flight={in_flight} recompute_kv={recompute_kv}"
+            )
+            trees, gathered = self._group.localize(flat, call)
             live = self._group.live()
-            prepared = [w.prepare(flat, allow_cast=allow_cast, check_finite=check_finite) for w in live]
+            prepared = [
+                w.prepare(trees[self._group.weights.index(w)], allow_cast=allow_cast, check_finite=check_finite)
+                for w in live
+            ]
             with self._swapping(reason, in_flight):
                 version = self.weight_version + 1
                 for weights, update in zip(live, prepared):
@@ -255,7 +267,7 @@ class RolloutWorker:
                 self.weight_version = version
         seconds = time.perf_counter() - start
         reports = [update.plan.report(version, seconds) for update in prepared]
-        report = _combine_sync_reports(reports, compiles.value)
+        report = dataclasses.replace(_combine_sync_reports(reports, compiles.value), bytes_gathered=gathered)
         logger.info("sync_params: %s", report)
         self._phases.record("weights_synced", seconds, version=version, bytes_copied=report.bytes_copied)
         return report
@@ -283,6 +295,13 @@ class RolloutWorker:
         with contextlib.nullcontext() if in_flight else self._gate.exclusive(reason), self._state_lock:
             yield
 
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The mesh of :meth:`param_shardings` with several engines: axis ``replica`` over every
+        engine of every process (process order), then the engine's own axes. A trainer shards its
+        batch over ``replica`` to train data-parallel over the engines' devices."""
+        return self._group.mesh
+
     def load_hf(self, model_dir, *, check_finite: bool = True, in_flight: bool = False, recompute_kv: bool = False) -> SyncReport:
         """Serve the weights of an HF safetensors directory (single file or sharded with an
         index json), through the same plan as ``sync_params`` (NaN/inf refused unless
@@ -291,7 +310,7 @@ class RolloutWorker:
         self._check_open()
         _check_swap_mode(in_flight, recompute_kv)
         return self._sync(
-            load_hf_params(model_dir, dtype=None), allow_cast=True, check_finite=check_finite,
+            load_hf_params(model_dir, dtype=None), "load_hf", allow_cast=True, check_finite=check_finite,
             in_flight=in_flight, recompute_kv=recompute_kv, reason="weights are being reloaded",
         )
 
@@ -312,10 +331,12 @@ class RolloutWorker:
         item_dir = resolve_checkpoint(path, step)
         saved, wrapped = saved_layout(item_dir)
         targets = self._group.checkpoint_targets(saved, item_dir)
+        # The restore is itself collective in a multi-process job (every process reads its shards).
+        self._group.pod.agree("load_checkpoint", tree_fingerprint(targets))
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
         return self._sync(
-            restored, allow_cast=True, check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv,
-            reason="weights are being reloaded",
+            restored, "load_checkpoint", allow_cast=True, check_finite=check_finite, in_flight=in_flight,
+            recompute_kv=recompute_kv, reason="weights are being reloaded",
         )
 
     def replace_engine_leaves(
@@ -341,6 +362,10 @@ class RolloutWorker:
         Dropping twice frees nothing more.
         """
         self._check_open()
+        self._group.pod.agree("drop_kv")
+        return self._drop_kv()
+
+    def _drop_kv(self) -> KvReport:
         with self._gate.exclusive("the KV cache is being dropped"), self._state_lock:
             if self._kv_dropped:
                 return KvReport(0, 0, 0.0)
@@ -354,6 +379,10 @@ class RolloutWorker:
     def rebuild_kv(self) -> KvReport:
         """Recreate the KV caches with their original shapes, dtype and sharding (no recompile)."""
         self._check_open()
+        self._group.pod.agree("rebuild_kv")
+        return self._rebuild_kv()
+
+    def _rebuild_kv(self) -> KvReport:
         with self._gate.exclusive("the KV cache is being rebuilt"), self._state_lock:
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
@@ -373,8 +402,9 @@ class RolloutWorker:
         drop report.
         """
         self._check_open()
+        self._group.pod.agree("released_for_training")
         with self._gate.exclusive("a train step is running"):
-            report = self.drop_kv()
+            report = self._drop_kv()
             with self._state_lock:
                 self._stale_reason = "a train step ran since the last sync_params"
                 for weights in self._group.live():
@@ -414,6 +444,7 @@ class RolloutWorker:
         seed: int | None = None,
         pad_prompts_to: int | None = None,
         return_logprobs: bool = False,
+        prompt_offset: int = 0,
     ) -> RolloutBatch:
         """Sample ``n`` completions for every prompt (token-id lists, or strings).
 
@@ -423,6 +454,9 @@ class RolloutWorker:
         draws a call seed from the worker's own random stream). Calls from several threads
         run concurrently and are batched together by the engines.
         ``return_logprobs=True`` fills ``batch.logprobs`` (see :class:`RolloutBatch`).
+        ``prompt_offset=k``: ``prompts[i]`` draws as global prompt ``k + i`` does, so processes
+        that each generate their share of a global batch (same ``seed``) draw what one worker
+        would over the whole batch.
         """
         request = self._request(prompts, locals())
         start = time.perf_counter()
@@ -520,7 +554,7 @@ class RolloutWorker:
     def _request(self, prompts, arguments: dict) -> _Request:
         """Validate a generate call's arguments (``generate``'s own names)."""
         self._check_open()
-        options = {k: v for k, v in arguments.items() if k not in ("self", "prompts", "pad_prompts_to")}
+        options = {k: v for k, v in arguments.items() if k not in ("self", "prompts", "pad_prompts_to", "prompt_offset")}
         unknown = set(options) - {f.name for f in dataclasses.fields(SamplingParams)}
         if unknown:
             raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
@@ -552,13 +586,17 @@ class RolloutWorker:
             with self._state_lock:
                 call_seed = int(self._rng.integers(MAX_SAMPLING_SEED))
         params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
-        return _Request(prompt_ids, params, row_seeds(call_seed, len(prompt_ids), params.n), pad_to)
+        offset = arguments.get("prompt_offset", 0)
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"prompt_offset must be a non-negative int, got {offset!r}")
+        seeds = row_seeds(call_seed, len(prompt_ids), params.n, first_prompt=offset)
+        return _Request(prompt_ids, params, seeds, pad_to)
 
     def _admit(self) -> None:
         """Enter the gate as a generate call, rebuilding the KV caches first if dropped."""
         while True:
             if self._kv_dropped:
-                self.rebuild_kv()
+                self._rebuild_kv()
             self._gate.enter()
             if self._admitted():
                 return
@@ -566,7 +604,7 @@ class RolloutWorker:
     async def _aadmit(self) -> None:
         while True:
             if self._kv_dropped:
-                await asyncio.to_thread(self.rebuild_kv)
+                await asyncio.to_thread(self._rebuild_kv)
             await self._gate.aenter()
             if self._admitted():
                 return

@@ -19,6 +19,7 @@ from .sync import (
     SyncReport,
     build_plan,
     plan_key,
+    relabel,
 )
 from .tree import flatten_params, unflatten_params, unwrap_params
 
@@ -40,6 +41,7 @@ __all__ = [
     "flatten_params",
     "load_hf_params",
     "plan_key",
+    "relabel",
     "safetensors_files",
     "unflatten_params",
     "unwrap_params",

@@ -78,6 +78,9 @@ class SyncReport:
     bytes_copied: int
     seconds: float
     compiles: int = 0  # XLA compilations during the sync (JAX compile events)
+    # Multi-process: bytes the one cross-process reshard wrote on this process's devices (a
+    # tree spread over hosts); bytes moved on this process = bytes_gathered + bytes_copied.
+    bytes_gathered: int = 0
     # With several engines: each engine's own report (the fields above are their sums).
     per_engine: tuple[SyncReport, ...] = ()
 

@@ -1,0 +1,147 @@
+"""The worker inside a multi-process JAX job (one process per host): the SPMD rule, checked.
+
+Calls that change weights or KV (``sync_params``, ``load_checkpoint``, ``load_hf``,
+``drop_kv``, ``rebuild_kv``, ``released_for_training``) may run collectives over every
+process, so every process must make them in the same order with trees of the same structure.
+Before any collective, each process publishes a cheap fingerprint of its call (name and tree
+structure) in the JAX distributed runtime's key-value store and reads every other process's,
+waiting at most ``timeout_s``: a disagreement or a process that never arrives is a
+:class:`PodError` naming the processes, instead of a collective that hangs or mixes trees.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import logging
+import time
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# Workers are created in the same order by every process (creation is itself an SPMD call):
+# the n-th worker of each process shares the key namespace ``rollout/<n>/``.
+_worker_numbers = itertools.count()
+
+
+class PodError(RuntimeError):
+    """Processes of a multi-process job disagree on a collective call, or one is lost.
+
+    ``processes`` are the process indices that disagree or did not answer.
+    """
+
+    def __init__(self, message: str, processes: tuple[int, ...]):
+        super().__init__(message)
+        self.processes = processes
+
+
+def _client():
+    # The distributed runtime client jax.distributed.initialize created; jax has no public
+    # accessor for its key-value store.
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def tree_fingerprint(flat: Mapping[str, object]) -> str:
+    """A short hash of a flat tree's paths, shapes, dtypes and placements (no values read)."""
+    parts = []
+    for path, leaf in flat.items():
+        sharding = getattr(leaf, "sharding", None)
+        placement = repr(sharding.spec) + repr(sharding.mesh.shape) if hasattr(sharding, "spec") else type(leaf).__name__
+        parts.append(f"{path}:{tuple(np.shape(leaf))}:{getattr(leaf, 'dtype', None)}:{placement}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class Pod:
+    """This process's place in the job and the fingerprint exchange. With one process every
+    check is free (nothing is exchanged)."""
+
+    process_index: int
+    process_count: int
+    timeout_s: float
+    namespace: str
+    _calls: int = 0
+
+    @classmethod
+    def current(cls, timeout_s: float) -> Pod:
+        return cls(jax.process_index(), jax.process_count(), timeout_s, f"rollout/{next(_worker_numbers)}")
+
+    @property
+    def multi_process(self) -> bool:
+        return self.process_count > 1
+
+    def agree(self, call: str, fingerprint: str = "", payload: str = "") -> list[str]:
+        """Every process's ``payload`` (process order), once all of them made the same ``call``
+        with the same ``fingerprint``. PodError naming the processes otherwise, after at most
+        ``timeout_s`` (a process that skipped the call, is stuck, or was lost)."""
+        if not self.multi_process:
+            return [payload]
+        self._calls += 1
+        prefix = f"{self.namespace}/{self._calls}/"
+        mine = f"{call}|{fingerprint}|{payload}"
+        client = self._call_client(call, lambda c: c.key_value_set(prefix + str(self.process_index), mine))
+        values = self._gather(client, prefix, call)
+        calls = {p: v.split("|", 2) for p, v in values.items()}
+        votes = collections.Counter((c, f) for c, f, _ in calls.values())
+        if len(votes) > 1:
+            # Named: the processes off the most common call (ties: off process 0's), the same
+            # list in every process.
+            usual = max(votes, key=lambda k: (votes[k], k == tuple(calls[0][:2])))
+            differ = sorted(p for p, (c, f, _) in calls.items() if (c, f) != usual)
+            seen = "; ".join(f"process {p}: {c}({f})" for p, (c, f, _) in sorted(calls.items()))
+            raise PodError(
+                f"{call}: process(es) {differ} made a different call than the others ({seen}); every process must make the same "
+                "weight and KV calls in the same order with trees of the same structure (the SPMD rule, "
+                "README 'Pods'). Nothing was changed.",
+                tuple(differ),
+            )
+        if self._calls > 1:
+            # Every process has finished the previous exchange (it wrote this one): drop my old key.
+            client.key_value_delete(f"{self.namespace}/{self._calls - 1}/{self.process_index}")
+        return [calls[p][2] for p in range(self.process_count)]
+
+    def lost_processes(self, call: str) -> tuple[int, ...]:
+        """After a collective failed: the processes that do not report the same failure within
+        ``timeout_s`` (every live process of a failed collective reports it)."""
+        prefix = f"{self.namespace}/failed/{self._calls}/"
+        client = self._call_client(call, lambda c: c.key_value_set(prefix + str(self.process_index), call))
+        try:
+            self._gather(client, prefix, call)
+        except PodError as exc:
+            return exc.processes
+        return ()
+
+    def _call_client(self, call: str, action):
+        client = _client()
+        try:
+            action(client)
+        except Exception as exc:  # the runtime raises its own status errors
+            raise PodError(
+                f"{call}: the JAX coordination service (process 0) is unreachable: {exc}", (0,)
+            ) from exc
+        return client
+
+    def _gather(self, client, prefix: str, call: str) -> dict[int, str]:
+        deadline = time.monotonic() + self.timeout_s
+        values, missing = {}, []
+        for p in range(self.process_count):
+            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                values[p] = client.blocking_key_value_get(prefix + str(p), remaining_ms)
+            except Exception:  # deadline exceeded, or the coordination service is gone
+                missing.append(p)
+        if missing:
+            raise PodError(
+                f"{call}: process(es) {missing} did not reach this call within {self.timeout_s:g} s "
+                "(WorkerConfig.pod_timeout_s): they skipped it, are stuck, or were lost. Restart the "
+                "job and resume from the last checkpoint (README 'Pods').",
+                tuple(missing),
+            )
+        return {p: v for p, v in values.items()}

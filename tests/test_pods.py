@@ -1,0 +1,108 @@
+"""The worker in a multi-process JAX job: 2 processes x 2 CPU devices (gloo collectives),
+against one process with the same 4 engines. One launch of ``tests/pod_program.py`` runs
+every multi-process check (engine start-ups are the cost); the tests read its results."""
+
+import json
+
+import jax
+import pytest
+
+from rollout import RolloutWorker
+from rollout.launch import launch_local
+from tests import pod_program
+from tests.helpers import tiny_worker_config
+from tests.test_grpo import run_grpo
+from trainer_bridge import load_hf_params
+
+LAUNCH_TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="module")
+def pod(qwen2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pod")
+    runs = launch_local(["-m", "tests.pod_program", str(qwen2_dir), str(out)], 2, devices_per_process=2, timeout_s=LAUNCH_TIMEOUT_S)
+    logs = "\n".join(f"--- process {r.process_id} (exit {r.returncode}):\n{r.log[-3000:]}" for r in runs)
+    results = [json.loads((out / f"{i}.json").read_text()) if (out / f"{i}.json").exists() else {} for i in range(2)]
+    return runs, results, logs
+
+
+@pytest.fixture(scope="module")
+def one_process(qwen2_dir):
+    """One process, the same 4 engines (one per device), the same weights."""
+    with RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=4)) as worker:
+        worker.sync_params(jax.device_put(load_hf_params(qwen2_dir), worker.param_shardings()))
+        yield worker
+
+
+def _both(pod, key):
+    runs, results, logs = pod
+    assert all(key in r for r in results), f"{key} missing from a process's results\n{logs}"
+    return [r[key] for r in results]
+
+
+def test_each_process_runs_its_engines_on_its_own_devices(pod):
+    assert _both(pod, "local_devices") == [[0, 1], [2048, 2049]]
+    errors = _both(pod, "foreign_device_error")
+    assert "(process 1)" in errors[0] and "(process 0)" in errors[1]
+    # The placement mesh spans every engine of every process.
+    assert _both(pod, "mesh_shape")[0]["replica"] == 4
+
+
+def test_same_seed_same_samples_as_one_process(pod, one_process):
+    prompts = pod_program.PROMPTS
+    sampled = _both(pod, "sampled")
+    assert sampled[0] + sampled[1] == one_process.generate(prompts, **pod_program.SAMPLED).completions
+    greedy = _both(pod, "greedy")
+    assert greedy[0] + greedy[1] == one_process.generate(prompts, **pod_program.GREEDY).completions
+
+
+def test_placed_tree_syncs_at_zero_bytes_and_an_fsdp_tree_through_one_reshard(pod):
+    assert _both(pod, "placed") == [{"bytes_copied": 0, "bytes_gathered": 0, "version": 1}] * 2
+    fsdp = _both(pod, "fsdp")
+    assert all(f["bytes_gathered"] > 0 and f["bytes_copied"] == 0 for f in fsdp), fsdp
+    assert _both(pod, "fsdp_greedy") == _both(pod, "greedy")
+
+
+def test_checkpoint_written_by_two_processes_loads_in_two_processes(pod):
+    greedy = _both(pod, "greedy")
+    assert _both(pod, "halved_greedy") != greedy  # the load really changed the weights back
+    assert _both(pod, "checkpoint_greedy") == greedy
+    assert [c["bytes_copied"] + c["bytes_gathered"] for c in _both(pod, "checkpoint")] == [0, 0]
+    assert _both(pod, "resumed_equal") == [True, True]
+
+
+def test_disagreeing_calls_are_a_named_error_and_change_nothing(pod):
+    for key in ("disagree_calls", "disagree_trees"):
+        errors = _both(pod, key)
+        # Both processes raise and name the same process, with what each called.
+        assert [e["processes"] for e in errors] == [[1], [1]], errors
+        assert "process 0: sync_params(" in errors[0]["message"]
+    assert "process 1: drop_kv()" in _both(pod, "disagree_calls")[0]["message"]
+    assert _both(pod, "after_disagreement") == [{"bytes_copied": 0, "bytes_gathered": 0, "version": 5}] * 2
+    assert _both(pod, "after_disagreement_greedy") == _both(pod, "greedy")
+
+
+def test_a_process_killed_mid_sync_is_named_within_the_bound(pod):
+    runs, results, logs = pod
+    assert runs[1].returncode == -9 and runs[0].returncode == 0, logs
+    survivor = results[0]
+    bound = pod_program.LOSS_TIMEOUT_S + 15  # the roll call's wait, plus the failed collective
+    for key in ("killed_mid_sync", "next_call_after_loss"):
+        assert survivor[key]["processes"] == [1] and "[1]" in survivor[key]["message"], survivor[key]
+        assert survivor[key]["seconds"] < bound, survivor[key]
+    # Generation is per process: the survivor's engines still serve.
+    assert survivor["greedy_after_loss"] == survivor["greedy"]
+
+
+def test_grpo_over_two_processes_steps_as_one_process(tmp_path):
+    """``--local-processes 2``: each process generates half of every step's prompts (one CPU
+    device each) and the update is one data-parallel step over both."""
+    two = run_grpo(tmp_path / "two", "--steps", "3", "--local-processes", "2")
+    one = run_grpo(tmp_path / "one", "--steps", "3")
+    assert [r["step"] for r in two] == [1, 2, 3] and all(r["bytes_copied"] == 0 for r in two)
+    # Step 1: the same prompts, weights and global seeds, so the same samples and rewards.
+    assert (two[0]["reward"], two[0]["completion_tokens"]) == (one[0]["reward"], one[0]["completion_tokens"])
+    # Then the same global-batch update, up to the order of float reductions: rewards of 64
+    # samples within noise (a fixed policy's one-step means differ by about 0.025).
+    for a, b in zip(two[1:], one[1:]):
+        assert abs(a["reward"] - b["reward"]) < 0.1, (two, one)
