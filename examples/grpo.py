@@ -17,14 +17,13 @@ state let a rerun with the same output dir resume.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from examples.grpo_math import group_advantages, ppo_clip_loss, token_logprobs
 from examples.rl_loop import Policy, RLConfig, Rollout, cli, mismatch_metrics, parse_args as parse_config, run
+from examples.rl_update import make_train_step, run_updates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,51 +83,43 @@ class GRPO:
         # The reference policy for the KL penalty is the initial model, also after a resume; a
         # copy, since the train step donates the policy's buffers.
         self.ref_params = jax.tree_util.tree_map(jnp.copy, policy.params) if config.kl_beta > 0 else None
-        self.logprobs, self.train_step = make_train_fns(policy.model, self.optimizer, config)
+        model = policy.model
+
+        def logprobs(params, tokens, attention_mask, positions):
+            logits = model.apply({"params": params}, tokens, attention_mask, positions)
+            # The engine samples at this temperature: the policy being trained is the tempered one.
+            return token_logprobs(logits / config.temperature, tokens)
+
+        def loss_fn(trained, batch):
+            new = logprobs(trained["params"], batch["tokens"], batch["attention_mask"], batch["positions"])
+            return ppo_clip_loss(
+                new, batch["old_logprobs"], batch["advantages"], batch["completion_mask"][:, 1:], config.clip_eps,
+                ref_logprobs=batch.get("ref_logprobs"), kl_beta=config.kl_beta,
+                behaviour_logprobs=batch.get("behaviour_logprobs"), tis_cap=config.tis_cap,
+            )
+
+        self.logprobs = jax.jit(logprobs)
+        self.train_step = make_train_step(loss_fn, {"params": ("opt_state", self.optimizer)}, config.target_kl)
 
     def init_trees(self, params) -> dict:
         return {"params": params, "opt_state": self.optimizer.init(params)}
 
     def update(self, trees: dict, rollout: Rollout) -> tuple[dict, dict]:
-        config, arrays = self.config, dict(rollout.arrays)
-        advantages = jnp.asarray(group_advantages(rollout.rewards, config.group_size))
-        if config.tis_cap is not None:
-            arrays["behaviour_logprobs"] = jnp.asarray(rollout.batch.logprobs[:, 1:])
-        params, opt_state = trees["params"], trees["opt_state"]
-        inputs = (arrays["tokens"], arrays["attention_mask"], arrays["positions"])
-        old = self.logprobs(params, *inputs)
+        config, data = self.config, dict(rollout.arrays)
+        inputs = (data["tokens"], data["attention_mask"], data["positions"])
+        data["old_logprobs"] = old = self.logprobs(trees["params"], *inputs)
+        data["advantages"] = jnp.asarray(group_advantages(rollout.rewards, config.group_size))
         if self.ref_params is not None:
-            arrays["ref_logprobs"] = self.logprobs(self.ref_params, *inputs)
-        for _ in range(config.ppo_epochs):
-            params, opt_state, stats = self.train_step(params, opt_state, arrays, old, advantages)
+            data["ref_logprobs"] = self.logprobs(self.ref_params, *inputs)
+        if config.tis_cap is not None:
+            data["behaviour_logprobs"] = jnp.asarray(rollout.batch.logprobs[:, 1:])
+        trees, stats, _ = run_updates(
+            self.train_step, trees, data, epochs=config.ppo_epochs, minibatches=config.minibatches,
+            seed=config.seed, step=rollout.step,
+        )
         if config.wants_logprobs:
             stats.update(mismatch_metrics(rollout.batch, old))
-        return {"params": params, "opt_state": opt_state}, stats
-
-
-def make_train_fns(model, optimizer, config: GRPOConfig):
-    def logprobs(params, tokens, attention_mask, positions):
-        logits = model.apply({"params": params}, tokens, attention_mask, positions)
-        # The engine samples at this temperature: the policy being trained is the tempered one.
-        return token_logprobs(logits / config.temperature, tokens)
-
-    def loss_fn(params, batch, old_logprobs, advantages):
-        new = logprobs(params, batch["tokens"], batch["attention_mask"], batch["positions"])
-        return ppo_clip_loss(
-            new, old_logprobs, advantages, batch["completion_mask"][:, 1:], config.clip_eps,
-            ref_logprobs=batch.get("ref_logprobs"), kl_beta=config.kl_beta,
-            behaviour_logprobs=batch.get("behaviour_logprobs"), tis_cap=config.tis_cap,
-        )
-
-    # The params and optimizer state are donated: the train step overwrites them in place.
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch, old_logprobs, advantages):
-        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, old_logprobs, advantages)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        stats["grad_norm"] = optax.global_norm(grads)
-        return optax.apply_updates(params, updates), opt_state, stats
-
-    return jax.jit(logprobs), train_step
+        return trees, stats
 
 
 def main(config: GRPOConfig) -> dict:

@@ -52,7 +52,10 @@ class RLConfig:
     temperature: float = 1.0
     learning_rate: float = 6e-4
     ppo_epochs: int = 2
+    minibatches: int = 1  # train steps per epoch, each on a shuffled 1/minibatches of the rows
     clip_eps: float = 0.2
+    # Stop a step's epochs once the policy's approx KL (k3) to the rollout policy passes this. None: off.
+    target_kl: float | None = None
     dtype: str = "float32"
     kv_tokens: int = 4096
     tp_size: int = 1
@@ -82,6 +85,10 @@ class RLConfig:
         for name in ("steps", "prompts_per_step", "max_prompt_tokens", "max_new_tokens", "ppo_epochs", "kv_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.minibatches <= self.prompts_per_step * self.samples_per_prompt:
+            raise ValueError(f"minibatches must be in [1, rows per step], got {self.minibatches}")
+        if self.target_kl is not None and self.target_kl <= 0:
+            raise ValueError(f"target_kl must be > 0 (or unset), got {self.target_kl}")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
         if self.learning_rate <= 0 or self.temperature <= 0:
@@ -160,7 +167,6 @@ class Task:
 
     def __init__(self, config: RLConfig, tokenizer):
         self.config = config
-        self.rng = np.random.default_rng(config.seed)
         if config.preset == "tiny":
             self.pool = None
             self.reward_fn = addition_reward
@@ -181,10 +187,13 @@ class Task:
                             len(problems) - len(self.pool), len(problems), config.max_prompt_tokens)
             self.reward_fn = gsm8k_reward
 
-    def sample(self, count: int) -> list[Problem]:
+    def sample(self, count: int, step: int) -> list[Problem]:
+        """The prompts of ``step``: they depend on (seed, step) only, so a resumed run sees the
+        prompts an uninterrupted one would."""
+        rng = np.random.default_rng([self.config.seed, step])
         if self.pool is None:
-            return addition_problems(self.rng, count)
-        return [self.pool[i] for i in self.rng.choice(len(self.pool), count, replace=False)]
+            return addition_problems(rng, count)
+        return [self.pool[i] for i in rng.choice(len(self.pool), count, replace=False)]
 
 
 def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
@@ -226,9 +235,11 @@ def _train(config: RLConfig, output_dir: Path, worker: RolloutWorker, algorithm:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
         worker.sync_params(jax.tree_util.tree_map(jnp.copy, state.trees["params"]))
     history = []
+    start = time.perf_counter()
     try:
         while state.step < config.steps:
             record = _step(config, worker, algorithm, state, task)
+            record["elapsed_s"] = time.perf_counter() - start  # wall clock since this process's first step
             state.step += 1
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
@@ -256,7 +267,7 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     report = worker.sync_params(state.trees["params"], check_finite=True) if config.resync else None
     sync_s = time.perf_counter() - start
 
-    problems = task.sample(config.prompts_per_step)
+    problems = task.sample(config.prompts_per_step, state.step)
     consistency = {}
     if config.check_consistency_every and state.step % config.check_consistency_every == 0:
         consistency = _check_consistency(config, worker, state, problems)
@@ -264,7 +275,7 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     batch = worker.generate(
         [p.prompt for p in problems], n=config.samples_per_prompt, temperature=config.temperature,
         max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens,
-        return_logprobs=config.wants_logprobs,
+        return_logprobs=config.wants_logprobs, seed=step_seed(config.seed, state.step),
     )
     generate_s = time.perf_counter() - start
     rewards = np.array(
@@ -302,6 +313,11 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
         **consistency,
         **stats,
     }
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of ``step``: fixed by (seed, step), as the prompts are."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1, dtype=np.uint32)[0]) >> 1
 
 
 def mismatch_metrics(batch: RolloutBatch, trainer_logprobs, rows=slice(None)) -> dict[str, float]:
