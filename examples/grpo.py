@@ -17,12 +17,14 @@ state let a rerun with the same output dir resume.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from examples.grpo_math import group_advantages, ppo_clip_loss, token_logprobs
-from examples.rl_loop import Policy, RLConfig, Rollout, cli, mismatch_metrics, parse_args as parse_config, run
+from examples.rl_loop import QWEN25_3B, Policy, RLConfig, Rollout, cli, mismatch_metrics, parse_args as parse_config
 from examples.rl_update import make_train_step, run_updates
 
 
@@ -47,27 +49,13 @@ class GRPOConfig(RLConfig):
 
 PRESETS = {
     "tiny": GRPOConfig(),
-    # Sizes in the range of the published MLLM-JAX GRPO runs on a TPU v4-8.
     "qwen2.5-3b": GRPOConfig(
-        preset="qwen2.5-3b",
-        model="Qwen/Qwen2.5-3B-Instruct",
-        dataset="openai/gsm8k",
-        output_dir="runs/grpo-qwen2.5-3b",
-        steps=200,
-        prompts_per_step=16,
-        group_size=8,
-        max_prompt_tokens=256,
-        max_new_tokens=512,
-        temperature=1.0,
-        learning_rate=1e-6,
-        ppo_epochs=1,
-        kl_beta=0.04,
-        dtype="bfloat16",
-        kv_tokens=131072,
-        tp_size=4,
-        checkpoint_every=50,
+        **QWEN25_3B, output_dir="runs/grpo-qwen2.5-3b", prompts_per_step=16, group_size=8, ppo_epochs=1, kl_beta=0.04
     ),
 }
+
+# parse_args(argv=None) -> GRPOConfig: --preset and a flag per field.
+parse_args = partial(parse_config, GRPOConfig, PRESETS, description=__doc__)
 
 
 class GRPO:
@@ -122,13 +110,5 @@ class GRPO:
         return trees, stats
 
 
-def main(config: GRPOConfig) -> dict:
-    return run(config, GRPO)
-
-
-def parse_args(argv=None) -> GRPOConfig:
-    return parse_config(GRPOConfig, PRESETS, argv, __doc__)
-
-
 if __name__ == "__main__":
-    cli("grpo", main, parse_args())
+    cli("grpo", GRPO, parse_args())

@@ -34,6 +34,22 @@ from trainer_bridge import load_hf_params
 logger = logging.getLogger(__name__)
 
 PRESET_NAMES = ("tiny", "qwen2.5-3b")
+# What every algorithm's qwen2.5-3b preset shares: Qwen2.5-3B-Instruct on GSM8K, in bfloat16 on a
+# TPU v4-8 (tp 4), sizes in the range of the published MLLM-JAX GRPO runs.
+QWEN25_3B = dict(
+    preset="qwen2.5-3b",
+    model="Qwen/Qwen2.5-3B-Instruct",
+    dataset="openai/gsm8k",
+    steps=200,
+    max_prompt_tokens=256,
+    max_new_tokens=512,
+    temperature=1.0,
+    learning_rate=1e-6,
+    dtype="bfloat16",
+    kv_tokens=131072,
+    tp_size=4,
+    checkpoint_every=50,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,11 +484,11 @@ def parse_args(config_class: type[RLConfig], presets: dict[str, RLConfig], argv=
     return dataclasses.replace(presets[args.preset], **overrides)
 
 
-def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
-    """Run ``main(config)`` as a command: INFO logs of the loop, a ConsistencyError as the exit message."""
+def cli(name: str, make_algorithm: Callable[[RLConfig, Policy], Algorithm], config: RLConfig) -> None:
+    """:func:`run` as a command: INFO logs of the loop, a ConsistencyError as the exit message."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger(__name__).setLevel(logging.INFO)
     try:
-        main(config)
+        run(config, make_algorithm)
     except ConsistencyError as error:
         raise SystemExit(f"{name} stopped: {error}") from None
