@@ -69,7 +69,7 @@ def main(argv=None) -> None:
         reward_ax.plot([r["elapsed_s"] for r in records], [r["reward"] for r in records], label=name)
         if name.startswith("grpo"):
             kl_ax.plot([r["step"] for r in records], [r["approx_kl"] for r in records], label=name)
-    reward_ax.set(xlabel="seconds since the first step", ylabel="mean reward", title="tiny preset, a+b=")
+    reward_ax.set(xlabel="seconds since the loop started (start-up excluded)", ylabel="mean reward", title="tiny preset, a+b=")
     kl_ax.set(xlabel="step", ylabel="approx KL (last train step)", yscale="log")
     reward_ax.legend()
     kl_ax.legend()
