@@ -35,6 +35,7 @@ from examples.rl_loop import (
     prepare_model,
     restore_or_init,
     rollout_metrics,
+    step_seed,
 )
 from models import QwenConfig, QwenForCausalLM
 from rollout import RolloutBatch, RolloutWorker, WorkerConfig
@@ -97,10 +98,13 @@ def _train_async(config: RLConfig, output_dir: Path, worker: RolloutWorker, algo
     worker.sync_params(state.trees["params"])
     trainer_version = worker.weight_version
 
-    def generate(problems):
+    def generate(step):
+        # The prompts and the call seed of ``step`` are the synchronous loop's (fixed by (seed, step)).
+        problems = task.sample(config.prompts_per_step, step)
         return problems, worker.generate(
             [p.prompt for p in problems], n=config.samples_per_prompt, temperature=config.temperature,
             max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens, return_logprobs=True,
+            seed=step_seed(config.seed, step),
         )
 
     history = []
@@ -109,13 +113,13 @@ def _train_async(config: RLConfig, output_dir: Path, worker: RolloutWorker, algo
         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool,
         (output_dir / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file,
     ):
-        ahead = pool.submit(generate, task.sample(config.prompts_per_step))
+        ahead = pool.submit(generate, state.step)
         while state.step < config.steps:
             step_start = time.perf_counter()
             problems, batch = ahead.result()
             generate_s = time.perf_counter() - step_start
             if state.step + 1 < config.steps:  # the next rollout runs during this update
-                ahead = pool.submit(generate, task.sample(config.prompts_per_step))
+                ahead = pool.submit(generate, state.step + 1)
             rewards = np.array(
                 [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
                 dtype=np.float32,

@@ -30,7 +30,8 @@ import optax
 
 from examples.async_rl import run_async
 from examples.grpo_math import group_advantages, ppo_clip_loss, token_logprobs
-from examples.rl_loop import Policy, RLConfig, Rollout, cli, mismatch_metrics, parse_args as parse_config, run
+from examples.rl_loop import QWEN25_3B, Policy, RLConfig, Rollout, cli, mismatch_metrics, parse_args as parse_config, run
+from examples.rl_update import make_train_step, run_updates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,27 +61,13 @@ PRESETS = {
     # The same task on a tiny Llama-3-style model (GQA, llama3 RoPE scaling, untied, head_dim 64).
     "tiny-llama": GRPOConfig(preset="tiny-llama", output_dir="runs/grpo-tiny-llama"),
     "tiny-moe": GRPOConfig(preset="tiny-moe", output_dir="runs/grpo-tiny-moe"),
-    # Sizes in the range of the published MLLM-JAX GRPO runs on a TPU v4-8.
     "qwen2.5-3b": GRPOConfig(
-        preset="qwen2.5-3b",
-        model="Qwen/Qwen2.5-3B-Instruct",
-        dataset="openai/gsm8k",
-        output_dir="runs/grpo-qwen2.5-3b",
-        steps=200,
-        prompts_per_step=16,
-        group_size=8,
-        max_prompt_tokens=256,
-        max_new_tokens=512,
-        temperature=1.0,
-        learning_rate=1e-6,
-        ppo_epochs=1,
-        kl_beta=0.04,
-        dtype="bfloat16",
-        kv_tokens=131072,
-        tp_size=4,
-        checkpoint_every=50,
+        **QWEN25_3B, output_dir="runs/grpo-qwen2.5-3b", prompts_per_step=16, group_size=8, ppo_epochs=1, kl_beta=0.04
     ),
 }
+
+# parse_args(argv=None) -> GRPOConfig: --preset and a flag per field.
+parse_args = partial(parse_config, GRPOConfig, PRESETS, description=__doc__)
 
 
 class GRPO:
@@ -96,60 +83,48 @@ class GRPO:
         # The reference policy for the KL penalty is the initial model, also after a resume; a
         # copy, since the train step donates the policy's buffers.
         self.ref_params = jax.tree_util.tree_map(jnp.copy, policy.params) if config.kl_beta > 0 else None
-        self.logprobs, self.train_step = make_train_fns(policy.model, self.optimizer, config)
+        model = policy.model
+
+        def logprobs(params, tokens, attention_mask, positions):
+            logits = model.apply({"params": params}, tokens, attention_mask, positions)
+            # The engine samples at this temperature: the policy being trained is the tempered one.
+            return token_logprobs(logits / config.temperature, tokens)
+
+        def loss_fn(trained, batch):
+            new = logprobs(trained["params"], batch["tokens"], batch["attention_mask"], batch["positions"])
+            return ppo_clip_loss(
+                new, batch["old_logprobs"], batch["advantages"], batch["completion_mask"][:, 1:], config.clip_eps,
+                ref_logprobs=batch.get("ref_logprobs"), kl_beta=config.kl_beta,
+                behaviour_logprobs=batch.get("behaviour_logprobs"), tis_cap=config.tis_cap,
+            )
+
+        self.logprobs = jax.jit(logprobs)
+        self.train_step = make_train_step(loss_fn, {"params": ("opt_state", self.optimizer)}, config.target_kl)
 
     def init_trees(self, params) -> dict:
         return {"params": params, "opt_state": self.optimizer.init(params)}
 
     def update(self, trees: dict, rollout: Rollout) -> tuple[dict, dict]:
-        config, arrays = self.config, dict(rollout.arrays)
+        config, data = self.config, dict(rollout.arrays)
+        inputs = (data["tokens"], data["attention_mask"], data["positions"])
+        data["old_logprobs"] = old = self.logprobs(trees["params"], *inputs)
         # Per prompt group: this process's rows hold whole groups.
-        advantages = rollout.rows(group_advantages(rollout.rewards, config.group_size))
-        if config.tis_cap is not None:
-            arrays["behaviour_logprobs"] = rollout.rows(rollout.batch.logprobs[:, 1:])
-        params, opt_state = trees["params"], trees["opt_state"]
-        inputs = (arrays["tokens"], arrays["attention_mask"], arrays["positions"])
-        old = self.logprobs(params, *inputs)
+        data["advantages"] = rollout.rows(group_advantages(rollout.rewards, config.group_size))
         if self.ref_params is not None:
-            arrays["ref_logprobs"] = self.logprobs(self.ref_params, *inputs)
-        for _ in range(config.ppo_epochs):
-            params, opt_state, stats = self.train_step(params, opt_state, arrays, old, advantages)
+            data["ref_logprobs"] = self.logprobs(self.ref_params, *inputs)
+        if config.tis_cap is not None:
+            data["behaviour_logprobs"] = rollout.rows(rollout.batch.logprobs[:, 1:])
+        trees, stats, _ = run_updates(
+            self.train_step, trees, data, epochs=config.ppo_epochs, minibatches=config.minibatches,
+            seed=config.seed, step=rollout.step,
+        )
         if config.wants_logprobs:
             stats.update(mismatch_metrics(rollout.batch, old))
-        return {"params": params, "opt_state": opt_state}, stats
-
-
-def make_train_fns(model, optimizer, config: GRPOConfig):
-    def logprobs(params, tokens, attention_mask, positions):
-        logits = model.apply({"params": params}, tokens, attention_mask, positions)
-        # The engine samples at this temperature: the policy being trained is the tempered one.
-        return token_logprobs(logits / config.temperature, tokens)
-
-    def loss_fn(params, batch, old_logprobs, advantages):
-        new = logprobs(params, batch["tokens"], batch["attention_mask"], batch["positions"])
-        return ppo_clip_loss(
-            new, old_logprobs, advantages, batch["completion_mask"][:, 1:], config.clip_eps,
-            ref_logprobs=batch.get("ref_logprobs"), kl_beta=config.kl_beta,
-            behaviour_logprobs=batch.get("behaviour_logprobs"), tis_cap=config.tis_cap,
-        )
-
-    # The params and optimizer state are donated: the train step overwrites them in place.
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch, old_logprobs, advantages):
-        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, old_logprobs, advantages)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        stats["grad_norm"] = optax.global_norm(grads)
-        return optax.apply_updates(params, updates), opt_state, stats
-
-    return jax.jit(logprobs), train_step
+        return trees, stats
 
 
 def main(config: GRPOConfig) -> dict:
     return (run_async if config.async_rollout else run)(config, GRPO)
-
-
-def parse_args(argv=None) -> GRPOConfig:
-    return parse_config(GRPOConfig, PRESETS, argv, __doc__)
 
 
 if __name__ == "__main__":

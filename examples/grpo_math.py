@@ -40,7 +40,8 @@ def ppo_clip_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Token-level PPO-clip objective (mean over completion tokens) with an optional KL
     penalty to a reference policy (k3 estimator). All log-prob arrays are [B, T'] and
-    ``mask`` marks completion tokens; ``advantages`` is [B].
+    ``mask`` marks completion tokens; ``advantages`` is [B] (one per sequence, GRPO) or [B, T']
+    (one per token, PPO).
 
     With ``behaviour_logprobs`` (the rollout engine's, which sampled the tokens) and
     ``tis_cap``, truncated importance sampling corrects for the engine not being exactly the
@@ -50,7 +51,7 @@ def ppo_clip_loss(
     tokens = jnp.maximum(mask.sum(), 1.0)
     log_ratio = new_logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -jnp.minimum(unclipped, clipped)

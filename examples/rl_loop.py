@@ -45,6 +45,22 @@ TINY_MODELS = {
     "tiny-moe": lambda seed: TinyMoeSpec(vocab_size=32, tokenizer="chars", seed=seed),
 }
 PRESET_NAMES = (*TINY_MODELS, "qwen2.5-3b")
+# What every algorithm's qwen2.5-3b preset shares: Qwen2.5-3B-Instruct on GSM8K, in bfloat16 on a
+# TPU v4-8 (tp 4), sizes in the range of the published MLLM-JAX GRPO runs.
+QWEN25_3B = dict(
+    preset="qwen2.5-3b",
+    model="Qwen/Qwen2.5-3B-Instruct",
+    dataset="openai/gsm8k",
+    steps=200,
+    max_prompt_tokens=256,
+    max_new_tokens=512,
+    temperature=1.0,
+    learning_rate=1e-6,
+    dtype="bfloat16",
+    kv_tokens=131072,
+    tp_size=4,
+    checkpoint_every=50,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +79,10 @@ class RLConfig:
     temperature: float = 1.0
     learning_rate: float = 6e-4
     ppo_epochs: int = 2
+    minibatches: int = 1  # train steps per epoch, each on a shuffled 1/minibatches of the rows
     clip_eps: float = 0.2
+    # Stop a step's epochs once the policy's approx KL (k3) to the rollout policy passes this. None: off.
+    target_kl: float | None = None
     dtype: str = "float32"
     kv_tokens: int = 4096
     tp_size: int = 1
@@ -97,6 +116,10 @@ class RLConfig:
         for name in ("steps", "prompts_per_step", "max_prompt_tokens", "max_new_tokens", "ppo_epochs", "kv_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.minibatches <= self.prompts_per_step * self.samples_per_prompt:
+            raise ValueError(f"minibatches must be in [1, rows per step], got {self.minibatches}")
+        if self.target_kl is not None and self.target_kl <= 0:
+            raise ValueError(f"target_kl must be > 0 (or unset), got {self.target_kl}")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
         if self.learning_rate <= 0 or self.temperature <= 0:
@@ -177,7 +200,6 @@ class Task:
 
     def __init__(self, config: RLConfig, tokenizer):
         self.config = config
-        self.rng = np.random.default_rng(config.seed)
         if config.preset in TINY_MODELS:
             self.pool = None
             self.reward_fn = addition_reward
@@ -198,10 +220,13 @@ class Task:
                             len(problems) - len(self.pool), len(problems), config.max_prompt_tokens)
             self.reward_fn = gsm8k_reward
 
-    def sample(self, count: int) -> list[Problem]:
+    def sample(self, count: int, step: int) -> list[Problem]:
+        """The prompts of ``step``: they depend on (seed, step) only, so a resumed run sees the
+        prompts an uninterrupted one would."""
+        rng = np.random.default_rng([self.config.seed, step])
         if self.pool is None:
-            return addition_problems(self.rng, count)
-        return [self.pool[i] for i in self.rng.choice(len(self.pool), count, replace=False)]
+            return addition_problems(rng, count)
+        return [self.pool[i] for i in rng.choice(len(self.pool), count, replace=False)]
 
 
 def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
@@ -253,9 +278,11 @@ def _train(config: RLConfig, output_dir: Path, worker: RolloutWorker, algorithm:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
         worker.sync_params(jax.tree_util.tree_map(jnp.copy, state.trees["params"]))
     history = []
+    start = time.perf_counter()
     try:
         while state.step < config.steps:
             record = _step(config, worker, algorithm, state, task)
+            record["elapsed_s"] = time.perf_counter() - start  # wall clock since this process's first step
             state.step += 1
             history.append(record)
             if metrics_file is not None:
@@ -285,10 +312,10 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     report = worker.sync_params(state.trees["params"], check_finite=True) if config.resync else None
     sync_s = time.perf_counter() - start
 
-    # Every process draws the same global prompts and generates its share; with the same call
-    # seeds (the workers' seed streams advance together) prompt_offset makes each sample draw
-    # what one process generating every prompt would.
-    problems = task.sample(config.prompts_per_step)
+    # Every process draws the same global prompts (fixed by (seed, step)) and generates its
+    # share; with the same call seed prompt_offset makes each sample draw what one process
+    # generating every prompt would.
+    problems = task.sample(config.prompts_per_step, state.step)
     share = config.prompts_per_step // jax.process_count()
     offset = share * jax.process_index()
     problems = problems[offset : offset + share]
@@ -299,7 +326,7 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     batch = worker.generate(
         [p.prompt for p in problems], n=config.samples_per_prompt, temperature=config.temperature,
         max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens,
-        return_logprobs=config.wants_logprobs, prompt_offset=offset,
+        return_logprobs=config.wants_logprobs, prompt_offset=offset, seed=step_seed(config.seed, state.step),
     )
     generate_s = time.perf_counter() - start
     rewards = np.array(
@@ -359,6 +386,11 @@ def _rows_over_processes(worker: RolloutWorker) -> Callable[[Any], jax.Array]:
 
     sharding = NamedSharding(worker.mesh, PartitionSpec("replica"))
     return lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of ``step``: fixed by (seed, step), as the prompts are."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1, dtype=np.uint32)[0]) >> 1
 
 
 def mismatch_metrics(batch: RolloutBatch, trainer_logprobs, rows=slice(None)) -> dict[str, float]:
@@ -495,7 +527,7 @@ def _plot(path: Path, history: list[dict], extra_panels) -> None:
 def parse_args(config_class: type[RLConfig], presets: dict[str, RLConfig], argv=None, description: str = ""):
     """A ``config_class`` from the command line: ``--preset`` plus one flag per field."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+    parser.add_argument("--preset", choices=tuple(presets), default="tiny")
     overridable = [f for f in dataclasses.fields(config_class) if f.name != "preset"]
     for field in overridable:
         flag = "--" + field.name.replace("_", "-")

@@ -251,6 +251,10 @@ class QwenForCausalLM(nn.Module):
             self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
 
     def __call__(self, tokens, attention_mask=None, positions=None):
+        return self.logits(self.hidden_states(tokens, attention_mask, positions))
+
+    def hidden_states(self, tokens, attention_mask=None, positions=None):
+        """The final-norm hidden states [B, T, H] the logits are read from (a value head reads them too)."""
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, dtype=bool)
         attention_mask = attention_mask.astype(bool)
@@ -259,7 +263,9 @@ class QwenForCausalLM(nn.Module):
         length = tokens.shape[1]
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         mask = causal[None, :, :] & attention_mask[:, None, :]
-        hidden = self.model(tokens, positions, mask)
+        return self.model(tokens, positions, mask)
+
+    def logits(self, hidden):
         if self.config.tie_word_embeddings:
             logits = self.model.attend(hidden)
         else:

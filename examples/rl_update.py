@@ -1,0 +1,71 @@
+"""The update both algorithms run on a rollout: ``ppo_epochs`` passes of ``minibatches``
+jitted train steps, stopped early once the policy's approx KL to the rollout's passes
+``target_kl``."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# loss_fn(trained, minibatch) -> (loss, stats); stats has "approx_kl", measured on the params
+# the step starts from (before its own update).
+LossFn = Callable[[dict[str, Any], dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def make_train_step(loss_fn: LossFn, optimizers: dict[str, tuple[str, optax.GradientTransformation]],
+                    target_kl: float | None = None):
+    """A jitted ``train_step(trees, minibatch) -> (trees, stats)``.
+
+    ``optimizers`` maps each trained tree's key in ``trees`` to (the key of its optimizer state,
+    the optimizer). ``trees`` is donated: the step overwrites it in place. With ``target_kl``,
+    a step whose starting policy is already further than ``target_kl`` from the rollout's
+    applies nothing (``stats["kl_stop"]`` is 1): the caller then stops.
+    """
+
+    @partial(jax.jit, donate_argnums=0)
+    def train_step(trees, minibatch):
+        trained = {name: trees[name] for name in optimizers}
+        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, minibatch)
+        new = dict(trees)
+        for name, (state_key, optimizer) in optimizers.items():
+            updates, new[state_key] = optimizer.update(grads[name], trees[state_key], trees[name])
+            new[name] = optax.apply_updates(trees[name], updates)
+            stats["grad_norm" if name == "params" else f"{name}_grad_norm"] = optax.global_norm(grads[name])
+        if target_kl is not None:
+            stop = stats["approx_kl"] > target_kl
+            new = jax.tree_util.tree_map(lambda n, o: jnp.where(stop, o, n), new, trees)
+            stats["kl_stop"] = stop.astype(jnp.float32)
+        return new, stats
+
+    return train_step
+
+
+def run_updates(train_step, trees: dict, data: dict[str, jax.Array], *, epochs: int, minibatches: int,
+                seed: int, step: int) -> tuple[dict, dict, dict]:
+    """``epochs`` shuffled passes over the rows of ``data`` in ``minibatches`` parts.
+
+    Returns the trees, the statistics of the last train step (for a step made with
+    ``target_kl``, its ``kl_stop`` is 1 when the KL stopped the passes early) plus ``updates`` (the train steps
+    that applied their update), and the statistics of the first train step (measured before
+    any update). The shuffle depends on (seed, step) only: a resumed run repeats it.
+    """
+    rows = next(iter(data.values())).shape[0]
+    if not 1 <= minibatches <= rows:
+        raise ValueError(f"minibatches must be in [1, {rows}] (the rollout's rows), got {minibatches}")
+    rng = np.random.default_rng([seed, step])
+    updates, first = 0, None
+    for _ in range(epochs):
+        parts = np.array_split(rng.permutation(rows), minibatches) if minibatches > 1 else [None]
+        for part in parts:
+            minibatch = data if part is None else {k: v[jnp.asarray(part)] for k, v in data.items()}
+            trees, stats = train_step(trees, minibatch)
+            first = stats if first is None else first
+            if "kl_stop" in stats and float(stats["kl_stop"]):
+                return trees, {**stats, "updates": updates}, first
+            updates += 1
+    return trees, {**stats, "updates": updates}, first
