@@ -54,9 +54,11 @@ demo: $(VENV)/.installed
 
 # Both ends of the supported range, one after the other (2 cores: running them side by side
 # takes as long and needs twice the memory); the second runs even if the first fails. The
-# newest end skips only the `pinning` tests (each engine workaround disabled in a process of its
+# newest end skips the `pinning` tests (each engine workaround disabled in a process of its
 # own, ~20 s each): they check the engine's bugs, the same 0.0.2 code at both ends; the flax
-# workaround, which differs, has its own test that runs at both.
+# workaround, which differs, has its own test that runs at both. It also skips the newer
+# `example_run` tests (RL examples run end to end, minutes each): the worker calls they make are
+# tested at both ends by the rest of the suite, and their learning thresholds were set at the oldest.
 test: $(VENV)/.installed $(NEWEST)/.installed
 	@status=0; \
 	$(MAKE) --no-print-directory test-oldest || status=1; \
@@ -65,11 +67,11 @@ test: $(VENV)/.installed $(NEWEST)/.installed
 
 test-oldest: $(VENV)/.installed
 	@$(VENV)/bin/python -c 'import jax, flax; print(f"== oldest: jax {jax.__version__}, flax {flax.__version__}")'
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 test-newest: $(NEWEST)/.installed
 	@$(NEWEST)/bin/python -c 'import jax, flax; print(f"== newest: jax {jax.__version__}, flax {flax.__version__}")'
-	$(NEWEST)/bin/python -m pytest -q -m "not pinning"
+	$(NEWEST)/bin/python -m pytest -q --durations=25 -m "not pinning and not example_run"
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.sync_bench

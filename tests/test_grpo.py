@@ -210,6 +210,7 @@ def test_tiny_grpo_with_engine_logprobs_and_tis_learns(tmp_path):
     assert [r["step"] for r in records if "consistency_max" in r] == [1, 11, 21]
 
 
+@pytest.mark.example_run
 def test_async_grpo_overlaps_generation_and_learns(tmp_path):
     """Trainer on 2 devices, engine on the other 2: each step trains on the rollout generated
     during the previous update (one version behind, TIS-corrected) and learns as the plain

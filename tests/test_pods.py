@@ -94,6 +94,7 @@ def test_a_process_killed_mid_sync_is_named_within_the_bound(pod):
     assert survivor["greedy_after_loss"] == survivor["greedy"]
 
 
+@pytest.mark.example_run
 def test_grpo_over_two_processes_steps_as_one_process(tmp_path):
     """``--local-processes 2``: each process generates half of every step's prompts (one CPU
     device each) and the update is one data-parallel step over both."""

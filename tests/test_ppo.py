@@ -253,6 +253,7 @@ def trained(tmp_path_factory):
     return run_ppo(tmp_path_factory.mktemp("ppo") / "trained", "--steps", str(STEPS))
 
 
+@pytest.mark.example_run
 def test_tiny_ppo_learns_and_its_critic_explains_the_returns(trained):
     """Rewards are means over 64 samples; five-step means of a fixed policy differ by about 0.02
     (standard deviation): a 0.12 gain is far outside noise (0.09 -> 0.27 seen), and a broken
@@ -268,6 +269,7 @@ def test_tiny_ppo_learns_and_its_critic_explains_the_returns(trained):
     assert mean(trained[-5:], "entropy") < mean(trained[:5], "entropy"), "the policy sharpens as it learns"
 
 
+@pytest.mark.example_run
 def test_a_critic_that_does_not_learn_does_worse(trained, tmp_path):
     """With the tiny preset's lam 0 every advantage bootstraps from the critic: a frozen one
     (values 0) leaves only the last token's reward to learn from (0.17 against 0.24 mean reward
@@ -277,6 +279,7 @@ def test_a_critic_that_does_not_learn_does_worse(trained, tmp_path):
     assert mean(frozen[5:]) < mean(trained[5:]) - 0.03
 
 
+@pytest.mark.example_run
 def test_resume_gives_the_step_an_uninterrupted_run_takes(trained, tmp_path):
     """Three steps, a checkpoint, a new process for the fourth: the same prompts, samples and
     update as the fourth step of the uninterrupted run (policy, critic and both Adam states
@@ -289,6 +292,7 @@ def test_resume_gives_the_step_an_uninterrupted_run_takes(trained, tmp_path):
         assert resumed[3][key] == pytest.approx(trained[3][key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.example_run
 def test_engine_old_logprobs_with_a_shared_critic_match_the_trainer_in_fp32(tmp_path):
     """--old-logprobs engine takes the rollout's log-probs from the engine; in fp32 they are
     the trainer's up to float rounding (the mismatch is measured on the first minibatch, and
@@ -308,6 +312,7 @@ def chat_model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("chat-model"), TinyModelSpec(chat_template=True))
 
 
+@pytest.mark.example_run
 def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
     """The qwen2.5-3b PPO preset end to end with its downloads replaced by local files: GSM8K
     prompts and rewards, the separate critic from the policy's backbone, the per-token KL
