@@ -102,7 +102,7 @@ def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params
     events = []
     gate, leave = worker._gate, worker._gate.leave
     monkeypatch.setattr(gate, "leave", lambda: (events.append(("leave", threading.current_thread().name)), leave()))
-    for weights in worker._weights:
+    for weights in worker._group.weights:
         monkeypatch.setattr(weights, "commit", _recording(weights.commit, events, "commit"))
 
     def generate_long():
