@@ -2,6 +2,7 @@
 their statuses, admission limits, NaN on every load path, OpenAI conformance details."""
 
 import asyncio
+import ctypes
 import gc
 import json
 import logging
@@ -396,6 +397,28 @@ def test_the_readme_client_example_runs_as_written(worker, capsys):
 
 
 # ---- signals: drain and exit 0 -----------------------------------------------------------------------
+
+
+def _sigterm_handler_address() -> int:
+    """The process's SIGTERM handler as the kernel holds it (Python's signal module only sees
+    handlers it installed itself): the first field of struct sigaction."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    action = ctypes.create_string_buffer(512)
+    assert libc.sigaction(signal.SIGTERM, None, action) == 0
+    return ctypes.c_void_p.from_buffer(action).value
+
+
+def test_the_engines_forwards_leave_the_sigterm_handler_alone(qwen2_dir):
+    """0.0.2 imports ``jax._src.test_util`` in every forward; its first import installs absl's
+    failure handler over the process's SIGTERM handler (a server's drain then never runs)."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        before = _sigterm_handler_address()
+        with RolloutWorker(tiny_worker_config(qwen2_dir)) as fresh:
+            fresh.generate([PROMPT], max_new_tokens=2, temperature=0.0)
+            assert _sigterm_handler_address() == before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.mark.parametrize(
