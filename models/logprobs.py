@@ -9,7 +9,9 @@ arithmetic.
 Order of operations (as in sglang, vLLM and HF): temperature, then top-k, top-p (on the tempered
 distribution, smallest prefix of the sorted probabilities whose mass before the token is at most
 ``top_p``) and min-p (tokens with probability below ``min_p`` times the largest), then
-renormalization over the kept tokens. Ties at the cut-off are all kept.
+renormalization over the kept tokens. Ties at the cut-off are all kept. The cut-off comes from
+the top ``PRESELECT`` entries of each row when the kept tokens fit in them, and from a sort of
+the whole row otherwise: the same tokens either way.
 
 Greedy rows (``top_k == 1``, which is what ``temperature=0`` becomes) would always report 0; they
 report the log-prob under the unfiltered distribution at their temperature instead (temperature
@@ -20,6 +22,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+# Sorted entries a filtering row is first cut from (lax.top_k): a full sort of a 151936-token
+# vocabulary costs ~100x as much on a CPU; rows whose kept tokens do not fit fall back to it.
+PRESELECT = 256
 
 
 def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Array, jax.Array]:
@@ -42,23 +48,34 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
     tempered = jax.nn.log_softmax(logits / temperature, axis=-1)
     tempered = jnp.nan_to_num(tempered, nan=-jnp.inf)
 
-    def filtered(tempered):
-        descending = -jnp.sort(-tempered, axis=-1)
+    def cutoff(descending, width):
+        """Per row: the smallest kept log-prob, and whether the kept prefix fits in the first
+        ``width`` sorted entries (it always does when they are the whole row)."""
         probs = jnp.exp(descending)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         # Each condition holds on a prefix of the sorted row, so together they keep a prefix;
         # the first token always stays.
         keep = (
-            (jnp.arange(vocab)[None, :] < top_k)
+            (jnp.arange(width)[None, :] < top_k)
             & (mass_before <= top_p)
             & (descending >= descending[:, :1] + jnp.log(min_p))
         )
         kept = jnp.maximum(keep.sum(axis=-1, keepdims=True), 1)
-        cutoff = jnp.take_along_axis(descending, kept - 1, axis=-1)
-        masked = jnp.where(tempered >= cutoff, tempered, -jnp.inf)
+        fits = (kept < width) | (top_k <= width) | (width == vocab)
+        return jnp.take_along_axis(descending, kept - 1, axis=-1), jnp.all(fits)
+
+    def filtered(tempered):
+        # The top PRESELECT entries decide every row whose kept prefix ends inside them (the
+        # same prefix as in the full sort); otherwise the whole row is sorted.
+        width = min(PRESELECT, vocab)
+        threshold, fits = cutoff(jax.lax.top_k(tempered, width)[0], width)
+        threshold = jax.lax.cond(
+            fits, lambda: threshold, lambda: cutoff(-jnp.sort(-tempered, axis=-1), vocab)[0]
+        )
+        masked = jnp.where(tempered >= threshold, tempered, -jnp.inf)
         return masked - jax.nn.logsumexp(masked, axis=-1, keepdims=True)
 
-    # The sort over the vocabulary only runs when some row filters.
+    # The filter only runs when some row filters.
     filters = jnp.any(top_k < vocab) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0.0)
     return tempered, jax.lax.cond(filters, filtered, lambda tempered: tempered, tempered)
 
