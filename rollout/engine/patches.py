@@ -18,7 +18,8 @@ from jax._src import config as jax_config
 
 from models import sampled_token_log_probs, sampling_log_probs
 
-from .attention import paged_attention
+from .attention import converts_16bit_rows, paged_attention, set_rows
+from .draw import draw_tokens, keyed_uniforms
 from .runtime import (
     current_start_up,
     run_detokenizer_thread,
@@ -125,7 +126,8 @@ WORKAROUNDS: dict[str, str] = {
         "TPU, after it elsewhere through a host callback; min-p on logits on TPU). "
         "Sampler.__call__ is replaced by one that applies temperature, top-k, top-p and min-p "
         "the same way on every backend (models/logprobs.py, shared with the trainer), draws "
-        "each token with jax.random.categorical under a key folded from (request seed, "
+        "each token by inverse CDF (draw.py: one uniform per row, not the Gumbel noise per "
+        "vocabulary entry of jax.random.categorical) at a uniform keyed by (request seed, "
         "position) (fresh samples per call, the same samples for the same seed, whatever the "
         "batch), and returns its log-prob with it, always (one compiled program). Requests that "
         "ask for log-probs get them on the scheduler thread, fetched in the same device_get as "
@@ -147,6 +149,16 @@ WORKAROUNDS: dict[str, str] = {
         "rounding the scheduler uses, so page_size > 1 attends to the wrong slots. Replaced by "
         "attention.paged_attention: each query block walks only its own requests' slots in "
         "fixed chunks with an online softmax (memory ~ tokens x chunk), same results."
+    ),
+    "kv-pool-conversions": (
+        "The native backend writes each layer's new K/V into the pool with a bf16 scatter "
+        "(set_kv_buffer_legacy); XLA's CPU backend computes bf16 scatters in f32, so every "
+        "forward converts each layer's whole KV pool to f32 and back (passes over "
+        "max_total_tokens slots per layer, whatever the batch; XLA in jax 0.8, fixed by 0.12). "
+        "With native-attention-memory, where a probe finds XLA converting (converts_16bit_rows), "
+        "the write and the attention's reads go through a same-width integer view of the pool "
+        "(attention.set_rows / take_rows): bit-identical, no f32 copy (one integer copy of the "
+        "pool remains: XLA 0.8 copies for the view)."
     ),
 }
 
@@ -233,16 +245,12 @@ def _import_native_backend_without_duplicate_registration() -> None:
 
 
 def _keyed_draw(log_probs, seeds, positions, rng):
-    """Draw one token per row with a key folded from (row seed, row position)."""
+    """Draw one token per row at a uniform keyed by (row seed, row position)."""
     if seeds is None:
-        return jax.random.categorical(rng, log_probs)
-    base = jax.random.key(0)
-
-    def draw(seed, position, row_log_probs):
-        key = jax.random.fold_in(jax.random.fold_in(base, seed), position)
-        return jax.random.categorical(key, row_log_probs)
-
-    return jax.vmap(draw)(seeds.astype(jnp.uint32), positions.astype(jnp.uint32), log_probs)
+        uniforms = jax.random.uniform(rng, (log_probs.shape[0],))
+    else:
+        uniforms = keyed_uniforms(seeds, positions)
+    return draw_tokens(log_probs, uniforms)
 
 
 def _greedy_with_logprobs(operands):
@@ -440,6 +448,7 @@ def _patch_native_attention() -> None:
         return
     from sgl_jax.srt.layers.attention import native_backend
     from sgl_jax.srt.layers.radix_attention import AttentionType
+    from sgl_jax.srt.mem_cache.memory_pool import merge_kv
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 
     engine_call = native_backend.NativeAttention.__call__
@@ -447,10 +456,21 @@ def _patch_native_attention() -> None:
     def paged_call(self, q, k, v, layer, forward_batch, token_to_kv_pool):
         if _native_attention_baseline:
             return engine_call(self, q, k, v, layer, forward_batch, token_to_kv_pool)
-        # The engine's own KV write; the fused layer it returns is what the caller persists.
-        _, _, kv_fused = self._get_and_update_kv_cache(
-            k, v, forward_batch, token_to_kv_pool, layer.layer_id
+        # The engine's KV write (workaround kv-pool-conversions: through an integer view); the
+        # fused layer it returns is what the caller persists.
+        pool = token_to_kv_pool.kv_buffer[layer.layer_id - token_to_kv_pool.start_layer]
+        integer_view = (
+            workaround_enabled("kv-pool-conversions")
+            and pool.dtype.itemsize == 2
+            and converts_16bit_rows(token_to_kv_pool.mesh.devices.flat[0].platform)
         )
+        if integer_view:
+            loc = forward_batch.out_cache_loc
+            kv_fused = set_rows(pool, jnp.where(loc >= 0, loc, pool.shape[0]), merge_kv(k, v), True)
+        else:
+            _, _, kv_fused = self._get_and_update_kv_cache(
+                k, v, forward_batch, token_to_kv_pool, layer.layer_id
+            )
         mode = forward_batch.forward_mode
         # The same mode dispatch as the engine's forward_attention: EXTEND or decode-like.
         extend = mode == ForwardMode.EXTEND
@@ -466,6 +486,7 @@ def _patch_native_attention() -> None:
             scale=layer.head_dim**-0.5 if layer.scaling is None else layer.scaling,
             causal=mode != ForwardMode.DECODE and layer.attn_type != AttentionType.ENCODER_ONLY,
             page_size=token_to_kv_pool.page_size,
+            integer_view=integer_view,
         )
         return output, kv_fused
 
