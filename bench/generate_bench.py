@@ -48,7 +48,7 @@ from bench.attention_bench import QWEN25_05B_HEAD_DIM, QWEN25_05B_SHAPE
 from bench.common import QWEN25_15B_SHAPE, PeakRss, gib, median_seconds
 from models import TinyModelSpec, random_hf_weights
 from rollout import RolloutWorker, WorkerConfig
-from rollout.engine import attention, patches
+from rollout.engine import attention, patches, workarounds
 
 # name: (HF shape, head_dim)
 SHAPES = {"0.5b": (QWEN25_05B_SHAPE, QWEN25_05B_HEAD_DIM), "1.5b": (QWEN25_15B_SHAPE, 128)}
@@ -194,7 +194,7 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
     cache_loc = jnp.arange(1, rows * seq + 1, dtype=jnp.int32)
     out_loc = jnp.arange(rows, dtype=jnp.int32) * seq + seq
     seq_lens = jnp.full((rows,), seq, jnp.int32)
-    view = patches.workaround_enabled("kv-pool-conversions") and attention.converts_16bit_rows(jax.default_backend())
+    view = workarounds.workaround_enabled("kv-pool-conversions") and attention.converts_16bit_rows(jax.default_backend())
 
     def attend(pool, q, kv_new):
         outs, new_pool = [], []
@@ -294,7 +294,7 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
 def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig) -> dict:
     env = dict(os.environ)
     if variant == "baseline":
-        env[patches.DISABLE_ENV] = ",".join(SPEED_WORKAROUNDS)
+        env[workarounds.DISABLE_ENV] = ",".join(SPEED_WORKAROUNDS)
     args = [sys.executable, "-m", "bench.generate_bench", "--child", f"{shape}:{layers}",
             "--batches", ",".join(config.batches), "--repeats", str(config.repeats)]
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
@@ -332,7 +332,7 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
 
 def main(config: GenerateBenchConfig) -> None:
     print(f"uptime: {os.getloadavg()}; JAX {jax.__version__}, {jax.devices()[0].platform}; "
-          f"baseline = {patches.DISABLE_ENV}={','.join(SPEED_WORKAROUNDS) or '(none)'}")
+          f"baseline = {workarounds.DISABLE_ENV}={','.join(SPEED_WORKAROUNDS) or '(none)'}")
     for shape, layers in zip(config.shapes, config.layers):
         results = {}
         for variant in config.variants:

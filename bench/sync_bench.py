@@ -51,7 +51,7 @@ def mllm_jax_sync(worker: RolloutWorker, flat: dict) -> None:
             host = host.T
         leaves[spec.index] = jax.device_put(host, spec.sharding, may_alias=False).astype(spec.dtype)
     jax.block_until_ready(leaves)
-    engine.call(lambda: (engine.replace_weight_leaves(leaves), engine.flush_prefix_cache()))
+    engine.replace_weight_leaves(leaves)
 
 
 def main(config: SyncBenchConfig) -> None:
@@ -94,7 +94,7 @@ def main(config: SyncBenchConfig) -> None:
         with RolloutWorker(worker_config(model_dir, "float32", load_format="auto")) as worker:
             engine = worker.engine
             with PeakRss() as mem:
-                reload_s = median_seconds(lambda: engine.call(engine.reload_weights_from_model_dir), 2)
+                reload_s = median_seconds(engine.reload_weights_from_model_dir, 2)
             rows.append(("sglang-jax reload from safetensors", reload_s, total, mem.extra_bytes))
 
         src = np.ones(cast_report.bytes_copied, dtype=np.uint8)

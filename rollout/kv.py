@@ -69,7 +69,7 @@ def drop_kv(engine: EngineHandle) -> KvReport:
     start = time.perf_counter()
     devices = engine.devices
     live_before = live_device_bytes(devices)
-    count, freed = engine.call(engine.drop_kv_buffers)
+    count, freed = engine.drop_kv_buffers()
     transient = max(0, live_before - live_device_bytes(devices) - freed)
     return KvReport(freed, count, time.perf_counter() - start, transient)
 
@@ -77,7 +77,7 @@ def drop_kv(engine: EngineHandle) -> KvReport:
 def rebuild_kv(engine: EngineHandle) -> KvReport:
     """Recreate one engine's KV buffers with their original shapes, dtype and sharding."""
     start = time.perf_counter()
-    engine.call(engine.rebuild_kv_buffers)
+    engine.rebuild_kv_buffers()
     buffers = engine.kv_buffers()
     jax.block_until_ready(buffers)
     return KvReport(sum(device_nbytes(b) for b in buffers), len(buffers), time.perf_counter() - start)

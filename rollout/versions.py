@@ -7,7 +7,7 @@ ranges), and ``import rollout`` refuses versions outside them.
 
 sglang-jax 0.0.2 declares ``jax[tpu]~=0.8.0``, ``flax~=0.12.0``, ``transformers~=4.55.0`` and
 ``numpy~=2.2.6``; it is installed without its declared dependencies (``make install``) and works
-across these ranges with the workarounds in ``rollout/engine/patches.py``.
+across these ranges with the workarounds in ``rollout/engine/`` (registered in ``workarounds.py``).
 
 Also a script, run by path before the package is importable (stdlib only)::
 

@@ -91,19 +91,7 @@ class EngineWeights:
     def commit(self, prepared: PreparedSync) -> None:
         """Swap the prepared leaves in (on the scheduler thread, between forwards), flush the
         prefix cache, and free the engine-owned arrays that were replaced."""
-        engine, owned = self.engine, set(self._owned)
-
-        def swap():
-            old = engine.weight_leaves()
-            engine.replace_weight_leaves(prepared.leaves)
-            engine.flush_prefix_cache()
-            # Freed now rather than whenever the last reference goes: the peak memory of a
-            # sync stays at the bytes it writes.
-            for index in owned & prepared.updated:
-                if old[index] is not prepared.leaves[index]:
-                    old[index].delete()
-
-        engine.call(swap)
+        self.engine.replace_weight_leaves(prepared.leaves, free=self._owned & prepared.updated)
         self._owned = set(prepared.copied) | (self._owned - prepared.updated)
 
     def replace_leaves(self, new_leaves: Mapping[int, jax.Array]) -> None:
@@ -168,7 +156,7 @@ class EngineWeights:
         donate them. The engine must not run a forward until the next commit."""
         mapped = {leaf.index for leaf in self.leaves if not leaf.rng_state}
         aliased = sorted(mapped - self._owned)
-        self.engine.call(lambda: self.engine.release_weight_leaves(aliased))
+        self.engine.release_weight_leaves(aliased)
 
     def dead_leaves(self) -> list[str]:
         """Paths of leaves whose buffers were freed (donated by the trainer)."""

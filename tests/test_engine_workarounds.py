@@ -1,4 +1,4 @@
-"""Each sglang-jax 0.0.2 workaround in rollout/engine/patches.py, pinned by a test that fails
+"""Each sglang-jax 0.0.2 workaround in rollout/engine/ (registered in workarounds.py), pinned by a test that fails
 without it (the workaround names are the keys of ``WORKAROUNDS``)."""
 
 import asyncio
@@ -18,7 +18,7 @@ from packaging.version import Version
 
 from models import QwenConfig, QwenForCausalLM, greedy_decode
 from rollout import EngineError, RolloutWorker
-from rollout.engine import patches
+from rollout.engine import patches, workarounds
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -57,13 +57,13 @@ NOT_SWITCHABLE = {
 
 def run_pytest(nodes, disabled=""):
     """Pytest in a fresh process (a workaround is installed once per process)."""
-    env = dict(os.environ, **{patches.DISABLE_ENV: disabled})
+    env = dict(os.environ, **{workarounds.DISABLE_ENV: disabled})
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodes]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
 def test_every_workaround_has_a_pinning_test():
-    assert sorted(PINNING_TESTS) == sorted(patches.WORKAROUNDS), "each workaround needs a pinning test"
+    assert sorted(PINNING_TESTS) == sorted(workarounds.WORKAROUNDS), "each workaround needs a pinning test"
     assert set(NOT_SWITCHABLE) <= set(PINNING_TESTS)
     for node in PINNING_TESTS.values():
         file, name = node.split("::")
@@ -71,12 +71,12 @@ def test_every_workaround_has_a_pinning_test():
 
 
 def test_unknown_disabled_workaround_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(patches.DISABLE_ENV, "flush-cache, no-such-fix")
+    monkeypatch.setenv(workarounds.DISABLE_ENV, "flush-cache, no-such-fix")
     with pytest.raises(ValueError, match=r"ROLLOUT_DISABLE_WORKAROUNDS names unknown workaround\(s\) \['no-such-fix'\]"):
-        patches.disabled_workarounds()
-    monkeypatch.setenv(patches.DISABLE_ENV, "flush-cache, sampler")
-    assert patches.disabled_workarounds() == {"flush-cache", "sampler"}
-    assert not patches.workaround_enabled("flush-cache") and patches.workaround_enabled("idle-busy-spin")
+        workarounds.disabled_workarounds()
+    monkeypatch.setenv(workarounds.DISABLE_ENV, "flush-cache, sampler")
+    assert workarounds.disabled_workarounds() == {"flush-cache", "sampler"}
+    assert not workarounds.workaround_enabled("flush-cache") and workarounds.workaround_enabled("idle-busy-spin")
 
 
 # One fresh process per workaround (a workaround is installed once per process): the slowest
@@ -198,10 +198,10 @@ def test_flush_prefix_cache_drops_kv_of_the_old_weights(doomed_worker, qwen2_dir
     expected = greedy_decode(QwenForCausalLM(QwenConfig.from_hf(qwen2_dir)), scaled, prompt, 12)
     # Every weight times 1.5 (elementwise, so the engine's layout does not matter).
     new_leaves = [x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x for x in engine.weight_leaves()]
-    engine.call(lambda: engine.replace_weight_leaves(new_leaves))
+    engine.replace_weight_leaves(new_leaves, flush_prefix_cache=False)
     stale = doomed_worker.generate(prompt, **kwargs).completions
     assert stale != expected, "the cached prefix was reused (else this test shows nothing)"
-    engine.call(engine.flush_prefix_cache)
+    engine.flush_prefix_cache()
     assert doomed_worker.generate(prompt, **kwargs).completions == expected
 
 
@@ -213,12 +213,7 @@ def test_error_in_a_scheduler_call_reaches_the_caller_and_engine_serves_on(doome
 
 def test_engine_thread_error_is_an_exception_not_a_dead_process(doomed_worker):
     engine = doomed_worker.engine
-    scheduler = engine._scheduler
-
-    def broken_run_batch(batch):
-        raise RuntimeError("injected forward failure")
-
-    engine.call(lambda: setattr(scheduler, "run_batch", broken_run_batch))
+    engine.inject_failure(RuntimeError("injected forward failure"))
     with pytest.raises(EngineError, match="injected forward failure"):
         doomed_worker.generate(PROMPTS, temperature=0.0, max_new_tokens=4)
     # This process survived (the engine's own handler sends it SIGQUIT); the dead engine fails

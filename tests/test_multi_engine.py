@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rollout import SamplingParams
-from rollout.engine import EngineError, EngineHandle, EngineOptions, patches, runtime
+from rollout.engine import EngineError, EngineHandle, EngineOptions, patches, runtime, start_up
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 # (sampling params, per-row seeds [prompts, n]) as EngineHandle.generate takes them.
@@ -183,13 +183,13 @@ def test_start_ups_take_turns():
     release = threading.Event()
 
     def first():
-        with runtime.engine_start_up("first", None):
+        with start_up.engine_start_up("first", None):
             inside.set()
             release.wait(10)
 
     def second():
-        with runtime.engine_start_up("second", None) as start_up:
-            assert start_up.name == "second"
+        with start_up.engine_start_up("second", None) as second_start_up:
+            assert second_start_up.name == "second"
             entered_second.set()
 
     a = threading.Thread(target=first)
@@ -202,7 +202,7 @@ def test_start_ups_take_turns():
     a.join()
     b.join()
     assert entered_second.is_set()
-    assert runtime.current_start_up() is None
+    assert start_up.current_start_up() is None
 
 
 def test_device_memory_is_measured_on_the_engines_devices_without_clearing_caches(monkeypatch):
@@ -224,7 +224,7 @@ def test_device_memory_is_measured_on_the_engines_devices_without_clearing_cache
     monkeypatch.setattr(jax, "local_devices", lambda: [FakeGpu(1000), FakeGpu(3000), FakeGpu(5000)])
     assert model_runner.get_available_device_memory("gpu") == 1000
     # During an engine's start-up: that engine's devices only.
-    monkeypatch.setattr(runtime, "_start_up", runtime.StartUp("engine 1", (FakeGpu(3000), FakeGpu(5000))))
+    monkeypatch.setattr(start_up, "_start_up", start_up.StartUp("engine 1", (FakeGpu(3000), FakeGpu(5000))))
     assert model_runner.get_available_device_memory("gpu") == 3000
     assert cleared == []
 
@@ -259,11 +259,7 @@ def test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine(qwen2_di
 
 def test_a_failing_engine_names_itself_and_the_others_serve_on(quad, reference):
     doomed = quad[3]
-
-    def broken_run_batch(batch):
-        raise RuntimeError("injected forward failure")
-
-    doomed.call(lambda: setattr(doomed._scheduler, "run_batch", broken_run_batch))
+    doomed.inject_failure(RuntimeError("injected forward failure"))
     with pytest.raises(EngineError, match=r"^engine 3 \(devices 3\): .*injected forward failure"):
         doomed.generate(PROMPTS, *GREEDY)
     assert not doomed.alive

@@ -126,12 +126,7 @@ def test_a_failed_engine_is_named_and_the_others_serve_on(qwen2_dir, params, sin
     worker = RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=2))
     try:
         worker.sync_params(jax.device_put(params, worker.param_shardings()))
-        doomed = worker.engines[1]
-
-        def broken_run_batch(batch):
-            raise RuntimeError("injected forward failure")
-
-        doomed.call(lambda: setattr(doomed._scheduler, "run_batch", broken_run_batch))
+        worker.engines[1].inject_failure(RuntimeError("injected forward failure"))
         with pytest.raises(EngineError, match=r"engine 1 \(devices 1\).*injected forward failure"):
             worker.generate(PROMPTS, **GREEDY)
         # The live engine takes every row from now on, and weight changes reach it.

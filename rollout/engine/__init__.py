@@ -17,12 +17,21 @@ ups take turns, process-wide) and driven concurrently; each names itself in its 
 errors (``EngineHandle.name``, e.g. ``engine 1 (devices 2,3)``), records its forward passes
 (``busy_intervals()``), fails alone, and joins all its threads on ``close()``.
 
-Modules: ``patches`` (every 0.0.2 workaround, ``WORKAROUNDS``), ``runtime`` (the scheduler thread),
-``handle`` (``EngineHandle``), ``types`` (options, leaf specs, errors; no sgl_jax import).
+Methods that change the engine's weights or KV pool run on the scheduler thread: they are
+private, and their public counterparts (``replace_weight_leaves``, ``release_weight_leaves``,
+``flush_prefix_cache``, ``drop_kv_buffers``, ``rebuild_kv_buffers``, ...) go through
+:meth:`EngineHandle.call` themselves, so they may be called from any thread.
+:meth:`EngineHandle.inject_failure` makes an engine fail as an engine bug would (tests, drills).
+
+Modules: ``workarounds`` (the registry ``WORKAROUNDS`` and its switches; imports nothing),
+``patches`` (the 0.0.2 patches themselves), ``start_up`` (one start-up at a time, and which
+engine is being built), ``runtime`` (the engine's threads), ``handle`` (``EngineHandle``:
+start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
+loop), ``types`` (options, leaf specs, errors; no sgl_jax import).
 """
 
 from .handle import EngineHandle
-from .patches import WORKAROUNDS, engine_version, install_workarounds
+from .patches import engine_version, install_workarounds
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
     SUPPORTED_ENGINE_VERSION,
@@ -35,9 +44,11 @@ from .types import (
     device_buffers,
     device_nbytes,
 )
+from .workarounds import DISABLE_ENV, WORKAROUNDS, disabled_workarounds, workaround_enabled
 
 __all__ = [
     "DEFAULT_WATCHDOG_TIMEOUT_S",
+    "DISABLE_ENV",
     "SUPPORTED_ENGINE_VERSION",
     "WORKAROUNDS",
     "EngineError",
@@ -49,6 +60,8 @@ __all__ = [
     "UnsupportedEngineVersion",
     "device_buffers",
     "device_nbytes",
+    "disabled_workarounds",
     "engine_version",
     "install_workarounds",
+    "workaround_enabled",
 ]

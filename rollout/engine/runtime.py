@@ -1,11 +1,9 @@
-"""The engine's threads: guarded scheduler loop, idle wait, queued calls, watchdog, detokenizer,
-and the serialized start-up that tells the patched engine code which engine it is building."""
+"""The engine's threads: guarded scheduler loop, idle wait, queued calls, watchdog, detokenizer."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import queue
 import socket
@@ -16,7 +14,9 @@ import traceback
 import jax
 from jax._src import config as jax_config
 
+from .start_up import current_start_up, default_device
 from .types import EngineError
+from .workarounds import workaround_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +158,6 @@ def _scheduler_is_idle(scheduler) -> bool:
 
 def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller):
     """Replacement for Scheduler.recv_requests: runs queued calls and sleeps while idle."""
-    from .patches import workaround_enabled
-
     # Disabled, the idle loop polls without blocking, as 0.0.2's own loop does.
     idle_wait_ms = 1000 if workaround_enabled("idle-busy-spin") else 0
 
@@ -195,15 +193,13 @@ def _run_scheduler_loop(scheduler, control: SchedulerControl, server_args, devic
     # The engine's default device, and the matmul precision its start-up left set: 0.0.2 sets
     # 'highest' process-wide on GPU; preserved_process_state puts the process-wide value back,
     # so here it holds for this engine's thread only.
-    with _default_device(devices), jax.default_matmul_precision(matmul_precision):
+    with default_device(devices), jax.default_matmul_precision(matmul_precision):
         _scheduler_loop(scheduler, control, server_args)
 
 
 def _scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
     import zmq
     from sgl_jax.srt.managers.scheduler import scheduler_loop_after_create
-
-    from .patches import workaround_enabled
 
     control.register_thread("scheduler")
     poller = zmq.Poller()
@@ -299,54 +295,3 @@ def run_detokenizer_thread(server_args, port_args) -> None:
     finally:
         for sock in (manager.recv_from_scheduler, manager.send_to_tokenizer):
             sock.close(linger=0)
-
-
-# ---- start-up ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class StartUp:
-    """The engine being started: read by the patched engine code during its start-up."""
-
-    name: str
-    devices: tuple[jax.Device, ...] | None
-    control: SchedulerControl | None = None  # once its scheduler exists
-    # zmq sockets the engine opened in the caller's thread: a failed start-up closes them.
-    sockets: list = dataclasses.field(default_factory=list)
-
-    def close_sockets(self) -> None:
-        for sock in self.sockets:
-            with contextlib.suppress(Exception):
-                sock.close(linger=0)
-
-
-_start_up_lock = threading.Lock()
-_start_up: StartUp | None = None
-
-
-def current_start_up() -> StartUp | None:
-    return _start_up
-
-
-@contextlib.contextmanager
-def engine_start_up(name: str, devices: tuple[jax.Device, ...] | None):
-    """Start one engine at a time, process-wide.
-
-    Start-up changes process state that is restored afterwards and reads caches that it
-    mutates (see WORKAROUNDS "concurrent-start-up"); the patched engine code reads which
-    engine it is building (its devices, its name) from here, the engine's own threads
-    included, so the lock is held until they have registered.
-    """
-    global _start_up
-    with _start_up_lock:
-        _start_up = StartUp(name, devices)
-        try:
-            with _default_device(devices):
-                yield _start_up
-        finally:
-            _start_up = None
-
-
-def _default_device(devices):
-    # Arrays the engine creates without a sharding (rng state, ...) land on its first device.
-    return jax.default_device(devices[0]) if devices else contextlib.nullcontext()

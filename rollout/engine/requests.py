@@ -1,0 +1,216 @@
+"""The engine's request loop: an asyncio loop in a thread of the handle that talks to the
+tokenizer manager, so callers on any thread or event loop generate at once and the scheduler
+batches their requests."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+
+from ..sampling import SamplingParams
+from .patches import LOGPROB_SINKS
+from .types import EngineError, GenerateOutput
+from .workarounds import workaround_enabled
+
+logger = logging.getLogger(__name__)
+
+
+class RequestLoop:
+    """Generation for an :class:`EngineHandle` (a part of it: it reads the handle's
+    ``_engine``, ``_scheduler``, ``_control`` and ``check_alive``)."""
+
+    def _start_request_loop(self) -> None:
+        self._tokenizer_manager = self._engine.tokenizer_manager
+        # Every use of the tokenizer manager (its zmq sockets, its per-request asyncio events)
+        # happens on this loop. (It would also install SIGTERM/SIGQUIT handlers on first use of
+        # a loop of its own.)
+        self._loop = asyncio.new_event_loop()
+        self._tokenizer_manager.no_create_loop = True
+        self._tokenizer_manager.event_loop = self._loop
+        self._result_task = self._loop.create_task(self._tokenizer_manager.handle_loop())
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="sglang-jax::requests", daemon=True
+        )
+        self._loop_thread.start()
+        # rid -> the log-probs of a request that asked for them (filled on the scheduler thread).
+        self._logprob_sinks: dict[str, list[float]] = {}
+        setattr(self._scheduler, LOGPROB_SINKS, self._logprob_sinks)
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> list[GenerateOutput]:
+        """Sample ``params.n`` completions of every token-id prompt, prompt-major.
+
+        ``seeds[i, j]`` is the sampling seed of sample ``j`` of prompt ``i``. Safe to call from
+        several threads at once: the engine batches the requests together. With
+        ``params.return_logprobs`` every output carries the log-prob of each of its tokens
+        under the distribution it was drawn from (``models/logprobs.py``), collected on the
+        scheduler thread (the engine's own return_logprob path crashes in 0.0.2).
+        """
+        return self.submit(prompts, params, seeds).result()
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> concurrent.futures.Future:
+        """:meth:`generate` without waiting: a future of its outputs (``asyncio.wrap_future``
+        makes it awaitable on any event loop)."""
+        return self._submit(self._generate(prompts, params, seeds))
+
+    async def astream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """Yield ``(row, output so far)`` as tokens arrive; a row is done when its
+        ``finish_reason`` is set. Rows are prompt-major as in :meth:`generate`."""
+        caller = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+        request, rids = self._request(prompts, params, seeds, stream=True)
+
+        async def pump():
+            with self._logprobs_collected(rids, params.return_logprobs) as sinks:
+                async for result in self._tokenizer_manager.generate_request(request, None):
+                    row = int(result.get("index", 0))
+                    output = _to_output(result, finished_only=False)
+                    if sinks is not None:
+                        output = dataclasses.replace(output, logprobs=sinks[row][: len(output.output_ids)])
+                    caller.call_soon_threadsafe(updates.put_nowait, (row, output))
+
+        future = self._submit(pump())
+        future.add_done_callback(lambda _: caller.call_soon_threadsafe(updates.put_nowait, None))
+        try:
+            while (update := await updates.get()) is not None:
+                yield update
+            future.result()
+        finally:
+            future.cancel()
+
+    def _request(self, prompts, params: SamplingParams, seeds, *, stream: bool = False):
+        """The engine request for a call, and its request ids (prompt-major rows)."""
+        from sgl_jax.srt.managers.io_struct import GenerateReqInput
+
+        seeds = np.asarray(seeds).reshape(len(prompts), params.n)
+        if workaround_enabled("one-request-per-sample"):
+            # 0.0.2 ignores n for a single prompt and is slow with batched n: one request per sample.
+            input_ids = [list(map(int, ids)) for ids in prompts for _ in range(params.n)]
+            sampling = [_sampling_dict(params, int(seed)) for seed in seeds.reshape(-1)]
+        else:  # the engine's own n (one seed per prompt)
+            input_ids = [list(map(int, ids)) for ids in prompts]
+            sampling = [dict(_sampling_dict(params, int(row[0])), n=params.n) for row in seeds]
+        rids = [uuid.uuid4().hex for _ in input_ids]
+        return GenerateReqInput(input_ids=input_ids, sampling_params=sampling, rid=rids, stream=stream), rids
+
+    @contextlib.contextmanager
+    def _logprobs_collected(self, rids: list[str], wanted: bool):
+        """Per row, the list the patched sampler appends each sampled token's log-prob to
+        (None when not wanted)."""
+        if not wanted:
+            yield None
+            return
+        sinks = [[] for _ in rids]
+        self._logprob_sinks.update(zip(rids, sinks))
+        try:
+            yield sinks
+        finally:
+            for rid in rids:
+                self._logprob_sinks.pop(rid, None)
+
+    async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
+        request, rids = self._request(prompts, params, seeds)
+        with self._logprobs_collected(rids, params.return_logprobs) as sinks:
+            results = await self._tokenizer_manager.generate_request(request, None).__anext__()
+        if isinstance(results, dict):
+            results = [results]
+        outputs = [_to_output(r) for r in results]
+        if sinks is None:
+            return outputs
+        for i, (out, logprobs) in enumerate(zip(outputs, sinks)):
+            if len(logprobs) != out.completion_tokens:
+                raise EngineError(
+                    f"request {i}: collected {len(logprobs)} log-probs for {out.completion_tokens} completion tokens"
+                )
+        return [dataclasses.replace(out, logprobs=lp) for out, lp in zip(outputs, sinks)]
+
+    def _submit(self, coroutine) -> concurrent.futures.Future:
+        """Run ``coroutine`` on this handle's request loop; it fails with EngineError as soon as
+        the engine does."""
+        try:
+            self.check_alive()
+        except EngineError:
+            coroutine.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(self._guarded(coroutine), self._loop)
+
+    async def _guarded(self, coroutine):
+        task = asyncio.ensure_future(coroutine)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task, self._result_task}, timeout=0.05)
+                if task in done:
+                    return task.result()
+                if self._result_task in done:
+                    exc = self._result_task.exception()
+                    self._control.fail(exc or EngineError("engine result loop ended"))
+                if self._control.error is not None or self._control.stopped.is_set():
+                    raise self._control.dead_error()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def _stop_request_loop(self) -> None:
+        async def stop_results():
+            self._result_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._result_task
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop_results(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=10)
+        if not self._loop_thread.is_alive():
+            self._loop.close()
+
+
+def _sampling_dict(params: SamplingParams, seed: int) -> dict:
+    """sglang-jax's per-request sampling dict."""
+    sampling = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "ignore_eos": params.ignore_eos,
+        "sampling_seed": seed,
+        # Keep the stop token in the output: a trainer must learn to emit it.
+        "no_stop_trim": True,
+    }
+    if params.stop_token_ids:
+        sampling["stop_token_ids"] = list(params.stop_token_ids)
+    return sampling
+
+
+def _to_output(result: dict, finished_only: bool = True) -> GenerateOutput:
+    meta = result.get("meta_info", {})
+    finish = meta.get("finish_reason") or {}
+    output_ids = list(result.get("output_ids", []))
+    completion_tokens = int(meta.get("completion_tokens", len(output_ids)))
+    if len(output_ids) != completion_tokens and (finished_only or finish):
+        logger.warning(
+            "engine returned %d output ids but counted %d completion tokens", len(output_ids), completion_tokens
+        )
+    return GenerateOutput(
+        output_ids=output_ids[:completion_tokens],
+        finish_reason=str(finish.get("type", "")) if finish else ("unknown" if finished_only else ""),
+        completion_tokens=completion_tokens,
+        cache_miss_count=int(meta.get("cache_miss_count", 0)),
+    )

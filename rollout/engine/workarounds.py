@@ -1,0 +1,164 @@
+"""The registry of sglang-jax 0.0.2 workarounds and their switches.
+
+Imports nothing of this project or the engine: every engine module (patches, runtime, start-up,
+handle) may ask ``workaround_enabled`` without an import circle. Each entry names the bug and
+what is done about it; its pinning test is listed in ``tests/test_engine_workarounds.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+WORKAROUNDS: dict[str, str] = {
+    "duplicate-pytree-registration": (
+        "layers/attention/native_backend.py registers NativeAttention as a pytree although nnx "
+        "already registers every Module subclass: importing it raises 'Duplicate custom "
+        "PyTreeDef type registration'. It is imported here with the duplicate registration "
+        "skipped."
+    ),
+    "process-kill-on-error": (
+        "An exception in the scheduler or detokenizer thread, a failed scheduler start, or the "
+        "watchdog sends SIGQUIT, whose handler kills the whole process tree (and the watchdog "
+        "signals the parent process). Engine.shutdown kills every child process of the caller. "
+        "Here the threads run under guards that record the error and fail the waiting caller "
+        "with EngineError; no signal handler is installed and shutdown is done by hand."
+    ),
+    "idle-busy-spin": (
+        "The idle scheduler loop polls its sockets without blocking: one core at 100%. The "
+        "loop now blocks in a zmq poll while idle, woken by requests or queued calls."
+    ),
+    "process-global-side-effects": (
+        "Engine start-up forces the root logger to its level (basicConfig(force=True)), reseeds "
+        "numpy and random, installs uvloop's event-loop policy, SIGCHLD/SIGQUIT/SIGTERM "
+        "handlers and an atexit hook, disables the multiprocessing resource tracker, and "
+        "disables threading's atexit registration. Each is prevented or undone."
+    ),
+    "untied-head-dtype": (
+        "Untied models (tie_word_embeddings false) create lm_head with the default param dtype "
+        "bfloat16 and compute logits in it whatever the model dtype. The head's dtype and "
+        "weight are set to the model dtype before the first forward is compiled."
+    ),
+    "detokenizer-output-ids": (
+        "With a tokenizer loaded, the detokenizer path returns output_ids that silently drop "
+        "special tokens (EOS mid-sequence under ignore_eos, a matched stop token), so "
+        "len(output_ids) < completion_tokens. The engine always runs with skip_tokenizer_init "
+        "and exact token ids; the worker encodes prompts and decodes completions itself."
+    ),
+    "shared-hf-config": (
+        "hf_transformers_utils.get_config caches the HF config object per model path, and "
+        "ModelConfig.configure_for_tensor_parallel mutates it (KV heads replicated for tp): a "
+        "second engine on the same model dir in one process starts from the mutated config "
+        "and crashes in its first forward ('Incompatible shapes for broadcasting'). The cache "
+        "is cleared before every engine start."
+    ),
+    "one-request-per-sample": (
+        "GenerateReqInput ignores n > 1 for a single prompt, and batched n first runs a "
+        "prefix-caching request per prompt and is slow. Every sample is sent as its own "
+        "request with its own seed (EngineHandle._request)."
+    ),
+    "flush-cache": (
+        "Engine.flush_cache and release/resume_memory_occupation raise TypeError and the "
+        "scheduler has no handler for them. Cache flush and KV drop/rebuild are done directly "
+        "on the scheduler thread."
+    ),
+    "engine-devices": (
+        "The Scheduler builds its mesh over every jax.devices() (a data axis of "
+        "devices / tp_size), so engines cannot be placed on device subsets. With "
+        "EngineOptions.devices the mesh is exactly those devices, in that order, and the "
+        "engine starts and runs with the first of them as JAX's default device, so arrays it "
+        "creates without a sharding (the model's and the sampler's rng state) stay on its "
+        "devices."
+    ),
+    "device-memory-scope": (
+        "ModelRunner measures free device memory as the minimum over every local device, "
+        "calling jax.clear_caches() first on TPU and GPU: starting an engine drops every "
+        "compiled function in the process (the other engines' forwards, the trainer's step), "
+        "and an engine's KV budget is capped by what other engines use on other devices. It "
+        "is measured on the engine's own devices, without clearing caches."
+    ),
+    "concurrent-start-up": (
+        "Engine start-up saves and restores process state (preserved_process_state), clears "
+        "and then mutates the cached HF config (shared-hf-config), and updates the module "
+        "global server-args dict: engines started from several threads at once would "
+        "interleave these. Start-ups are serialized by a process-wide lock, held until the "
+        "engine's own threads have registered (they learn from it which engine they serve)."
+    ),
+    "failed-start-sockets": (
+        "A start-up that fails (e.g. 'Not enough memory' when free RAM shrinks between the "
+        "engine's two measurements) leaves the zmq sockets the half-built scheduler opened; "
+        "their contexts then block interpreter exit for good (zmq_ctx_term waits on open "
+        "sockets) while the exception's traceback is kept, as pytest keeps it. The sockets "
+        "opened during a start-up are recorded and closed if it fails."
+    ),
+    "gpu-matmul-precision": (
+        "On GPU, ModelRunner sets jax_default_matmul_precision='highest' process-wide, "
+        "changing the trainer's matmuls too. The process-wide value is restored after "
+        "start-up and the engine's scheduler thread runs under the value it set."
+    ),
+    "sampler": (
+        "0.0.2's sampler is wrong in four ways. Off TPU, _apply_min_p_filter receives 3 operands "
+        "and unpacks 2 (lax.cond traces it even for greedy decoding, so every sampled request "
+        "crashes). Its RNG state is frozen inside a functools.partial, so temperature sampling "
+        "repeats itself every step and call, and its own seeded path uses a weak integer hash "
+        "and, off TPU, a softmax of probabilities that flattens the distribution. "
+        "return_logprob=True (and top_logprobs_num) crashes the scheduler thread (log-probs "
+        "stored on a traced copy inside jit), and they would be of the unfiltered distribution "
+        "anyway. And it filters differently per backend (top-k/top-p before the temperature on "
+        "TPU, after it elsewhere through a host callback; min-p on logits on TPU). "
+        "Sampler.__call__ is replaced by one that applies temperature, top-k, top-p and min-p "
+        "the same way on every backend (models/logprobs.py, shared with the trainer), draws "
+        "each token by inverse CDF (draw.py: one uniform per row, not the Gumbel noise per "
+        "vocabulary entry of jax.random.categorical) at a uniform keyed by (request seed, "
+        "position) (fresh samples per call, the same samples for the same seed, whatever the "
+        "batch), and returns its log-prob with it, always (one compiled program). Requests that "
+        "ask for log-probs get them on the scheduler thread, fetched in the same device_get as "
+        "the token ids."
+    ),
+    "flax-eager-sharding": (
+        "With flax >= 0.12.1 (flax.config.flax_always_shard_variable, default on) every "
+        "nnx.Variable created with a sharding annotation is sharded at creation, which needs a "
+        "mesh context 0.0.2 does not set up: model creation fails with 'An auto mesh context or "
+        "metadata is required'. The flag is turned off while the engine builds or reloads its "
+        "model and restored afterwards (the weights get their shardings from the loader's "
+        "jit out_shardings either way), so the trainer's own models keep flax's default."
+    ),
+    "native-attention-memory": (
+        "The native attention backend (the one used off TPU) gathers every slot of cache_loc, "
+        "which is padded to max_running_requests x context_length, and builds logits against "
+        "all of them for every token: a prefill chunk of a real model config asks for hundreds "
+        "of GB, and decode is slow. It also locates requests in cache_loc without the page "
+        "rounding the scheduler uses, so page_size > 1 attends to the wrong slots. Replaced by "
+        "attention.paged_attention: each query block walks only its own requests' slots in "
+        "fixed chunks with an online softmax (memory ~ tokens x chunk), same results."
+    ),
+    "kv-pool-conversions": (
+        "The native backend writes each layer's new K/V into the pool with a bf16 scatter "
+        "(set_kv_buffer_legacy); XLA's CPU backend computes bf16 scatters in f32, so every "
+        "forward converts each layer's whole KV pool to f32 and back (passes over "
+        "max_total_tokens slots per layer, whatever the batch; XLA in jax 0.8, fixed by 0.12). "
+        "With native-attention-memory, where a probe finds XLA converting (converts_16bit_rows), "
+        "the write and the attention's reads go through a same-width integer view of the pool "
+        "(attention.set_rows / take_rows): bit-identical, no f32 copy (one integer copy of the "
+        "pool remains: XLA 0.8 copies for the view)."
+    ),
+}
+
+# Switches workarounds off for a process, to check whether a newer sglang-jax still needs one:
+# ROLLOUT_DISABLE_WORKAROUNDS=sampler,flush-cache. The pinning test of each must then
+# fail (tests/test_engine_workarounds.py checks that it does, in a subprocess per workaround).
+DISABLE_ENV = "ROLLOUT_DISABLE_WORKAROUNDS"
+
+
+def disabled_workarounds() -> frozenset[str]:
+    """The workarounds that ``ROLLOUT_DISABLE_WORKAROUNDS`` (comma-separated names) switches off."""
+    names = {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
+    unknown = sorted(names - set(WORKAROUNDS))
+    if unknown:
+        raise ValueError(f"{DISABLE_ENV} names unknown workaround(s) {unknown}; known: {sorted(WORKAROUNDS)}")
+    return frozenset(names)
+
+
+def workaround_enabled(name: str) -> bool:
+    if name not in WORKAROUNDS:
+        raise KeyError(f"no workaround named {name!r}")
+    return name not in disabled_workarounds()
