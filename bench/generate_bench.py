@@ -132,7 +132,7 @@ def layer_weights(shape: str, layers: int, key) -> tuple[list[dict], jax.Array]:
     for i in range(layers):
         keys = jax.random.split(jax.random.fold_in(key, i), len(shapes))
         out.append({n: jax.random.normal(k, s, jnp.bfloat16) for k, (n, s) in zip(keys, shapes.items())})
-    head = jax.random.normal(jax.random.fold_in(key, -1), (hf["vocab_size"], h), jnp.bfloat16)
+    head = jax.random.normal(jax.random.fold_in(key, layers), (hf["vocab_size"], h), jnp.bfloat16)
     return out, head
 
 
@@ -272,6 +272,7 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                     entry["decode_step"] = (seconds - prefill) / (batch.new_tokens - 1)
                 result[name] = entry
         result["peak_rss"] = rss.peak
+    print(json.dumps(result), flush=True)  # the generate figures, should the bound's part fail
     weights, head = layer_weights(shape, layers, jax.random.key(0))
     reps = max(3, config.repeats)
     for name in config.batches:
@@ -286,7 +287,8 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
         bandwidth = read_bandwidth(arrays, reps)
         result["bandwidth"] = bandwidth
         result["decode"]["bytes_step"] = sum(x.nbytes for x in arrays) / bandwidth
-        result["decode"]["split"] = decode_split(shape, weights, head, BATCHES["decode"], config.max_total_tokens + 1, reps)
+        result["decode"]["split"] = decode_split(
+            shape, weights, head, BATCHES["decode"], config.max_total_tokens + 1, config.repeats)
     result["uptime_after"] = os.getloadavg()
     return result
 
@@ -299,7 +301,7 @@ def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig
             "--batches", ",".join(config.batches), "--repeats", str(config.repeats)]
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{shape} {variant} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{shape} {variant} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
