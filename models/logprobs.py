@@ -49,6 +49,9 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
     tempered = jax.nn.log_softmax(logits / temperature, axis=-1)
     tempered = jnp.nan_to_num(tempered, nan=-jnp.inf)
 
+    # min-p's floor; from a max of its own: a slice of top_k's output makes XLA sort the row.
+    floor = tempered.max(axis=-1, keepdims=True) + jnp.log(min_p)
+
     def cutoff(descending, width):
         """Per row: the smallest kept log-prob, and whether the kept prefix fits in the first
         ``width`` sorted entries (it always does when they are the whole row)."""
@@ -59,7 +62,7 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
         keep = (
             (jnp.arange(width)[None, :] < top_k)
             & (mass_before <= top_p)
-            & (descending >= descending[:, :1] + jnp.log(min_p))
+            & (descending >= floor)
         )
         kept = jnp.maximum(keep.sum(axis=-1, keepdims=True), 1)
         fits = (kept < width) | (top_k <= width) | (width == vocab)
@@ -73,7 +76,6 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
         top_p_key = _bisect(lambda x: (jnp.where(keys > x, probs, 0.0).sum(-1, keepdims=True) <= top_p), keys)
         # top-k: the k-th largest value (fewer than k tokens above it).
         top_k_key = _bisect(lambda x: (keys > x).sum(-1, keepdims=True) < top_k, keys)
-        floor = tempered.max(axis=-1, keepdims=True) + jnp.log(min_p)
         return jnp.maximum(jnp.maximum(top_p_key, top_k_key), _order_keys(floor))
 
     def filtered(tempered):
