@@ -47,6 +47,18 @@ def trainer_reference(model_dir, params, batch, **sampling):
     return expected
 
 
+def assert_filtered_like_reference(logits, case):
+    """sampling_log_probs keeps the reference's tokens with its log-probs; returns the reference."""
+    _, filtered = sampling_log_probs(
+        logits, case["temperature"], case.get("top_k", 2**30), case.get("top_p", 1.0), case.get("min_p", 0.0)
+    )
+    expected = reference_log_probs(logits, **case)
+    np.testing.assert_array_equal(np.isfinite(filtered), np.isfinite(expected), err_msg=str(case))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(np.asarray(filtered)[finite], expected[finite], atol=1e-5, err_msg=str(case))
+    return expected
+
+
 def test_sampling_log_probs_match_a_plain_reference():
     logits = np.asarray(jax.random.normal(jax.random.key(0), (6, 50)) * 3.0)
     cases = [
@@ -57,13 +69,7 @@ def test_sampling_log_probs_match_a_plain_reference():
         dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.01),
     ]
     for case in cases:
-        _, filtered = sampling_log_probs(
-            logits, case["temperature"], case.get("top_k", 2**30), case.get("top_p", 1.0), case.get("min_p", 0.0)
-        )
-        expected = reference_log_probs(logits, **case)
-        np.testing.assert_array_equal(np.isfinite(filtered), np.isfinite(expected), err_msg=str(case))
-        finite = np.isfinite(expected)
-        np.testing.assert_allclose(np.asarray(filtered)[finite], expected[finite], atol=1e-5, err_msg=str(case))
+        assert_filtered_like_reference(logits, case)
 
 
 @pytest.mark.parametrize(
@@ -78,17 +84,11 @@ def test_sampling_log_probs_match_a_plain_reference():
     ids=["fits", "all-filters", "past-preselection", "top-k-past", "top-k-at"],
 )
 def test_preselected_filters_equal_the_full_sort_reference(case):
-    # Rows of different spread in one batch: a row that needs the full sort takes the others along.
+    # Rows of different spread in one batch: a row past the preselection takes the others along.
     vocab = 2000
     scales = np.array([8.0, 3.0, 1.0, 0.2])[:, None]
     logits = np.asarray(jax.random.normal(jax.random.key(1), (4, vocab))) * scales
-    _, filtered = sampling_log_probs(
-        logits, case["temperature"], case.get("top_k", 2**30), case.get("top_p", 1.0), case.get("min_p", 0.0)
-    )
-    expected = reference_log_probs(logits, **case)
-    np.testing.assert_array_equal(np.isfinite(filtered), np.isfinite(expected), err_msg=str(case))
-    finite = np.isfinite(expected)
-    np.testing.assert_allclose(np.asarray(filtered)[finite], expected[finite], atol=1e-5, err_msg=str(case))
+    expected = assert_filtered_like_reference(logits, case)
     if case.get("top_p") == 0.99:
         assert np.isfinite(expected).sum(axis=-1).max() > PRESELECT, "the case must exceed the preselection"
 
