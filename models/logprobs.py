@@ -9,7 +9,9 @@ arithmetic.
 Order of operations (as in sglang, vLLM and HF): temperature, then top-k, top-p (on the tempered
 distribution, smallest prefix of the sorted probabilities whose mass before the token is at most
 ``top_p``) and min-p (tokens with probability below ``min_p`` times the largest), then
-renormalization over the kept tokens. Ties at the cut-off are all kept.
+renormalization over the kept tokens. Ties at the cut-off are all kept. The cut-off comes from
+the top ``PRESELECT`` entries of each row when the kept tokens fit in them, and from bisections
+over the row's values otherwise: the same tokens either way (no sort of the vocabulary).
 
 Greedy rows (``top_k == 1``, which is what ``temperature=0`` becomes) would always report 0; they
 report the log-prob under the unfiltered distribution at their temperature instead (temperature
@@ -20,6 +22,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+# Sorted entries a filtering row is first cut from (lax.top_k): a full sort of a 151936-token
+# vocabulary costs ~100x as much on a CPU. When some row's kept tokens do not fit, bisections
+# over the values (32 passes over the rows, no sort) find the same cut-off.
+PRESELECT = 256
 
 
 def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Array, jax.Array]:
@@ -42,25 +49,68 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
     tempered = jax.nn.log_softmax(logits / temperature, axis=-1)
     tempered = jnp.nan_to_num(tempered, nan=-jnp.inf)
 
-    def filtered(tempered):
-        descending = -jnp.sort(-tempered, axis=-1)
+    # min-p's floor; from a max of its own: a slice of top_k's output makes XLA sort the row.
+    floor = tempered.max(axis=-1, keepdims=True) + jnp.log(min_p)
+
+    def cutoff(descending, width):
+        """Per row: the smallest kept log-prob, and whether the kept prefix fits in the first
+        ``width`` sorted entries (it always does when they are the whole row)."""
         probs = jnp.exp(descending)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         # Each condition holds on a prefix of the sorted row, so together they keep a prefix;
         # the first token always stays.
         keep = (
-            (jnp.arange(vocab)[None, :] < top_k)
+            (jnp.arange(width)[None, :] < top_k)
             & (mass_before <= top_p)
-            & (descending >= descending[:, :1] + jnp.log(min_p))
+            & (descending >= floor)
         )
         kept = jnp.maximum(keep.sum(axis=-1, keepdims=True), 1)
-        cutoff = jnp.take_along_axis(descending, kept - 1, axis=-1)
-        masked = jnp.where(tempered >= cutoff, tempered, -jnp.inf)
+        fits = (kept < width) | (top_k <= width) | (width == vocab)
+        return jnp.take_along_axis(descending, kept - 1, axis=-1), jnp.all(fits)
+
+    def searched_cutoff(tempered):
+        """The same cut-off without sorting: bisections over the values' order (32 passes)."""
+        keys = _order_keys(tempered)
+        probs = jnp.exp(tempered)
+        # top-p: the smallest value whose strictly larger tokens weigh at most top_p.
+        top_p_key = _bisect(lambda x: (jnp.where(keys > x, probs, 0.0).sum(-1, keepdims=True) <= top_p), keys)
+        # top-k: the k-th largest value (fewer than k tokens above it).
+        top_k_key = _bisect(lambda x: (keys > x).sum(-1, keepdims=True) < top_k, keys)
+        return jnp.maximum(jnp.maximum(top_p_key, top_k_key), _order_keys(floor))
+
+    def filtered(tempered):
+        # The top PRESELECT entries decide every row whose kept prefix ends inside them (the
+        # same prefix as in a full sort); otherwise bisections find it.
+        width = min(PRESELECT, vocab)
+        threshold, fits = cutoff(jax.lax.top_k(tempered, width)[0], width)
+        threshold_key = jax.lax.cond(fits, lambda: _order_keys(threshold), lambda: searched_cutoff(tempered))
+        masked = jnp.where(_order_keys(tempered) >= threshold_key, tempered, -jnp.inf)
         return masked - jax.nn.logsumexp(masked, axis=-1, keepdims=True)
 
-    # The sort over the vocabulary only runs when some row filters.
+    # The filter only runs when some row filters.
     filters = jnp.any(top_k < vocab) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0.0)
     return tempered, jax.lax.cond(filters, filtered, lambda tempered: tempered, tempered)
+
+
+def _order_keys(x):
+    """float32 -> int32 keys in the same order (-inf first)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _bisect(holds, keys):
+    """Per row, the smallest int32 key ``x`` in [min key, max key] at which ``holds(x)`` [N, 1]
+    is true, for ``holds`` false then true as ``x`` grows (true at the row's largest key)."""
+    lo = keys.min(axis=-1, keepdims=True) - 1  # holds(lo) is taken as false
+    hi = keys.max(axis=-1, keepdims=True)
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        ok = holds(mid)
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, step, (lo, hi))[1]
 
 
 def sampled_token_log_probs(tempered, filtered, tokens, top_k) -> jax.Array:

@@ -231,3 +231,18 @@ def test_engine_greedy_tokens_and_logits_match_native_attention(request, model_f
     # Chunked prefill (later chunks of the long prompt) and prefix-cache hits really happened.
     assert any(p.max() >= 64 for p in first_prefixes)
     assert all(p.min() > 0 for p in second_prefixes)
+
+
+def test_bf16_kv_pool_is_not_converted_per_forward(qwen2_dir):
+    """A bf16 engine's forward writes and reads the KV pool without a float32 copy of it: its
+    scratch grows with the pool (max_total_tokens) by at most one 16-bit copy per layer (the
+    integer view XLA 0.8 copies; none where XLA scatters bf16 in place), not by f32 copies."""
+
+    def decode_temp_bytes(max_total_tokens):
+        config = tiny_worker_config(qwen2_dir, load_format="dummy", dtype="bfloat16", max_total_tokens=max_total_tokens)
+        with RolloutWorker(config) as worker:
+            return worker.engine.forward_memory(8, decode=True).temp_bytes
+
+    small, large = decode_temp_bytes(2048), decode_temp_bytes(16384)
+    layers, bf16_layer_growth = 2, (16384 - 2048) * 2 * 128 * 2  # slots x (K, V) x head_dim 128 x 2 bytes
+    assert large - small <= 1.5 * layers * bf16_layer_growth, (small, large)

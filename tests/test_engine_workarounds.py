@@ -44,6 +44,7 @@ PINNING_TESTS = {
     "gpu-matmul-precision": "tests/test_multi_engine.py::test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine",
     "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
     "native-attention-memory": "tests/test_attention.py::test_engine_forward_memory_does_not_follow_padding_limits",
+    "kv-pool-conversions": "tests/test_attention.py::test_bf16_kv_pool_is_not_converted_per_forward",
     "flax-eager-sharding": "tests/test_engine_workarounds.py::test_flax_eager_sharding_is_off_only_while_the_engine_builds",
     "failure-signal-handler": "tests/test_faults.py::test_the_engines_forwards_leave_the_sigterm_handler_alone",
     "llama3-rope-scaling": "tests/test_families.py::test_llama3_rope_scaling_gives_the_trainers_positions",

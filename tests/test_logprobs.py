@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from models import QwenConfig, QwenForCausalLM, sampling_log_probs
+from models.logprobs import PRESELECT
 from rollout import ConsistencyError, RolloutWorker, SamplingParams, counting_compiles
 from tests.helpers import tiny_worker_config
 from trainer_bridge import flatten_params, load_hf_params, unflatten_params
@@ -46,6 +47,18 @@ def trainer_reference(model_dir, params, batch, **sampling):
     return expected
 
 
+def assert_filtered_like_reference(logits, case):
+    """sampling_log_probs keeps the reference's tokens with its log-probs; returns the reference."""
+    _, filtered = sampling_log_probs(
+        logits, case["temperature"], case.get("top_k", 2**30), case.get("top_p", 1.0), case.get("min_p", 0.0)
+    )
+    expected = reference_log_probs(logits, **case)
+    np.testing.assert_array_equal(np.isfinite(filtered), np.isfinite(expected), err_msg=str(case))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(np.asarray(filtered)[finite], expected[finite], atol=1e-5, err_msg=str(case))
+    return expected
+
+
 def test_sampling_log_probs_match_a_plain_reference():
     logits = np.asarray(jax.random.normal(jax.random.key(0), (6, 50)) * 3.0)
     cases = [
@@ -56,13 +69,28 @@ def test_sampling_log_probs_match_a_plain_reference():
         dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.01),
     ]
     for case in cases:
-        _, filtered = sampling_log_probs(
-            logits, case["temperature"], case.get("top_k", 2**30), case.get("top_p", 1.0), case.get("min_p", 0.0)
-        )
-        expected = reference_log_probs(logits, **case)
-        np.testing.assert_array_equal(np.isfinite(filtered), np.isfinite(expected), err_msg=str(case))
-        finite = np.isfinite(expected)
-        np.testing.assert_allclose(np.asarray(filtered)[finite], expected[finite], atol=1e-5, err_msg=str(case))
+        assert_filtered_like_reference(logits, case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(temperature=0.5, top_p=0.6),  # kept tokens fit in the preselection
+        dict(temperature=1.0, top_k=40, top_p=0.95, min_p=0.001),
+        dict(temperature=3.0, top_p=0.99),  # flat rows: the kept mass needs more than PRESELECT
+        dict(temperature=3.0, top_k=1500),
+        dict(temperature=1.0, top_k=PRESELECT),
+    ],
+    ids=["fits", "all-filters", "past-preselection", "top-k-past", "top-k-at"],
+)
+def test_preselected_filters_equal_the_full_sort_reference(case):
+    # Rows of different spread in one batch: a row past the preselection takes the others along.
+    vocab = 2000
+    scales = np.array([8.0, 3.0, 1.0, 0.2])[:, None]
+    logits = np.asarray(jax.random.normal(jax.random.key(1), (4, vocab))) * scales
+    expected = assert_filtered_like_reference(logits, case)
+    if case.get("top_p") == 0.99:
+        assert np.isfinite(expected).sum(axis=-1).max() > PRESELECT, "the case must exceed the preselection"
 
 
 MODELS = [("qwen2_dir", 1), ("qwen2_untied_dir", 1), ("qwen3_dir", 1), ("qwen2_dir", 2), ("qwen3_dir", 2)]
@@ -119,7 +147,9 @@ def test_bfloat16_engine_against_float32_trainer(qwen2_dir):
         report = worker.check_consistency(params, PROMPTS, n=4, max_new_tokens=16, atol=BF16_MAX_ABS_DIFF)
         with pytest.raises(ConsistencyError, match=r"max \|Δ log p\| = .* exceeds 0.0001"):
             worker.check_consistency(params, PROMPTS, n=4, max_new_tokens=16, atol=1e-4)
-    assert report.tokens == 3 * 4 * 16
+        # Every sampled token is compared (rows that drew EOS stop early: the same seed's batch).
+        sampled = worker.generate(PROMPTS, n=4, max_new_tokens=16, temperature=1.0, seed=0)
+    assert report.tokens == int(sampled.completion_mask.sum()) > 3 * 4 * 8
     assert 1e-3 < report.mean_abs_diff < BF16_MEAN_ABS_DIFF
     assert report.max_abs_diff < BF16_MAX_ABS_DIFF and 0 < report.kl < BF16_KL
 

@@ -7,6 +7,7 @@ import pytest
 
 from models import QwenConfig, QwenForCausalLM
 from rollout import RolloutWorker
+from rollout.engine.draw import draw_tokens, keyed_uniforms
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -90,3 +91,33 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely(worker, probs):
     ratio = p / p[0]
     min_p = float((ratio[keep - 1] + ratio[keep]) / 2)
     check(sampled_frequencies(worker, len(p), min_p=min_p), order, np.where(ratio >= min_p, p, 0.0))
+
+
+@pytest.mark.parametrize("vocab", [7, 1500])
+def test_inverse_cdf_draw_gives_each_token_its_probability(vocab):
+    """Stratified quantiles (i + 0.5) / N land on each token N x p times, +-1: the exact
+    distribution, with excluded (-inf) tokens and the padding of the last block never drawn."""
+    rng = np.random.default_rng(vocab)
+    log_probs = rng.normal(0.0, 2.0, (2, vocab))
+    log_probs[:, rng.random(vocab) < 0.3] = -np.inf
+    log_probs[:, 0] = 0.0
+    draws = 4000
+    uniforms = (np.arange(draws) + 0.5) / draws
+    for row in log_probs:
+        tokens = np.asarray(draw_tokens(jnp.tile(jnp.asarray(row, jnp.float32), (draws, 1)), jnp.asarray(uniforms)))
+        counts = np.bincount(tokens, minlength=vocab)
+        assert len(counts) == vocab
+        p = softmax(row)
+        np.testing.assert_array_less(np.abs(counts - draws * p), 2.0)
+        assert not counts[~np.isfinite(row)].any()
+
+
+def test_keyed_draw_is_the_same_whatever_the_batch():
+    rng = np.random.default_rng(0)
+    log_probs = jnp.asarray(rng.normal(0.0, 1.0, (6, 3000)), jnp.float32)
+    seeds, positions = jnp.arange(6) * 7919, jnp.arange(6) + 3
+    whole = draw_tokens(log_probs, keyed_uniforms(seeds, positions))
+    parts = [draw_tokens(log_probs[i : i + 3], keyed_uniforms(seeds[i : i + 3], positions[i : i + 3])) for i in (0, 3)]
+    np.testing.assert_array_equal(whole, np.concatenate(parts))
+    again = draw_tokens(log_probs, keyed_uniforms(seeds, positions + 1))
+    assert (np.asarray(again) != np.asarray(whole)).any(), "another position draws afresh"

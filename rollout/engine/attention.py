@@ -9,9 +9,17 @@ a traced value, so shapes stay static and nothing recompiles per request; the wo
 about ``tokens x heads x kv_chunk`` whatever the engine's padding limits.
 
 Pure JAX (no sglang-jax import); ``patches`` installs it into the engine's native backend.
+
+KV rows are read and written with :func:`take_rows` and :func:`set_rows`. Where XLA computes
+16-bit float gathers and scatters in float32 (its CPU backend in jax 0.8), converting the
+whole pool around each of them every forward, they go through a same-width unsigned-integer
+view instead (bit-identical); where it does not (jax 0.12, TPU, GPU) the view would only add a
+copy, so it is not used. Which holds is probed once per platform (:func:`converts_16bit_rows`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +31,38 @@ DEFAULT_KV_CHUNK = 256
 
 # Masked logits: finite, so a row with nothing visible yet gives exp(0) corrections, not NaN.
 _MASKED = -1e30
+
+
+@functools.cache
+def converts_16bit_rows(platform: str) -> bool:
+    """Whether XLA on ``platform`` computes a bfloat16 row scatter in float32 (a convert of the
+    whole table), read from the optimized HLO of a small one."""
+    device = jax.devices(platform)[0]
+    table = jax.device_put(jnp.zeros((64, 8), jnp.bfloat16), device)
+    rows = jax.device_put(jnp.ones((2, 8), jnp.bfloat16), device)
+    index = jax.device_put(jnp.array([3, 5]), device)
+    compiled = jax.jit(lambda t, i, r: t.at[i].set(r)).lower(table, index, rows).compile()
+    return "f32[64,8]" in compiled.as_text()
+
+
+def _view(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+
+
+def take_rows(table: jax.Array, index: jax.Array, integer_view: bool = False) -> jax.Array:
+    """``table[index]`` along axis 0; through an integer view of ``table`` if ``integer_view``."""
+    if not integer_view:
+        return table[index]
+    return jax.lax.bitcast_convert_type(_view(table)[index], table.dtype)
+
+
+def set_rows(table: jax.Array, index: jax.Array, rows: jax.Array, integer_view: bool = False) -> jax.Array:
+    """``table.at[index].set(rows, mode="drop")`` (out-of-range rows dropped); through integer
+    views if ``integer_view``."""
+    rows = rows.astype(table.dtype)
+    if not integer_view:
+        return table.at[index].set(rows, mode="drop")
+    return jax.lax.bitcast_convert_type(_view(table).at[index].set(_view(rows), mode="drop"), table.dtype)
 
 
 def paged_attention(
@@ -40,6 +80,7 @@ def paged_attention(
     page_size: int = 1,
     q_block: int = DEFAULT_Q_BLOCK,
     kv_chunk: int = DEFAULT_KV_CHUNK,
+    integer_view: bool = False,
 ) -> jax.Array:
     """Attention of each query token to its own request's cached keys and values.
 
@@ -56,6 +97,8 @@ def paged_attention(
       sees keys ``0 .. prefix_b + i`` (all ``seq_lens[b]`` keys if not ``causal``).
     - Decode (``extend_seq_lens`` None): token ``b`` is request ``b``'s next token and sees all
       its ``seq_lens[b]`` keys.
+
+    ``integer_view``: read KV rows through an integer view (see :func:`converts_16bit_rows`).
 
     Returns [tokens, heads * head_dim] in ``q``'s dtype; padded tokens get zeros.
     """
@@ -123,7 +166,7 @@ def paged_attention(
             & (key_pos[:, None, :] < end_b[:, :, None])
             & (loc > 0)[:, None, :]
         )[:, :, None, None, :]  # [blocks, q_block, 1, 1, kv_chunk]
-        kv_c = kv_rows[jnp.where(loc > 0, loc, 0)].reshape(*loc.shape, num_kv_heads, 2, head_dim)
+        kv_c = take_rows(kv_rows, jnp.where(loc > 0, loc, 0), integer_view).reshape(*loc.shape, num_kv_heads, 2, head_dim)
         s = jnp.einsum("bqhgd,bchd->bqhgc", q_b, kv_c[..., 0, :], preferred_element_type=jnp.float32)
         s = jnp.where(mask, s * scale, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))

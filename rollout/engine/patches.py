@@ -19,7 +19,8 @@ from jax._src import config as jax_config
 
 from models import sampled_token_log_probs, sampling_log_probs
 
-from .attention import paged_attention
+from .attention import converts_16bit_rows, paged_attention, set_rows
+from .draw import draw_tokens, keyed_uniforms
 from .moe import patch_expert_block
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
@@ -108,16 +109,12 @@ def _import_native_backend_without_duplicate_registration() -> None:
 
 
 def _keyed_draw(log_probs, seeds, positions, rng):
-    """Draw one token per row with a key folded from (row seed, row position)."""
+    """Draw one token per row at a uniform keyed by (row seed, row position)."""
     if seeds is None:
-        return jax.random.categorical(rng, log_probs)
-    base = jax.random.key(0)
-
-    def draw(seed, position, row_log_probs):
-        key = jax.random.fold_in(jax.random.fold_in(base, seed), position)
-        return jax.random.categorical(key, row_log_probs)
-
-    return jax.vmap(draw)(seeds.astype(jnp.uint32), positions.astype(jnp.uint32), log_probs)
+        uniforms = jax.random.uniform(rng, (log_probs.shape[0],))
+    else:
+        uniforms = keyed_uniforms(seeds, positions)
+    return draw_tokens(log_probs, uniforms)
 
 
 def _greedy_with_logprobs(operands):
@@ -315,6 +312,7 @@ def _patch_native_attention() -> None:
         return
     from sgl_jax.srt.layers.attention import native_backend
     from sgl_jax.srt.layers.radix_attention import AttentionType
+    from sgl_jax.srt.mem_cache.memory_pool import merge_kv
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 
     engine_call = native_backend.NativeAttention.__call__
@@ -322,10 +320,21 @@ def _patch_native_attention() -> None:
     def paged_call(self, q, k, v, layer, forward_batch, token_to_kv_pool):
         if _native_attention_baseline:
             return engine_call(self, q, k, v, layer, forward_batch, token_to_kv_pool)
-        # The engine's own KV write; the fused layer it returns is what the caller persists.
-        _, _, kv_fused = self._get_and_update_kv_cache(
-            k, v, forward_batch, token_to_kv_pool, layer.layer_id
+        # The engine's KV write (workaround kv-pool-conversions: through an integer view); the
+        # fused layer it returns is what the caller persists.
+        pool = token_to_kv_pool.kv_buffer[layer.layer_id - token_to_kv_pool.start_layer]
+        integer_view = (
+            workaround_enabled("kv-pool-conversions")
+            and pool.dtype.itemsize == 2
+            and converts_16bit_rows(token_to_kv_pool.mesh.devices.flat[0].platform)
         )
+        if integer_view:
+            loc = forward_batch.out_cache_loc
+            kv_fused = set_rows(pool, jnp.where(loc >= 0, loc, pool.shape[0]), merge_kv(k, v), True)
+        else:
+            _, _, kv_fused = self._get_and_update_kv_cache(
+                k, v, forward_batch, token_to_kv_pool, layer.layer_id
+            )
         mode = forward_batch.forward_mode
         # The same mode dispatch as the engine's forward_attention: EXTEND or decode-like.
         extend = mode == ForwardMode.EXTEND
@@ -341,6 +350,7 @@ def _patch_native_attention() -> None:
             scale=layer.head_dim**-0.5 if layer.scaling is None else layer.scaling,
             causal=mode != ForwardMode.DECODE and layer.attn_type != AttentionType.ENCODER_ONLY,
             page_size=token_to_kv_pool.page_size,
+            integer_view=integer_view,
         )
         return output, kv_fused
 

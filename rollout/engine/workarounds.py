@@ -107,7 +107,8 @@ WORKAROUNDS: dict[str, str] = {
         "TPU, after it elsewhere through a host callback; min-p on logits on TPU). "
         "Sampler.__call__ is replaced by one that applies temperature, top-k, top-p and min-p "
         "the same way on every backend (models/logprobs.py, shared with the trainer), draws "
-        "each token with jax.random.categorical under a key folded from (request seed, "
+        "each token by inverse CDF (draw.py: one uniform per row, not the Gumbel noise per "
+        "vocabulary entry of jax.random.categorical) at a uniform keyed by (request seed, "
         "position) (fresh samples per call, the same samples for the same seed, whatever the "
         "batch), and returns its log-prob with it, always (one compiled program). Requests that "
         "ask for log-probs get them on the scheduler thread, fetched in the same device_get as "
@@ -183,6 +184,16 @@ WORKAROUNDS: dict[str, str] = {
         "of the step dense; the loader then finds no expert tensors for those layers and "
         "leaves them random (a warning only). The model is built with every dense layer listed "
         "in mlp_only_layers."
+    ),
+    "kv-pool-conversions": (
+        "The native backend writes each layer's new K/V into the pool with a bf16 scatter "
+        "(set_kv_buffer_legacy); XLA's CPU backend computes bf16 scatters in f32, so every "
+        "forward converts each layer's whole KV pool to f32 and back (passes over "
+        "max_total_tokens slots per layer, whatever the batch; XLA in jax 0.8, fixed by 0.12). "
+        "With native-attention-memory, where a probe finds XLA converting (converts_16bit_rows), "
+        "the write and the attention's reads go through a same-width integer view of the pool "
+        "(attention.set_rows / take_rows): bit-identical, no f32 copy (one integer copy of the "
+        "pool remains: XLA 0.8 copies for the view)."
     ),
 }
 

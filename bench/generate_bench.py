@@ -1,0 +1,372 @@
+"""Generation speed against the hardware's bound, with a per-step time split.
+
+    JAX_PLATFORMS=cpu python -m bench.generate_bench [--shapes 0.5b,1.5b] [--layers 6,4]
+        [--variants new,baseline] [--batches decode,prefill] [--repeats 2]
+
+For each model shape (Qwen2.5-0.5B and -1.5B, a few of their layers, bfloat16; the engine boots
+with ``load_format="dummy"`` and then serves random weights through ``load_hf``):
+
+1. tokens/s of a decode-heavy batch (16 prompts x 64 tokens, n=4, 64 new tokens, temperature 1,
+   ``ignore_eos``: new tokens per second) and a prefill-heavy one (8 prompts x 512 tokens, one
+   new token: prompt tokens per second), median of ``repeats`` calls after a warm-up call at
+   the same shapes.
+2. The bound, measured in the same process on the same device: the batch's matmuls (every
+   linear layer, the tied LM head on the rows that get logits) as plain jitted bfloat16 matmuls
+   of the same shapes, step by step as the engine runs them (prefill chunks of
+   ``chunked_prefill_size`` tokens, then one decode step per new token after the first); for
+   decode also the weights' bytes over the memory bandwidth of a jitted read of those weights.
+   Printed as the ratio measured time / bound.
+3. The decode step split, from separately jitted functions of the engine's shapes (not a
+   profiler trace): embedding gather, attention (the paged attention over the KV pool plus the
+   KV write, all layers), projections (q/k/v/o), MLP, LM head, sampler (temperature 1, and
+   top-p 0.9 for reference); "rest" is the measured decode step (a generate of ``new_tokens``
+   minus one of 1 new token, over ``new_tokens - 1`` steps) minus their sum: host overhead
+   and glue.
+
+``--variants baseline`` runs the same figures with ``ROLLOUT_DISABLE_WORKAROUNDS`` naming the
+speed workarounds (``SPEED_WORKAROUNDS``), each variant and shape in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from bench.attention_bench import QWEN25_05B_HEAD_DIM, QWEN25_05B_SHAPE
+from bench.common import QWEN25_15B_SHAPE, PeakRss, gib, median_seconds
+from models import TinyModelSpec, random_hf_weights
+from rollout import RolloutWorker, WorkerConfig
+from rollout.engine import attention, patches, workarounds
+
+# name: (HF shape, head_dim)
+SHAPES = {"0.5b": (QWEN25_05B_SHAPE, QWEN25_05B_HEAD_DIM), "1.5b": (QWEN25_15B_SHAPE, 128)}
+# The workarounds this bench's baseline variant switches off.
+SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    prompts: int
+    prompt_tokens: int
+    n: int
+    new_tokens: int
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.n
+
+
+BATCHES = {"decode": Batch(16, 64, 4, 64), "prefill": Batch(8, 512, 1, 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateBenchConfig:
+    shapes: tuple[str, ...] = ("0.5b", "1.5b")
+    layers: tuple[int, ...] = (6, 4)
+    variants: tuple[str, ...] = ("new", "baseline")
+    batches: tuple[str, ...] = ("decode", "prefill")
+    repeats: int = 1
+    max_total_tokens: int = 16384
+    chunked_prefill_size: int = 2048
+
+
+class _Spec(TinyModelSpec):
+    """TinyModelSpec with the shape's own head_dim (the weights go through ``load_hf``, which
+    maps them as they are; only the engine's own safetensors loader pads head_dim)."""
+
+    def __init__(self, head_dim: int, **fields):
+        super().__init__(**fields)
+        object.__setattr__(self, "_head_dim", head_dim)
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+
+def model_dir(root: Path, shape: str, layers: int) -> Path:
+    hf_shape, head_dim = SHAPES[shape]
+    spec = _Spec(head_dim, num_hidden_layers=layers, **{**hf_shape, "max_position_embeddings": 4096})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(spec.hf_config() | {"torch_dtype": "bfloat16"}, indent=2))
+    save_file(random_hf_weights(spec), str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
+def prompts_for(batch: Batch, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return rng.integers(1, vocab, (batch.prompts, batch.prompt_tokens)).tolist()
+
+
+def timed_generate(worker, batch: Batch, vocab: int, new_tokens: int | None = None) -> float:
+    new_tokens = new_tokens or batch.new_tokens
+    start = time.perf_counter()
+    out = worker.generate(prompts_for(batch, vocab), n=batch.n, temperature=1.0, max_new_tokens=new_tokens,
+                          ignore_eos=True, seed=0)
+    seconds = time.perf_counter() - start
+    assert int(out.completion_mask.sum()) == batch.rows * new_tokens
+    return seconds
+
+
+# ---- the bound: plain jitted matmuls of the forward's shapes ----------------------------------
+
+
+def layer_weights(shape: str, layers: int, key) -> tuple[list[dict], jax.Array]:
+    """bf16 weights of the engine's shapes ([in, out] linears, [vocab, hidden] tied head)."""
+    hf, head_dim = SHAPES[shape]
+    h, inter = hf["hidden_size"], hf["intermediate_size"]
+    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
+    shapes = dict(q=(h, q), k=(h, kv), v=(h, kv), o=(q, h), gate=(h, inter), up=(h, inter), down=(inter, h))
+    out = []
+    for i in range(layers):
+        keys = jax.random.split(jax.random.fold_in(key, i), len(shapes))
+        out.append({n: jax.random.normal(k, s, jnp.bfloat16) for k, (n, s) in zip(keys, shapes.items())})
+    head = jax.random.normal(jax.random.fold_in(key, layers), (hf["vocab_size"], h), jnp.bfloat16)
+    return out, head
+
+
+@jax.jit
+def _matmuls(weights, head, x, attn, mlp, head_rows):
+    """Every matmul of one forward, each on its own input (no other work between them)."""
+    outs = []
+    for w in weights:
+        outs += [x @ w["q"], x @ w["k"], x @ w["v"], attn @ w["o"], x @ w["gate"], x @ w["up"], mlp @ w["down"]]
+    outs.append(head_rows @ head.T)
+    return outs
+
+
+def matmul_seconds(weights, head, tokens: int, logit_rows: int, repeats: int) -> float:
+    h = head.shape[1]
+    x = jnp.ones((tokens, h), jnp.bfloat16)
+    attn = jnp.ones((tokens, weights[0]["o"].shape[0]), jnp.bfloat16)
+    mlp = jnp.ones((tokens, weights[0]["down"].shape[0]), jnp.bfloat16)
+    rows = jnp.ones((logit_rows, h), jnp.bfloat16)
+    run = lambda: jax.block_until_ready(_matmuls(weights, head, x, attn, mlp, rows))  # noqa: E731
+    run()
+    return median_seconds(run, repeats)
+
+
+def read_bandwidth(arrays, repeats: int) -> float:
+    """Bytes per second of a jitted pass reading every array once."""
+    total = jax.jit(lambda xs: sum(jnp.sum(x, dtype=jnp.float32) for x in xs))
+    run = lambda: jax.block_until_ready(total(arrays))  # noqa: E731
+    run()
+    return sum(x.nbytes for x in arrays) / median_seconds(run, repeats)
+
+
+def prefill_chunks(batch: Batch, chunk: int) -> list[tuple[int, int]]:
+    """(tokens, requests ending in it) per prefill forward: requests packed into chunks."""
+    tokens = batch.rows * batch.prompt_tokens
+    chunks = []
+    done = 0
+    while done < tokens:
+        size = min(chunk, tokens - done)
+        ends = (done + size) // batch.prompt_tokens - done // batch.prompt_tokens
+        chunks.append((size, max(ends, 1)))
+        done += size
+    return chunks
+
+
+# ---- the decode step split: separately jitted pieces of the engine's shapes -------------------
+
+
+def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repeats: int) -> dict[str, float]:
+    hf, head_dim = SHAPES[shape]
+    rows, layers = batch.rows, len(weights)
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    seq = batch.prompt_tokens + batch.new_tokens // 2
+    ids = jnp.arange(rows, dtype=jnp.int32) * 7 + 1
+    x = jnp.ones((rows, head.shape[1]), jnp.bfloat16)
+    pool = [jnp.zeros((pool_slots, 2 * kv_heads, head_dim), jnp.bfloat16) for _ in range(layers)]
+    q = jnp.ones((rows, heads * head_dim), jnp.bfloat16)
+    kv_new = jnp.ones((rows, 2 * kv_heads, head_dim), jnp.bfloat16)
+    cache_loc = jnp.arange(1, rows * seq + 1, dtype=jnp.int32)
+    out_loc = jnp.arange(rows, dtype=jnp.int32) * seq + seq
+    seq_lens = jnp.full((rows,), seq, jnp.int32)
+    view = workarounds.workaround_enabled("kv-pool-conversions") and attention.converts_16bit_rows(jax.default_backend())
+
+    def attend(pool, q, kv_new):
+        outs, new_pool = [], []
+        for layer in pool:
+            layer = attention.set_rows(layer, out_loc, kv_new, view)
+            new_pool.append(layer)
+            outs.append(attention.paged_attention(
+                q, layer, cache_loc, seq_lens, num_heads=heads, num_kv_heads=kv_heads, scale=head_dim**-0.5,
+                integer_view=view))
+        return outs, new_pool
+
+    def projections(x, attn):
+        return [(x @ w["q"], x @ w["k"], x @ w["v"], attn @ w["o"]) for w in weights]
+
+    def mlp(x):
+        return [(jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"] for w in weights]
+
+    logits = jax.random.normal(jax.random.key(0), (rows, hf["vocab_size"]), jnp.float32) * 4
+    seeds = jnp.arange(rows, dtype=jnp.int32)
+    positions = jnp.full((rows,), seq, jnp.int32)
+
+    def sampler(logits, top_p):
+        operands = (logits, jnp.ones(rows), jnp.full(rows, 2**30, jnp.int32), jnp.full(rows, top_p),
+                    jnp.zeros(rows), seeds, positions, jax.random.key(0))
+        return patches._draw_with_logprobs(operands)
+
+    pieces = {
+        "embedding": (jax.jit(lambda table, ids: jnp.take(table, ids, axis=0)), (head, ids)),
+        "attention": (jax.jit(attend, donate_argnums=0), None),
+        "projections": (jax.jit(projections), (x, q)),
+        "mlp": (jax.jit(mlp), (x,)),
+        "lm_head": (jax.jit(lambda x, head: x @ head.T), (x, head)),
+        "sampler": (jax.jit(lambda logits: sampler(logits, 1.0)), (logits,)),
+        "sampler top-p 0.9": (jax.jit(lambda logits: sampler(logits, 0.9)), (logits,)),
+    }
+    split = {}
+    for name, (fn, args) in pieces.items():
+        if name == "attention":
+            state = {"pool": pool}
+
+            def run():
+                outs, state["pool"] = fn(state["pool"], q, kv_new)
+                jax.block_until_ready(outs)
+        else:
+            run = lambda fn=fn, args=args: jax.block_until_ready(fn(*args))  # noqa: E731
+        run()
+        split[name] = median_seconds(run, repeats)
+    return split
+
+
+# ---- one shape and variant, in its own process ------------------------------------------------
+
+
+def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
+    hf, _ = SHAPES[shape]
+    vocab = hf["vocab_size"]
+    result: dict = {"uptime": os.getloadavg()}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = model_dir(Path(tmp), shape, layers)
+        worker_config = WorkerConfig(
+            model_path=str(directory), dtype="bfloat16", load_format="dummy",
+            max_total_tokens=config.max_total_tokens, chunked_prefill_size=config.chunked_prefill_size,
+            max_prefill_tokens=config.chunked_prefill_size, max_running_requests=64,
+        )
+        with PeakRss() as rss, RolloutWorker(worker_config) as worker:
+            worker.load_hf(directory)
+            for name in config.batches:
+                batch = BATCHES[name]
+                # Warm-up at the same padded shapes (prefill chunks, decode rows): compiles.
+                timed_generate(worker, batch, vocab, min(batch.new_tokens, 2))
+                seconds = median_seconds(lambda: timed_generate(worker, batch, vocab), config.repeats)
+                entry = {"seconds": seconds}
+                if name == "decode":
+                    prefill = median_seconds(lambda: timed_generate(worker, batch, vocab, 1), config.repeats)
+                    entry["decode_step"] = (seconds - prefill) / (batch.new_tokens - 1)
+                result[name] = entry
+        result["peak_rss"] = rss.peak
+    print(json.dumps(result), flush=True)  # the generate figures, should the bound's part fail
+    weights, head = layer_weights(shape, layers, jax.random.key(0))
+    reps = max(3, config.repeats)
+    for name in config.batches:
+        batch, entry = BATCHES[name], result[name]
+        prefill = sum(matmul_seconds(weights, head, t, r, reps)
+                      for t, r in prefill_chunks(batch, config.chunked_prefill_size))
+        decode = matmul_seconds(weights, head, batch.rows, batch.rows, reps) if batch.new_tokens > 1 else 0.0
+        entry["bound"] = prefill + (batch.new_tokens - 1) * decode
+        entry["decode_matmuls"] = decode
+    if "decode" in config.batches:
+        arrays = [w for layer in weights for w in layer.values()] + [head]
+        bandwidth = read_bandwidth(arrays, reps)
+        result["bandwidth"] = bandwidth
+        result["decode"]["bytes_step"] = sum(x.nbytes for x in arrays) / bandwidth
+        result["decode"]["split"] = decode_split(
+            shape, weights, head, BATCHES["decode"], config.max_total_tokens + 1, config.repeats)
+    result["uptime_after"] = os.getloadavg()
+    return result
+
+
+def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig) -> dict:
+    env = dict(os.environ)
+    if variant == "baseline":
+        env[workarounds.DISABLE_ENV] = ",".join(SPEED_WORKAROUNDS)
+    args = [sys.executable, "-m", "bench.generate_bench", "--child", f"{shape}:{layers}",
+            "--batches", ",".join(config.batches), "--repeats", str(config.repeats)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{shape} {variant} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report(shape: str, layers: int, variant: str, r: dict) -> None:
+    load = " ".join(f"{x:.1f}" for x in r["uptime"])
+    print(f"\n{shape} shape, {layers} layers, bf16, {variant}: load average {load} "
+          f"(after: {r['uptime_after'][0]:.1f}), peak RSS {gib(r['peak_rss'])}")
+    for name in ("decode", "prefill"):
+        if name not in r:
+            continue
+        b, e = BATCHES[name], r[name]
+        counted = b.rows * b.new_tokens if name == "decode" else b.rows * b.prompt_tokens
+        what = "new tokens/s" if name == "decode" else "prompt tokens/s"
+        print(f"  {name}-heavy ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
+              f"{e['seconds']:.2f} s, {counted / e['seconds']:.1f} {what}; matmul bound {e['bound']:.2f} s "
+              f"({counted / e['bound']:.1f} {what}): x{e['seconds'] / e['bound']:.2f} the bound")
+        if name == "decode":
+            step = e["decode_step"]
+            print(f"    decode step ({b.rows} rows): {step * 1e3:.1f} ms measured, matmuls {e['decode_matmuls'] * 1e3:.1f} ms "
+                  f"(x{step / e['decode_matmuls']:.2f}), weights' bytes / bandwidth ({r['bandwidth'] / 1e9:.1f} GB/s) "
+                  f"{e['bytes_step'] * 1e3:.1f} ms (x{step / e['bytes_step']:.2f})")
+            split = e["split"]
+            parts = {k: v for k, v in split.items() if k != "sampler top-p 0.9"}
+            rest = step - sum(parts.values())
+            print("    split (separately jitted pieces): " + ", ".join(
+                f"{k} {v * 1e3:.1f} ms ({v / step:.0%})" for k, v in parts.items())
+                + f", rest (host, glue) {rest * 1e3:.1f} ms ({rest / step:.0%}); "
+                  f"sampler at top-p 0.9: {split['sampler top-p 0.9'] * 1e3:.1f} ms")
+
+
+def main(config: GenerateBenchConfig) -> None:
+    print(f"uptime: {os.getloadavg()}; JAX {jax.__version__}, {jax.devices()[0].platform}; "
+          f"baseline = {workarounds.DISABLE_ENV}={','.join(SPEED_WORKAROUNDS) or '(none)'}")
+    for shape, layers in zip(config.shapes, config.layers):
+        results = {}
+        for variant in config.variants:
+            results[variant] = run_child(shape, layers, variant, config)
+            report(shape, layers, variant, results[variant])
+        if {"new", "baseline"} <= results.keys():
+            for name in config.batches:
+                ratio = results["baseline"][name]["seconds"] / results["new"][name]["seconds"]
+                print(f"  {shape} {name}-heavy: new x{ratio:.2f} faster than baseline")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = GenerateBenchConfig()
+    parser.add_argument("--shapes", default=",".join(d.shapes))
+    parser.add_argument("--layers", default=",".join(map(str, d.layers)))
+    parser.add_argument("--variants", default=",".join(d.variants))
+    parser.add_argument("--batches", default=",".join(d.batches))
+    parser.add_argument("--repeats", type=int, default=d.repeats)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    config = GenerateBenchConfig(
+        shapes=tuple(args.shapes.split(",")), layers=tuple(int(x) for x in args.layers.split(",")),
+        variants=tuple(args.variants.split(",")), batches=tuple(args.batches.split(",")), repeats=args.repeats,
+    )
+    return config, args.child
+
+
+if __name__ == "__main__":
+    config, child = parse_args()
+    if child:
+        shape, layers = child.split(":")
+        print(json.dumps(measure(shape, int(layers), config)))
+    else:
+        main(config)
