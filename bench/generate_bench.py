@@ -1,7 +1,7 @@
 """Generation speed against the hardware's bound, with a per-step time split.
 
     JAX_PLATFORMS=cpu python -m bench.generate_bench [--shapes 0.5b,1.5b] [--layers 6,4]
-        [--variants new,baseline] [--batches decode,prefill] [--repeats 2]
+        [--variants new,baseline] [--batches decode,prefill] [--repeats 1]
 
 For each model shape (Qwen2.5-0.5B and -1.5B, a few of their layers, bfloat16; the engine boots
 with ``load_format="dummy"`` and then serves random weights through ``load_hf``):
@@ -13,15 +13,17 @@ with ``load_format="dummy"`` and then serves random weights through ``load_hf``)
 2. The bound, measured in the same process on the same device: the batch's matmuls (every
    linear layer, the tied LM head on the rows that get logits) as plain jitted bfloat16 matmuls
    of the same shapes, step by step as the engine runs them (prefill chunks of
-   ``chunked_prefill_size`` tokens, then one decode step per new token after the first); for
-   decode also the weights' bytes over the memory bandwidth of a jitted read of those weights.
-   Printed as the ratio measured time / bound.
-3. The decode step split, from separately jitted functions of the engine's shapes (not a
-   profiler trace): embedding gather, attention (the paged attention over the KV pool plus the
-   KV write, all layers), projections (q/k/v/o), MLP, LM head, sampler (temperature 1, and
-   top-p 0.9 for reference); "rest" is the measured decode step (a generate of ``new_tokens``
-   minus one of 1 new token, over ``new_tokens - 1`` steps) minus their sum: host overhead
-   and glue.
+   ``chunked_prefill_size`` tokens, then one decode step per new token after the first), the
+   faster of bfloat16 and float32 output for the head; for decode also the weights' bytes over
+   the memory bandwidth of a jitted read of as many float32 bytes. Printed as the ratio
+   measured time / bound.
+3. The decode step split. From the engine itself (``rollout.engine.profile_steps``): its model
+   forward, its sampler, and the host (the measured step, a generate of ``new_tokens`` minus
+   one of 1 new token over ``new_tokens - 1`` steps, minus both). Inside the forward, from
+   separately jitted functions of the engine's shapes: embedding gather, attention (the paged
+   attention over the KV pool plus the KV write, all layers), projections (q/k/v/o), MLP, LM
+   head; "glue" is the forward minus their sum (norms, rotary, residuals, logits slicing). The
+   sampler at top-p 0.9 on logits x4 (kept tokens past the preselection) for reference.
 
 ``--variants baseline`` runs the same figures with ``ROLLOUT_DISABLE_WORKAROUNDS`` naming the
 speed workarounds (``SPEED_WORKAROUNDS``), each variant and shape in a fresh process.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -46,14 +49,14 @@ from safetensors.numpy import save_file
 
 from bench.attention_bench import QWEN25_05B_HEAD_DIM, QWEN25_05B_SHAPE
 from bench.common import QWEN25_15B_SHAPE, PeakRss, gib, median_seconds
-from models import TinyModelSpec, random_hf_weights
+from models import TinyModelSpec, random_hf_weights, table_logits
 from rollout import RolloutWorker, WorkerConfig
-from rollout.engine import attention, patches, workarounds
+from rollout.engine import attention, patches, profile_steps, workarounds
 
 # name: (HF shape, head_dim)
 SHAPES = {"0.5b": (QWEN25_05B_SHAPE, QWEN25_05B_HEAD_DIM), "1.5b": (QWEN25_15B_SHAPE, 128)}
 # The workarounds this bench's baseline variant switches off.
-SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions",)
+SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions", "bf16-logits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,22 +85,9 @@ class GenerateBenchConfig:
     chunked_prefill_size: int = 2048
 
 
-class _Spec(TinyModelSpec):
-    """TinyModelSpec with the shape's own head_dim (the weights go through ``load_hf``, which
-    maps them as they are; only the engine's own safetensors loader pads head_dim)."""
-
-    def __init__(self, head_dim: int, **fields):
-        super().__init__(**fields)
-        object.__setattr__(self, "_head_dim", head_dim)
-
-    @property
-    def head_dim(self) -> int:
-        return self._head_dim
-
-
 def model_dir(root: Path, shape: str, layers: int) -> Path:
     hf_shape, head_dim = SHAPES[shape]
-    spec = _Spec(head_dim, num_hidden_layers=layers, **{**hf_shape, "max_position_embeddings": 4096})
+    spec = TinyModelSpec(num_hidden_layers=layers, head_dim=head_dim, **{**hf_shape, "max_position_embeddings": 4096})
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(spec.hf_config() | {"torch_dtype": "bfloat16"}, indent=2))
     save_file(random_hf_weights(spec), str(root / "model.safetensors"), metadata={"format": "pt"})
@@ -136,30 +126,37 @@ def layer_weights(shape: str, layers: int, key) -> tuple[list[dict], jax.Array]:
     return out, head
 
 
-@jax.jit
-def _matmuls(weights, head, x, attn, mlp, head_rows):
+@functools.partial(jax.jit, static_argnames="float32_head")
+def _matmuls(weights, head, x, attn, mlp, head_rows, float32_head):
     """Every matmul of one forward, each on its own input (no other work between them)."""
     outs = []
     for w in weights:
         outs += [x @ w["q"], x @ w["k"], x @ w["v"], attn @ w["o"], x @ w["gate"], x @ w["up"], mlp @ w["down"]]
-    outs.append(head_rows @ head.T)
+    outs.append(table_logits(head_rows, head) if float32_head else head_rows @ head.T)
     return outs
 
 
 def matmul_seconds(weights, head, tokens: int, logit_rows: int, repeats: int) -> float:
+    """The faster of the two head outputs (bfloat16, float32) with the same linear layers."""
+    return min(_matmul_seconds(weights, head, tokens, logit_rows, repeats, f32) for f32 in (False, True))
+
+
+def _matmul_seconds(weights, head, tokens: int, logit_rows: int, repeats: int, float32_head: bool) -> float:
     h = head.shape[1]
     x = jnp.ones((tokens, h), jnp.bfloat16)
     attn = jnp.ones((tokens, weights[0]["o"].shape[0]), jnp.bfloat16)
     mlp = jnp.ones((tokens, weights[0]["down"].shape[0]), jnp.bfloat16)
     rows = jnp.ones((logit_rows, h), jnp.bfloat16)
-    run = lambda: jax.block_until_ready(_matmuls(weights, head, x, attn, mlp, rows))  # noqa: E731
+    run = lambda: jax.block_until_ready(_matmuls(weights, head, x, attn, mlp, rows, float32_head))  # noqa: E731
     run()
     return median_seconds(run, repeats)
 
 
 def read_bandwidth(arrays, repeats: int) -> float:
-    """Bytes per second of a jitted pass reading every array once."""
-    total = jax.jit(lambda xs: sum(jnp.sum(x, dtype=jnp.float32) for x in xs))
+    """Bytes per second of a jitted pass reading float32 arrays of the same sizes once (a sum of
+    bfloat16 arrays measures XLA's conversions on some backends, not the memory)."""
+    arrays = [jnp.ones(x.nbytes // 4, jnp.float32) for x in arrays]
+    total = jax.jit(lambda xs: sum(jnp.sum(x) for x in xs))
     run = lambda: jax.block_until_ready(total(arrays))  # noqa: E731
     run()
     return sum(x.nbytes for x in arrays) / median_seconds(run, repeats)
@@ -226,8 +223,7 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
         "attention": (jax.jit(attend, donate_argnums=0), None),
         "projections": (jax.jit(projections), (x, q)),
         "mlp": (jax.jit(mlp), (x,)),
-        "lm_head": (jax.jit(lambda x, head: x @ head.T), (x, head)),
-        "sampler": (jax.jit(lambda logits: sampler(logits, 1.0)), (logits,)),
+        "lm_head": (jax.jit(table_logits), (x, head)),
         "sampler top-p 0.9": (jax.jit(lambda logits: sampler(logits, 0.9)), (logits,)),
     }
     split = {}
@@ -270,6 +266,11 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                 if name == "decode":
                     prefill = median_seconds(lambda: timed_generate(worker, batch, vocab, 1), config.repeats)
                     entry["decode_step"] = (seconds - prefill) / (batch.new_tokens - 1)
+                    with profile_steps() as times:
+                        timed_generate(worker, batch, vocab)
+                    steps = times.steps["decode"]
+                    entry["engine_forward"] = times.forward_s["decode"] / steps
+                    entry["engine_sampler"] = times.sample_s["decode"] / steps
                 result[name] = entry
         result["peak_rss"] = rss.peak
     print(json.dumps(result), flush=True)  # the generate figures, should the bound's part fail
@@ -323,12 +324,16 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
             print(f"    decode step ({b.rows} rows): {step * 1e3:.1f} ms measured, matmuls {e['decode_matmuls'] * 1e3:.1f} ms "
                   f"(x{step / e['decode_matmuls']:.2f}), weights' bytes / bandwidth ({r['bandwidth'] / 1e9:.1f} GB/s) "
                   f"{e['bytes_step'] * 1e3:.1f} ms (x{step / e['bytes_step']:.2f})")
+            forward, sampler = e["engine_forward"], e["engine_sampler"]
+            host = step - forward - sampler
+            print(f"    engine profile per decode step: forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
+                  f"sampler {sampler * 1e3:.1f} ms ({sampler / step:.0%}), host {host * 1e3:.1f} ms ({host / step:.0%})")
             split = e["split"]
-            parts = {k: v for k, v in split.items() if k != "sampler top-p 0.9"}
-            rest = step - sum(parts.values())
-            print("    split (separately jitted pieces): " + ", ".join(
-                f"{k} {v * 1e3:.1f} ms ({v / step:.0%})" for k, v in parts.items())
-                + f", rest (host, glue) {rest * 1e3:.1f} ms ({rest / step:.0%}); "
+            pieces = {k: v for k, v in split.items() if k != "sampler top-p 0.9"}
+            glue = forward - sum(pieces.values())
+            print("    forward pieces (separately jitted): " + ", ".join(
+                f"{k} {v * 1e3:.1f} ms ({v / step:.0%})" for k, v in pieces.items())
+                + f", glue {glue * 1e3:.1f} ms ({glue / step:.0%}); "
                   f"sampler at top-p 0.9: {split['sampler top-p 0.9'] * 1e3:.1f} ms")
 
 

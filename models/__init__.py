@@ -1,7 +1,7 @@
 """Per-architecture model code: Flax trainer models (MLLM-JAX layout), mapping tables to HF and
 sglang-jax, and tiny random model dirs for tests and examples."""
 
-from .logprobs import completion_log_probs, sampled_token_log_probs, sampling_log_probs
+from .logprobs import completion_log_probs, sampled_token_log_probs, sampling_log_probs, table_logits
 from .mapping import Condition, EngineTransform, ParamMapping, expand_mappings
 from .moe import route
 from .qwen3_moe_flax import Qwen3MoeConfig
@@ -34,6 +34,7 @@ __all__ = [
     "route",
     "sampled_token_log_probs",
     "sampling_log_probs",
+    "table_logits",
     "tiny_llama3_spec",
     "tiny_random_llama_spec",
     "write_tiny_model",

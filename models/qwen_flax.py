@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .logprobs import table_logits
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama")
 
@@ -235,7 +236,8 @@ class QwenModel(nn.Module):
         return self.norm(x)
 
     def attend(self, hidden):
-        return self.embed_tokens.attend(hidden)
+        dtype = jnp.dtype(self.config.dtype)
+        return table_logits(hidden.astype(dtype), self.embed_tokens.embedding.astype(dtype))
 
 
 class QwenForCausalLM(nn.Module):
@@ -248,7 +250,10 @@ class QwenForCausalLM(nn.Module):
         self.model = QwenModel(c)
         if not c.tie_word_embeddings:
             dtype = jnp.dtype(c.dtype)
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
+            # float32 logits, as table_logits computes them for a tied head
+            self.lm_head = nn.Dense(
+                c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, preferred_element_type=jnp.float32
+            )
 
     def __call__(self, tokens, attention_mask=None, positions=None):
         return self.logits(self.hidden_states(tokens, attention_mask, positions))

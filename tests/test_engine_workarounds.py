@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from packaging.version import Version
 
-from models import QwenConfig, QwenForCausalLM, greedy_decode
+from models import QwenConfig, QwenForCausalLM, greedy_decode, table_logits
 from rollout import EngineError, RolloutWorker
 from rollout.engine import patches, workarounds
 from tests.helpers import tiny_worker_config
@@ -45,6 +45,7 @@ PINNING_TESTS = {
     "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
     "native-attention-memory": "tests/test_attention.py::test_engine_forward_memory_does_not_follow_padding_limits",
     "kv-pool-conversions": "tests/test_attention.py::test_bf16_kv_pool_is_not_converted_per_forward",
+    "bf16-logits": "tests/test_engine_workarounds.py::test_bfloat16_engine_logits_are_float32",
     "flax-eager-sharding": "tests/test_engine_workarounds.py::test_flax_eager_sharding_is_off_only_while_the_engine_builds",
     "failure-signal-handler": "tests/test_faults.py::test_the_engines_forwards_leave_the_sigterm_handler_alone",
     "llama3-rope-scaling": "tests/test_families.py::test_llama3_rope_scaling_gives_the_trainers_positions",
@@ -112,16 +113,21 @@ def test_keyed_draw_draws_from_the_given_distribution():
     every distribution towards uniform; the replacement must follow the probabilities."""
     probs = jnp.array([0.6, 0.25, 0.1, 0.05], dtype=jnp.float32)
     rows = 4000
-    args = (
+    operands = (
         jnp.log(jnp.tile(probs, (rows, 1))),
+        jnp.ones(rows),
+        jnp.full(rows, 2**30, jnp.int32),
+        jnp.ones(rows),
+        jnp.zeros(rows),
         jnp.arange(rows, dtype=jnp.int32),
         jnp.full((rows,), 7, dtype=jnp.int32),
         None,
     )
-    draws = np.asarray(jax.jit(patches._keyed_draw)(*args))
+    draws, log_probs = map(np.asarray, jax.jit(patches._draw_with_logprobs)(operands))
     freq = np.bincount(draws, minlength=4) / rows
     np.testing.assert_allclose(freq, probs, atol=0.03)
-    again = np.asarray(jax.jit(patches._keyed_draw)(*args))
+    np.testing.assert_allclose(log_probs, np.log(np.asarray(probs))[draws], atol=1e-6)
+    again = np.asarray(jax.jit(patches._draw_with_logprobs)(operands)[0])
     np.testing.assert_array_equal(draws, again)
 
 
@@ -177,6 +183,26 @@ def test_untied_head_computes_in_the_model_dtype(qwen2_untied_dir):
         # float32 logits: greedy decoding agrees with the float32 Flax model token for token.
         greedy = worker.generate(LONG_PROMPTS, temperature=0.0, max_new_tokens=24, ignore_eos=True)
         assert greedy.completions == reference
+
+
+def test_bfloat16_engine_logits_are_float32():
+    """The engine's logits processor on a bfloat16 head: the trainer's float32 logits, not logits
+    rounded to bfloat16."""
+    patches.install_workarounds()
+    from flax import nnx
+    from sgl_jax.srt.layers.embeddings import ParallelLMHead
+    from sgl_jax.srt.layers.logits_processor import LogitsProcessor
+
+    vocab = 1000
+    with patches.variables_sharded_lazily():
+        head = ParallelLMHead(vocab + 24, 64, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    hidden = jax.random.normal(jax.random.key(1), (4, 64), jnp.bfloat16) * 8
+    logits = LogitsProcessor(vocab, mesh=None)._get_logits(hidden, head)
+    assert logits.dtype == jnp.float32 and logits.shape == (4, vocab)
+    expected = table_logits(hidden, head.embedding.value)[:, :vocab]
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    rounded = np.asarray(logits.astype(jnp.bfloat16).astype(jnp.float32))
+    assert np.mean(rounded != np.asarray(logits)) > 0.9
 
 
 def test_second_tensor_parallel_engine_on_the_same_model(qwen2_dir):

@@ -1,12 +1,14 @@
 """Sampled first tokens follow the truncated softmax of the model's own logits: temperature,
 top_k, top_p and min_p checked against the Flax model (models/qwen_flax.py) for one prompt."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models import QwenConfig, QwenForCausalLM
 from rollout import RolloutWorker
+from rollout.engine import patches
 from rollout.engine.draw import draw_tokens, keyed_uniforms
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
@@ -121,3 +123,33 @@ def test_keyed_draw_is_the_same_whatever_the_batch():
     np.testing.assert_array_equal(whole, np.concatenate(parts))
     again = draw_tokens(log_probs, keyed_uniforms(seeds, positions + 1))
     assert (np.asarray(again) != np.asarray(whole)).any(), "another position draws afresh"
+
+
+def test_rows_draw_the_same_whether_or_not_another_row_filters():
+    """The engine's sampler reads unfiltered batches in two passes and filtered ones through the
+    shared filters: a row that does not filter gets the same token and log-prob either way, a
+    greedy row its argmax, a filtering row a token inside its filter."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 6, 3000
+    logits = jnp.asarray(rng.normal(0.0, 3.0, (rows, vocab)), jnp.float32)
+    seeds, positions = jnp.arange(rows) * 31, jnp.full(rows, 5)
+    temperatures = jnp.full(rows, 0.8)
+
+    def sample(top_ks, top_ps):
+        operands = (logits, temperatures, jnp.asarray(top_ks), jnp.asarray(top_ps, jnp.float32),
+                    jnp.zeros(rows), seeds, positions, None)
+        return map(np.asarray, jax.jit(patches._draw_with_logprobs)(operands))
+
+    everything = [2**30] * rows
+    plain_ids, plain_logps = sample(everything, [1.0] * rows)
+    mixed_ids, mixed_logps = sample([2**30, 1, 2**30, 2**30, 2**30, 20], [1.0, 1.0, 1.0, 0.5, 1.0, 1.0])
+    free = [0, 2, 4]
+    np.testing.assert_array_equal(mixed_ids[free], plain_ids[free])
+    np.testing.assert_allclose(mixed_logps[free], plain_logps[free], atol=1e-5)
+    reference = jax.nn.log_softmax(logits / 0.8, axis=-1)
+    np.testing.assert_allclose(plain_logps, np.take_along_axis(np.asarray(reference), plain_ids[:, None], 1)[:, 0], atol=1e-5)
+    assert mixed_ids[1] == int(jnp.argmax(logits[1]))
+    assert mixed_ids[5] in np.argsort(-np.asarray(logits[5]))[:20]
+    order = np.argsort(-np.asarray(reference[3]))
+    kept = order[: np.searchsorted(np.cumsum(np.exp(np.asarray(reference[3])[order])), 0.5) + 1]
+    assert mixed_ids[3] in kept

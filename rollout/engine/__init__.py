@@ -29,12 +29,14 @@ Modules: ``workarounds`` (the registry ``WORKAROUNDS`` and its switches; imports
 ``patches`` (the 0.0.2 patches themselves), ``start_up`` (one start-up at a time, and which
 engine is being built), ``runtime`` (the engine's threads), ``handle`` (``EngineHandle``:
 start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
-loop), ``inflight`` (weight swaps with requests running), ``types`` (options, leaf specs, errors; no sgl_jax import).
+loop), ``inflight`` (weight swaps with requests running), ``profile`` (where steps spend
+their time), ``types`` (options, leaf specs, errors; no sgl_jax import).
 """
 
 from .handle import EngineHandle
 from .inflight import SwapRecord
 from .patches import engine_version, install_workarounds
+from .profile import StepTimes, profile_steps
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
     SUPPORTED_ENGINE_VERSION,
@@ -60,6 +62,7 @@ __all__ = [
     "ForwardMemory",
     "GenerateOutput",
     "LeafSpec",
+    "StepTimes",
     "SwapRecord",
     "UnsupportedEngineVersion",
     "device_buffers",
@@ -67,5 +70,6 @@ __all__ = [
     "disabled_workarounds",
     "engine_version",
     "install_workarounds",
+    "profile_steps",
     "workaround_enabled",
 ]

@@ -5,7 +5,7 @@ entry per row (151936 per row for Qwen), which is most of a decode step on a CPU
 CDF needs one uniform per row: the vocabulary is cut into blocks, the block is chosen from the
 running sum of block masses, then the token from the running sum inside that one block. The
 draw follows the distribution exactly (up to float32 sums) and never returns a token of zero
-probability.
+probability. Two passes over each row: its max, and its block masses (with the exp fused in).
 
 Pure JAX (no sglang-jax import).
 """
@@ -24,15 +24,40 @@ def block_size(vocab: int) -> int:
     return 1 << max(0, math.ceil(math.log2(math.sqrt(vocab))))
 
 
-def draw_tokens(log_probs: jax.Array, uniforms: jax.Array) -> jax.Array:
-    """Token [N] of each row of ``log_probs`` [N, V] (normalized or not; ``-inf`` excluded) at
-    quantile ``uniforms`` [N] in [0, 1)."""
-    rows, vocab = log_probs.shape
+def draw_tokens(scores: jax.Array, uniforms: jax.Array, greedy: jax.Array | None = None) -> jax.Array:
+    """Token [N] of each row of ``scores`` [N, V] (log-probabilities, normalized or not; ``-inf``
+    excluded) at quantile ``uniforms`` [N] in [0, 1); rows where ``greedy`` [N] holds take their
+    largest score instead."""
+    return draw_tokens_and_log_mass(scores, uniforms, greedy)[0]
+
+
+def draw_tokens_and_log_mass(
+    scores: jax.Array, uniforms: jax.Array, greedy: jax.Array | None = None, temperatures: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`draw_tokens` from ``scores / temperatures`` (if given, [N]), and each row's
+    ``logsumexp`` [N] of those from the same two passes over the rows (a max, then the block
+    masses; the division is fused into both, never stored): ``scores[token] / temperature -
+    log_mass`` is the token's log-probability without another pass."""
+    rows, vocab = scores.shape
+    scale = jnp.ones((rows, 1), jnp.float32) if temperatures is None else 1.0 / temperatures.reshape(-1, 1)
+    scores = scores.astype(jnp.float32) * scale
     block = block_size(vocab)
-    blocks = -(-vocab // block)
-    probs = jnp.exp(log_probs.astype(jnp.float32) - jnp.max(log_probs, axis=-1, keepdims=True))
-    probs = jnp.pad(probs, ((0, 0), (0, blocks * block - vocab))).reshape(rows, blocks, block)
-    masses = probs.sum(axis=-1)
+    full = vocab // block
+
+    def with_argmax():
+        top = jnp.argmax(scores, axis=-1)
+        return top, jnp.take_along_axis(scores, top[:, None], axis=-1)
+
+    # An argmax costs XLA's CPU backend ~10x a max: only batches with greedy rows pay it.
+    has_greedy = jnp.asarray(False) if greedy is None else jnp.any(greedy)
+    top, peak = jax.lax.cond(
+        has_greedy, with_argmax, lambda: (jnp.zeros(rows, jnp.int32), jnp.max(scores, axis=-1, keepdims=True))
+    )
+    # Block masses straight from the scores (XLA fuses the exp into the sums; no [N, V] copy).
+    masses = jnp.exp(scores[:, : full * block] - peak).reshape(rows, full, block).sum(axis=-1)
+    if full * block < vocab:
+        masses = jnp.concatenate([masses, jnp.exp(scores[:, full * block :] - peak).sum(-1, keepdims=True)], axis=1)
+    blocks = masses.shape[1]
     ends = jnp.cumsum(masses, axis=-1)
     target = uniforms.astype(jnp.float32) * ends[:, -1]
     # The first block whose running mass passes the target (it has mass > 0); if the target
@@ -40,13 +65,22 @@ def draw_tokens(log_probs: jax.Array, uniforms: jax.Array) -> jax.Array:
     last_block = blocks - 1 - jnp.argmax((masses > 0)[:, ::-1], axis=-1)
     chosen = jnp.minimum(jnp.sum(ends <= target[:, None], axis=-1), last_block)
     before = jnp.where(chosen > 0, jnp.take_along_axis(ends, jnp.maximum(chosen - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-    inner = jnp.take_along_axis(probs, chosen[:, None, None], axis=1)[:, 0]  # [rows, block]
+    # The chosen block's probabilities, recomputed from its scores (past the vocabulary: 0).
+    columns = chosen[:, None] * block + jnp.arange(block)[None, :]
+    inner = jnp.where(
+        columns < vocab,
+        jnp.exp(jnp.take_along_axis(scores, jnp.minimum(columns, vocab - 1), axis=-1) - peak),
+        0.0,
+    )
     running = before[:, None] + jnp.cumsum(inner, axis=-1)
     # The first token whose running mass passes the target has probability > 0; if float
     # rounding leaves the target past the block's own sum, its last token of mass > 0.
     index = jnp.sum(running <= target[:, None], axis=-1)
     last = block - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
-    return (chosen * block + jnp.minimum(index, last)).astype(jnp.int32)
+    tokens = chosen * block + jnp.minimum(index, last)
+    if greedy is not None:
+        tokens = jnp.where(greedy, top, tokens)
+    return tokens.astype(jnp.int32), peak[:, 0] + jnp.log(ends[:, -1])
 
 
 def keyed_uniforms(seeds: jax.Array, positions: jax.Array) -> jax.Array:

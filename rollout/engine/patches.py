@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import config as jax_config
 
-from models import sampled_token_log_probs, sampling_log_probs
+from models import sampled_token_log_probs, sampling_log_probs, table_logits
 
 from .attention import converts_16bit_rows, paged_attention, set_rows
-from .draw import draw_tokens, keyed_uniforms
+from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms
 from .moe import patch_expert_block
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
@@ -67,6 +67,7 @@ def install_workarounds() -> None:
         if workaround_enabled("failure-signal-handler"):
             _import_test_util_keeping_sigterm()
         _patch_sampler()
+        _patch_logits()
         _patch_start_up(engine_module)
         _patch_native_attention()
         patch_expert_block(workaround_enabled)
@@ -108,27 +109,43 @@ def _import_native_backend_without_duplicate_registration() -> None:
         jax.tree_util.register_pytree_node_class = original
 
 
-def _keyed_draw(log_probs, seeds, positions, rng):
-    """Draw one token per row at a uniform keyed by (row seed, row position)."""
+def _uniforms(seeds, positions, rng, rows):
+    """One uniform per row, keyed by (row seed, row position) when the rows have seeds."""
     if seeds is None:
-        uniforms = jax.random.uniform(rng, (log_probs.shape[0],))
-    else:
-        uniforms = keyed_uniforms(seeds, positions)
-    return draw_tokens(log_probs, uniforms)
+        return jax.random.uniform(rng, (rows,))
+    return keyed_uniforms(seeds, positions)
 
 
 def _greedy_with_logprobs(operands):
     logits, temperatures = operands[:2]
-    tempered = jax.nn.log_softmax(logits.astype(jnp.float32) / temperatures.reshape(-1, 1), axis=-1)
-    ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return ids, jnp.take_along_axis(tempered, ids[:, None], axis=-1)[:, 0]
+    scaled = logits.astype(jnp.float32) / temperatures.reshape(-1, 1)
+    ids = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
+    peak = jnp.take_along_axis(scaled, ids[:, None], axis=-1)
+    log_mass = peak[:, 0] + jnp.log(jnp.sum(jnp.exp(scaled - peak), axis=-1))
+    return ids, peak[:, 0] - log_mass
 
 
 def _draw_with_logprobs(operands):
+    """Sampled ids and their log-probs. When no sampling row filters (top-k, top-p, min-p),
+    the draw reads the tempered logits directly in two passes; otherwise the shared filters
+    (models.sampling_log_probs) run first. Greedy rows (top_k 1) take the argmax either way."""
     logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, rng = operands
-    tempered, filtered = sampling_log_probs(logits, temperatures, top_ks, top_ps, min_ps)
-    ids = _keyed_draw(filtered, seeds, positions, rng).astype(jnp.int32)
-    return ids, sampled_token_log_probs(tempered, filtered, ids, top_ks)
+    vocab = logits.shape[-1]
+    uniforms = _uniforms(seeds, positions, rng, logits.shape[0])
+    greedy = top_ks == 1
+    filtering = ~greedy & ((top_ks < vocab) | (top_ps < 1.0) | (min_ps > 0.0))
+
+    def unfiltered(_):
+        ids, log_mass = draw_tokens_and_log_mass(logits, uniforms, greedy, temperatures)
+        chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0].astype(jnp.float32)
+        return ids, chosen * (1.0 / temperatures.reshape(-1)) - log_mass
+
+    def filtered(_):
+        tempered, kept = sampling_log_probs(logits, temperatures, top_ks, top_ps, min_ps)
+        ids = draw_tokens(kept, uniforms, greedy)
+        return ids, sampled_token_log_probs(tempered, kept, ids, top_ks)
+
+    return jax.lax.cond(jnp.any(filtering), filtered, unfiltered, None)
 
 
 def _sample_with_logprobs(self, logits_output, sampling_metadata, positions):
@@ -189,6 +206,19 @@ def _patch_sampler() -> None:
         sampler.Sampler.__call__ = _sample_with_logprobs
         model_runner.ModelRunner.sample = _sample_keeping_logprobs
         scheduler.Scheduler.run_batch = _run_batch_collecting_logprobs(scheduler.Scheduler.run_batch)
+
+
+def _float32_logits(self, hidden_states, lm_head):
+    """``LogitsProcessor._get_logits`` replacement: logits [N, vocab] in float32."""
+    hidden_states, table = lm_head.promote_dtype((hidden_states, lm_head.embedding.value), dtype=lm_head.dtype)
+    return table_logits(hidden_states, table)[..., : self.vocab_size]
+
+
+def _patch_logits() -> None:
+    from sgl_jax.srt.layers import logits_processor
+
+    if workaround_enabled("bf16-logits"):
+        logits_processor.LogitsProcessor._get_logits = _float32_logits
 
 
 def _patch_start_up(engine_module) -> None:

@@ -185,6 +185,15 @@ WORKAROUNDS: dict[str, str] = {
         "leaves them random (a warning only). The model is built with every dense layer listed "
         "in mlp_only_layers."
     ),
+    "bf16-logits": (
+        "LogitsProcessor._get_logits computes the logits in the model's dtype: a bfloat16 engine "
+        "rounds every logit to 8 significant bits (steps of 0.125 at a logit of 20) before the "
+        "sampler and the reported log-probs, where the trainer's are float32; and XLA's CPU "
+        "backend runs that bfloat16-output dot against the table's transpose 5-8x slower than "
+        "one with float32 output (the LM head was 89% of a Qwen2.5-0.5B decode step). Logits "
+        "are computed as the trainer computes them (models.table_logits: float32 accumulation "
+        "and output)."
+    ),
     "kv-pool-conversions": (
         "The native backend writes each layer's new K/V into the pool with a bf16 scatter "
         "(set_kv_buffer_legacy); XLA's CPU backend computes bf16 scatters in f32, so every "
