@@ -25,6 +25,10 @@ with ``load_format="dummy"`` and then serves random weights through ``load_hf``)
    head; "glue" is the forward minus their sum (norms, rotary, residuals, logits slicing). The
    sampler at top-p 0.9 on logits x4 (kept tokens past the preselection) for reference.
 
+``--torch-python PYTHON`` also runs the decode-heavy batch through Hugging Face transformers'
+``generate`` on PyTorch (``bench/torch_generate.py`` under that interpreter, which needs torch
+and transformers; same model dir, bfloat16), the comparison a user makes first.
+
 ``--variants baseline`` runs the same figures with ``ROLLOUT_DISABLE_WORKAROUNDS`` naming the
 speed workarounds (``SPEED_WORKAROUNDS``), each variant and shape in a fresh process.
 """
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -83,6 +88,7 @@ class GenerateBenchConfig:
     repeats: int = 1
     max_total_tokens: int = 16384
     chunked_prefill_size: int = 2048
+    torch_python: str | None = None
 
 
 def model_dir(root: Path, shape: str, layers: int) -> Path:
@@ -94,15 +100,21 @@ def model_dir(root: Path, shape: str, layers: int) -> Path:
     return root
 
 
+_calls = itertools.count()
+
+
 def prompts_for(batch: Batch, vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(0)
+    """Fresh random prompts for every call: a repeated prompt would be served from the
+    engine's prefix cache and skip its prefill."""
+    rng = np.random.default_rng(next(_calls))
     return rng.integers(1, vocab, (batch.prompts, batch.prompt_tokens)).tolist()
 
 
 def timed_generate(worker, batch: Batch, vocab: int, new_tokens: int | None = None) -> float:
     new_tokens = new_tokens or batch.new_tokens
+    prompts = prompts_for(batch, vocab)
     start = time.perf_counter()
-    out = worker.generate(prompts_for(batch, vocab), n=batch.n, temperature=1.0, max_new_tokens=new_tokens,
+    out = worker.generate(prompts, n=batch.n, temperature=1.0, max_new_tokens=new_tokens,
                           ignore_eos=True, seed=0)
     seconds = time.perf_counter() - start
     assert int(out.completion_mask.sum()) == batch.rows * new_tokens
@@ -306,6 +318,19 @@ def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def torch_decode_seconds(shape: str, layers: int, config: GenerateBenchConfig) -> float:
+    batch = BATCHES["decode"]
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = model_dir(Path(tmp), shape, layers)
+        args = [config.torch_python, str(Path(__file__).with_name("torch_generate.py")), str(directory),
+                "--prompts", str(batch.prompts), "--prompt-tokens", str(batch.prompt_tokens), "--n", str(batch.n),
+                "--new-tokens", str(batch.new_tokens), "--repeats", str(config.repeats)]
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"PyTorch reference failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+
+
 def report(shape: str, layers: int, variant: str, r: dict) -> None:
     load = " ".join(f"{x:.1f}" for x in r["uptime"])
     print(f"\n{shape} shape, {layers} layers, bf16, {variant}: load average {load} "
@@ -345,6 +370,12 @@ def main(config: GenerateBenchConfig) -> None:
         for variant in config.variants:
             results[variant] = run_child(shape, layers, variant, config)
             report(shape, layers, variant, results[variant])
+        if config.torch_python and "decode" in config.batches:
+            torch_seconds = torch_decode_seconds(shape, layers, config)
+            batch = BATCHES["decode"]
+            print(f"  PyTorch (transformers generate, bf16), decode-heavy: {torch_seconds:.2f} s, "
+                  f"{batch.rows * batch.new_tokens / torch_seconds:.1f} new tokens/s"
+                  + "".join(f"; {v} x{torch_seconds / r['decode']['seconds']:.2f} as fast" for v, r in results.items()))
         if {"new", "baseline"} <= results.keys():
             for name in config.batches:
                 ratio = results["baseline"][name]["seconds"] / results["new"][name]["seconds"]
@@ -359,11 +390,13 @@ def parse_args():
     parser.add_argument("--variants", default=",".join(d.variants))
     parser.add_argument("--batches", default=",".join(d.batches))
     parser.add_argument("--repeats", type=int, default=d.repeats)
+    parser.add_argument("--torch-python", help="a Python with torch and transformers: adds the PyTorch reference")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = GenerateBenchConfig(
         shapes=tuple(args.shapes.split(",")), layers=tuple(int(x) for x in args.layers.split(",")),
         variants=tuple(args.variants.split(",")), batches=tuple(args.batches.split(",")), repeats=args.repeats,
+        torch_python=args.torch_python,
     )
     return config, args.child
 

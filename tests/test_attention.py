@@ -81,7 +81,7 @@ def test_decode_matches_dense_reference(page_size):
     rng = np.random.default_rng(1)
     _, kv, cache_loc, seq_lens, _, _ = ragged_batch(rng, [6, 1, 13, 0, 0], [1, 1, 1, 0, 0], page_size)
     q = rng.standard_normal((len(seq_lens), HEADS, HEAD_DIM)).astype(np.float32)
-    got = attend(q, kv, cache_loc, seq_lens, scale=0.5, page_size=page_size, kv_chunk=4)
+    got = attend(q, kv, cache_loc, seq_lens, scale=0.5, page_size=page_size, decode_kv_chunk=4)
     # A decode token is an extend of one token after seq_len - 1 cached ones.
     ones = (seq_lens > 0).astype(np.int32)
     want = dense_reference(q, kv, cache_loc, seq_lens, seq_lens - ones, ones, 0.5, page_size)

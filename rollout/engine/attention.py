@@ -28,6 +28,10 @@ import jax.numpy as jnp
 DEFAULT_Q_BLOCK = 64
 # KV slots gathered per step of the online softmax.
 DEFAULT_KV_CHUNK = 256
+# In decode each token walks its own request's slots: a smaller chunk wastes less on short
+# contexts and costs nothing on long ones (Qwen2.5-0.5B shape, 64 rows, jax 0.12 CPU, per
+# layer: 2.1 vs 5.7 ms at 96 tokens of context, 17.5 vs 17.0 ms at 1024).
+DEFAULT_DECODE_KV_CHUNK = 128
 
 # Masked logits: finite, so a row with nothing visible yet gives exp(0) corrections, not NaN.
 _MASKED = -1e30
@@ -80,6 +84,7 @@ def paged_attention(
     page_size: int = 1,
     q_block: int = DEFAULT_Q_BLOCK,
     kv_chunk: int = DEFAULT_KV_CHUNK,
+    decode_kv_chunk: int = DEFAULT_DECODE_KV_CHUNK,
     integer_view: bool = False,
 ) -> jax.Array:
     """Attention of each query token to its own request's cached keys and values.
@@ -120,6 +125,7 @@ def paged_attention(
         req = tokens
         q_end = seq_lens[jnp.minimum(req, num_reqs - 1)]
         q_block = 1  # decode tokens belong to different requests: each walks its own span
+        kv_chunk = decode_kv_chunk
     else:
         extend_seq_lens = extend_seq_lens.astype(jnp.int32)
         q_ends = jnp.cumsum(extend_seq_lens)

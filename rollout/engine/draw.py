@@ -1,4 +1,4 @@
-"""Drawing one token per row from log-probabilities by inverse CDF, in about one pass.
+"""Drawing one token per row from log-probabilities by inverse CDF, in two passes over the rows.
 
 ``jax.random.categorical`` draws with the Gumbel-max trick: one random number per vocabulary
 entry per row (151936 per row for Qwen), which is most of a decode step on a CPU. The inverse
@@ -19,9 +19,14 @@ import jax.numpy as jnp
 
 
 def block_size(vocab: int) -> int:
-    """Tokens per block: the power of two nearest above sqrt(vocab), so both running sums are
-    short (512 for a 151936-token vocabulary)."""
-    return 1 << max(0, math.ceil(math.log2(math.sqrt(vocab))))
+    """Tokens per block: a power of two near sqrt(vocab), so both running sums are short; one
+    that divides the vocabulary if there is one within 4x below (then no ragged last block
+    is cut off and summed apart: 128 for Qwen's 151936 tokens, 256 for Llama 3's 128256)."""
+    target = 1 << max(0, math.ceil(math.log2(math.sqrt(vocab))))
+    for size in (target, target // 2, target // 4):
+        if size >= 1 and vocab % size == 0:
+            return size
+    return target
 
 
 def draw_tokens(scores: jax.Array, uniforms: jax.Array, greedy: jax.Array | None = None) -> jax.Array:
@@ -40,7 +45,7 @@ def draw_tokens_and_log_mass(
     log_mass`` is the token's log-probability without another pass."""
     rows, vocab = scores.shape
     scale = jnp.ones((rows, 1), jnp.float32) if temperatures is None else 1.0 / temperatures.reshape(-1, 1)
-    scores = scores.astype(jnp.float32) * scale
+    scores = scores.astype(jnp.float32)
     block = block_size(vocab)
     full = vocab // block
 
@@ -48,15 +53,21 @@ def draw_tokens_and_log_mass(
         top = jnp.argmax(scores, axis=-1)
         return top, jnp.take_along_axis(scores, top[:, None], axis=-1)
 
-    # An argmax costs XLA's CPU backend ~10x a max: only batches with greedy rows pay it.
+    # The max is taken before the temperature is applied (same order for a positive scale), so
+    # no scaled copy of the rows is stored. An argmax costs XLA's CPU backend ~10x a max: only
+    # batches with greedy rows pay it.
     has_greedy = jnp.asarray(False) if greedy is None else jnp.any(greedy)
     top, peak = jax.lax.cond(
         has_greedy, with_argmax, lambda: (jnp.zeros(rows, jnp.int32), jnp.max(scores, axis=-1, keepdims=True))
     )
-    # Block masses straight from the scores (XLA fuses the exp into the sums; no [N, V] copy).
-    masses = jnp.exp(scores[:, : full * block] - peak).reshape(rows, full, block).sum(axis=-1)
+
+    def probs(x):
+        return jnp.exp((x - peak) * scale)
+
+    # Block masses straight from the scores (the exp is fused into the sums).
+    masses = probs(scores[:, : full * block]).reshape(rows, full, block).sum(axis=-1)
     if full * block < vocab:
-        masses = jnp.concatenate([masses, jnp.exp(scores[:, full * block :] - peak).sum(-1, keepdims=True)], axis=1)
+        masses = jnp.concatenate([masses, probs(scores[:, full * block :]).sum(-1, keepdims=True)], axis=1)
     blocks = masses.shape[1]
     ends = jnp.cumsum(masses, axis=-1)
     target = uniforms.astype(jnp.float32) * ends[:, -1]
@@ -69,7 +80,7 @@ def draw_tokens_and_log_mass(
     columns = chosen[:, None] * block + jnp.arange(block)[None, :]
     inner = jnp.where(
         columns < vocab,
-        jnp.exp(jnp.take_along_axis(scores, jnp.minimum(columns, vocab - 1), axis=-1) - peak),
+        probs(jnp.take_along_axis(scores, jnp.minimum(columns, vocab - 1), axis=-1)),
         0.0,
     )
     running = before[:, None] + jnp.cumsum(inner, axis=-1)
@@ -80,7 +91,7 @@ def draw_tokens_and_log_mass(
     tokens = chosen * block + jnp.minimum(index, last)
     if greedy is not None:
         tokens = jnp.where(greedy, top, tokens)
-    return tokens.astype(jnp.int32), peak[:, 0] + jnp.log(ends[:, -1])
+    return tokens.astype(jnp.int32), (peak * scale)[:, 0] + jnp.log(ends[:, -1])
 
 
 def keyed_uniforms(seeds: jax.Array, positions: jax.Array) -> jax.Array:
