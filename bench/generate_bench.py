@@ -17,9 +17,9 @@ with ``load_format="dummy"`` and then serves random weights through ``load_hf``)
    faster of bfloat16 and float32 output for the head; for decode also the weights' bytes over
    the memory bandwidth of a jitted read of as many float32 bytes. Printed as the ratio
    measured time / bound.
-3. The decode step split. From the engine itself (``rollout.engine.profile_steps``): its model
-   forward, its sampler, and the host (the measured step, a generate of ``new_tokens`` minus
-   one of 1 new token over ``new_tokens - 1`` steps, minus both). Inside the forward, from
+3. The step split, from the engine itself (``rollout.engine.profile_steps``, one more call):
+   per decode step (and per prefill chunk) its wall time, its model forward, its sampler, and
+   the host (the rest: the scheduler's Python work). Inside the decode forward, from
    separately jitted functions of the engine's shapes: embedding gather, attention (the paged
    attention over the KV pool plus the KV write, all layers), projections (q/k/v/o), MLP, LM
    head; "glue" is the forward minus their sum (norms, rotary, residuals, logits slicing). The
@@ -275,14 +275,13 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                 timed_generate(worker, batch, vocab, min(batch.new_tokens, 2))
                 seconds = median_seconds(lambda: timed_generate(worker, batch, vocab), config.repeats)
                 entry = {"seconds": seconds}
-                if name == "decode":
-                    prefill = median_seconds(lambda: timed_generate(worker, batch, vocab, 1), config.repeats)
-                    entry["decode_step"] = (seconds - prefill) / (batch.new_tokens - 1)
-                    with profile_steps() as times:
-                        timed_generate(worker, batch, vocab)
-                    steps = times.steps["decode"]
-                    entry["engine_forward"] = times.forward_s["decode"] / steps
-                    entry["engine_sampler"] = times.sample_s["decode"] / steps
+                with profile_steps() as times:
+                    timed_generate(worker, batch, vocab)
+                mode = "decode" if name == "decode" else "extend"
+                steps = times.steps[mode]
+                entry["step"] = times.mean_step_s(mode)
+                entry["engine_forward"] = times.forward_s[mode] / steps
+                entry["engine_sampler"] = times.sample_s[mode] / steps
                 result[name] = entry
         result["peak_rss"] = rss.peak
     print(json.dumps(result), flush=True)  # the generate figures, should the bound's part fail
@@ -344,15 +343,14 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
         print(f"  {name}-heavy ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
               f"{e['seconds']:.2f} s, {counted / e['seconds']:.1f} {what}; matmul bound {e['bound']:.2f} s "
               f"({counted / e['bound']:.1f} {what}): x{e['seconds'] / e['bound']:.2f} the bound")
+        step, forward, sampler = e["step"], e["engine_forward"], e["engine_sampler"]
+        host = step - forward - sampler
+        print(f"    engine profile per {name} step: {step * 1e3:.1f} ms: forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
+              f"sampler {sampler * 1e3:.1f} ms ({sampler / step:.0%}), host {host * 1e3:.1f} ms ({host / step:.0%})")
         if name == "decode":
-            step = e["decode_step"]
-            print(f"    decode step ({b.rows} rows): {step * 1e3:.1f} ms measured, matmuls {e['decode_matmuls'] * 1e3:.1f} ms "
-                  f"(x{step / e['decode_matmuls']:.2f}), weights' bytes / bandwidth ({r['bandwidth'] / 1e9:.1f} GB/s) "
-                  f"{e['bytes_step'] * 1e3:.1f} ms (x{step / e['bytes_step']:.2f})")
-            forward, sampler = e["engine_forward"], e["engine_sampler"]
-            host = step - forward - sampler
-            print(f"    engine profile per decode step: forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
-                  f"sampler {sampler * 1e3:.1f} ms ({sampler / step:.0%}), host {host * 1e3:.1f} ms ({host / step:.0%})")
+            print(f"    decode step matmuls {e['decode_matmuls'] * 1e3:.1f} ms (measured step x{step / e['decode_matmuls']:.2f}), "
+                  f"weights' bytes / bandwidth ({r['bandwidth'] / 1e9:.1f} GB/s) {e['bytes_step'] * 1e3:.1f} ms "
+                  f"(x{step / e['bytes_step']:.2f})")
             split = e["split"]
             pieces = {k: v for k, v in split.items() if k != "sampler top-p 0.9"}
             glue = forward - sum(pieces.values())

@@ -240,6 +240,20 @@ class QwenModel(nn.Module):
         return table_logits(hidden.astype(dtype), self.embed_tokens.embedding.astype(dtype))
 
 
+class UntiedHead(nn.Module):
+    """``nn.Dense(vocab, use_bias=False)``'s parameter (``kernel`` [H, V], same init) with
+    float32 logits, as :func:`table_logits` computes them for a tied head."""
+
+    vocab_size: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, hidden):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (hidden.shape[-1], self.vocab_size), self.dtype)
+        contract = (((hidden.ndim - 1,), (0,)), ((), ()))
+        return jax.lax.dot_general(hidden.astype(self.dtype), kernel, contract, preferred_element_type=jnp.float32)
+
+
 class QwenForCausalLM(nn.Module):
     """``apply({'params': params}, tokens, attention_mask)`` -> logits [B, T, V] (float32)."""
 
@@ -250,10 +264,7 @@ class QwenForCausalLM(nn.Module):
         self.model = QwenModel(c)
         if not c.tie_word_embeddings:
             dtype = jnp.dtype(c.dtype)
-            # float32 logits, as table_logits computes them for a tied head
-            self.lm_head = nn.Dense(
-                c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, preferred_element_type=jnp.float32
-            )
+            self.lm_head = UntiedHead(c.vocab_size, dtype)
 
     def __call__(self, tokens, attention_mask=None, positions=None):
         return self.logits(self.hidden_states(tokens, attention_mask, positions))
