@@ -251,7 +251,9 @@ class UntiedHead(nn.Module):
     def __call__(self, hidden):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (hidden.shape[-1], self.vocab_size), self.dtype)
         contract = (((hidden.ndim - 1,), (0,)), ((), ()))
-        return jax.lax.dot_general(hidden.astype(self.dtype), kernel, contract, preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(
+            hidden.astype(self.dtype), kernel.astype(self.dtype), contract, preferred_element_type=jnp.float32
+        )
 
 
 class QwenForCausalLM(nn.Module):

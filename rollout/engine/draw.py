@@ -87,8 +87,11 @@ def draw_tokens_and_log_mass(
     # The first token whose running mass passes the target has probability > 0; if float
     # rounding leaves the target past the block's own sum, its last token of mass > 0.
     index = jnp.sum(running <= target[:, None], axis=-1)
+    first = jnp.argmax(inner > 0, axis=-1)
     last = block - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
-    tokens = chosen * block + jnp.minimum(index, last)
+    # Clamped into the block's tokens of mass > 0 (a running sum that rounds down could
+    # otherwise leave the target before the first of them).
+    tokens = chosen * block + jnp.clip(index, first, last)
     if greedy is not None:
         tokens = jnp.where(greedy, top, tokens)
     return tokens.astype(jnp.int32), (peak * scale)[:, 0] + jnp.log(ends[:, -1])

@@ -37,7 +37,7 @@ class StepTimes:
         return sum(walls) / len(walls) if walls else float("nan")
 
 
-_profile_lock = threading.Lock()
+_profile_lock = threading.RLock()  # nested profiles on one thread wrap each other
 
 
 @contextlib.contextmanager
