@@ -289,9 +289,9 @@ def test_resume_gives_the_step_an_uninterrupted_run_takes(trained, tmp_path):
     """Three steps, a checkpoint, a new process for the fourth: the same prompts, samples and
     update as the fourth step of the uninterrupted run (policy, critic and both Adam states
     restored)."""
-    first = run_ppo(tmp_path / "run", "--steps", "3", "--checkpoint-every", "3")
+    first = run_ppo(tmp_path / "run", "--steps", "3", "--checkpoint-every", "3", "--seed", SEED)
     assert [r["step"] for r in first] == [1, 2, 3]
-    resumed = run_ppo(tmp_path / "run", "--steps", "4")
+    resumed = run_ppo(tmp_path / "run", "--steps", "4", "--seed", SEED)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("reward", "value_loss", "explained_variance", "approx_kl", "clip_fraction", "entropy", "grad_norm", "critic_grad_norm"):
         assert resumed[3][key] == pytest.approx(trained[3][key], rel=1e-4, abs=1e-6), key
