@@ -10,7 +10,7 @@ import pytest
 
 from rollout import RolloutWorker
 from rollout.engine import patches
-from rollout.engine.attention import paged_attention
+from rollout.engine.attention import DEFAULT_KV_CHUNK, DEFAULT_Q_BLOCK, paged_attention
 from tests.helpers import tiny_worker_config
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -63,7 +63,7 @@ def attend(q, kv, cache_loc, seq_lens, prefix_lens=None, extend_lens=None, **kwa
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("q_block, kv_chunk", [(4, 3), (64, 256)], ids=["small-blocks", "defaults"])
+@pytest.mark.parametrize("q_block, kv_chunk", [(4, 3), (DEFAULT_Q_BLOCK, DEFAULT_KV_CHUNK)], ids=["small-blocks", "defaults"])
 def test_extend_matches_dense_reference(page_size, causal, q_block, kv_chunk):
     rng = np.random.default_rng(0)
     # Fresh prompts, cached prefixes, a one-token extend, and two padded requests.

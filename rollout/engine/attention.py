@@ -26,8 +26,10 @@ import jax.numpy as jnp
 
 # Query tokens per block in prefill/extend: a block gathers one KV chunk for all its tokens.
 DEFAULT_Q_BLOCK = 64
-# KV slots gathered per step of the online softmax.
-DEFAULT_KV_CHUNK = 256
+# KV slots gathered per step of the online softmax. 128 rather than 256: a block whose
+# requests see fewer keys wastes less (Qwen2.5-0.5B shape, a 2048-token chunk, per layer, jax
+# 0.12 CPU: 32 prompts x 64 tokens 58 vs 86 ms, 4 x 512 56 vs 104 ms).
+DEFAULT_KV_CHUNK = 128
 # In decode each token walks its own request's slots: a smaller chunk wastes less on short
 # contexts and costs nothing on long ones (Qwen2.5-0.5B shape, 64 rows, jax 0.12 CPU, per
 # layer: 2.1 vs 5.7 ms at 96 tokens of context, 17.5 vs 17.0 ms at 1024).
@@ -150,6 +152,11 @@ def paged_attention(
         return x.reshape(num_blocks, q_block, *x.shape[1:])
 
     q_b, req_b, end_b = blocks(q, 0), blocks(req, -1), blocks(q_end, 0)
+    # Heads before query tokens ([blocks, kv_heads, q_block, group, head_dim]): both einsums
+    # then take their operands and give their results in the layout of XLA's batched dot
+    # (batch dims major, the contracted one minor), with no transposed copy of the score-sized
+    # tensors per chunk (1.5-2.5x faster prefill attention on XLA CPU, same results).
+    q_b = jnp.transpose(q_b, (0, 2, 1, 3, 4))
     start_b = blocks(q_start, 0)
     # Each block reads the contiguous run of cache_loc from its first request's start to the
     # furthest key any of its tokens sees.
@@ -171,20 +178,20 @@ def paged_attention(
             (key_req[:, None, :] == req_b[:, :, None])
             & (key_pos[:, None, :] < end_b[:, :, None])
             & (loc > 0)[:, None, :]
-        )[:, :, None, None, :]  # [blocks, q_block, 1, 1, kv_chunk]
+        )[:, None, :, None, :]  # [blocks, 1, q_block, 1, kv_chunk]
         kv_c = take_rows(kv_rows, jnp.where(loc > 0, loc, 0), integer_view).reshape(*loc.shape, num_kv_heads, 2, head_dim)
-        s = jnp.einsum("bqhgd,bchd->bqhgc", q_b, kv_c[..., 0, :], preferred_element_type=jnp.float32)
+        s = jnp.einsum("bhqgd,bchd->bhqgc", q_b, kv_c[..., 0, :], preferred_element_type=jnp.float32)
         s = jnp.where(mask, s * scale, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
         l = l * correction + jnp.sum(p, axis=-1)
         pv = jnp.einsum(
-            "bqhgc,bchd->bqhgd", p.astype(kv_c.dtype), kv_c[..., 1, :], preferred_element_type=jnp.float32
+            "bhqgc,bchd->bhqgd", p.astype(kv_c.dtype), kv_c[..., 1, :], preferred_element_type=jnp.float32
         )
         return m_new, l, acc * correction[..., None] + pv
 
-    stats = (num_blocks, q_block, num_kv_heads, group)
+    stats = (num_blocks, num_kv_heads, q_block, group)
     init = (
         jnp.full(stats, _MASKED, jnp.float32),
         jnp.zeros(stats, jnp.float32),
@@ -192,5 +199,5 @@ def paged_attention(
     )
     _, l, acc = jax.lax.fori_loop(0, num_chunks, step, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    out = out.reshape(num_blocks * q_block, num_heads * head_dim)[:num_tokens]
+    out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(num_blocks * q_block, num_heads * head_dim)[:num_tokens]
     return out.astype(q.dtype)
