@@ -45,6 +45,7 @@ def _run_in_threads(*fns):
     return results
 
 
+@pytest.mark.one_end
 def test_generates_from_two_threads_are_batched_together(worker):
     kwargs = dict(temperature=1.0, max_new_tokens=40, ignore_eos=True, n=2, seed=11)
     engine = worker.engine
@@ -60,6 +61,7 @@ def test_generates_from_two_threads_are_batched_together(worker):
     assert b.completions == alone.completions[:4]
 
 
+@pytest.mark.one_end
 def test_agenerate_runs_many_calls_at_once_on_one_loop(worker):
     kwargs = dict(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     expected = worker.generate(PROMPTS, **kwargs)
@@ -71,6 +73,7 @@ def test_agenerate_runs_many_calls_at_once_on_one_loop(worker):
     assert [b.completions[0] for b in batches] == expected.completions
 
 
+@pytest.mark.one_end
 def test_astream_yields_tokens_as_they_come_and_matches_generate(worker):
     kwargs = dict(temperature=1.0, max_new_tokens=12, ignore_eos=True, n=2, seed=5)
     expected = worker.generate(PROMPTS, **kwargs)
@@ -92,6 +95,7 @@ def test_astream_yields_tokens_as_they_come_and_matches_generate(worker):
     assert {c.weight_version for c in chunks} == {worker.weight_version}
 
 
+@pytest.mark.one_end
 def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params, monkeypatch):
     worker.sync_params(params)
     version = worker.weight_version

@@ -96,6 +96,7 @@ class _FailingBackend(WorkerBackend):
         raise RuntimeError("KV rebuild failed: out of memory")
 
 
+@pytest.mark.one_end
 def test_an_unknown_error_is_a_500_with_a_request_id_never_a_503(worker, caplog):
     with Server(_FailingBackend(worker), ServerConfig(port=0)) as server, caplog.at_level(logging.ERROR, "rollout"):
         response = httpx.post(server.url + "/v1/completions", json={"model": chat_dir_name(worker), "prompt": PROMPT})
@@ -110,6 +111,7 @@ def test_an_unknown_error_is_a_500_with_a_request_id_never_a_503(worker, caplog)
 # ---- API misuse ----------------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_bad_arguments_are_clear_errors(worker):
     with pytest.raises(InvalidRequest) as pad:
         worker.generate([PROMPT], pad_prompts_to="x")
@@ -126,6 +128,7 @@ def test_bad_arguments_are_clear_errors(worker):
     assert surrogate.value.field == "prompts[1]" and "Unicode" in str(surrogate.value)
 
 
+@pytest.mark.one_end
 def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everywhere(qwen2_dir):
     threads_before = set(threading.enumerate())
     worker = RolloutWorker(tiny_worker_config(qwen2_dir))
@@ -169,6 +172,7 @@ def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everyw
 # ---- admission limits ----------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_admission_limits_refuse_oversized_calls(worker):
     with pytest.raises(LimitExceeded) as rows:
         worker.generate([PROMPT], n=100_000, max_new_tokens=1)
@@ -186,6 +190,7 @@ def test_admission_limits_refuse_oversized_calls(worker):
     ],
     ids=["prompts", "rows", "tokens"],
 )
+@pytest.mark.one_end
 def test_admission_limits_answer_413_naming_the_limit(http, body, limit):
     response = http.post("/v1/completions", json={"model": "tiny", **body})
     assert response.status_code == 413, response.text
@@ -252,6 +257,7 @@ def test_nan_weights_are_refused_on_every_load_path(worker, http, nan_sources, c
 # ---- statuses --------------------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_former_500s_are_4xx(http):
     surrogate = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\\ud800abc"}', headers={"Content-Type": "application/json"})
     assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt", surrogate.text
@@ -261,6 +267,7 @@ def test_former_500s_are_4xx(http):
     assert seed.status_code == 400 and seed.json()["error"]["param"] == "seed", seed.text
 
 
+@pytest.mark.one_end
 def test_reloads_outside_the_reload_root_are_refused(worker, chat_dir, tmp_path):
     with worker.serve(admin_token=ADMIN_TOKEN, reload_root=str(tmp_path)) as server:
         for path in (str(chat_dir), str(tmp_path / ".." / chat_dir.name), "/etc/nope"):
@@ -271,6 +278,7 @@ def test_reloads_outside_the_reload_root_are_refused(worker, chat_dir, tmp_path)
 # ---- OpenAI conformance ------------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_request_fields_as_openai_defines_them(http):
     assert http.get("/v1/models/tiny").json()["id"] == "tiny"
     assert http.get("/v1/models/gpt-9").status_code == 404
@@ -290,6 +298,7 @@ def sse(response: httpx.Response) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
+@pytest.mark.one_end
 def test_streamed_usage_is_null_until_the_last_chunk(http):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/completions", json=body) as response:
@@ -424,6 +433,7 @@ def test_the_engines_forwards_leave_the_sigterm_handler_alone(qwen2_dir):
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.one_end
 @pytest.mark.parametrize(
     "signum,drain_s,whole",
     [(signal.SIGTERM, 120, True), (signal.SIGINT, 0, False)],
@@ -469,6 +479,7 @@ def abandoned_forwards(worker, start: int) -> int:
     return spent
 
 
+@pytest.mark.one_end
 def test_a_cancelled_agenerate_aborts_its_rows(worker):
     engine = worker.engine
 
@@ -486,6 +497,7 @@ def test_a_cancelled_agenerate_aborts_its_rows(worker):
     assert abandoned_forwards(worker, start) < LONG // 4
 
 
+@pytest.mark.one_end
 def test_leaving_an_astream_aborts_its_rows_and_logs_nothing(worker, caplog):
     engine = worker.engine
 
@@ -504,6 +516,7 @@ def test_leaving_an_astream_aborts_its_rows_and_logs_nothing(worker, caplog):
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
+@pytest.mark.one_end
 def test_a_client_leaving_a_stream_aborts_its_rows(http, worker, caplog):
     engine = worker.engine
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
@@ -517,6 +530,7 @@ def test_a_client_leaving_a_stream_aborts_its_rows(http, worker, caplog):
     assert complete(http).status_code == 200
 
 
+@pytest.mark.one_end
 def test_a_client_leaving_before_its_response_aborts_its_rows(server, worker, caplog):
     engine = worker.engine
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}).encode()

@@ -178,6 +178,7 @@ def test_streaming_cuts_at_a_stop_string(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.one_end
 def test_a_client_leaving_a_stream_frees_its_call(http, worker):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "seed": 3, "ignore_eos": True}
     assert complete(http, **body).json()["choices"][0]["finish_reason"] == "length"
@@ -239,6 +240,7 @@ def test_weights_checksum_is_exact_and_independent_of_placement(dtype):
 # ---- admin routes over HTTP ----------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_admin_requires_the_admin_token(http):
     plain = httpx.get(http.base_url.join("/admin/weights_checksum"))
     assert plain.status_code == 401 and plain.json()["error"]["type"] == "authentication_error"
@@ -340,6 +342,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.one_end
 @pytest.mark.parametrize("body,status,param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_completion_request(http, body, status, param):
     if isinstance(body, bytes):
@@ -352,6 +355,7 @@ def test_bad_completion_request(http, body, status, param):
     assert complete(http).status_code == 200
 
 
+@pytest.mark.one_end
 def test_bad_chat_requests(http):
     base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     for body, param in [
@@ -365,6 +369,7 @@ def test_bad_chat_requests(http):
     assert http.post("/v1/chat/completions", json={**base, "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.one_end
 def test_api_key_is_required_on_v1_routes(server, http):
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sk-wrong"}).status_code == 403
@@ -433,6 +438,7 @@ def test_concurrent_requests_during_reloads_are_served_or_refused_cleanly(server
 # ---- the command line --------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_command_line_server_stops_on_sigterm(chat_dir, worker):
     """Another process serving the same weights: the same checksum; SIGTERM stops it cleanly."""
     with serve_process(chat_dir, env={"ROLLOUT_ADMIN_TOKEN": "env-token"}) as (process, url):
@@ -445,6 +451,7 @@ def test_command_line_server_stops_on_sigterm(chat_dir, worker):
         assert process.wait(timeout=60) == 0
 
 
+@pytest.mark.one_end
 def test_close_drains_running_requests(worker, chat_dir):
     threads_before = set(threading.enumerate())
     server = worker.serve(admin_token="t")
