@@ -185,6 +185,33 @@ class Policy:
     model_dir: Path
 
 
+# What a rerun in the same output dir must share with the run that wrote it: the initial model
+# (the tiny presets build theirs from the seed), the prompts (drawn from (seed, step)) and the task.
+RUN_IDENTITY = ("preset", "model", "dataset", "seed")
+
+
+def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
+    """Records in ``output_dir/run.json`` what decides a run's initial model and prompts, or
+    checks a rerun against it: a resume with another seed would restore one run's weights and
+    go on with another run's prompts, KL reference and metrics file."""
+    path = output_dir / "run.json"
+    identity = {name: getattr(config, name) for name in RUN_IDENTITY}
+    if path.exists():
+        recorded = json.loads(path.read_text())
+        changed = [name for name in RUN_IDENTITY if recorded.get(name) != identity[name]]
+        if changed:
+            raise ValueError(
+                f"{path}: this output dir holds a run with "
+                + ", ".join(f"{name}={recorded.get(name)!r}" for name in changed)
+                + "; this one has " + ", ".join(f"{name}={identity[name]!r}" for name in changed)
+                + ": resume with the same settings, or use another output dir"
+            )
+    elif jax.process_index() == 0:
+        staged = path.with_suffix(".tmp")
+        staged.write_text(json.dumps(identity))
+        os.replace(staged, path)  # other processes of the job never read half a file
+
+
 def prepare_model(config: RLConfig, output_dir: Path) -> Path:
     if config.preset in TINY_MODELS:
         return write_tiny_model(output_dir / "model", TINY_MODELS[config.preset](config.seed))
@@ -234,6 +261,7 @@ def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     join()
+    claim_output_dir(config, output_dir)
     if jax.process_count() > 1 and (config.wants_logprobs or config.check_consistency_every):
         raise ValueError("return_logprobs, tis_cap and check_consistency_every run in one process only")
     if config.prompts_per_step % jax.process_count():

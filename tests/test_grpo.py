@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from examples.grpo import PRESETS, GRPOConfig, parse_args
-from examples.rl_loop import Task
+from examples.rl_loop import Task, claim_output_dir
 from examples.grpo_math import group_advantages, ppo_clip_loss, token_logprobs
 from examples.tasks import (
     addition_problems,
@@ -266,6 +266,17 @@ def test_gsm8k_rows_from_a_local_file_become_chat_prompts(chat_model_dir, tmp_pa
     bad.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: GSM8K solution has no '####' answer line"):
         gsm8k_problems(tokenizer, str(bad))
+
+
+def test_a_rerun_in_an_output_dir_must_be_the_same_run(tmp_path):
+    """A resume with another seed would restore one run's weights and go on with another run's
+    prompts and KL reference: refused before anything starts, naming the file and both values."""
+    config = dataclasses.replace(PRESETS["tiny"], seed=2)
+    claim_output_dir(config, tmp_path)
+    assert json.loads((tmp_path / "run.json").read_text())["seed"] == 2
+    claim_output_dir(dataclasses.replace(config, steps=90), tmp_path)  # the same run, resumed for longer
+    with pytest.raises(ValueError, match=r"run\.json: this output dir holds a run with seed=2; this one has seed=0"):
+        claim_output_dir(dataclasses.replace(config, seed=0), tmp_path)
 
 
 def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
