@@ -81,22 +81,37 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
         fits = (kept < width) | (top_k <= width) | (width == vocab) | keeps_all
         return jnp.take_along_axis(descending, kept - 1, axis=-1), jnp.all(fits)
 
-    def searched_cutoff(tempered):
+    def searched_cutoff(tempered, descending, width):
         """The same cut-off without sorting: bisections over the values' order (32 passes)."""
         keys = _order_keys(tempered)
         probs = jnp.exp(tempered)
         # top-p: the smallest value whose strictly larger tokens weigh at most top_p.
         top_p_key = _bisect(lambda x: (jnp.where(keys > x, probs, 0.0).sum(-1, keepdims=True) <= top_p), keys)
-        # top-k: the k-th largest value (fewer than k tokens above it).
-        top_k_key = _bisect(lambda x: (keys > x).sum(-1, keepdims=True) < top_k, keys)
+        # top-k: the k-th largest value, read from the preselection where k is inside it (greedy
+        # padding rows, usual top-k) or keeping all at k >= V (top-p-only rows); searched (fewer
+        # than k tokens above it) only when some row's k lies between: half the passes otherwise.
+        known = jnp.where(
+            top_k >= vocab,
+            jnp.iinfo(jnp.int32).min,
+            _order_keys(jnp.take_along_axis(descending, jnp.clip(top_k, 1, width) - 1, axis=-1)),
+        )
+        searched = (top_k > width) & (top_k < vocab)
+        top_k_key = jax.lax.cond(
+            jnp.any(searched),
+            lambda: jnp.where(searched, _bisect(lambda x: (keys > x).sum(-1, keepdims=True) < top_k, keys), known),
+            lambda: known,
+        )
         return jnp.maximum(jnp.maximum(top_p_key, top_k_key), _order_keys(floor))
 
     def filtered(tempered):
         # The top PRESELECT entries decide every row whose kept prefix ends inside them (the
         # same prefix as in a full sort); otherwise bisections find it.
         width = min(PRESELECT, vocab)
-        threshold, fits = cutoff(jax.lax.top_k(tempered, width)[0], width)
-        threshold_key = jax.lax.cond(fits, lambda: _order_keys(threshold), lambda: searched_cutoff(tempered))
+        descending = jax.lax.top_k(tempered, width)[0]
+        threshold, fits = cutoff(descending, width)
+        threshold_key = jax.lax.cond(
+            fits, lambda: _order_keys(threshold), lambda: searched_cutoff(tempered, descending, width)
+        )
         # Rows that filter nothing keep every token (a batch's other rows may filter).
         threshold_key = jnp.where(keeps_all, jnp.iinfo(jnp.int32).min, threshold_key)
         masked = jnp.where(_order_keys(tempered) >= threshold_key, tempered, -jnp.inf)

@@ -26,7 +26,8 @@ def reference_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.
         keep = np.ones(len(values), dtype=bool)
         if top_k is not None:
             keep[top_k:] = False
-        keep &= (np.cumsum(probs) - probs) <= top_p
+        if top_p < 1.0:  # at 1.0 the running sum's rounding must not drop the tail
+            keep &= (np.cumsum(probs) - probs) <= top_p
         keep &= probs >= probs[0] * min_p
         kept = order[keep]
         out[row, kept] = values[kept] - np.logaddexp.reduce(values[kept])
@@ -91,6 +92,27 @@ def test_preselected_filters_equal_the_full_sort_reference(case):
     expected = assert_filtered_like_reference(logits, case)
     if case.get("top_p") == 0.99:
         assert np.isfinite(expected).sum(axis=-1).max() > PRESELECT, "the case must exceed the preselection"
+
+
+@pytest.mark.parametrize("with_top_k_past", [False, True], ids=["top-k-read", "top-k-searched"])
+def test_a_row_past_the_preselection_leaves_every_other_row_exact(with_top_k_past):
+    """Row 0's top-p needs more than PRESELECT tokens, so the batch takes the bisection path:
+    rows with a top-k inside the preselection (a greedy padding row too), with none, or (second
+    case) past it keep exactly the reference's tokens, each with its own parameters."""
+    rows = [dict(temperature=3.0, top_p=0.99), dict(temperature=1.0, top_k=5), dict(temperature=1.0, top_k=1),
+            dict(temperature=0.7, top_k=30, top_p=0.9), dict(temperature=1.0)]
+    if with_top_k_past:
+        rows.append(dict(temperature=1.0, top_k=1500, top_p=0.95))
+    scales = np.array([0.2, 3.0, 3.0, 1.0, 8.0, 0.5][: len(rows)])[:, None]
+    logits = np.asarray(jax.random.normal(jax.random.key(2), (len(rows), 2000))) * scales
+    defaults = dict(temperature=1.0, top_k=2**30, top_p=1.0, min_p=0.0)
+    _, filtered = sampling_log_probs(logits, *(np.array([r.get(k, d) for r in rows]) for k, d in defaults.items()))
+    for row, case in enumerate(rows):
+        expected = reference_log_probs(logits[row : row + 1], **case)[0]
+        np.testing.assert_array_equal(np.isfinite(filtered[row]), np.isfinite(expected), err_msg=str(case))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(np.asarray(filtered[row])[finite], expected[finite], atol=1e-5, err_msg=str(case))
+    assert np.isfinite(reference_log_probs(logits[:1], **rows[0])).sum() > PRESELECT, "row 0 must exceed the preselection"
 
 
 MODELS = [("qwen2_dir", 1), ("qwen2_untied_dir", 1), ("qwen3_dir", 1), ("qwen2_dir", 2), ("qwen3_dir", 2)]
