@@ -59,9 +59,9 @@ demo: $(VENV)/.installed
 # workaround, which differs, has its own test that runs at both. It also skips the newer
 # `example_run` tests (RL examples run end to end, minutes each): the worker calls they make are
 # tested at both ends by the rest of the suite, and their learning thresholds were set at the oldest.
-# And it skips the `one_end` tests: the server's HTTP protocol, admission limits, signal
-# handling, disconnects and the worker's thread gates, which no version in the range changes
-# (what they call in the worker is tested at both ends).
+# And it skips the `one_end` tests: the server's HTTP protocol, admission limits, disconnects
+# and the worker's sync gate, which no version in the range changes (what they call in the
+# worker is tested at both ends).
 test: $(VENV)/.installed $(NEWEST)/.installed
 	@status=0; \
 	$(MAKE) --no-print-directory test-oldest || status=1; \

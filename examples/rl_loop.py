@@ -185,23 +185,26 @@ class Policy:
     model_dir: Path
 
 
-# What a rerun in the same output dir must share with the run that wrote it: the initial model
-# (the tiny presets build theirs from the seed), the prompts (drawn from (seed, step)) and the task.
+# What a resume in the same output dir must share with the run that wrote its checkpoints: the
+# initial model (the tiny presets build theirs from the seed), the prompts (drawn from (seed,
+# step)) and the task.
 RUN_IDENTITY = ("preset", "model", "dataset", "seed")
 
 
 def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
-    """Records in ``output_dir/run.json`` what decides a run's initial model and prompts, or
-    checks a rerun against it: a resume with another seed would restore one run's weights and
-    go on with another run's prompts, KL reference and metrics file."""
+    """Records in ``output_dir/run.json`` what decides a run's initial model and prompts; once the
+    dir holds a checkpoint, checks a rerun against it: a resume with another seed would restore
+    one run's weights and go on with another run's prompts, KL reference and metrics file. (A
+    run that failed before its first checkpoint binds nothing: its rerun may fix any setting.)"""
     path = output_dir / "run.json"
-    identity = {name: getattr(config, name) for name in RUN_IDENTITY}
-    if path.exists():
+    identity = {name: _local_path_resolved(getattr(config, name)) for name in RUN_IDENTITY}
+    checkpoints = output_dir / "checkpoints"
+    if path.exists() and checkpoints.is_dir() and any(checkpoints.iterdir()):
         recorded = json.loads(path.read_text())
         changed = [name for name in RUN_IDENTITY if recorded.get(name) != identity[name]]
         if changed:
             raise ValueError(
-                f"{path}: this output dir holds a run with "
+                f"{path}: this output dir holds checkpoints of a run with "
                 + ", ".join(f"{name}={recorded.get(name)!r}" for name in changed)
                 + "; this one has " + ", ".join(f"{name}={identity[name]!r}" for name in changed)
                 + ": resume with the same settings, or use another output dir"
@@ -210,6 +213,11 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
         staged = path.with_suffix(".tmp")
         staged.write_text(json.dumps(identity))
         os.replace(staged, path)  # other processes of the job never read half a file
+
+
+def _local_path_resolved(value):
+    """A model or dataset given as a local path, made absolute (``./m`` and ``/abs/m`` are one run)."""
+    return str(Path(value).resolve()) if isinstance(value, str) and Path(value).exists() else value
 
 
 def prepare_model(config: RLConfig, output_dir: Path) -> Path:

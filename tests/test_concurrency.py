@@ -45,7 +45,6 @@ def _run_in_threads(*fns):
     return results
 
 
-@pytest.mark.one_end
 def test_generates_from_two_threads_are_batched_together(worker):
     kwargs = dict(temperature=1.0, max_new_tokens=40, ignore_eos=True, n=2, seed=11)
     engine = worker.engine
@@ -61,7 +60,6 @@ def test_generates_from_two_threads_are_batched_together(worker):
     assert b.completions == alone.completions[:4]
 
 
-@pytest.mark.one_end
 def test_agenerate_runs_many_calls_at_once_on_one_loop(worker):
     kwargs = dict(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     expected = worker.generate(PROMPTS, **kwargs)
@@ -73,7 +71,6 @@ def test_agenerate_runs_many_calls_at_once_on_one_loop(worker):
     assert [b.completions[0] for b in batches] == expected.completions
 
 
-@pytest.mark.one_end
 def test_astream_yields_tokens_as_they_come_and_matches_generate(worker):
     kwargs = dict(temperature=1.0, max_new_tokens=12, ignore_eos=True, n=2, seed=5)
     expected = worker.generate(PROMPTS, **kwargs)

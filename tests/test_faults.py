@@ -433,7 +433,6 @@ def test_the_engines_forwards_leave_the_sigterm_handler_alone(qwen2_dir):
         signal.signal(signal.SIGTERM, previous)
 
 
-@pytest.mark.one_end
 @pytest.mark.parametrize(
     "signum,drain_s,whole",
     [(signal.SIGTERM, 120, True), (signal.SIGINT, 0, False)],

@@ -310,7 +310,7 @@ def test_a_failed_start_up_lets_the_process_exit(qwen2_dir, tmp_path):
     )
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
     assert "RuntimeError: Not enough memory (injected)" in result.stdout, result.stdout[-3000:]
     assert "1 error" in result.stdout

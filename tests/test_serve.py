@@ -438,7 +438,6 @@ def test_concurrent_requests_during_reloads_are_served_or_refused_cleanly(server
 # ---- the command line --------------------------------------------------------------------------
 
 
-@pytest.mark.one_end
 def test_command_line_server_stops_on_sigterm(chat_dir, worker):
     """Another process serving the same weights: the same checksum; SIGTERM stops it cleanly."""
     with serve_process(chat_dir, env={"ROLLOUT_ADMIN_TOKEN": "env-token"}) as (process, url):
