@@ -25,6 +25,18 @@ QWEN25_15B_SHAPE = dict(
     max_position_embeddings=4096,
 )
 
+# Qwen2.5-3B: hidden 2048, intermediate 11008, 16 heads, 2 KV heads, head_dim 128, vocab 151936,
+# tied embeddings (36 layers in the real model).
+QWEN25_3B_SHAPE = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+
 
 # Llama 3.2-1B: hidden 2048, intermediate 8192, 32 heads, 8 KV heads, head_dim 64, vocab 128256,
 # tied embeddings, llama3 RoPE scaling (16 layers in the real model).

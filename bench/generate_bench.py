@@ -1,10 +1,12 @@
 """Generation speed against the hardware's bound, with a per-step time split.
 
     JAX_PLATFORMS=cpu python -m bench.generate_bench [--shapes 0.5b,1.5b] [--layers 6,4]
-        [--variants new,baseline] [--batches decode,prefill] [--repeats 1]
+        [--variants new,baseline] [--batches decode,prefill] [--repeats 1] [--dummy-weights]
 
-For each model shape (Qwen2.5-0.5B and -1.5B, a few of their layers, bfloat16; the engine boots
-with ``load_format="dummy"`` and then serves random weights through ``load_hf``):
+For each model shape (Qwen2.5-0.5B, -1.5B or -3B, some of their layers, bfloat16; the engine boots
+with ``load_format="dummy"`` and then serves random weights through ``load_hf``, or with
+``--dummy-weights`` its own dummy initialisation, for shapes too large to write random weights
+for in the time at hand: the speed is the same, the tokens are not comparable):
 
 1. tokens/s of a decode-heavy batch (16 prompts x 64 tokens, n=4, 64 new tokens, temperature 1,
    ``ignore_eos``: new tokens per second) and a prefill-heavy one (8 prompts x 512 tokens, one
@@ -27,7 +29,8 @@ with ``load_format="dummy"`` and then serves random weights through ``load_hf``)
 
 ``--torch-python PYTHON`` also runs the decode-heavy batch through Hugging Face transformers'
 ``generate`` on PyTorch (``bench/torch_generate.py`` under that interpreter, which needs torch
-and transformers; same model dir, bfloat16), the comparison a user makes first.
+and transformers; same model dir, bfloat16, on the GPU when torch sees one), the comparison a
+user makes first.
 
 ``--variants baseline`` runs the same figures with ``ROLLOUT_DISABLE_WORKAROUNDS`` naming the
 speed workarounds (``SPEED_WORKAROUNDS``), each variant and shape in a fresh process.
@@ -53,13 +56,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from bench.attention_bench import QWEN25_05B_HEAD_DIM, QWEN25_05B_SHAPE
-from bench.common import QWEN25_15B_SHAPE, PeakRss, gib, median_seconds
+from bench.common import QWEN25_3B_SHAPE, QWEN25_15B_SHAPE, PeakRss, gib, median_seconds
 from models import TinyModelSpec, random_hf_weights, table_logits
 from rollout import RolloutWorker, WorkerConfig
 from rollout.engine import attention, patches, profile_steps, workarounds
 
 # name: (HF shape, head_dim)
-SHAPES = {"0.5b": (QWEN25_05B_SHAPE, QWEN25_05B_HEAD_DIM), "1.5b": (QWEN25_15B_SHAPE, 128)}
+SHAPES = {"0.5b": (QWEN25_05B_SHAPE, QWEN25_05B_HEAD_DIM), "1.5b": (QWEN25_15B_SHAPE, 128), "3b": (QWEN25_3B_SHAPE, 128)}
 # The workarounds this bench's baseline variant switches off.
 SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions", "bf16-logits")
 
@@ -89,14 +92,17 @@ class GenerateBenchConfig:
     max_total_tokens: int = 16384
     chunked_prefill_size: int = 2048
     torch_python: str | None = None
+    dummy_weights: bool = False
 
 
-def model_dir(root: Path, shape: str, layers: int) -> Path:
+def model_dir(root: Path, shape: str, layers: int, weights: bool = True) -> Path:
+    """The shape's config.json, and its random weights unless ``weights`` is false."""
     hf_shape, head_dim = SHAPES[shape]
     spec = TinyModelSpec(num_hidden_layers=layers, head_dim=head_dim, **{**hf_shape, "max_position_embeddings": 4096})
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(spec.hf_config() | {"torch_dtype": "bfloat16"}, indent=2))
-    save_file(random_hf_weights(spec), str(root / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        save_file(random_hf_weights(spec), str(root / "model.safetensors"), metadata={"format": "pt"})
     return root
 
 
@@ -261,14 +267,15 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     vocab = hf["vocab_size"]
     result: dict = {"uptime": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
-        directory = model_dir(Path(tmp), shape, layers)
+        directory = model_dir(Path(tmp), shape, layers, weights=not config.dummy_weights)
         worker_config = WorkerConfig(
             model_path=str(directory), dtype="bfloat16", load_format="dummy",
             max_total_tokens=config.max_total_tokens, chunked_prefill_size=config.chunked_prefill_size,
             max_prefill_tokens=config.chunked_prefill_size, max_running_requests=64,
         )
         with PeakRss() as rss, RolloutWorker(worker_config) as worker:
-            worker.load_hf(directory)
+            if not config.dummy_weights:
+                worker.load_hf(directory)
             for name in config.batches:
                 batch = BATCHES[name]
                 # Warm-up at the same padded shapes (prefill chunks, decode rows): compiles.
@@ -311,23 +318,24 @@ def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig
         env[workarounds.DISABLE_ENV] = ",".join(SPEED_WORKAROUNDS)
     args = [sys.executable, "-m", "bench.generate_bench", "--child", f"{shape}:{layers}",
             "--batches", ",".join(config.batches), "--repeats", str(config.repeats)]
+    args += ["--dummy-weights"] if config.dummy_weights else []
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{shape} {variant} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def torch_decode_seconds(shape: str, layers: int, config: GenerateBenchConfig) -> float:
+def torch_decode(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     batch = BATCHES["decode"]
     with tempfile.TemporaryDirectory() as tmp:
-        directory = model_dir(Path(tmp), shape, layers)
+        directory = model_dir(Path(tmp), shape, layers, weights=not config.dummy_weights)
         args = [config.torch_python, str(Path(__file__).with_name("torch_generate.py")), str(directory),
                 "--prompts", str(batch.prompts), "--prompt-tokens", str(batch.prompt_tokens), "--n", str(batch.n),
                 "--new-tokens", str(batch.new_tokens), "--repeats", str(config.repeats)]
         done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"PyTorch reference failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def report(shape: str, layers: int, variant: str, r: dict) -> None:
@@ -369,9 +377,10 @@ def main(config: GenerateBenchConfig) -> None:
             results[variant] = run_child(shape, layers, variant, config)
             report(shape, layers, variant, results[variant])
         if config.torch_python and "decode" in config.batches:
-            torch_seconds = torch_decode_seconds(shape, layers, config)
-            batch = BATCHES["decode"]
-            print(f"  PyTorch (transformers generate, bf16), decode-heavy: {torch_seconds:.2f} s, "
+            torch = torch_decode(shape, layers, config)
+            torch_seconds, batch = torch["seconds"], BATCHES["decode"]
+            print(f"  PyTorch {torch['torch']} on {torch['device']} (transformers generate, bf16), decode-heavy: "
+                  f"{torch_seconds:.2f} s, "
                   f"{batch.rows * batch.new_tokens / torch_seconds:.1f} new tokens/s"
                   + "".join(f"; {v} x{torch_seconds / r['decode']['seconds']:.2f} as fast" for v, r in results.items()))
         if {"new", "baseline"} <= results.keys():
@@ -389,12 +398,14 @@ def parse_args():
     parser.add_argument("--batches", default=",".join(d.batches))
     parser.add_argument("--repeats", type=int, default=d.repeats)
     parser.add_argument("--torch-python", help="a Python with torch and transformers: adds the PyTorch reference")
+    parser.add_argument("--dummy-weights", action="store_true",
+                        help="serve the engine's dummy initialisation instead of written random weights")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = GenerateBenchConfig(
         shapes=tuple(args.shapes.split(",")), layers=tuple(int(x) for x in args.layers.split(",")),
         variants=tuple(args.variants.split(",")), batches=tuple(args.batches.split(",")), repeats=args.repeats,
-        torch_python=args.torch_python,
+        torch_python=args.torch_python, dummy_weights=args.dummy_weights,
     )
     return config, args.child
 

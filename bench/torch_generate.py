@@ -5,18 +5,20 @@
 Runs under any Python with torch and transformers (``bench.generate_bench --torch-python``
 starts it in such an environment; it imports nothing of this project). Same batch as the
 bench's decode-heavy one: random prompt ids (numpy seed 0), n samples per prompt, temperature
-1, no EOS stop, bfloat16. Prints one JSON line: the median seconds of ``repeats`` calls after a
-warm-up, and torch's thread count.
+1, no EOS stop, bfloat16, on the GPU when torch sees one. A model dir without weights (the
+bench's ``--dummy-weights``) gets a random initialisation from its config. Prints one JSON line:
+the median seconds of ``repeats`` calls after a warm-up, the device, and torch's thread count.
 """
 
 import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def main() -> None:
@@ -28,10 +30,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if any(Path(args.model_dir).glob("*.safetensors")):
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir)
+    else:
+        with torch.device(device):  # initialised where it runs: a 3B init takes a minute on a CPU
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir))
+    # .to() rather than a dtype argument: its name changed between transformers 4 and 5.
+    model = model.to(device=device, dtype=torch.bfloat16).eval()
     vocab = model.config.vocab_size
     prompts = np.random.default_rng(0).integers(1, vocab, (args.prompts, args.prompt_tokens))
-    ids = torch.as_tensor(np.repeat(prompts, args.n, axis=0))
+    ids = torch.as_tensor(np.repeat(prompts, args.n, axis=0), device=device)
 
     def run(new_tokens: int) -> float:
         start = time.perf_counter()
@@ -40,12 +49,15 @@ def main() -> None:
                 ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
             )
+        if device == "cuda":
+            torch.cuda.synchronize()
         assert out.shape[1] == args.prompt_tokens + new_tokens
         return time.perf_counter() - start
 
     run(2)
     seconds = statistics.median(run(args.new_tokens) for _ in range(args.repeats))
-    print(json.dumps({"seconds": seconds, "threads": torch.get_num_threads(), "torch": torch.__version__}))
+    print(json.dumps({"seconds": seconds, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                      "threads": torch.get_num_threads(), "torch": torch.__version__}))
 
 
 if __name__ == "__main__":

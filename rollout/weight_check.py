@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer_bridge import non_finite_leaves
+
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
@@ -53,10 +55,6 @@ def perturbed(leaf: jax.Array, seed: int, index: int, scale: float) -> jax.Array
     return out if out.sharding == leaf.sharding else jax.device_put(out, leaf.sharding)
 
 
-_all_finite_jit = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
-
-
 def non_finite(paths: Sequence[str], leaves: Sequence[jax.Array]) -> list[str]:
     """The paths of the leaves holding a NaN or an inf."""
-    flags = jax.device_get([_all_finite_jit(leaf) for leaf in leaves])
-    return [path for path, ok in zip(paths, flags) if not ok]
+    return [paths[i] for i in non_finite_leaves(leaves)]

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from models import QwenConfig, QwenForCausalLM, greedy_decode
 from rollout import RolloutWorker
 from tests.helpers import tiny_worker_config
-from trainer_bridge import SyncError, flatten_params, load_hf_params, unflatten_params
+from trainer_bridge import SyncError, flatten_params, load_hf_params, non_finite_leaves, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [1], [64, 65, 66], [300, 2, 4], [9] * 7, [12, 34]]
 REPO = Path(__file__).resolve().parents[1]
@@ -179,6 +179,20 @@ def test_bad_trees_fail_cleanly_and_old_weights_keep_serving(tp_worker, hf_flat,
         tp_worker.sync_params(unflatten_params(corrupt(dict(hf_flat))), check_finite=True)
     assert tp_worker.weight_version == version
     assert greedy(tp_worker).completions == before
+
+
+def test_the_finiteness_check_finds_nan_and_inf_but_not_a_sum_that_overflows():
+    big = np.finfo(np.float32).max
+    leaves = [
+        jnp.full((64, 8), big, jnp.float32),  # finite, yet its float32 sum is inf
+        jnp.ones((64, 8), jnp.float32).at[3, 5].set(jnp.inf),
+        jnp.ones((7,), jnp.float32).at[6].set(jnp.nan),
+        jnp.full((16, 4), -jnp.finfo(jnp.bfloat16).max, jnp.bfloat16),
+        jnp.ones((16, 4), jnp.bfloat16).at[0, 0].set(-jnp.inf),
+        jnp.ones((16, 4), jnp.float32).at[0, 0].set(jnp.inf).at[1, 1].set(-jnp.inf),  # sums to nan
+    ]
+    assert non_finite_leaves(leaves) == [1, 2, 4, 5]
+    assert non_finite_leaves(leaves[:1] + leaves[3:4]) == []
 
 
 def test_duplicate_and_malformed_trees(tp_worker, hf_flat):

@@ -18,6 +18,7 @@ from .sync import (
     SyncPlan,
     SyncReport,
     build_plan,
+    non_finite_leaves,
     plan_key,
     relabel,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "build_plan",
     "flatten_params",
     "load_hf_params",
+    "non_finite_leaves",
     "plan_key",
     "relabel",
     "safetensors_files",
