@@ -221,10 +221,11 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
                 integer_view=view))
         return outs, new_pool
 
-    def projections(x, attn):
+    # The weights are arguments: closed over, they would be compiled in as constants (GBs at 3B).
+    def projections(weights, x, attn):
         return [(x @ w["q"], x @ w["k"], x @ w["v"], attn @ w["o"]) for w in weights]
 
-    def mlp(x):
+    def mlp(weights, x):
         return [(jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"] for w in weights]
 
     logits = jax.random.normal(jax.random.key(0), (rows, hf["vocab_size"]), jnp.float32) * 4
@@ -239,8 +240,8 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
     pieces = {
         "embedding": (jax.jit(lambda table, ids: jnp.take(table, ids, axis=0)), (head, ids)),
         "attention": (jax.jit(attend, donate_argnums=0), None),
-        "projections": (jax.jit(projections), (x, q)),
-        "mlp": (jax.jit(mlp), (x,)),
+        "projections": (jax.jit(projections), (weights, x, q)),
+        "mlp": (jax.jit(mlp), (weights, x)),
         "lm_head": (jax.jit(table_logits), (x, head)),
         "sampler top-p 0.9": (jax.jit(lambda logits: sampler(logits, 0.9)), (logits,)),
     }
