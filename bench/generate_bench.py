@@ -378,9 +378,9 @@ def main(config: GenerateBenchConfig) -> None:
             results[variant] = run_child(shape, layers, variant, config)
             report(shape, layers, variant, results[variant])
         if config.torch_python and "decode" in config.batches:
-            torch = torch_decode(shape, layers, config)
-            torch_seconds, batch = torch["seconds"], BATCHES["decode"]
-            print(f"  PyTorch {torch['torch']} on {torch['device']} (transformers generate, bf16), decode-heavy: "
+            reference = torch_decode(shape, layers, config)
+            torch_seconds, batch = reference["seconds"], BATCHES["decode"]
+            print(f"  PyTorch {reference['torch']} on {reference['device']} (transformers generate, bf16), decode-heavy: "
                   f"{torch_seconds:.2f} s, "
                   f"{batch.rows * batch.new_tokens / torch_seconds:.1f} new tokens/s"
                   + "".join(f"; {v} x{torch_seconds / r['decode']['seconds']:.2f} as fast" for v, r in results.items()))

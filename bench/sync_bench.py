@@ -5,7 +5,7 @@ Llama-3.2-1B-shaped one: head_dim 64, GQA 32/8, llama3 RoPE, ``--shape llama3.2-
 
 Measured in one run, on this machine: (a) this sync with an aliasable float32 tree, with and
 without ``check_finite`` (a read of every weight), next to one plain read of the weights and
-the check's earlier form (an exact ``all(isfinite)`` reduction, 6x slower on XLA CPU), (b)
+the check's earlier form (an exact ``all(isfinite)`` reduction: 5x slower on XLA CPU at jax 0.12), (b)
 this sync float32 trainer -> bfloat16 engine (cast), (c) the MLLM-JAX way (host numpy copy,
 device_put, astype, assign each param), (d) sglang-jax's own reload from the safetensors dir,
 (e) one plain memory pass over the bytes the cast sync writes (the machine's bandwidth).

@@ -36,7 +36,7 @@ def main() -> None:
     else:
         with torch.device(device):  # initialised where it runs: a 3B init takes a minute on a CPU
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir))
-    # .to() rather than a dtype argument: its name changed between transformers 4 and 5.
+    # .to() rather than a dtype argument: transformers 4.56 renamed it (torch_dtype -> dtype).
     model = model.to(device=device, dtype=torch.bfloat16).eval()
     vocab = model.config.vocab_size
     prompts = np.random.default_rng(0).integers(1, vocab, (args.prompts, args.prompt_tokens))

@@ -191,8 +191,10 @@ def test_the_finiteness_check_finds_nan_and_inf_but_not_a_sum_that_overflows():
         jnp.ones((16, 4), jnp.bfloat16).at[0, 0].set(-jnp.inf),
         jnp.ones((16, 4), jnp.float32).at[0, 0].set(jnp.inf).at[1, 1].set(-jnp.inf),  # sums to nan
     ]
-    assert non_finite_leaves(leaves) == [1, 2, 4, 5]
-    assert non_finite_leaves(leaves[:1] + leaves[3:4]) == []
+    for one_call in (True, False):
+        assert non_finite_leaves(leaves, one_call=one_call) == [1, 2, 4, 5]
+        assert non_finite_leaves(leaves[:1] + leaves[3:4] + [jnp.arange(5)], one_call=one_call) == []
+    assert non_finite_leaves([]) == []
 
 
 def test_duplicate_and_malformed_trees(tp_worker, hf_flat):

@@ -134,31 +134,30 @@ def paged_attention(
         # ends, summed (a bisection is a loop of its own, slow on GPU: see the key mask below).
         req = jnp.cumsum(jnp.zeros(num_tokens, jnp.int32).at[q_ends].add(1, mode="drop"))
         safe = jnp.minimum(req, num_reqs - 1)
+        q_end = seq_lens[safe]
         if causal:
             offset = tokens - (q_ends - extend_seq_lens)[safe]
-            q_end = extend_prefix_lens.astype(jnp.int32)[safe] + offset + 1
-        else:
-            q_end = seq_lens[safe]
+            # Capped at the request's own keys: the mask below only bounds a token by q_end.
+            q_end = jnp.minimum(extend_prefix_lens.astype(jnp.int32)[safe] + offset + 1, q_end)
     valid = req < num_reqs
-    req = jnp.where(valid, req, -1)
     q_end = jnp.where(valid, q_end, 0)
-    q_start = jnp.where(valid, key_starts[jnp.maximum(req, 0)], 0)
+    q_start = jnp.where(valid, key_starts[jnp.minimum(req, num_reqs - 1)], 0)
 
     q_block = max(1, min(q_block, num_tokens))
     num_blocks = -(-num_tokens // q_block)
     pad = num_blocks * q_block - num_tokens
 
-    def blocks(x, fill):
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+    def blocks(x):  # padded tokens get zeros: q_end 0 sees no key
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape(num_blocks, q_block, *x.shape[1:])
 
-    q_b, end_b = blocks(q, 0), blocks(q_end, 0)
+    q_b, end_b = blocks(q), blocks(q_end)
     # Heads before query tokens ([blocks, kv_heads, q_block, group, head_dim]): both einsums
     # then take their operands and give their results in the layout of XLA's batched dot
     # (batch dims major, the contracted one minor), with no transposed copy of the score-sized
     # tensors per chunk (1.5-2.5x faster prefill attention on XLA CPU, same results).
     q_b = jnp.transpose(q_b, (0, 2, 1, 3, 4))
-    start_b = blocks(q_start, 0)
+    start_b = blocks(q_start)
     # Each block reads the contiguous run of cache_loc from its first request's start to the
     # furthest key any of its tokens sees.
     seen = end_b > 0
@@ -173,14 +172,12 @@ def paged_attention(
         m, l, acc = carry
         k = lo[:, None] + c * kv_chunk + chunk  # [blocks, kv_chunk] positions in cache_loc
         loc = cache_loc[jnp.minimum(k, last_loc)]
-        # A token sees the first q_end keys of its own request's span, which starts at
-        # q_start: one range test, no lookup of each key's request. (Looking that up by
-        # bisection, a loop nested in this one, cost more than the attention on GPU: per layer,
-        # Qwen2.5-1.5B shape, H200, jax 0.11, decode 64 rows x 1024 keys 1.89 ms, and 0.41 ms
-        # with a compare against every request end instead; the range test needs neither.)
-        k_q = k[:, None, :]
+        # A token sees the first q_end keys of its own request's span, which starts at q_start:
+        # a range test, where a lookup of each key's request by bisection would be a loop
+        # nested in this one (4.6x slower attention on an H200, see the README).
+        key = k[:, None, :]
         mask = (
-            (k_q >= start_b[:, :, None]) & (k_q < (start_b + end_b)[:, :, None]) & (loc > 0)[:, None, :]
+            (key >= start_b[:, :, None]) & (key < (start_b + end_b)[:, :, None]) & (loc > 0)[:, None, :]
         )[:, None, :, None, :]  # [blocks, 1, q_block, 1, kv_chunk]
         kv_c = take_rows(kv_rows, jnp.where(loc > 0, loc, 0), integer_view).reshape(*loc.shape, num_kv_heads, 2, head_dim)
         s = jnp.einsum("bhqgd,bchd->bhqgc", q_b, kv_c[..., 0, :], preferred_element_type=jnp.float32)
