@@ -247,8 +247,12 @@ def _transform(x, plan: LeafPlan, head_dim: int):
 # A float32 sum per leaf reads it once at memory speed, where XLA CPU's all(isfinite) reduction
 # runs 5x slower at jax 0.12 (bench/sync_bench.py). A NaN or an inf makes the sum non-finite; so
 # can an overflow of finite values, which the exact check on that leaf alone then tells apart.
-_leaf_sum = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-_leaf_sums = jax.jit(lambda *xs: jnp.stack([jnp.sum(x, dtype=jnp.float32) for x in xs]))
+def _float32_sum(x):
+    return jnp.sum(x, dtype=jnp.float32)
+
+
+_leaf_sum = jax.jit(_float32_sum)
+_leaf_sums = jax.jit(lambda *xs: jnp.stack([_float32_sum(x) for x in xs]))
 _all_finite = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
 
 

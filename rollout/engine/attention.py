@@ -124,7 +124,6 @@ def paged_attention(
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
     if extend_seq_lens is None:
         req = tokens
-        q_end = seq_lens[jnp.minimum(req, num_reqs - 1)]
         q_block = 1  # decode tokens belong to different requests: each walks its own span
         kv_chunk = decode_kv_chunk
     else:
@@ -133,15 +132,15 @@ def paged_attention(
         # Token t's request is the number of requests ending at or before t: a histogram of the
         # ends, summed (a bisection is a loop of its own, slow on GPU: see the key mask below).
         req = jnp.cumsum(jnp.zeros(num_tokens, jnp.int32).at[q_ends].add(1, mode="drop"))
-        safe = jnp.minimum(req, num_reqs - 1)
-        q_end = seq_lens[safe]
-        if causal:
-            offset = tokens - (q_ends - extend_seq_lens)[safe]
-            # Capped at the request's own keys: the mask below only bounds a token by q_end.
-            q_end = jnp.minimum(extend_prefix_lens.astype(jnp.int32)[safe] + offset + 1, q_end)
+    safe = jnp.minimum(req, num_reqs - 1)
+    q_end = seq_lens[safe]
+    if extend_seq_lens is not None and causal:
+        offset = tokens - (q_ends - extend_seq_lens)[safe]
+        # Capped at the request's own keys: the mask below only bounds a token by q_end.
+        q_end = jnp.minimum(extend_prefix_lens.astype(jnp.int32)[safe] + offset + 1, q_end)
     valid = req < num_reqs
     q_end = jnp.where(valid, q_end, 0)
-    q_start = jnp.where(valid, key_starts[jnp.minimum(req, num_reqs - 1)], 0)
+    q_start = jnp.where(valid, key_starts[safe], 0)
 
     q_block = max(1, min(q_block, num_tokens))
     num_blocks = -(-num_tokens // q_block)
