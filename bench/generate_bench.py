@@ -58,7 +58,7 @@ from safetensors.numpy import save_file
 from bench.attention_bench import QWEN25_05B_HEAD_DIM, QWEN25_05B_SHAPE
 from bench.common import QWEN25_3B_SHAPE, QWEN25_15B_SHAPE, PeakRss, gib, median_seconds
 from models import TinyModelSpec, random_hf_weights, table_logits
-from rollout import RolloutWorker, WorkerConfig
+from rollout import RolloutWorker, WorkerConfig, counting_compiles
 from rollout.engine import attention, patches, profile_steps, workarounds
 
 # name: (HF shape, head_dim)
@@ -273,6 +273,10 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
             model_path=str(directory), dtype="bfloat16", load_format="dummy",
             max_total_tokens=config.max_total_tokens, chunked_prefill_size=config.chunked_prefill_size,
             max_prefill_tokens=config.chunked_prefill_size, max_running_requests=64,
+            # Every extend token bucket and the decode batch compiled at start-up, as a long RL
+            # run has them after its first steps: the first extend of a call packs a varying
+            # number of tokens, and one bucket compiled inside the timed call cost it ~2 s.
+            precompile=True, precompile_bs_paddings=(64,),
         )
         with PeakRss() as rss, RolloutWorker(worker_config) as worker:
             if not config.dummy_weights:
@@ -281,10 +285,11 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                 batch = BATCHES[name]
                 # Warm-up at the same padded shapes (prefill chunks, decode rows): compiles.
                 timed_generate(worker, batch, vocab, min(batch.new_tokens, 2))
-                seconds = median_seconds(lambda: timed_generate(worker, batch, vocab), config.repeats)
-                entry = {"seconds": seconds}
-                with profile_steps() as times:
-                    timed_generate(worker, batch, vocab)
+                with counting_compiles() as compiles:
+                    seconds = median_seconds(lambda: timed_generate(worker, batch, vocab), config.repeats)
+                    with profile_steps() as times:
+                        timed_generate(worker, batch, vocab)
+                entry = {"seconds": seconds, "compiles": compiles.value}
                 mode = "decode" if name == "decode" else "extend"
                 steps = times.steps[mode]
                 entry["step"] = times.mean_step_s(mode)
@@ -351,7 +356,8 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
         what = "new tokens/s" if name == "decode" else "prompt tokens/s"
         print(f"  {name}-heavy ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
               f"{e['seconds']:.2f} s, {counted / e['seconds']:.1f} {what}; matmul bound {e['bound']:.2f} s "
-              f"({counted / e['bound']:.1f} {what}): x{e['seconds'] / e['bound']:.2f} the bound")
+              f"({counted / e['bound']:.1f} {what}): x{e['seconds'] / e['bound']:.2f} the bound"
+              + (f"; {e['compiles']} XLA compilations in the timed calls" if e["compiles"] else ""))
         step, forward, sampler = e["step"], e["engine_forward"], e["engine_sampler"]
         host = step - forward - sampler
         print(f"    engine profile per {name} step: {step * 1e3:.1f} ms: forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
