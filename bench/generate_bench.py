@@ -181,8 +181,10 @@ def read_bandwidth(arrays, repeats: int) -> float:
 
 
 def prefill_chunks(batch: Batch, chunk: int) -> list[tuple[int, int]]:
-    """(tokens, requests ending in it) per prefill forward: requests packed into chunks."""
-    tokens = batch.rows * batch.prompt_tokens
+    """(tokens, requests ending in it) per prefill forward, as the engine runs them: each
+    prompt once, packed into chunks; then, for n > 1, the last prompt token of every sample
+    (the rest of its prompt is found in the prefix cache)."""
+    tokens = batch.prompts * batch.prompt_tokens
     chunks = []
     done = 0
     while done < tokens:
@@ -190,6 +192,8 @@ def prefill_chunks(batch: Batch, chunk: int) -> list[tuple[int, int]]:
         ends = (done + size) // batch.prompt_tokens - done // batch.prompt_tokens
         chunks.append((size, max(ends, 1)))
         done += size
+    if batch.n > 1:
+        chunks.append((batch.rows, batch.rows))
     return chunks
 
 

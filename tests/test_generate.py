@@ -1,12 +1,13 @@
 """RolloutWorker.generate on a tiny Qwen2 (with tokenizer) and a tiny Qwen3 (token ids only)."""
 
+import dataclasses
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from rollout import RolloutWorker
+from rollout import RolloutWorker, SamplingParams
 from tests.helpers import tiny_worker_config
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
@@ -155,6 +156,18 @@ def test_a_prompt_samples_depend_on_seed_index_and_sample_only(worker):
     # The same prompt at index 1 draws other samples (seeds follow the index, documented).
     moved = worker.generate([[9, 9, 9]] + PROMPTS[:1], n=2, **kwargs)
     assert moved.completions[2:] != alone.completions
+
+
+def test_samples_of_a_prompt_prefill_only_its_last_token(worker):
+    """The n samples of a prompt find it in the prefix cache (the engine prefills it once
+    first): each prefills one token, not the whole prompt again."""
+    prompts = [[300 + i for i in range(40)], [400 + i for i in range(25)]]  # not cached before
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, n=3)
+    outputs = worker.engine.generate(prompts, params, np.arange(6).reshape(2, 3))
+    assert [o.cached_tokens for o in outputs] == [39] * 3 + [24] * 3
+    assert [o.completion_tokens for o in outputs] == [4] * 6
+    single = worker.engine.generate([[500 + i for i in range(30)]], dataclasses.replace(params, n=1), np.zeros((1, 1)))
+    assert single[0].cached_tokens == 0
 
 
 @pytest.fixture(scope="module")

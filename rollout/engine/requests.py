@@ -79,6 +79,7 @@ class RequestLoop:
         request, rids = self._request(prompts, params, seeds, stream=True)
 
         async def pump():
+            await self._cache_prompts(prompts, params)
             with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._versions_collected(rids) as versions, self._aborted_if_cancelled(rids):
                 async for result in self._tokenizer_manager.generate_request(request, None):
                     row = int(result.get("index", 0))
@@ -153,7 +154,26 @@ class RequestLoop:
             for rid in rids:
                 versions.pop(rid, None)
 
+    async def _cache_prompts(self, prompts, params: SamplingParams) -> None:
+        """Prefill every prompt once, before its ``n`` samples are sent, so they find it in the
+        prefix cache and each prefills only its last token. Sent together, all ``n`` would be
+        scheduled before any is cached and each would prefill the whole prompt (n x the
+        prompt's forward FLOPs). The prompt-only requests generate nothing
+        (``max_new_tokens`` 0); a weight sync in between flushes the cache and the samples
+        prefill in full under the new weights, as any request would."""
+        if params.n == 1 or not workaround_enabled("one-request-per-sample"):
+            return
+        from sgl_jax.srt.managers.io_struct import GenerateReqInput
+
+        input_ids = [list(map(int, ids)) for ids in prompts]
+        sampling = [dict(_sampling_dict(params, 0), max_new_tokens=0) for _ in input_ids]
+        rids = [uuid.uuid4().hex for _ in input_ids]
+        request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling, rid=rids, stream=False)
+        with self._aborted_if_cancelled(rids):
+            await self._tokenizer_manager.generate_request(request, None).__anext__()
+
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
+        await self._cache_prompts(prompts, params)
         request, rids = self._request(prompts, params, seeds)
         with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._versions_collected(rids) as versions, self._aborted_if_cancelled(rids):
             results = await self._tokenizer_manager.generate_request(request, None).__anext__()
@@ -258,4 +278,5 @@ def _to_output(result: dict, finished_only: bool = True) -> GenerateOutput:
         finish_reason=str(finish.get("type", "")) if finish else ("unknown" if finished_only else ""),
         completion_tokens=completion_tokens,
         cache_miss_count=int(meta.get("cache_miss_count", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
     )

@@ -84,6 +84,8 @@ class GenerateOutput:
     finish_reason: str
     completion_tokens: int
     cache_miss_count: int
+    # Prompt tokens found in the prefix cache (not prefilled for this request).
+    cached_tokens: int = 0
     # Log-prob of each output token under the distribution it was drawn from (requested only).
     logprobs: list[float] | None = None
     # Weight version of the forward that sampled each output token.
