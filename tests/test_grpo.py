@@ -168,6 +168,7 @@ def mean_reward(records):
 STEPS = 30
 
 
+@pytest.mark.example_run
 def test_tiny_grpo_learns_and_the_ablation_does_not(tmp_path):
     """Rewards are means over 64 samples; five-step means of a fixed policy differ by about
     0.02 (standard deviation), so a 0.15 gain is far outside noise, and an ablation that never
@@ -200,6 +201,7 @@ def test_truncated_importance_sampling_weights_the_policy_gradient():
     assert float(stats["tis_capped"]) == pytest.approx(1 / 3) and float(stats["tis_weight"]) == pytest.approx(2.9 / 3, rel=1e-5)
 
 
+@pytest.mark.example_run
 def test_tiny_grpo_with_engine_logprobs_and_tis_learns(tmp_path):
     """Same bar as the plain run; in fp32 engine and trainer agree, so the logged mismatch is
     float rounding and the TIS weights are 1."""
@@ -226,6 +228,7 @@ def test_async_grpo_overlaps_generation_and_learns(tmp_path):
     assert mean_reward(records[-5:]) - mean_reward(records[:5]) > 0.1
 
 
+@pytest.mark.example_run
 def test_consistency_check_stops_a_run_whose_engine_serves_another_policy(tmp_path):
     """The ablation never re-syncs: after a few updates the engine no longer serves the
     trainer's params, and the periodic check stops the run naming the statistic."""
@@ -289,6 +292,7 @@ def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_model_dir
     claim_output_dir(dataclasses.replace(config, model=chat_model_dir.name), other)
 
 
+@pytest.mark.example_run
 def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
     """The qwen2.5-3b preset end to end with its downloads replaced by local files: chat
     template from the tokenizer, GSM8K rows and rewards, initial weights from the HF dir, the

@@ -53,8 +53,11 @@ WORKAROUNDS: dict[str, str] = {
     ),
     "one-request-per-sample": (
         "GenerateReqInput ignores n > 1 for a single prompt, and batched n first runs a "
-        "prefix-caching request per prompt and is slow. Every sample is sent as its own "
-        "request with its own seed (EngineHandle._request)."
+        "prefix-caching request per prompt, waiting for each in turn (one prefill step per "
+        "prompt). Every sample is sent as its own "
+        "request with its own seed (EngineHandle._request), after one prompt-only request per "
+        "prompt that puts it in the prefix cache (EngineHandle._cache_prompts): the samples "
+        "then prefill only their last token, as the engine's own n meant to."
     ),
     "flush-cache": (
         "Engine.flush_cache and release/resume_memory_occupation raise TypeError and the "
