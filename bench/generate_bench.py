@@ -11,14 +11,16 @@ for in the time at hand: the speed is the same, the tokens are not comparable):
 1. tokens/s of a decode-heavy batch (16 prompts x 64 tokens, n=4, 64 new tokens, temperature 1,
    ``ignore_eos``: new tokens per second) and a prefill-heavy one (8 prompts x 512 tokens, one
    new token: prompt tokens per second), median of ``repeats`` calls after a warm-up call at
-   the same shapes.
+   the same shapes, on an engine that precompiled its extend and decode shapes at start-up
+   (XLA compilations inside the timed calls, if any, are printed).
 2. The bound, measured in the same process on the same device: the batch's matmuls (every
    linear layer, the tied LM head on the rows that get logits) as plain jitted bfloat16 matmuls
    of the same shapes, step by step as the engine runs them (prefill chunks of
-   ``chunked_prefill_size`` tokens, then one decode step per new token after the first), the
+   ``chunked_prefill_size`` tokens, each prompt once and, for n > 1, one token per sample,
+   then one decode step per new token after the first), the
    faster of bfloat16 and float32 output for the head; for decode also the weights' bytes over
-   the memory bandwidth of a jitted read of as many float32 bytes. Printed as the ratio
-   measured time / bound.
+   the memory bandwidth of a jitted read of as many float32 bytes. The bound is measured right
+   after each timed call; printed: the median of the per-call ratios measured time / bound.
 3. The step split, from the engine itself (``rollout.engine.profile_steps``, one more call):
    per decode step (and per prefill chunk) its wall time, its model forward, its sampler, and
    the host (the rest: the scheduler's Python work). Inside the decode forward, from
@@ -44,6 +46,7 @@ import functools
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -267,10 +270,19 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
 # ---- one shape and variant, in its own process ------------------------------------------------
 
 
+def bound_seconds(weights, head, batch: Batch, chunk: int, repeats: int) -> tuple[float, float]:
+    """(the batch's matmul bound, one decode step's matmuls), in seconds."""
+    prefill = sum(matmul_seconds(weights, head, t, r, repeats) for t, r in prefill_chunks(batch, chunk))
+    decode = matmul_seconds(weights, head, batch.rows, batch.rows, repeats) if batch.new_tokens > 1 else 0.0
+    return prefill + (batch.new_tokens - 1) * decode, decode
+
+
 def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     hf, _ = SHAPES[shape]
     vocab = hf["vocab_size"]
     result: dict = {"uptime": os.getloadavg()}
+    weights, head = layer_weights(shape, layers, jax.random.key(0))
+    reps = max(3, config.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         directory = model_dir(Path(tmp), shape, layers, weights=not config.dummy_weights)
         worker_config = WorkerConfig(
@@ -289,11 +301,24 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                 batch = BATCHES[name]
                 # Warm-up at the same padded shapes (prefill chunks, decode rows): compiles.
                 timed_generate(worker, batch, vocab, min(batch.new_tokens, 2))
+                bound_seconds(weights, head, batch, config.chunked_prefill_size, 1)
+                # Each call's bound is measured right after it and the ratio taken per call: on
+                # this 2-core VM the same matmuls ran 64-106 ms per step from one minute to the
+                # next, while a bound measured once would be compared with every call.
+                calls, bounds, decodes = [], [], []
                 with counting_compiles() as compiles:
-                    seconds = median_seconds(lambda: timed_generate(worker, batch, vocab), config.repeats)
+                    for _ in range(config.repeats):
+                        calls.append(timed_generate(worker, batch, vocab))
+                        bound, decode = bound_seconds(weights, head, batch, config.chunked_prefill_size, reps)
+                        bounds.append(bound)
+                        decodes.append(decode)
                     with profile_steps() as times:
                         timed_generate(worker, batch, vocab)
-                entry = {"seconds": seconds, "compiles": compiles.value}
+                entry = {
+                    "seconds": statistics.median(calls), "bound": statistics.median(bounds),
+                    "ratio": statistics.median(c / b for c, b in zip(calls, bounds)),
+                    "decode_matmuls": statistics.median(decodes), "compiles": compiles.value,
+                }
                 mode = "decode" if name == "decode" else "extend"
                 steps = times.steps[mode]
                 entry["step"] = times.mean_step_s(mode)
@@ -301,16 +326,7 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                 entry["engine_sampler"] = times.sample_s[mode] / steps
                 result[name] = entry
         result["peak_rss"] = rss.peak
-    print(json.dumps(result), flush=True)  # the generate figures, should the bound's part fail
-    weights, head = layer_weights(shape, layers, jax.random.key(0))
-    reps = max(3, config.repeats)
-    for name in config.batches:
-        batch, entry = BATCHES[name], result[name]
-        prefill = sum(matmul_seconds(weights, head, t, r, reps)
-                      for t, r in prefill_chunks(batch, config.chunked_prefill_size))
-        decode = matmul_seconds(weights, head, batch.rows, batch.rows, reps) if batch.new_tokens > 1 else 0.0
-        entry["bound"] = prefill + (batch.new_tokens - 1) * decode
-        entry["decode_matmuls"] = decode
+    print(json.dumps(result), flush=True)  # the generate figures, should the split's part fail
     if "decode" in config.batches:
         arrays = [w for layer in weights for w in layer.values()] + [head]
         bandwidth = read_bandwidth(arrays, reps)
@@ -360,7 +376,7 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
         what = "new tokens/s" if name == "decode" else "prompt tokens/s"
         print(f"  {name}-heavy ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
               f"{e['seconds']:.2f} s, {counted / e['seconds']:.1f} {what}; matmul bound {e['bound']:.2f} s "
-              f"({counted / e['bound']:.1f} {what}): x{e['seconds'] / e['bound']:.2f} the bound"
+              f"({counted / e['bound']:.1f} {what}): x{e['ratio']:.2f} the bound"
               + (f"; {e['compiles']} XLA compilations in the timed calls" if e["compiles"] else ""))
         step, forward, sampler = e["step"], e["engine_forward"], e["engine_sampler"]
         host = step - forward - sampler
