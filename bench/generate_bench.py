@@ -376,7 +376,8 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
         what = "new tokens/s" if name == "decode" else "prompt tokens/s"
         print(f"  {name}-heavy ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
               f"{e['seconds']:.2f} s, {counted / e['seconds']:.1f} {what}; matmul bound {e['bound']:.2f} s "
-              f"({counted / e['bound']:.1f} {what}): x{e['ratio']:.2f} the bound"
+              f"({counted / e['bound']:.1f} {what}): x{e['ratio']:.2f} the bound (median of the per-call ratios; "
+              f"of the medians x{e['seconds'] / e['bound']:.2f})"
               + (f"; {e['compiles']} XLA compilations in the timed calls" if e["compiles"] else ""))
         step, forward, sampler = e["step"], e["engine_forward"], e["engine_sampler"]
         host = step - forward - sampler

@@ -168,6 +168,9 @@ def test_samples_of_a_prompt_prefill_only_its_last_token(worker):
     assert [o.completion_tokens for o in outputs] == [4] * 6
     single = worker.engine.generate([[500 + i for i in range(30)]], dataclasses.replace(params, n=1), np.zeros((1, 1)))
     assert single[0].cached_tokens == 0
+    twice = [[600 + i for i in range(20)]] * 2  # a prompt given twice: all its samples find it cached
+    outputs = worker.engine.generate(twice, params, np.arange(6).reshape(2, 3))
+    assert [o.cached_tokens for o in outputs] == [19] * 6
 
 
 @pytest.fixture(scope="module")

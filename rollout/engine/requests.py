@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 class RequestLoop:
     """Generation for an :class:`EngineHandle` (a part of it: it reads the handle's
-    ``_engine``, ``_scheduler``, ``_control`` and ``check_alive``)."""
+    ``_engine``, ``_scheduler``, ``_control``, ``kv_pool_tokens`` and ``check_alive``)."""
 
     def _start_request_loop(self) -> None:
         self._tokenizer_manager = self._engine.tokenizer_manager
@@ -156,16 +156,22 @@ class RequestLoop:
 
     async def _cache_prompts(self, prompts, params: SamplingParams) -> None:
         """Prefill every prompt once, before its ``n`` samples are sent, so they find it in the
-        prefix cache and each prefills only its last token. Sent together, all ``n`` would be
-        scheduled before any is cached and each would prefill the whole prompt (n x the
-        prompt's forward FLOPs). The prompt-only requests generate nothing
-        (``max_new_tokens`` 0); a weight sync in between flushes the cache and the samples
-        prefill in full under the new weights, as any request would."""
+        prefix cache and each prefills only its last token (its last page, with a page size
+        above 1). Sent together, all ``n`` would be scheduled before any is cached and each
+        would prefill the whole prompt (n x the prompt's forward FLOPs). The prompt-only
+        requests generate nothing (``max_new_tokens`` 0); a weight sync in between flushes
+        the cache and the samples prefill in full under the new weights, as any request would.
+        Skipped where it cannot pay: one sample per prompt, and batches whose distinct prompts
+        take more than half the KV pool (the cache would evict the first before their samples
+        run, and every prompt would be prefilled n + 1 times)."""
         if params.n == 1 or not workaround_enabled("one-request-per-sample"):
             return
         from sgl_jax.srt.managers.io_struct import GenerateReqInput
 
-        input_ids = [list(map(int, ids)) for ids in prompts]
+        # A one-token prompt has nothing to share: a request always prefills its last token.
+        input_ids = [list(ids) for ids in dict.fromkeys(tuple(map(int, ids)) for ids in prompts) if len(ids) > 1]
+        if not input_ids or sum(map(len, input_ids)) > self.kv_pool_tokens // 2:
+            return
         sampling = [dict(_sampling_dict(params, 0), max_new_tokens=0) for _ in input_ids]
         rids = [uuid.uuid4().hex for _ in input_ids]
         request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling, rid=rids, stream=False)

@@ -57,7 +57,7 @@ WORKAROUNDS: dict[str, str] = {
         "prompt). Every sample is sent as its own "
         "request with its own seed (EngineHandle._request), after one prompt-only request per "
         "prompt that puts it in the prefix cache (EngineHandle._cache_prompts): the samples "
-        "then prefill only their last token, as the engine's own n meant to."
+        "then prefill only their last token (page), as the engine's own n meant to."
     ),
     "flush-cache": (
         "Engine.flush_cache and release/resume_memory_occupation raise TypeError and the "
