@@ -166,15 +166,13 @@ class RequestLoop:
         run, and every prompt would be prefilled n + 1 times)."""
         if params.n == 1 or not workaround_enabled("one-request-per-sample"):
             return
-        from sgl_jax.srt.managers.io_struct import GenerateReqInput
-
         # A one-token prompt has nothing to share: a request always prefills its last token.
-        input_ids = [list(ids) for ids in dict.fromkeys(tuple(map(int, ids)) for ids in prompts) if len(ids) > 1]
-        if not input_ids or sum(map(len, input_ids)) > self.kv_pool_tokens // 2:
+        distinct = [ids for ids in dict.fromkeys(tuple(map(int, ids)) for ids in prompts) if len(ids) > 1]
+        if not distinct or sum(map(len, distinct)) > self.kv_pool_tokens // 2:
             return
-        sampling = [dict(_sampling_dict(params, 0), max_new_tokens=0) for _ in input_ids]
-        rids = [uuid.uuid4().hex for _ in input_ids]
-        request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling, rid=rids, stream=False)
+        request, rids = self._request(distinct, dataclasses.replace(params, n=1), np.zeros((len(distinct), 1), np.int64))
+        for sampling in request.sampling_params:
+            sampling["max_new_tokens"] = 0  # below what SamplingParams accepts from a caller
         with self._aborted_if_cancelled(rids):
             await self._tokenizer_manager.generate_request(request, None).__anext__()
 
