@@ -226,6 +226,12 @@ class ModelState:
     def _drop_kv_buffers(self) -> tuple[int, int]:
         self._flush_prefix_cache()
         pool = self._kv_pool
+        # Compiled here, not on the rebuild: the rebuild runs inside the next generate call,
+        # which must compile nothing.
+        if self._kv_allocator is None:
+            shape, dtype, _ = self.kv_buffer_spec()
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool.kv_sharding)
+            self._kv_allocator = zeros.lower().compile()
         buffers = list(pool.kv_buffer)
         pool.kv_buffer = []
         device_bytes = sum(device_nbytes(buf) for buf in buffers)
@@ -239,11 +245,8 @@ class ModelState:
 
     def _rebuild_kv_buffers(self) -> None:
         # The pool's own _create_buffers jits a fresh lambda per layer, compiling on every
-        # rebuild; one allocator compiled once per handle is reused instead.
+        # rebuild; one allocator compiled once per handle (on its first drop) is reused instead.
         pool = self._kv_pool
-        if self._kv_allocator is None:
-            shape, dtype, _ = self.kv_buffer_spec()
-            self._kv_allocator = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool.kv_sharding)
         pool.kv_buffer = [self._kv_allocator() for _ in range(pool.layer_num)]
 
     # ---- compiled forward ------------------------------------------------------------------
