@@ -21,6 +21,9 @@ for in the time at hand: the speed is the same, the tokens are not comparable):
    faster of bfloat16 and float32 output for the head; for decode also the weights' bytes over
    the memory bandwidth of a jitted read of as many float32 bytes. The bound is measured right
    after each timed call; printed: the median of the per-call ratios measured time / bound.
+   The matmuls of a step run in the forward's order (a layer's after the layer before, the
+   head after the last layer); the same matmuls each on its own input, which XLA may run side
+   by side as no forward can, are printed beside it ("unordered").
 3. The step split, from the engine itself (``rollout.engine.profile_steps``, one more call):
    per decode step (and per prefill chunk) its wall time, its model forward, its sampler, and
    the host (the rest: the scheduler's Python work). Inside the decode forward, from
@@ -147,28 +150,52 @@ def layer_weights(shape: str, layers: int, key) -> tuple[list[dict], jax.Array]:
     return out, head
 
 
+def _head(rows, head, float32_head):
+    return table_logits(rows, head) if float32_head else rows @ head.T
+
+
+@functools.partial(jax.jit, static_argnames=("logit_rows", "float32_head"))
+def _ordered_matmuls(weights, head, x, logit_rows, float32_head):
+    """Every matmul of one forward in the forward's order: each layer's q/k/v from its input,
+    o from q (attention's place), gate and up from o, down from their product (the MLP's),
+    the next layer from down, the head from the last layer. Independent ones (q, k, v; gate,
+    up) may run side by side, as they may in the engine; dependent ones may not."""
+    side = []
+    for w in weights:
+        q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
+        side += [k, v]
+        o = q @ w["o"]
+        x = (o @ w["gate"] * (o @ w["up"])) @ w["down"]
+    return _head(x[:logit_rows], head, float32_head), side
+
+
 @functools.partial(jax.jit, static_argnames="float32_head")
-def _matmuls(weights, head, x, attn, mlp, head_rows, float32_head):
-    """Every matmul of one forward, each on its own input (no other work between them)."""
+def _unordered_matmuls(weights, head, x, attn, mlp, head_rows, float32_head):
+    """Every matmul of one forward, each on its own input: XLA may run any of them side by
+    side (on this 2-core VM the head's 49 ms dot ran beside all the layers' dots), which no
+    forward can, its head needing its last layer."""
     outs = []
     for w in weights:
         outs += [x @ w["q"], x @ w["k"], x @ w["v"], attn @ w["o"], x @ w["gate"], x @ w["up"], mlp @ w["down"]]
-    outs.append(table_logits(head_rows, head) if float32_head else head_rows @ head.T)
+    outs.append(_head(head_rows, head, float32_head))
     return outs
 
 
-def matmul_seconds(weights, head, tokens: int, logit_rows: int, repeats: int) -> float:
+def matmul_seconds(weights, head, tokens: int, logit_rows: int, repeats: int, ordered: bool = True) -> float:
     """The faster of the two head outputs (bfloat16, float32) with the same linear layers."""
-    return min(_matmul_seconds(weights, head, tokens, logit_rows, repeats, f32) for f32 in (False, True))
+    return min(_matmul_seconds(weights, head, tokens, logit_rows, repeats, f32, ordered) for f32 in (False, True))
 
 
-def _matmul_seconds(weights, head, tokens: int, logit_rows: int, repeats: int, float32_head: bool) -> float:
+def _matmul_seconds(weights, head, tokens: int, logit_rows: int, repeats: int, float32_head: bool, ordered: bool) -> float:
     h = head.shape[1]
     x = jnp.ones((tokens, h), jnp.bfloat16)
-    attn = jnp.ones((tokens, weights[0]["o"].shape[0]), jnp.bfloat16)
-    mlp = jnp.ones((tokens, weights[0]["down"].shape[0]), jnp.bfloat16)
-    rows = jnp.ones((logit_rows, h), jnp.bfloat16)
-    run = lambda: jax.block_until_ready(_matmuls(weights, head, x, attn, mlp, rows, float32_head))  # noqa: E731
+    if ordered:
+        run = lambda: jax.block_until_ready(_ordered_matmuls(weights, head, x, logit_rows, float32_head))  # noqa: E731
+    else:
+        attn = jnp.ones((tokens, weights[0]["o"].shape[0]), jnp.bfloat16)
+        mlp = jnp.ones((tokens, weights[0]["down"].shape[0]), jnp.bfloat16)
+        rows = jnp.ones((logit_rows, h), jnp.bfloat16)
+        run = lambda: jax.block_until_ready(_unordered_matmuls(weights, head, x, attn, mlp, rows, float32_head))  # noqa: E731
     run()
     return median_seconds(run, repeats)
 
@@ -270,10 +297,10 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
 # ---- one shape and variant, in its own process ------------------------------------------------
 
 
-def bound_seconds(weights, head, batch: Batch, chunk: int, repeats: int) -> tuple[float, float]:
+def bound_seconds(weights, head, batch: Batch, chunk: int, repeats: int, ordered: bool = True) -> tuple[float, float]:
     """(the batch's matmul bound, one decode step's matmuls), in seconds."""
-    prefill = sum(matmul_seconds(weights, head, t, r, repeats) for t, r in prefill_chunks(batch, chunk))
-    decode = matmul_seconds(weights, head, batch.rows, batch.rows, repeats) if batch.new_tokens > 1 else 0.0
+    prefill = sum(matmul_seconds(weights, head, t, r, repeats, ordered) for t, r in prefill_chunks(batch, chunk))
+    decode = matmul_seconds(weights, head, batch.rows, batch.rows, repeats, ordered) if batch.new_tokens > 1 else 0.0
     return prefill + (batch.new_tokens - 1) * decode, decode
 
 
@@ -301,22 +328,27 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                 batch = BATCHES[name]
                 # Warm-up at the same padded shapes (prefill chunks, decode rows): compiles.
                 timed_generate(worker, batch, vocab, min(batch.new_tokens, 2))
-                bound_seconds(weights, head, batch, config.chunked_prefill_size, 1)
+                for ordered in (True, False):
+                    bound_seconds(weights, head, batch, config.chunked_prefill_size, 1, ordered)
                 # Each call's bound is measured right after it and the ratio taken per call: on
                 # this 2-core VM the same matmuls ran 64-106 ms per step from one minute to the
                 # next, while a bound measured once would be compared with every call.
-                calls, bounds, decodes = [], [], []
+                calls, bounds, decodes, unordered = [], [], [], []
                 with counting_compiles() as compiles:
                     for _ in range(config.repeats):
                         calls.append(timed_generate(worker, batch, vocab))
                         bound, decode = bound_seconds(weights, head, batch, config.chunked_prefill_size, reps)
                         bounds.append(bound)
                         decodes.append(decode)
+                        unordered.append(
+                            bound_seconds(weights, head, batch, config.chunked_prefill_size, reps, ordered=False)[0])
                     with profile_steps() as times:
                         timed_generate(worker, batch, vocab)
                 entry = {
                     "seconds": statistics.median(calls), "bound": statistics.median(bounds),
                     "ratio": statistics.median(c / b for c, b in zip(calls, bounds)),
+                    "unordered_bound": statistics.median(unordered),
+                    "unordered_ratio": statistics.median(c / b for c, b in zip(calls, unordered)),
                     "decode_matmuls": statistics.median(decodes), "compiles": compiles.value,
                 }
                 mode = "decode" if name == "decode" else "extend"
@@ -377,7 +409,8 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
         print(f"  {name}-heavy ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
               f"{e['seconds']:.2f} s, {counted / e['seconds']:.1f} {what}; matmul bound {e['bound']:.2f} s "
               f"({counted / e['bound']:.1f} {what}): x{e['ratio']:.2f} the bound (median of the per-call ratios; "
-              f"of the medians x{e['seconds'] / e['bound']:.2f})"
+              f"of the medians x{e['seconds'] / e['bound']:.2f}); the same matmuls unordered "
+              f"{e['unordered_bound']:.2f} s: x{e['unordered_ratio']:.2f}"
               + (f"; {e['compiles']} XLA compilations in the timed calls" if e["compiles"] else ""))
         step, forward, sampler = e["step"], e["engine_forward"], e["engine_sampler"]
         host = step - forward - sampler
