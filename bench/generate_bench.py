@@ -159,7 +159,8 @@ def _ordered_matmuls(weights, head, x, logit_rows, float32_head):
     """Every matmul of one forward in the forward's order: each layer's q/k/v from its input,
     o from q (attention's place), gate and up from o, down from their product (the MLP's),
     the next layer from down, the head from the last layer. Independent ones (q, k, v; gate,
-    up) may run side by side, as they may in the engine; dependent ones may not."""
+    up) may run side by side, as they may in the engine; dependent ones may not. The values
+    overflow within a few layers; a dense matmul's time does not depend on them."""
     side = []
     for w in weights:
         q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
