@@ -159,22 +159,25 @@ def _ordered_matmuls(weights, head, x, logit_rows, float32_head):
     """Every matmul of one forward in the forward's order: each layer's q/k/v from its input,
     o from q (attention's place), gate and up from o, down from their product (the MLP's),
     the next layer from down, the head from the last layer. Independent ones (q, k, v; gate,
-    up) may run side by side, as they may in the engine; dependent ones may not. The values
-    overflow within a few layers; a dense matmul's time does not depend on them."""
+    up) may run side by side, as they may in the engine; dependent ones may not, except k and
+    v, which feed nothing here (attention needs them in the forward) and may overlap later
+    work: ~1.6% of a layer's matmul FLOPs at these shapes. The last layer's whole output is
+    returned, so no rewrite can shrink it to the head's rows. The values overflow within a
+    few layers; a dense matmul's time does not depend on them."""
     side = []
     for w in weights:
         q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
         side += [k, v]
         o = q @ w["o"]
         x = (o @ w["gate"] * (o @ w["up"])) @ w["down"]
-    return _head(x[:logit_rows], head, float32_head), side
+    return _head(x[:logit_rows], head, float32_head), side, x
 
 
 @functools.partial(jax.jit, static_argnames="float32_head")
 def _unordered_matmuls(weights, head, x, attn, mlp, head_rows, float32_head):
     """Every matmul of one forward, each on its own input: XLA may run any of them side by
-    side (on this 2-core VM the head's 49 ms dot ran beside all the layers' dots), which no
-    forward can, its head needing its last layer."""
+    side (in a profile on this 2-core VM the head's 46-49 ms dot ran on one core while the
+    layers' dots ran on the other), which no forward can, its head needing its last layer."""
     outs = []
     for w in weights:
         outs += [x @ w["q"], x @ w["k"], x @ w["v"], attn @ w["o"], x @ w["gate"], x @ w["up"], mlp @ w["down"]]

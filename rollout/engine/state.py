@@ -228,10 +228,7 @@ class ModelState:
         pool = self._kv_pool
         # Compiled here, not on the rebuild: the rebuild runs inside the next generate call,
         # which must compile nothing.
-        if self._kv_allocator is None:
-            shape, dtype, _ = self.kv_buffer_spec()
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool.kv_sharding)
-            self._kv_allocator = zeros.lower().compile()
+        self._ensure_kv_allocator()
         buffers = list(pool.kv_buffer)
         pool.kv_buffer = []
         device_bytes = sum(device_nbytes(buf) for buf in buffers)
@@ -247,7 +244,14 @@ class ModelState:
         # The pool's own _create_buffers jits a fresh lambda per layer, compiling on every
         # rebuild; one allocator compiled once per handle (on its first drop) is reused instead.
         pool = self._kv_pool
+        self._ensure_kv_allocator()
         pool.kv_buffer = [self._kv_allocator() for _ in range(pool.layer_num)]
+
+    def _ensure_kv_allocator(self) -> None:
+        if self._kv_allocator is None:
+            shape, dtype, _ = self.kv_buffer_spec()
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_pool.kv_sharding)
+            self._kv_allocator = zeros.lower().compile()
 
     # ---- compiled forward ------------------------------------------------------------------
 
