@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker
-from rollout.engine import patches
+from rollout.engine import attention, patches
 from rollout.engine.attention import DEFAULT_KV_CHUNK, DEFAULT_Q_BLOCK, paged_attention
 from tests.helpers import tiny_worker_config
 
@@ -61,27 +61,31 @@ def attend(q, kv, cache_loc, seq_lens, prefix_lens=None, extend_lens=None, **kwa
     return np.asarray(fn(*map(as_jax, (q, kv, cache_loc, seq_lens, prefix_lens, extend_lens))))
 
 
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("q_block, kv_chunk", [(4, 3), (DEFAULT_Q_BLOCK, DEFAULT_KV_CHUNK)], ids=["small-blocks", "defaults"])
-def test_extend_matches_dense_reference(page_size, causal, q_block, kv_chunk):
+def test_extend_matches_dense_reference(page_size, causal, q_block, kv_chunk, head_major):
     rng = np.random.default_rng(0)
     # Fresh prompts, cached prefixes, a one-token extend, and two padded requests.
     batch = ragged_batch(rng, [0, 5, 3, 0, 11, 0, 0], [7, 4, 9, 1, 2, 0, 0], page_size)
     q, kv, cache_loc, seq_lens, prefix_lens, extend_lens = batch
-    got = attend(*batch, scale=0.3, causal=causal, page_size=page_size, q_block=q_block, kv_chunk=kv_chunk)
+    got = attend(
+        *batch, scale=0.3, causal=causal, page_size=page_size, q_block=q_block, kv_chunk=kv_chunk, head_major=head_major
+    )
     want = dense_reference(*batch, scale=0.3, page_size=page_size, causal=causal)
     real = int(extend_lens.sum())
     np.testing.assert_allclose(got[:real], want[:real], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[real:], 0.0)
 
 
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_decode_matches_dense_reference(page_size):
+def test_decode_matches_dense_reference(page_size, head_major):
     rng = np.random.default_rng(1)
     _, kv, cache_loc, seq_lens, _, _ = ragged_batch(rng, [6, 1, 13, 0, 0], [1, 1, 1, 0, 0], page_size)
     q = rng.standard_normal((len(seq_lens), HEADS, HEAD_DIM)).astype(np.float32)
-    got = attend(q, kv, cache_loc, seq_lens, scale=0.5, page_size=page_size, decode_kv_chunk=4)
+    got = attend(q, kv, cache_loc, seq_lens, scale=0.5, page_size=page_size, decode_kv_chunk=4, head_major=head_major)
     # A decode token is an extend of one token after seq_len - 1 cached ones.
     ones = (seq_lens > 0).astype(np.int32)
     want = dense_reference(q, kv, cache_loc, seq_lens, seq_lens - ones, ones, 0.5, page_size)
@@ -113,6 +117,28 @@ def test_matches_engine_native_attention():
     )
     got = attend(q_decode, kv, cache_loc, seq_lens, scale=0.3)
     np.testing.assert_allclose(got, np.asarray(engine), rtol=1e-5, atol=1e-6)
+
+
+def test_the_head_major_probe_says_whether_a_bfloat16_pool_runs_head_major():
+    """Where the probe says yes, a bfloat16 pool's decode and extend give the slot-row layout's
+    results head-major; where it says no (XLA CPU in jax 0.8), one of them does fail, and the
+    engine gathers slot rows."""
+    rng = np.random.default_rng(3)
+    q, kv, cache_loc, seq_lens, prefix_lens, extend_lens = ragged_batch(rng, [0, 5, 3], [7, 4, 9])
+    q, kv = (np.asarray(jnp.asarray(x, jnp.bfloat16)) for x in (q, kv))
+
+    def decode_and_extend(head_major):
+        decode = attend(q[: len(seq_lens)], kv, cache_loc, seq_lens, scale=0.3, head_major=head_major)
+        extend = attend(q, kv, cache_loc, seq_lens, prefix_lens, extend_lens, scale=0.3, head_major=head_major)
+        return np.concatenate([decode, extend]).astype(np.float32)
+
+    if attention.runs_head_major_dots(jax.default_backend(), "bfloat16"):
+        np.testing.assert_allclose(decode_and_extend(True), decode_and_extend(False), rtol=1e-2, atol=1e-2)
+    else:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="DotThunk"):
+            decode_and_extend(True)
+        decode_and_extend(False)
+    assert attention.runs_head_major_dots(jax.default_backend(), "float32")
 
 
 def temp_bytes(num_tokens, max_requests, context_length, decode):

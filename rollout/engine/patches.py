@@ -19,7 +19,7 @@ from jax._src import config as jax_config
 
 from models import sampled_token_log_probs, sampling_log_probs, table_logits
 
-from .attention import converts_16bit_rows, paged_attention, set_rows
+from .attention import converts_16bit_rows, paged_attention, runs_head_major_dots, set_rows
 from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms
 from .moe import patch_expert_block
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
@@ -353,10 +353,9 @@ def _patch_native_attention() -> None:
         # The engine's KV write (workaround kv-pool-conversions: through an integer view); the
         # fused layer it returns is what the caller persists.
         pool = token_to_kv_pool.kv_buffer[layer.layer_id - token_to_kv_pool.start_layer]
+        platform = token_to_kv_pool.mesh.devices.flat[0].platform
         integer_view = (
-            workaround_enabled("kv-pool-conversions")
-            and pool.dtype.itemsize == 2
-            and converts_16bit_rows(token_to_kv_pool.mesh.devices.flat[0].platform)
+            workaround_enabled("kv-pool-conversions") and pool.dtype.itemsize == 2 and converts_16bit_rows(platform)
         )
         if integer_view:
             loc = forward_batch.out_cache_loc
@@ -381,6 +380,7 @@ def _patch_native_attention() -> None:
             causal=mode != ForwardMode.DECODE and layer.attn_type != AttentionType.ENCODER_ONLY,
             page_size=token_to_kv_pool.page_size,
             integer_view=integer_view,
+            head_major=runs_head_major_dots(platform, pool.dtype.name),
         )
         return output, kv_fused
 
