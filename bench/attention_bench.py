@@ -1,7 +1,8 @@
 """Off-TPU attention: the paged attention against sglang-jax 0.0.2's native one.
 
     JAX_PLATFORMS=cpu python -m bench.attention_bench [--layers 24] [--settings 16x2048,64x32768]
-        [--rollouts paged,paged@400,native@400] [--no-memory]
+        [--rollouts paged,paged@400,native@400] [--no-memory] [--no-layouts]
+        [--layout-contexts 96,512,1024]
 
 On a random Qwen2.5-0.5B-shaped model (bfloat16, dummy weights):
 
@@ -13,6 +14,11 @@ On a random Qwen2.5-0.5B-shaped model (bfloat16, dummy weights):
    time (compiles included), tokens/s and peak RSS, each run in a fresh process. The native
    attention cannot run the default setting (part 1 prints the scratch its prefill needs there),
    so compare it with a context_length the batch fits in.
+3. The paged attention's two KV layouts (``head_major``: each KV head's rows gathered apart,
+   what the engine runs where :func:`rollout.engine.attention.runs_head_major_dots` says so;
+   slot rows, what it runs elsewhere), ``paged_attention`` jitted alone on one bfloat16 layer
+   of the 0.5B shape: a decode of ``decode_rows`` requests at each of ``layout_contexts`` keys,
+   and a prefill chunk of 32 prompts x 64 tokens; median of 15 calls each.
 """
 
 from __future__ import annotations
@@ -29,10 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import PeakRss, gib
+import jax
+import jax.numpy as jnp
+
+from bench.common import PeakRss, gib, median_seconds
 from models import TinyModelSpec
 from rollout import RolloutWorker, WorkerConfig
-from rollout.engine import patches
+from rollout.engine import attention, patches
 
 # Qwen2.5-0.5B: hidden 896, intermediate 4864, 24 layers, 14 heads, 2 KV heads, head_dim 64,
 # vocab 151936, tied embeddings, 32768 positions.
@@ -63,6 +72,9 @@ class AttentionBenchConfig:
     n: int = 4
     new_tokens: int = 128
     max_total_tokens: int = 32768
+    layouts: bool = True
+    layout_rows: int = 64
+    layout_contexts: tuple[int, ...] = (96, 512, 1024)
 
 
 def qwen25_05b_dir(root: Path, layers: int) -> Path:
@@ -163,6 +175,39 @@ def rollouts(model_dir: Path, config: AttentionBenchConfig) -> None:
                   f"{result['completions'] == paged['completions']}")
 
 
+def layout_seconds(head_major: bool, rows: int, tokens_per_row: int, context: int) -> float:
+    """One bfloat16 layer of the 0.5B shape: ``rows`` requests of ``context`` keys each, the
+    last ``tokens_per_row`` of them new (1: a decode step), their slots spread over the pool."""
+    heads, kv_heads = QWEN25_05B_SHAPE["num_attention_heads"], QWEN25_05B_SHAPE["num_key_value_heads"]
+    key_q, key_kv, key_slots = jax.random.split(jax.random.key(0), 3)
+    slots = rows * context
+    pool = jax.random.normal(key_kv, (slots + 1, 2 * kv_heads, QWEN25_05B_HEAD_DIM), jnp.bfloat16)
+    cache_loc = jax.random.permutation(key_slots, slots).astype(jnp.int32) + 1
+    q = jax.random.normal(key_q, (rows * tokens_per_row, heads * QWEN25_05B_HEAD_DIM), jnp.bfloat16)
+    seq_lens = jnp.full((rows,), context, jnp.int32)
+    extend = () if tokens_per_row == 1 else (seq_lens - tokens_per_row, jnp.full((rows,), tokens_per_row, jnp.int32))
+    attend = jax.jit(lambda *args: attention.paged_attention(
+        *args, num_heads=heads, num_kv_heads=kv_heads, scale=QWEN25_05B_HEAD_DIM**-0.5, head_major=head_major))
+    run = lambda: jax.block_until_ready(attend(q, pool, cache_loc, seq_lens, *extend))  # noqa: E731
+    run()
+    return median_seconds(run, 15)
+
+
+def layouts(config: AttentionBenchConfig) -> None:
+    platform = jax.default_backend()
+    print(f"\nKV layouts, one bfloat16 layer, paged_attention jitted alone (median of 15 calls), {platform}:")
+    if not attention.runs_head_major_dots(platform, "bfloat16"):
+        print("  head-major: this backend cannot run its bfloat16 batched dots (the engine gathers slot rows)")
+        return
+    cases = [(f"decode {config.layout_rows} rows x {c} keys", config.layout_rows, 1, c) for c in config.layout_contexts]
+    cases.append(("prefill 32 prompts x 64 tokens", 32, 64, 64))
+    for label, rows, tokens, context in cases:
+        head_major = layout_seconds(True, rows, tokens, context)
+        slot_rows = layout_seconds(False, rows, tokens, context)
+        print(f"  {label:<32} head-major {head_major * 1e3:7.2f} ms  slot rows {slot_rows * 1e3:7.2f} ms  "
+              f"x{slot_rows / head_major:.2f}", flush=True)
+
+
 def main(config: AttentionBenchConfig) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = qwen25_05b_dir(Path(tmp), config.layers)
@@ -171,6 +216,8 @@ def main(config: AttentionBenchConfig) -> None:
             memory_analysis(model_dir, config)
         if config.rollouts:
             rollouts(model_dir, config)
+    if config.layouts:
+        layouts(config)
 
 
 def parse_args() -> AttentionBenchConfig:
@@ -186,7 +233,11 @@ def parse_args() -> AttentionBenchConfig:
     parser.add_argument("--n", type=int, default=defaults.n)
     parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
     parser.add_argument("--max-total-tokens", type=int, default=defaults.max_total_tokens)
+    parser.add_argument("--no-layouts", dest="layouts", action="store_false")
+    parser.add_argument("--layout-rows", type=int, default=defaults.layout_rows)
+    parser.add_argument("--layout-contexts", default=",".join(map(str, defaults.layout_contexts)))
     args = vars(parser.parse_args())
+    args["layout_contexts"] = tuple(int(c) for c in args["layout_contexts"].split(","))
     args["settings"] = tuple(tuple(int(x) for x in pair.split("x")) for pair in args["settings"].split(","))
     args["rollouts"] = tuple(run for run in args["rollouts"].split(",") if run)
     return AttentionBenchConfig(**args)
