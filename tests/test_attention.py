@@ -141,6 +141,25 @@ def test_the_head_major_probe_says_whether_a_bfloat16_pool_runs_head_major():
     assert attention.runs_head_major_dots(jax.default_backend(), "float32")
 
 
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
+def test_tensor_parallel_attention_keeps_each_devices_kv_heads(head_major):
+    """With the pool sharded over KV heads as the engine shards it (and q over heads), the
+    compiled attention moves no KV between devices: no collective at all. Flattening the heads
+    into the gathered rows made XLA all-gather the pool every layer."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tensor",))
+    spec = jax.sharding.PartitionSpec
+    heads_sharded, replicated = jax.NamedSharding(mesh, spec(None, "tensor")), jax.NamedSharding(mesh, spec())
+    kv = jax.ShapeDtypeStruct((256, 2 * KV_HEADS, HEAD_DIM), jnp.float32, sharding=heads_sharded)
+    cache_loc = jax.ShapeDtypeStruct((96,), jnp.int32, sharding=replicated)
+    lens = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=replicated)
+    fn = jax.jit(lambda *args: paged_attention(*args, num_heads=HEADS, num_kv_heads=KV_HEADS, scale=1.0, head_major=head_major))
+    for tokens, extend in ((4, ()), (8, (lens, lens))):
+        q = jax.ShapeDtypeStruct((tokens, HEADS, HEAD_DIM), jnp.float32, sharding=heads_sharded)
+        hlo = fn.lower(q, kv, cache_loc, lens, *extend).compile().as_text()
+        collectives = [op for op in ("all-gather", "all-to-all", "all-reduce", "collective-permute") if op in hlo]
+        assert not collectives, (extend and "extend" or "decode", collectives)
+
+
 def temp_bytes(num_tokens, max_requests, context_length, decode):
     """XLA's scratch bytes for one compiled paged attention call at the engine's padded shapes."""
     shapes = [
