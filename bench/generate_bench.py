@@ -248,6 +248,7 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
     out_loc = jnp.arange(rows, dtype=jnp.int32) * seq + seq
     seq_lens = jnp.full((rows,), seq, jnp.int32)
     view = workarounds.workaround_enabled("kv-pool-conversions") and attention.converts_16bit_rows(jax.default_backend())
+    head_major = attention.runs_head_major_dots(jax.default_backend(), "bfloat16")  # as the engine chooses
 
     def attend(pool, q, kv_new):
         outs, new_pool = [], []
@@ -256,7 +257,7 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
             new_pool.append(layer)
             outs.append(attention.paged_attention(
                 q, layer, cache_loc, seq_lens, num_heads=heads, num_kv_heads=kv_heads, scale=head_dim**-0.5,
-                integer_view=view))
+                integer_view=view, head_major=head_major))
         return outs, new_pool
 
     # The weights are arguments: closed over, they would be compiled in as constants (GBs at 3B).

@@ -79,13 +79,17 @@ def test_extend_matches_dense_reference(page_size, causal, q_block, kv_chunk, he
     np.testing.assert_array_equal(got[real:], 0.0)
 
 
+@pytest.mark.parametrize("integer_view", [False, True], ids=["", "integer-view"])
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_decode_matches_dense_reference(page_size, head_major):
+def test_decode_matches_dense_reference(page_size, head_major, integer_view):
     rng = np.random.default_rng(1)
     _, kv, cache_loc, seq_lens, _, _ = ragged_batch(rng, [6, 1, 13, 0, 0], [1, 1, 1, 0, 0], page_size)
     q = rng.standard_normal((len(seq_lens), HEADS, HEAD_DIM)).astype(np.float32)
-    got = attend(q, kv, cache_loc, seq_lens, scale=0.5, page_size=page_size, decode_kv_chunk=4, head_major=head_major)
+    got = attend(
+        q, kv, cache_loc, seq_lens, scale=0.5, page_size=page_size, decode_kv_chunk=4, head_major=head_major,
+        integer_view=integer_view,
+    )
     # A decode token is an extend of one token after seq_len - 1 cached ones.
     ones = (seq_lens > 0).astype(np.int32)
     want = dense_reference(q, kv, cache_loc, seq_lens, seq_lens - ones, ones, 0.5, page_size)
@@ -121,24 +125,60 @@ def test_matches_engine_native_attention():
 
 def test_the_head_major_probe_says_whether_a_bfloat16_pool_runs_head_major():
     """Where the probe says yes, a bfloat16 pool's decode and extend give the slot-row layout's
-    results head-major; where it says no (XLA CPU in jax 0.8), one of them does fail, and the
+    results head-major, at these shapes and at the Qwen2.5-0.5B layer's (14 heads, 2 KV heads,
+    head_dim 64); where it says no (XLA CPU in jax 0.8), the head-major call does fail, and the
     engine gathers slot rows."""
+    platform = jax.default_backend()
     rng = np.random.default_rng(3)
     q, kv, cache_loc, seq_lens, prefix_lens, extend_lens = ragged_batch(rng, [0, 5, 3], [7, 4, 9])
     q, kv = (np.asarray(jnp.asarray(x, jnp.bfloat16)) for x in (q, kv))
+    layer_q = jnp.ones((3, 14 * 64), jnp.bfloat16)
+    layer_kv = jnp.asarray(rng.standard_normal((256, 4, 64)), jnp.bfloat16)
 
     def decode_and_extend(head_major):
         decode = attend(q[: len(seq_lens)], kv, cache_loc, seq_lens, scale=0.3, head_major=head_major)
         extend = attend(q, kv, cache_loc, seq_lens, prefix_lens, extend_lens, scale=0.3, head_major=head_major)
-        return np.concatenate([decode, extend]).astype(np.float32)
+        layer = jax.jit(lambda *args: paged_attention(*args, num_heads=14, num_kv_heads=2, scale=0.125, head_major=head_major))
+        layer_decode = np.asarray(layer(layer_q, layer_kv, cache_loc, seq_lens)).reshape(-1, HEADS * HEAD_DIM)
+        return np.concatenate([decode, extend, layer_decode]).astype(np.float32)
 
-    if attention.runs_head_major_dots(jax.default_backend(), "bfloat16"):
+    if attention.runs_head_major_dots(platform, "bfloat16"):
         np.testing.assert_allclose(decode_and_extend(True), decode_and_extend(False), rtol=1e-2, atol=1e-2)
     else:
         with pytest.raises(jax.errors.JaxRuntimeError, match="DotThunk"):
             decode_and_extend(True)
         decode_and_extend(False)
-    assert attention.runs_head_major_dots(jax.default_backend(), "float32")
+    assert attention.runs_head_major_dots(platform, "float32")
+
+
+def test_probes_answer_the_same_under_a_mesh_and_inside_a_trace():
+    """The engine first asks while it traces its forward under its mesh (here: 2 devices
+    without device 0); the probes must run, not raise or be staged into that trace."""
+    probes = (attention.runs_head_major_dots, attention.converts_16bit_rows)
+    platform = jax.default_backend()
+    answers = (attention.runs_head_major_dots(platform, "bfloat16"), attention.converts_16bit_rows(platform))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[1:3]), ("tensor",))
+    ask = lambda: (attention.runs_head_major_dots(platform, "bfloat16"), attention.converts_16bit_rows(platform))  # noqa: E731
+    seen = []
+
+    @jax.jit
+    def traced(x):
+        seen.append(ask())
+        return x
+
+    try:
+        for probe in probes:
+            probe.cache_clear()
+        with jax.set_mesh(mesh):
+            seen.append(ask())
+        for probe in probes:
+            probe.cache_clear()
+        with jax.set_mesh(mesh):
+            traced(jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    finally:
+        for probe in probes:
+            probe.cache_clear()
+    assert seen == [answers, answers]
 
 
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
@@ -157,7 +197,7 @@ def test_tensor_parallel_attention_keeps_each_devices_kv_heads(head_major):
         q = jax.ShapeDtypeStruct((tokens, HEADS, HEAD_DIM), jnp.float32, sharding=heads_sharded)
         hlo = fn.lower(q, kv, cache_loc, lens, *extend).compile().as_text()
         collectives = [op for op in ("all-gather", "all-to-all", "all-reduce", "collective-permute") if op in hlo]
-        assert not collectives, (extend and "extend" or "decode", collectives)
+        assert not collectives, ("extend" if extend else "decode", collectives)
 
 
 def temp_bytes(num_tokens, max_requests, context_length, decode):

@@ -16,19 +16,23 @@ whole pool around each of them every forward, they go through a same-width unsig
 view instead (bit-identical); where it does not (jax 0.12, TPU, GPU) the view would only add a
 copy, so it is not used. Which holds is probed once per platform (:func:`converts_16bit_rows`).
 
-Each KV head's rows are gathered apart (``head_major``), so both einsums find their operands in
-the layout of a batched dot, with no transposed copy of the gathered K and V per chunk. Where
-the backend cannot run that batched dot on 16-bit floats (XLA's CPU backend in jax 0.8), rows of
-whole slots are gathered instead; :func:`runs_head_major_dots` probes it once per platform
-and dtype.
+With ``head_major`` each KV head's rows are gathered apart, so both einsums find their operands
+in the layout of a batched dot, with no transposed copy of the gathered K and V per chunk. The
+engine uses it where the backend runs those batched dots on the pool's dtype (XLA's CPU backend
+in jax 0.8 cannot on 16-bit floats), probed once per platform and dtype
+(:func:`runs_head_major_dots`); otherwise, and by default, rows of whole slots are gathered.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
 
 # Query tokens per block in prefill/extend: a block gathers one KV chunk for all its tokens.
 DEFAULT_Q_BLOCK = 64
@@ -45,11 +49,22 @@ DEFAULT_DECODE_KV_CHUNK = 128
 _MASKED = -1e30
 
 
+def _probe(fn, *args):
+    """``fn(*args)`` on a thread of its own: the engine asks while it traces its forward, under
+    its mesh, and both are per-thread state that would stage the probe into that trace and
+    reject its one-device arguments."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn, *args).result()
+
+
 @functools.cache
 def converts_16bit_rows(platform: str) -> bool:
     """Whether XLA on ``platform`` computes a bfloat16 row scatter in float32 (a convert of the
     whole table), read from the optimized HLO of a small one."""
-    device = jax.local_devices(backend=platform)[0]
+    return _probe(_scatter_converts, jax.local_devices(backend=platform)[0])
+
+
+def _scatter_converts(device) -> bool:
     table = jax.device_put(jnp.zeros((64, 8), jnp.bfloat16), device)
     rows = jax.device_put(jnp.ones((2, 8), jnp.bfloat16), device)
     index = jax.device_put(jnp.array([3, 5]), device)
@@ -62,11 +77,13 @@ def runs_head_major_dots(platform: str, dtype: str) -> bool:
     """Whether ``platform`` runs the head-major attention on a ``dtype`` KV pool. XLA's CPU
     backend in jax 0.8 compiles its batched dots on bfloat16 operands (float32 output) and then
     fails at run time (``UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x
-    BF16 = F32``) wherever the batch has more than one KV head, so the probe runs a decode and
-    an extend of two KV heads."""
-    # Run now, also when first asked while the engine's forward is being traced.
-    with jax.ensure_compile_time_eval():
-        return _head_major_call_runs(jax.local_devices(backend=platform)[0], dtype)
+    BF16 = F32``) where a batch has more than one KV head (seen at 2 KV heads, head_dim 8 and
+    64), so the probe runs a decode and an extend of two KV heads. Only that UNIMPLEMENTED
+    error means no: any other error is raised."""
+    runs = _probe(_head_major_call_runs, jax.local_devices(backend=platform)[0], dtype)
+    if not runs:
+        logger.info("%s cannot run the head-major attention's dots on %s: KV rows are gathered per slot", platform, dtype)
+    return runs
 
 
 def _head_major_call_runs(device, dtype: str) -> bool:
@@ -88,7 +105,9 @@ def _head_major_call_runs(device, dtype: str) -> bool:
 
     try:
         jax.block_until_ready(jax.jit(decode_and_extend)(q, pool, cache_loc, seq_lens, lens))
-    except jax.errors.JaxRuntimeError:
+    except jax.errors.JaxRuntimeError as error:
+        if "UNIMPLEMENTED" not in str(error):
+            raise
         return False
     return True
 
@@ -130,7 +149,7 @@ def paged_attention(
     kv_chunk: int = DEFAULT_KV_CHUNK,
     decode_kv_chunk: int = DEFAULT_DECODE_KV_CHUNK,
     integer_view: bool = False,
-    head_major: bool = True,
+    head_major: bool = False,
 ) -> jax.Array:
     """Attention of each query token to its own request's cached keys and values.
 
@@ -159,10 +178,11 @@ def paged_attention(
     q = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     if head_major:
         # One row per slot and KV head (its K then its V): the rows of each head come out
-        # [blocks, kv_heads, kv_chunk, ...], the batched dots' layout (1.5-2x faster decode
-        # attention on XLA CPU, jax 0.12). A vmap over the KV-head axis keeps it an axis of its
-        # own, which tensor parallelism shards: rows of flattened heads made XLA all-gather the
-        # pool.
+        # [blocks, kv_heads, kv_chunk, ...], the batched dots' layout (XLA CPU, jax 0.12, one
+        # bf16 layer: decode 1.1-1.8x faster at 512-1024 keys, about even at ~100 keys and in
+        # prefill). A vmap over the KV-head axis keeps it an axis of its own, which tensor
+        # parallelism shards: one row per (slot, head) pair, indexed slot * kv_heads + head,
+        # made XLA all-gather the pool every layer.
         kv_rows = kv_fused.reshape(kv_fused.shape[0], num_kv_heads, 2 * head_dim)
         gather_heads = jax.vmap(functools.partial(take_rows, integer_view=integer_view), in_axes=(1, None), out_axes=1)
     else:
