@@ -181,6 +181,28 @@ def test_probes_answer_the_same_under_a_mesh_and_inside_a_trace():
     assert seen == [answers, answers]
 
 
+def test_only_an_unimplemented_error_makes_the_probe_say_no(monkeypatch):
+    """A backend that cannot run the dots says no; any other failure (out of memory, a bug) is
+    raised, not cached as a permanent slow path."""
+    failure = {}
+
+    def failing(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(failure["message"])
+
+    monkeypatch.setattr(attention, "paged_attention", failing)
+    try:
+        for message, says_no in (("UNIMPLEMENTED: no such dot", True), ("RESOURCE_EXHAUSTED: out of memory", False)):
+            failure["message"] = message
+            attention.runs_head_major_dots.cache_clear()
+            if says_no:
+                assert attention.runs_head_major_dots(jax.default_backend(), "float32") is False
+            else:
+                with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+                    attention.runs_head_major_dots(jax.default_backend(), "float32")
+    finally:
+        attention.runs_head_major_dots.cache_clear()
+
+
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
 def test_tensor_parallel_attention_keeps_each_devices_kv_heads(head_major):
     """With the pool sharded over KV heads as the engine shards it (and q over heads), the

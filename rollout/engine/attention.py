@@ -78,8 +78,8 @@ def runs_head_major_dots(platform: str, dtype: str) -> bool:
     backend in jax 0.8 compiles its batched dots on bfloat16 operands (float32 output) and then
     fails at run time (``UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x
     BF16 = F32``) where a batch has more than one KV head (seen at 2 KV heads, head_dim 8 and
-    64), so the probe runs a decode and an extend of two KV heads. Only that UNIMPLEMENTED
-    error means no: any other error is raised."""
+    64), so the probe runs a decode and an extend of two KV heads. An UNIMPLEMENTED error
+    means no; any other error is raised."""
     runs = _probe(_head_major_call_runs, jax.local_devices(backend=platform)[0], dtype)
     if not runs:
         logger.info("%s cannot run the head-major attention's dots on %s: KV rows are gathered per slot", platform, dtype)
@@ -181,8 +181,8 @@ def paged_attention(
         # [blocks, kv_heads, kv_chunk, ...], the batched dots' layout (XLA CPU, jax 0.12, one
         # bf16 layer: decode 1.1-1.8x faster at 512-1024 keys, about even at ~100 keys and in
         # prefill). A vmap over the KV-head axis keeps it an axis of its own, which tensor
-        # parallelism shards: one row per (slot, head) pair, indexed slot * kv_heads + head,
-        # made XLA all-gather the pool every layer.
+        # parallelism shards; flattening the heads into the rows instead (row slot * kv_heads
+        # + head) made XLA all-gather the pool every layer.
         kv_rows = kv_fused.reshape(kv_fused.shape[0], num_kv_heads, 2 * head_dim)
         gather_heads = jax.vmap(functools.partial(take_rows, integer_view=integer_view), in_axes=(1, None), out_axes=1)
     else:
