@@ -324,9 +324,18 @@ def generate_twice(model_dir, tp_size, baseline):
     [("qwen2_dir", 2), ("qwen2_untied_dir", 1), ("qwen3_dir", 2)],
     ids=["qwen2-tied-bias-gqa-tp2", "qwen2-untied-tp1", "qwen3-qknorm-mha-tp2"],
 )
-def test_engine_greedy_tokens_and_logits_match_native_attention(request, model_fixture, tp_size):
+def test_engine_greedy_tokens_and_logits_match_native_attention(request, monkeypatch, model_fixture, tp_size):
     model_dir = request.getfixturevalue(model_fixture)
+    layouts = []
+
+    def recording_layout(*args, head_major, **kwargs):
+        layouts.append(head_major)
+        return paged_attention(*args, head_major=head_major, **kwargs)
+
+    monkeypatch.setattr(patches, "paged_attention", recording_layout)
     calls = generate_twice(model_dir, tp_size, baseline=False)
+    # The engine gathers in the layout the probe chose for its float32 pool.
+    assert layouts and set(layouts) == {attention.runs_head_major_dots(jax.default_backend(), "float32")}
     want_calls = generate_twice(model_dir, tp_size, baseline=True)
     for (completions, logits, _), (want_completions, want_logits, _) in zip(calls, want_calls):
         assert completions == want_completions
