@@ -154,11 +154,15 @@ def test_the_head_major_probe_says_whether_a_bfloat16_pool_runs_head_major():
 def test_probes_answer_the_same_under_a_mesh_and_inside_a_trace():
     """The engine first asks while it traces its forward under its mesh (here: 2 devices
     without device 0); the probes must run, not raise or be staged into that trace."""
-    probes = (attention.runs_head_major_dots, attention.converts_16bit_rows)
     platform = jax.default_backend()
-    answers = (attention.runs_head_major_dots(platform, "bfloat16"), attention.converts_16bit_rows(platform))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[1:3]), ("tensor",))
     ask = lambda: (attention.runs_head_major_dots(platform, "bfloat16"), attention.converts_16bit_rows(platform))  # noqa: E731
+
+    def clear():
+        attention.runs_head_major_dots.cache_clear()
+        attention.converts_16bit_rows.cache_clear()
+
+    answers = ask()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[1:3]), ("tensor",))
     seen = []
 
     @jax.jit
@@ -167,17 +171,14 @@ def test_probes_answer_the_same_under_a_mesh_and_inside_a_trace():
         return x
 
     try:
-        for probe in probes:
-            probe.cache_clear()
+        clear()
         with jax.set_mesh(mesh):
             seen.append(ask())
-        for probe in probes:
-            probe.cache_clear()
+        clear()
         with jax.set_mesh(mesh):
             traced(jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, jax.sharding.PartitionSpec())))
     finally:
-        for probe in probes:
-            probe.cache_clear()
+        clear()
     assert seen == [answers, answers]
 
 
