@@ -1,7 +1,7 @@
 """Generation speed against the hardware's bound, with a per-step time split.
 
     JAX_PLATFORMS=cpu python -m bench.generate_bench [--shapes 0.5b,1.5b] [--layers 6,4]
-        [--variants new,baseline] [--batches decode,prefill] [--repeats 1] [--dummy-weights]
+        [--variants new,baseline] [--batches decode,prefill,padded] [--repeats 1] [--dummy-weights]
 
 For each model shape (Qwen2.5-0.5B, -1.5B or -3B, some of their layers, bfloat16; the engine boots
 with ``load_format="dummy"`` and then serves random weights through ``load_hf``, or with
@@ -12,7 +12,9 @@ for in the time at hand: the speed is the same, the tokens are not comparable):
    ``ignore_eos``: new tokens per second) and a prefill-heavy one (8 prompts x 512 tokens, one
    new token: prompt tokens per second), median of ``repeats`` calls after a warm-up call at
    the same shapes, on an engine that precompiled its extend and decode shapes at start-up
-   (XLA compilations inside the timed calls, if any, are printed).
+   (XLA compilations inside the timed calls, if any, are printed). ``--batches padded``: the
+   decode-heavy batch with 15 prompts (60 rows, which the engine pads to its 64-row decode
+   batch, as it pads every decode batch once some rows have stopped).
 2. The bound, measured in the same process on the same device: the batch's matmuls (every
    linear layer, the tied LM head on the rows that get logits) as plain jitted bfloat16 matmuls
    of the same shapes, step by step as the engine runs them (prefill chunks of
@@ -70,7 +72,7 @@ from rollout.engine import attention, patches, profile_steps, workarounds
 # name: (HF shape, head_dim)
 SHAPES = {"0.5b": (QWEN25_05B_SHAPE, QWEN25_05B_HEAD_DIM), "1.5b": (QWEN25_15B_SHAPE, 128), "3b": (QWEN25_3B_SHAPE, 128)}
 # The workarounds this bench's baseline variant switches off.
-SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions", "bf16-logits")
+SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions", "bf16-logits", "padded-rows-greedy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +81,24 @@ class Batch:
     prompt_tokens: int
     n: int
     new_tokens: int
+    label: str
 
     @property
     def rows(self) -> int:
         return self.prompts * self.n
 
+    @property
+    def decodes(self) -> bool:
+        return self.new_tokens > 1
 
-BATCHES = {"decode": Batch(16, 64, 4, 64), "prefill": Batch(8, 512, 1, 1)}
+
+# "padded": the decode-heavy batch with 60 rows, which the engine pads to its 64-row decode
+# batch, as it pads every batch once some of its rows have stopped (and every extend batch).
+BATCHES = {
+    "decode": Batch(16, 64, 4, 64, "decode-heavy"),
+    "prefill": Batch(8, 512, 1, 1, "prefill-heavy"),
+    "padded": Batch(15, 64, 4, 64, "decode-heavy, padded"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,11 +369,9 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                     "unordered_ratio": statistics.median(c / b for c, b in zip(calls, unordered)),
                     "decode_matmuls": statistics.median(decodes), "compiles": compiles.value,
                 }
-                mode = "decode" if name == "decode" else "extend"
-                steps = times.steps[mode]
-                entry["step"] = times.mean_step_s(mode)
-                entry["engine_forward"] = times.forward_s[mode] / steps
-                entry["engine_sampler"] = times.sample_s[mode] / steps
+                split = times.split("decode" if batch.decodes else "extend")
+                entry["steps"], entry["step"] = split.steps, split.wall_s
+                entry["engine_forward"], entry["engine_sampler"] = split.forward_s, split.sample_s
                 result[name] = entry
         result["peak_rss"] = rss.peak
     print(json.dumps(result), flush=True)  # the generate figures, should the split's part fail
@@ -405,13 +416,13 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
     load = " ".join(f"{x:.1f}" for x in r["uptime"])
     print(f"\n{shape} shape, {layers} layers, bf16, {variant}: load average {load} "
           f"(after: {r['uptime_after'][0]:.1f}), peak RSS {gib(r['peak_rss'])}")
-    for name in ("decode", "prefill"):
+    for name, b in BATCHES.items():
         if name not in r:
             continue
-        b, e = BATCHES[name], r[name]
-        counted = b.rows * b.new_tokens if name == "decode" else b.rows * b.prompt_tokens
-        what = "new tokens/s" if name == "decode" else "prompt tokens/s"
-        print(f"  {name}-heavy ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
+        e = r[name]
+        counted = b.rows * b.new_tokens if b.decodes else b.rows * b.prompt_tokens
+        what = "new tokens/s" if b.decodes else "prompt tokens/s"
+        print(f"  {b.label} ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
               f"{e['seconds']:.2f} s, {counted / e['seconds']:.1f} {what}; matmul bound {e['bound']:.2f} s "
               f"({counted / e['bound']:.1f} {what}): x{e['ratio']:.2f} the bound (median of the per-call ratios; "
               f"of the medians x{e['seconds'] / e['bound']:.2f}); the same matmuls unordered "
@@ -419,7 +430,7 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
               + (f"; {e['compiles']} XLA compilations in the timed calls" if e["compiles"] else ""))
         step, forward, sampler = e["step"], e["engine_forward"], e["engine_sampler"]
         host = step - forward - sampler
-        print(f"    engine profile per {name} step: {step * 1e3:.1f} ms: forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
+        print(f"    engine profile per {name} step ({e['steps']} steps): {step * 1e3:.1f} ms: forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
               f"sampler {sampler * 1e3:.1f} ms ({sampler / step:.0%}), host {host * 1e3:.1f} ms ({host / step:.0%})")
         if name == "decode":
             print(f"    decode step matmuls {e['decode_matmuls'] * 1e3:.1f} ms (measured step x{step / e['decode_matmuls']:.2f}), "
@@ -452,7 +463,7 @@ def main(config: GenerateBenchConfig) -> None:
         if {"new", "baseline"} <= results.keys():
             for name in config.batches:
                 ratio = results["baseline"][name]["seconds"] / results["new"][name]["seconds"]
-                print(f"  {shape} {name}-heavy: new x{ratio:.2f} faster than baseline")
+                print(f"  {shape} {BATCHES[name].label}: new x{ratio:.2f} faster than baseline")
 
 
 def parse_args():

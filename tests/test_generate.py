@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker, SamplingParams
+from rollout.engine import StepTimes, profile_steps
+from rollout.engine.profile import Step
 from tests.helpers import tiny_worker_config
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
@@ -244,3 +246,23 @@ def test_eos_stop_keeps_the_eos_token(worker):
     assert all(len(c) == 48 for c in full.completions)
     for short, long in zip(batch.completions, full.completions):
         assert long[: len(short)] == short
+
+
+def test_step_split_takes_every_part_over_the_same_steps():
+    """A step's wall time ends at the next forward's start, so the last step has none: its
+    forward and sampler must be left out of the means too (the prefill-heavy split once
+    reported a negative host time)."""
+    times = StepTimes([Step("extend", 0.0, 0.5, 0.1), Step("extend", 1.0, 0.9, 0.1), Step("decode", 2.0, 0.2, 0.1)])
+    extend = times.split("extend")
+    assert (extend.steps, extend.wall_s) == (2, 1.0)
+    assert extend.forward_s == pytest.approx(0.7) and extend.host_s == pytest.approx(0.2)
+    assert times.split("decode") is None and times.count("decode") == 1
+
+
+def test_profile_steps_splits_the_engines_steps(worker):
+    with profile_steps() as times:
+        worker.generate(PROMPTS, temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    decode = times.split("decode")
+    # One extend step (the three prompts), five decode steps, the last with no wall time.
+    assert times.count("extend") >= 1 and decode.steps == times.count("decode") - 1 >= 4
+    assert 0 < decode.forward_s and 0 < decode.sample_s and decode.host_s > 0

@@ -95,6 +95,29 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely(worker, probs):
     check(sampled_frequencies(worker, len(p), min_p=min_p), order, np.where(ratio >= min_p, p, 0.0))
 
 
+def test_padding_rows_are_neither_greedy_nor_filtering(worker, monkeypatch):
+    """The engine pads a batch's rows up to its padded size (extend batches to the largest, decode
+    batches to the next size). Padded as greedy, they made every such batch take the sampler's
+    argmax pass; the real rows must keep their own top-k."""
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+
+    seen = []
+    sample = ModelRunner.sample
+
+    def recording(self, logits_output, sampling_metadata, positions):
+        seen.append(np.asarray(sampling_metadata.top_ks))
+        return sample(self, logits_output, sampling_metadata, positions)
+
+    monkeypatch.setattr(ModelRunner, "sample", recording)
+    prompts = [[5, 17, 42], [8, 100, 3], [9, 9, 2]]
+    worker.generate(prompts, temperature=1.0, top_k=5, max_new_tokens=3, ignore_eos=True)
+    assert any(len(top_ks) > len(prompts) for top_ks in seen), "no padded batch was sampled"
+    whole_vocabulary = 1 << 30  # sglang-jax's TOP_K_ALL
+    for top_ks in seen:
+        np.testing.assert_array_equal(top_ks[: len(prompts)], 5)
+        np.testing.assert_array_equal(top_ks[len(prompts):], whole_vocabulary)
+
+
 @pytest.mark.parametrize("vocab", [7, 1500])
 def test_inverse_cdf_draw_gives_each_token_its_probability(vocab):
     """Stratified quantiles (i + 0.5) / N land on each token N x p times, +-1: the exact

@@ -5,12 +5,12 @@ this process while it is open, each until its outputs are ready, by forward mode
 ``extend``), and each step's wall time (from its forward's start to the next forward's start,
 all the scheduler's host work included). The engine already waits for the sampled ids at the
 end of each step, so waiting for the forward's outputs too hides no work: the host's share of a
-step is what remains of its wall time. Process-wide and meant for benchmarks (``bench.generate_bench``), not for serving.
+step is what remains of its wall time. Process-wide, for one engine at a time (several engines'
+steps would interleave), and meant for benchmarks (``bench.generate_bench``), not for serving.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import threading
@@ -22,19 +22,49 @@ from .patches import install_workarounds
 
 
 @dataclasses.dataclass
+class Step:
+    mode: str  # "decode" or "extend"
+    start: float  # perf_counter at its forward's start
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSplit:
+    """Mean seconds per step of one mode, over the same steps for every part."""
+
+    steps: int
+    wall_s: float
+    forward_s: float
+    sample_s: float
+
+    @property
+    def host_s(self) -> float:
+        return self.wall_s - self.forward_s - self.sample_s
+
+
+@dataclasses.dataclass
 class StepTimes:
-    """Seconds and counts per forward mode, summed over the steps seen."""
+    """Every step seen, in order."""
 
-    forward_s: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
-    sample_s: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
-    steps: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
-    # (mode, forward start) of every step in order, for the wall times
-    starts: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    steps: list[Step] = dataclasses.field(default_factory=list)
 
-    def mean_step_s(self, mode: str) -> float:
-        """Mean wall seconds of the ``mode`` steps followed by another step (NaN if none)."""
-        walls = [b[1] - a[1] for a, b in zip(self.starts, self.starts[1:]) if a[0] == mode]
-        return sum(walls) / len(walls) if walls else float("nan")
+    def count(self, mode: str) -> int:
+        return sum(step.mode == mode for step in self.steps)
+
+    def split(self, mode: str) -> StepSplit | None:
+        """Means over the ``mode`` steps followed by another step (a step's wall time ends at the
+        next forward's start; the last step has none), or None if there is no such step."""
+        timed = [(a, b.start - a.start) for a, b in zip(self.steps, self.steps[1:]) if a.mode == mode]
+        if not timed:
+            return None
+        n = len(timed)
+        return StepSplit(
+            steps=n,
+            wall_s=sum(wall for _, wall in timed) / n,
+            forward_s=sum(step.forward_s for step, _ in timed) / n,
+            sample_s=sum(step.sample_s for step, _ in timed) / n,
+        )
 
 
 _profile_lock = threading.RLock()  # nested profiles on one thread wrap each other
@@ -49,21 +79,22 @@ def profile_steps():
     times = StepTimes()
     with _profile_lock:
         forward, sample = ModelRunner.forward, ModelRunner.sample
-        modes = threading.local()
+        steps = threading.local()  # each engine's scheduler thread: its step in progress
 
         def timed_forward(self, forward_batch, *args, **kwargs):
-            modes.current = "decode" if forward_batch.forward_mode.is_decode() else "extend"
-            start = time.perf_counter()
-            times.starts.append((modes.current, start))
+            mode = "decode" if forward_batch.forward_mode.is_decode() else "extend"
+            steps.current = step = Step(mode, time.perf_counter())
+            times.steps.append(step)
             out = jax.block_until_ready(forward(self, forward_batch, *args, **kwargs))
-            times.forward_s[modes.current] += time.perf_counter() - start
-            times.steps[modes.current] += 1
+            step.forward_s = time.perf_counter() - step.start
             return out
 
         def timed_sample(self, *args, **kwargs):
             start = time.perf_counter()
             out = jax.block_until_ready(sample(self, *args, **kwargs))
-            times.sample_s[getattr(modes, "current", "decode")] += time.perf_counter() - start
+            step = getattr(steps, "current", None)
+            if step is not None:
+                step.sample_s += time.perf_counter() - start
             return out
 
         ModelRunner.forward, ModelRunner.sample = timed_forward, timed_sample
