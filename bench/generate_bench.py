@@ -40,7 +40,8 @@ and transformers; same model dir, bfloat16, on the GPU when torch sees one), the
 user makes first.
 
 ``--variants baseline`` runs the same figures with ``ROLLOUT_DISABLE_WORKAROUNDS`` naming the
-speed workarounds (``SPEED_WORKAROUNDS``), each variant and shape in a fresh process.
+speed workarounds (``SPEED_WORKAROUNDS``), ``--variants without:NAME`` with that one workaround
+off; each variant and shape in a fresh process.
 """
 
 from __future__ import annotations
@@ -390,6 +391,10 @@ def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig
     env = dict(os.environ)
     if variant == "baseline":
         env[workarounds.DISABLE_ENV] = ",".join(SPEED_WORKAROUNDS)
+    elif variant.startswith("without:"):
+        env[workarounds.DISABLE_ENV] = variant.removeprefix("without:")
+    elif variant != "new":
+        raise ValueError(f"unknown variant {variant!r}: new, baseline or without:WORKAROUND")
     args = [sys.executable, "-m", "bench.generate_bench", "--child", f"{shape}:{layers}",
             "--batches", ",".join(config.batches), "--repeats", str(config.repeats)]
     args += ["--dummy-weights"] if config.dummy_weights else []
@@ -460,10 +465,10 @@ def main(config: GenerateBenchConfig) -> None:
                   f"{torch_seconds:.2f} s, "
                   f"{batch.rows * batch.new_tokens / torch_seconds:.1f} new tokens/s"
                   + "".join(f"; {v} x{torch_seconds / r['decode']['seconds']:.2f} as fast" for v, r in results.items()))
-        if {"new", "baseline"} <= results.keys():
+        for other in sorted(results.keys() - {"new"}) if "new" in results else ():
             for name in config.batches:
-                ratio = results["baseline"][name]["seconds"] / results["new"][name]["seconds"]
-                print(f"  {shape} {BATCHES[name].label}: new x{ratio:.2f} faster than baseline")
+                ratio = results[other][name]["seconds"] / results["new"][name]["seconds"]
+                print(f"  {shape} {BATCHES[name].label}: new x{ratio:.2f} faster than {other}")
 
 
 def parse_args():

@@ -306,13 +306,29 @@ def test_a_failed_start_up_lets_the_process_exit(qwen2_dir, tmp_path):
     gc.collect), so it is reproduced with pytest in a subprocess."""
     (tmp_path / "test_failed_start.py").write_text(FAILED_START)
     env = dict(
-        os.environ, JAX_PLATFORMS="cpu", MODEL_DIR=str(qwen2_dir), PYTHONPATH=str(Path(__file__).parents[1])
+        os.environ, JAX_PLATFORMS="cpu", MODEL_DIR=str(qwen2_dir), PYTHONPATH=str(Path(__file__).parents[1]),
+        PYTHONUNBUFFERED="1",
     )
-    # ~10 s when the process exits; a hang is only ended by this timeout, which its pinning
-    # run (the workaround off) waits out in full.
-    result = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    assert "RuntimeError: Not enough memory (injected)" in result.stdout, result.stdout[-3000:]
-    assert "1 error" in result.stdout
+    lines, summary = [], threading.Event()
+
+    def read():
+        for line in process.stdout:
+            lines.append(line)
+            if "1 error in " in line:  # pytest's last line: the run is over, only the exit is left
+                summary.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert summary.wait(timeout=120), "".join(lines)[-3000:]
+        # The hang came after the summary: the exit is given a bound of its own, so the pinning
+        # run (the workaround off) need not wait out a whole run's timeout.
+        process.wait(timeout=20)
+    finally:
+        process.kill()
+        reader.join(timeout=10)
+    assert "RuntimeError: Not enough memory (injected)" in "".join(lines), "".join(lines)[-3000:]
