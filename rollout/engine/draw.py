@@ -49,17 +49,10 @@ def draw_tokens_and_log_mass(
     block = block_size(vocab)
     full = vocab // block
 
-    def with_argmax():
-        top = jnp.argmax(scores, axis=-1)
-        return top, jnp.take_along_axis(scores, top[:, None], axis=-1)
-
     # The max is taken before the temperature is applied (same order for a positive scale), so
-    # no scaled copy of the rows is stored. An argmax costs XLA's CPU backend ~10x a max: only
-    # batches with greedy rows pay it.
-    has_greedy = jnp.asarray(False) if greedy is None else jnp.any(greedy)
-    top, peak = jax.lax.cond(
-        has_greedy, with_argmax, lambda: (jnp.zeros(rows, jnp.int32), jnp.max(scores, axis=-1, keepdims=True))
-    )
+    # no scaled copy of the rows is stored. The argmax (for greedy rows) comes with it: from
+    # block maxes, both cost about what a plain max does at jax 0.12, and 6x less at 0.8.
+    top, peak = row_argmax_and_max(scores)
 
     def probs(x):
         return jnp.exp((x - peak) * scale)
@@ -95,6 +88,43 @@ def draw_tokens_and_log_mass(
     if greedy is not None:
         tokens = jnp.where(greedy, top, tokens)
     return tokens.astype(jnp.int32), (peak * scale)[:, 0] + jnp.log(ends[:, -1])
+
+
+def row_argmax_and_max(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's ``jnp.argmax`` [N] (int32: its first largest entry, or its first NaN) and
+    ``jnp.max`` [N, 1] of ``scores`` [N, V], from block maxes: the first block holding the
+    row's largest, then that block's own argmax. XLA's CPU backend runs a plain argmax over
+    Qwen's 151936 logits ~15x slower (21 ms against 1.4 ms for 64 rows at jax 0.12)."""
+    rows, vocab = scores.shape
+    block = block_size(vocab)
+    full = vocab // block
+    blocks = scores[:, : full * block].reshape(rows, full, block)
+    block_maxes = _pairwise_block_maxes(blocks)
+    top_block = jnp.argmax(block_maxes, axis=-1)
+    inside = jnp.take_along_axis(blocks, top_block[:, None, None], axis=1)[:, 0]
+    top = top_block * block + jnp.argmax(inside, axis=-1)
+    peak = jnp.take_along_axis(block_maxes, top_block[:, None], axis=-1)
+    if full * block < vocab:  # the ragged last block: taken only where strictly larger, or NaN first
+        tail = scores[:, full * block :]
+        tail_top = full * block + jnp.argmax(tail, axis=-1)
+        tail_peak = jnp.max(tail, axis=-1, keepdims=True)
+        take = (tail_peak > peak) | (jnp.isnan(tail_peak) & ~jnp.isnan(peak))
+        top = jnp.where(take[:, 0], tail_top, top)
+        peak = jnp.where(take, tail_peak, peak)
+    return top.astype(jnp.int32), peak
+
+
+def _pairwise_block_maxes(x: jax.Array) -> jax.Array:
+    """``x.max(-1)`` (NaN if any) for a power-of-two last axis, as halves compared pairwise:
+    elementwise ops that XLA's CPU backend fuses into one pass (a reduction over a short minor
+    axis runs ~20x slower there at jax 0.8)."""
+    size = x.shape[-1]
+    if size & (size - 1):
+        raise ValueError(f"pairwise maxes need a power-of-two axis, got {size}")
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = jnp.maximum(x[..., :half], x[..., half:])
+    return x[..., 0]
 
 
 def _pairwise_block_sums(x: jax.Array) -> jax.Array:

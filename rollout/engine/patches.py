@@ -20,7 +20,7 @@ from jax._src import config as jax_config
 from models import sampled_token_log_probs, sampling_log_probs, table_logits
 
 from .attention import converts_16bit_rows, paged_attention, runs_head_major_dots, set_rows
-from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms
+from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms, row_argmax_and_max
 from .moe import patch_expert_block
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
@@ -119,8 +119,7 @@ def _uniforms(seeds, positions, rng, rows):
 def _greedy_with_logprobs(operands):
     logits, temperatures = operands[:2]
     scaled = logits.astype(jnp.float32) / temperatures.reshape(-1, 1)
-    ids = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
-    peak = jnp.take_along_axis(scaled, ids[:, None], axis=-1)
+    ids, peak = row_argmax_and_max(scaled)
     log_mass = peak[:, 0] + jnp.log(jnp.sum(jnp.exp(scaled - peak), axis=-1))
     return ids, peak[:, 0] - log_mass
 
