@@ -99,23 +99,24 @@ def test_padding_rows_are_neither_greedy_nor_filtering(worker, monkeypatch):
     """The engine pads a batch's rows up to its padded size (extend batches to the largest, decode
     batches to the next size). Padded as greedy, they made every such batch take the sampler's
     argmax pass; the real rows must keep their own top-k."""
-    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+    from sgl_jax.srt.sampling.sampling_batch_info import SamplingMetadata
 
-    seen = []
-    sample = ModelRunner.sample
+    seen = []  # (real rows, the top-k of every row) of each batch built for the sampler
+    build = SamplingMetadata.from_model_worker_batch
 
-    def recording(self, logits_output, sampling_metadata, positions):
-        seen.append(np.asarray(sampling_metadata.top_ks))
-        return sample(self, logits_output, sampling_metadata, positions)
+    def recording(cls, batch, pad_size=0, mesh=None):
+        metadata = build(batch, pad_size, mesh)
+        seen.append((len(batch.sampling_info.top_ks), np.asarray(metadata.top_ks)))
+        return metadata
 
-    monkeypatch.setattr(ModelRunner, "sample", recording)
+    monkeypatch.setattr(SamplingMetadata, "from_model_worker_batch", classmethod(recording))
     prompts = [[5, 17, 42], [8, 100, 3], [9, 9, 2]]
     worker.generate(prompts, temperature=1.0, top_k=5, max_new_tokens=3, ignore_eos=True)
-    assert any(len(top_ks) > len(prompts) for top_ks in seen), "no padded batch was sampled"
+    assert any(len(top_ks) > real for real, top_ks in seen), "no padded batch was sampled"
     whole_vocabulary = 1 << 30  # sglang-jax's TOP_K_ALL
-    for top_ks in seen:
-        np.testing.assert_array_equal(top_ks[: len(prompts)], 5)
-        np.testing.assert_array_equal(top_ks[len(prompts):], whole_vocabulary)
+    for real, top_ks in seen:
+        np.testing.assert_array_equal(top_ks[:real], 5)
+        np.testing.assert_array_equal(top_ks[real:], whole_vocabulary)
 
 
 @pytest.mark.parametrize("vocab", [7, 1500])
