@@ -68,12 +68,12 @@ from bench.attention_bench import QWEN25_05B_HEAD_DIM, QWEN25_05B_SHAPE
 from bench.common import QWEN25_3B_SHAPE, QWEN25_15B_SHAPE, PeakRss, gib, median_seconds
 from models import TinyModelSpec, random_hf_weights, table_logits
 from rollout import RolloutWorker, WorkerConfig, counting_compiles
-from rollout.engine import attention, patches, profile_steps, workarounds
+from rollout.engine import StepSplit, attention, patches, profile_steps, workarounds
 
 # name: (HF shape, head_dim)
 SHAPES = {"0.5b": (QWEN25_05B_SHAPE, QWEN25_05B_HEAD_DIM), "1.5b": (QWEN25_15B_SHAPE, 128), "3b": (QWEN25_3B_SHAPE, 128)}
 # The workarounds this bench's baseline variant switches off.
-SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions", "bf16-logits", "padded-rows-greedy")
+SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions", "bf16-logits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,9 +370,9 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                     "unordered_ratio": statistics.median(c / b for c, b in zip(calls, unordered)),
                     "decode_matmuls": statistics.median(decodes), "compiles": compiles.value,
                 }
-                split = times.split("decode" if batch.decodes else "extend")
-                entry["steps"], entry["step"] = split.steps, split.wall_s
-                entry["engine_forward"], entry["engine_sampler"] = split.forward_s, split.sample_s
+                # None where no step of the mode had a next one (a prefill of one chunk).
+                profiled = times.split("decode" if batch.decodes else "extend")
+                entry["profile"] = None if profiled is None else dataclasses.asdict(profiled)
                 result[name] = entry
         result["peak_rss"] = rss.peak
     print(json.dumps(result), flush=True)  # the generate figures, should the split's part fail
@@ -433,9 +433,12 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
               f"of the medians x{e['seconds'] / e['bound']:.2f}); the same matmuls unordered "
               f"{e['unordered_bound']:.2f} s: x{e['unordered_ratio']:.2f}"
               + (f"; {e['compiles']} XLA compilations in the timed calls" if e["compiles"] else ""))
-        step, forward, sampler = e["step"], e["engine_forward"], e["engine_sampler"]
-        host = step - forward - sampler
-        print(f"    engine profile per {name} step ({e['steps']} steps): {step * 1e3:.1f} ms: forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
+        if e["profile"] is None:
+            print(f"    engine profile per {name} step: no step was followed by another")
+            continue
+        profiled = StepSplit(**e["profile"])
+        step, forward, sampler, host = profiled.wall_s, profiled.forward_s, profiled.sample_s, profiled.host_s
+        print(f"    engine profile per {name} step ({profiled.steps} steps): {step * 1e3:.1f} ms: forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
               f"sampler {sampler * 1e3:.1f} ms ({sampler / step:.0%}), host {host * 1e3:.1f} ms ({host / step:.0%})")
         if name == "decode":
             print(f"    decode step matmuls {e['decode_matmuls'] * 1e3:.1f} ms (measured step x{step / e['decode_matmuls']:.2f}), "

@@ -45,7 +45,6 @@ PINNING_TESTS = {
     "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
     "native-attention-memory": "tests/test_attention.py::test_engine_forward_memory_does_not_follow_padding_limits",
     "kv-pool-conversions": "tests/test_attention.py::test_bf16_kv_pool_is_not_converted_per_forward",
-    "padded-rows-greedy": "tests/test_sampling_filters.py::test_padding_rows_are_neither_greedy_nor_filtering",
     "bf16-logits": "tests/test_engine_workarounds.py::test_bfloat16_engine_logits_are_float32",
     "flax-eager-sharding": "tests/test_engine_workarounds.py::test_flax_eager_sharding_is_off_only_while_the_engine_builds",
     "failure-signal-handler": "tests/test_faults.py::test_the_engines_forwards_leave_the_sigterm_handler_alone",

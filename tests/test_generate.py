@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker, SamplingParams
-from rollout.engine import StepTimes, profile_steps
-from rollout.engine.profile import Step
+from rollout.engine import Step, StepTimes, profile_steps
 from tests.helpers import tiny_worker_config
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]

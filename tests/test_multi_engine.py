@@ -320,15 +320,18 @@ def test_a_failed_start_up_lets_the_process_exit(qwen2_dir, tmp_path):
             lines.append(line)
             if "1 error in " in line:  # pytest's last line: the run is over, only the exit is left
                 summary.set()
+        summary.set()  # end of output: an early exit or crash fails below without the wait
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         assert summary.wait(timeout=120), "".join(lines)[-3000:]
+        assert any("1 error in " in line for line in lines), "".join(lines)[-3000:]
         # The hang came after the summary: the exit is given a bound of its own, so the pinning
         # run (the workaround off) need not wait out a whole run's timeout.
         process.wait(timeout=20)
     finally:
         process.kill()
         reader.join(timeout=10)
+        process.stdout.close()
     assert "RuntimeError: Not enough memory (injected)" in "".join(lines), "".join(lines)[-3000:]

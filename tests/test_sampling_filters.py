@@ -95,30 +95,6 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely(worker, probs):
     check(sampled_frequencies(worker, len(p), min_p=min_p), order, np.where(ratio >= min_p, p, 0.0))
 
 
-def test_padding_rows_are_neither_greedy_nor_filtering(worker, monkeypatch):
-    """The engine pads a batch's rows up to its padded size (extend batches to the largest, decode
-    batches to the next size). Padded as greedy, they made every such batch take the sampler's
-    argmax pass; the real rows must keep their own top-k."""
-    from sgl_jax.srt.sampling.sampling_batch_info import SamplingMetadata
-
-    seen = []  # (real rows, the top-k of every row) of each batch built for the sampler
-    build = SamplingMetadata.from_model_worker_batch
-
-    def recording(cls, batch, pad_size=0, mesh=None):
-        metadata = build(batch, pad_size, mesh)
-        seen.append((len(batch.sampling_info.top_ks), np.asarray(metadata.top_ks)))
-        return metadata
-
-    monkeypatch.setattr(SamplingMetadata, "from_model_worker_batch", classmethod(recording))
-    prompts = [[5, 17, 42], [8, 100, 3], [9, 9, 2]]
-    worker.generate(prompts, temperature=1.0, top_k=5, max_new_tokens=3, ignore_eos=True)
-    assert any(len(top_ks) > real for real, top_ks in seen), "no padded batch was sampled"
-    whole_vocabulary = 1 << 30  # sglang-jax's TOP_K_ALL
-    for real, top_ks in seen:
-        np.testing.assert_array_equal(top_ks[:real], 5)
-        np.testing.assert_array_equal(top_ks[real:], whole_vocabulary)
-
-
 @pytest.mark.parametrize("vocab", [7, 1500])
 def test_inverse_cdf_draw_gives_each_token_its_probability(vocab):
     """Stratified quantiles (i + 0.5) / N land on each token N x p times, +-1: the exact

@@ -36,7 +36,7 @@ their time), ``types`` (options, leaf specs, errors; no sgl_jax import).
 from .handle import EngineHandle
 from .inflight import SwapRecord
 from .patches import engine_version, install_workarounds
-from .profile import StepSplit, StepTimes, profile_steps
+from .profile import Step, StepSplit, StepTimes, profile_steps
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
     SUPPORTED_ENGINE_VERSION,
@@ -62,6 +62,7 @@ __all__ = [
     "ForwardMemory",
     "GenerateOutput",
     "LeafSpec",
+    "Step",
     "StepSplit",
     "StepTimes",
     "SwapRecord",

@@ -200,32 +200,11 @@ def _patch_sampler() -> None:
     from sgl_jax.srt.layers import sampler
     from sgl_jax.srt.managers import scheduler
     from sgl_jax.srt.model_executor import model_runner
-    from sgl_jax.srt.sampling import sampling_batch_info
 
     if workaround_enabled("sampler"):
         sampler.Sampler.__call__ = _sample_with_logprobs
         model_runner.ModelRunner.sample = _sample_keeping_logprobs
         scheduler.Scheduler.run_batch = _run_batch_collecting_logprobs(scheduler.Scheduler.run_batch)
-    if workaround_enabled("padded-rows-greedy"):
-        metadata = sampling_batch_info.SamplingMetadata
-        metadata.from_model_worker_batch = _padding_rows_unfiltered(metadata.from_model_worker_batch)
-
-
-def _padding_rows_unfiltered(original):
-    """``SamplingMetadata.from_model_worker_batch`` with the padding rows' top-k the whole
-    vocabulary: padded as greedy (top-k 1), they made every padded batch take the argmax pass.
-    Their tokens are discarded; real rows keep their own top-k."""
-    from sgl_jax.srt.sampling.sampling_params import TOP_K_ALL
-
-    def from_model_worker_batch(cls, batch, pad_size=0, mesh=None):
-        metadata = original.__func__(cls, batch, pad_size, mesh)
-        if pad_size:
-            real = batch.sampling_info.top_ks
-            top_ks = np.concatenate([real, np.full(pad_size, TOP_K_ALL, real.dtype)])
-            metadata.top_ks = jax.device_put(top_ks, metadata.top_ks.sharding)
-        return metadata
-
-    return classmethod(from_model_worker_batch)
 
 
 def _float32_logits(self, hidden_states, lm_head):

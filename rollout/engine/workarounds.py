@@ -197,14 +197,6 @@ WORKAROUNDS: dict[str, str] = {
         "are computed as the trainer computes them (models.table_logits: float32 accumulation "
         "and output)."
     ),
-    "padded-rows-greedy": (
-        "SamplingMetadata.from_model_worker_batch pads a batch's rows up to its padded size with "
-        "top_k 1, which makes the padding rows greedy: every padded batch (a decode batch once a "
-        "row has stopped, most extend batches) pays the sampler's argmax pass, which XLA's CPU "
-        "backend runs ~30x slower than the max it otherwise takes (~40 ms of a ~120 ms "
-        "Qwen2.5-0.5B decode step of 64 rows). Padding rows get the whole vocabulary as top-k "
-        "(temperature 1, no filter); their tokens are discarded."
-    ),
     "kv-pool-conversions": (
         "The native backend writes each layer's new K/V into the pool with a bf16 scatter "
         "(set_kv_buffer_legacy); XLA's CPU backend computes bf16 scatters in f32, so every "
