@@ -6,6 +6,11 @@ from .versions import UnsupportedVersionError, check_versions
 # error rather than a failure deep inside sglang-jax.
 check_versions()
 
+from .in_place_updates import disable_xnnpack_dots  # noqa: E402
+
+# Before JAX creates its CPU backend, which reads XLA_FLAGS once (rollout/in_place_updates.py).
+disable_xnnpack_dots()
+
 from .batch import RolloutBatch, StreamChunk  # noqa: E402
 from .compiles import compile_count, counting_compiles  # noqa: E402
 from .config import WorkerConfig  # noqa: E402
@@ -20,6 +25,7 @@ from .engine import EngineError, UnsupportedEngineVersion  # noqa: E402
 from .errors import (  # noqa: E402
     InvalidRequest,
     LimitExceeded,
+    PlatformError,
     RolloutError,
     WorkerClosed,
     WorkerUnavailable,
@@ -38,6 +44,7 @@ __all__ = [
     "KvReport",
     "LimitExceeded",
     "MemoryReport",
+    "PlatformError",
     "PodError",
     "RolloutBatch",
     "RolloutError",

@@ -55,3 +55,8 @@ class WorkerClosed(WorkerUnavailable):
 
     def __init__(self, message: str = "the RolloutWorker is closed"):
         super().__init__("the worker is closed", message)
+
+
+class PlatformError(RolloutError, RuntimeError):
+    """This JAX/XLA build cannot run the worker correctly on its platform, before anything
+    starts; the message says what is wrong and how to fix the environment."""

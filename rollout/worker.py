@@ -47,6 +47,7 @@ from .engine import EngineError, EngineHandle, GenerateOutput
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable, check_limit
 from .gate import EngineGate
 from .group import EngineGroup, merge
+from .in_place_updates import check_in_place_updates
 from .pod import Pod, tree_fingerprint
 from .kv import KvReport, MemoryReport
 from .phase_log import PhaseLog
@@ -85,6 +86,7 @@ class RolloutWorker:
 
     def __init__(self, config: WorkerConfig):
         device_groups = config.validate()
+        check_in_place_updates(device_groups[0][0].platform)
         self.config = config
         start = time.perf_counter()
         self._group = EngineGroup(config, device_groups, Pod.current(config.pod_timeout_s))

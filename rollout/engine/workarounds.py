@@ -1,4 +1,4 @@
-"""The registry of sglang-jax 0.0.2 workarounds and their switches.
+"""The registry of sglang-jax 0.0.2 workarounds (and one of XLA's) and their switches.
 
 Imports nothing of this project or the engine: every engine module (patches, runtime, start-up,
 handle) may ask ``workaround_enabled`` without an import circle. Each entry names the bug and
@@ -206,6 +206,15 @@ WORKAROUNDS: dict[str, str] = {
         "the write and the attention's reads go through a same-width integer view of the pool "
         "(attention.set_rows / take_rows): bit-identical, no f32 copy (one integer copy of the "
         "pool remains: XLA 0.8 copies for the view)."
+    ),
+    "xla-stale-packed-weights": (
+        "Not sglang-jax's: XLA's CPU backend in jaxlib 0.8 packs the weight operand of an f32 "
+        "dot for XNNPACK once and reuses it while the buffer's address stays the same, so a "
+        "weight rewritten in place (the params a train step donates, which the engine serves "
+        "zero-copy) is read as its old values by every function that packed it. import rollout "
+        "adds --xla_cpu_use_xnnpack=false to XLA_FLAGS on those releases "
+        "(rollout/in_place_updates.py), and a worker refuses to start where a probe still "
+        "reads the old values."
     ),
 }
 
