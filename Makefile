@@ -13,7 +13,12 @@ EXTRAS ?=
 EDITABLE ?=
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test test-oldest test-newest bench install
+.PHONY: demo test test-oldest test-newest bench install cpu
+
+# The CPU the figures and tests ran on (numerics and speed differ between instruction sets).
+cpu:
+	@echo "== CPU: $$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//') ($$(nproc) cores)"
+	@echo "== CPU vector flags: $$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -E '^(sse4_2|avx|avx2|fma|f16c|avx512.*|amx.*|avx_vnni)$$' | tr '\n' ' ')"
 
 # Creates the venv $(1) with python3.12 (found on PATH or under pyenv).
 define make_venv
@@ -62,7 +67,7 @@ demo: $(VENV)/.installed
 # And it skips the `one_end` tests: the server's HTTP protocol, admission limits, disconnects
 # and the worker's sync gate, which no version in the range changes (what they call in the
 # worker is tested at both ends).
-test: $(VENV)/.installed $(NEWEST)/.installed
+test: cpu $(VENV)/.installed $(NEWEST)/.installed
 	@status=0; \
 	$(MAKE) --no-print-directory test-oldest || status=1; \
 	$(MAKE) --no-print-directory test-newest || status=1; \

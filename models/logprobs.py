@@ -161,13 +161,19 @@ def engine_sampling_params(temperature: float, top_k: int) -> tuple[float, int]:
 
 
 def completion_log_probs(
-    logits, tokens, completion_mask, *, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0
+    logits, tokens, completion_mask, *, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, kept_counts=None
 ) -> jax.Array:
     """Log-probs [B, T] of the completion tokens under the sampling distribution, 0 elsewhere.
 
     ``logits`` [B, T, V] come from a forward over ``tokens`` [B, T]: column ``t - 1`` predicts
     token ``t``. ``completion_mask`` [B, T] marks sampled tokens (a ``RolloutBatch`` layout).
     Sampling parameters are the ones ``RolloutWorker.generate`` took.
+
+    ``kept_counts`` [B, T] (``RolloutBatch.kept_counts``): at each completion token keep that
+    many of the largest tokens, as the engine did, instead of cutting top-k, top-p and min-p
+    afresh. Logits that differ from the engine's in their last bits can move a token across
+    the top-p boundary, which shifts the token's log-prob by the log of the kept mass; with the
+    engine's count both sides keep the same tokens (up to an exact tie swapped by rounding).
     """
     temperature, top_k = engine_sampling_params(temperature, top_k)
     batch, length, vocab = logits.shape
@@ -178,7 +184,14 @@ def completion_log_probs(
         chosen = jnp.take_along_axis(logp, targets, axis=-1)[..., 0]
     else:
         flat = logits[:, :-1].reshape(-1, vocab)
-        tempered, filtered = sampling_log_probs(flat, temperature, top_k, top_p, min_p)
+        if kept_counts is None:
+            tempered, filtered = sampling_log_probs(flat, temperature, top_k, top_p, min_p)
+        else:
+            counts = jnp.asarray(kept_counts)[:, 1:].reshape(-1)
+            # Positions without a sampled token (count 0) filter nothing.
+            counts = jnp.where(counts > 0, counts, vocab)
+            tempered, filtered = sampling_log_probs(flat, temperature, counts, 1.0, 0.0)
+        # top_k only tells greedy rows apart here (a count of 1 is not a greedy row).
         chosen = sampled_token_log_probs(tempered, filtered, targets.reshape(-1), top_k)
         chosen = chosen.reshape(batch, length - 1)
     chosen = jnp.concatenate([jnp.zeros((batch, 1), jnp.float32), chosen], axis=1)

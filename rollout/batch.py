@@ -42,6 +42,12 @@ class RolloutBatch:
     # completion token (swaps in flight change it mid-row; ``weight_version`` is the version
     # when the call was admitted), -1 where there is no sampled token.
     token_versions: np.ndarray | None = None
+    # [B, T] int32 aligned with ``tokens``, with ``logprobs``: how many tokens the distribution
+    # of each completion token kept after top-k, top-p and min-p (the vocabulary size where
+    # nothing was filtered), 0 where there is no sampled token. A trainer that recomputes the
+    # log-probs keeps that many (``models.completion_log_probs(..., kept_counts=...)``): the same
+    # tokens as the engine, whatever its own logits' last bits say about the top-p boundary.
+    kept_counts: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -86,6 +92,7 @@ def pack_rollouts(
     prompt_width: int | None = None,
     logprobs: Sequence[Sequence[float]] | None = None,
     token_versions: Sequence[Sequence[int]] | None = None,
+    kept_counts: Sequence[Sequence[int]] | None = None,
 ) -> RolloutBatch:
     """Lay out prompt-major completions as left-padded prompts followed by completions.
 
@@ -115,20 +122,18 @@ def pack_rollouts(
         attention[row, start : prompt_width + len(c)] = True
         completion_mask[row, prompt_width : prompt_width + len(c)] = True
     positions = np.maximum(np.cumsum(attention, axis=1) - 1, 0).astype(np.int32)
-    logprob_array = None
-    if logprobs is not None:
-        logprob_array = np.zeros((rows, width), dtype=np.float32)
-        for row, (c, lp) in enumerate(zip(completions, logprobs)):
-            if len(lp) != len(c):
-                raise ValueError(f"row {row}: {len(lp)} log-probs for a completion of {len(c)} tokens")
-            logprob_array[row, prompt_width : prompt_width + len(c)] = lp
-    version_array = None
-    if token_versions is not None:
-        version_array = np.full((rows, width), -1, dtype=np.int64)
-        for row, (c, versions) in enumerate(zip(completions, token_versions)):
-            if len(versions) != len(c):
-                raise ValueError(f"row {row}: {len(versions)} token versions for a completion of {len(c)} tokens")
-            version_array[row, prompt_width : prompt_width + len(c)] = versions
+
+    def per_token(values, what: str, dtype, fill):
+        """[B, T] of one value per completion token, ``fill`` elsewhere (None stays None)."""
+        if values is None:
+            return None
+        array = np.full((rows, width), fill, dtype=dtype)
+        for row, (c, row_values) in enumerate(zip(completions, values)):
+            if len(row_values) != len(c):
+                raise ValueError(f"row {row}: {len(row_values)} {what} for a completion of {len(c)} tokens")
+            array[row, prompt_width : prompt_width + len(c)] = row_values
+        return array
+
     return RolloutBatch(
         prompts=[list(map(int, p)) for p in prompts],
         completions=[list(map(int, c)) for c in completions],
@@ -144,6 +149,7 @@ def pack_rollouts(
         seeds=np.asarray(seeds, dtype=np.int64),
         compiles=compiles,
         completion_texts=completion_texts,
-        logprobs=logprob_array,
-        token_versions=version_array,
+        logprobs=per_token(logprobs, "log-probs", np.float32, 0),
+        token_versions=per_token(token_versions, "token versions", np.int64, -1),
+        kept_counts=per_token(kept_counts, "kept counts", np.int32, 0),
     )

@@ -98,7 +98,9 @@ def check_consistency(
     trainer_fn = _trainer_log_probs(
         config_file.read_text(), _float_dtype(tree), float(temperature), int(top_k), float(top_p), float(min_p)
     )
-    trainer = np.asarray(trainer_fn(tree, batch.tokens, batch.attention_mask, batch.positions, batch.completion_mask))
+    trainer = np.asarray(
+        trainer_fn(tree, batch.tokens, batch.attention_mask, batch.positions, batch.completion_mask, batch.kept_counts)
+    )
     stats = mismatch_stats(batch.logprobs, trainer, batch.completion_mask)
     diff = np.where(batch.completion_mask, np.abs(trainer - batch.logprobs), -1.0)
     order = np.argsort(diff, axis=None)[::-1][: min(worst, stats["tokens"])]
@@ -140,10 +142,11 @@ def _trainer_log_probs(config_json: str, dtype: str, temperature: float, top_k: 
     model = flax_model_for(json.loads(config_json), dtype)
 
     @jax.jit
-    def log_probs(params, tokens, attention_mask, positions, completion_mask):
+    def log_probs(params, tokens, attention_mask, positions, completion_mask, kept_counts):
         logits = model.apply({"params": params}, tokens, attention_mask, positions)
         return completion_log_probs(
-            logits, tokens, completion_mask, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+            logits, tokens, completion_mask, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            kept_counts=kept_counts,
         )
 
     return log_probs

@@ -660,7 +660,8 @@ class RolloutWorker:
             compiles=compiles,
             completion_texts=texts,
             prompt_width=request.pad_prompts_to,
-            logprobs=[o.logprobs[: len(c)] for o, c in zip(outputs, completions)] if request.params.return_logprobs else None,
+            logprobs=[o.logprobs[: len(c)] for o, c in zip(outputs, completions)] if params.return_logprobs else None,
+            kept_counts=[o.kept_counts[: len(c)] for o, c in zip(outputs, completions)] if params.return_logprobs else None,
             token_versions=(
                 None if any(o.token_versions is None for o in outputs)
                 else [o.token_versions[: len(c)] for o, c in zip(outputs, completions)]

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from models import QwenConfig, QwenForCausalLM, sampling_log_probs
+from models import QwenConfig, QwenForCausalLM, completion_log_probs, sampling_log_probs
 from models.logprobs import PRESELECT
 from rollout import ConsistencyError, RolloutWorker, SamplingParams, counting_compiles
 from tests.helpers import tiny_worker_config
@@ -35,17 +35,39 @@ def reference_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.
 
 
 def trainer_reference(model_dir, params, batch, **sampling):
-    """Log-probs of the batch's completion tokens from the Flax model, by the numpy reference."""
+    """Log-probs of the batch's completion tokens from the Flax model, by the numpy reference.
+
+    Where the sampling filters and the engine reported its kept counts, the reference keeps
+    that many tokens (as a trainer given ``kept_counts`` does), after checking that the count
+    is the one its own cut gives, or off only at a boundary that float rounding can move."""
     logits = np.asarray(
         QwenForCausalLM(QwenConfig.from_hf(model_dir)).apply(
             {"params": params}, batch.tokens, batch.attention_mask, batch.positions
         )
     )
+    filters = sampling.get("top_p", 1.0) < 1.0 or sampling.get("top_k") is not None or sampling.get("min_p", 0.0) > 0
     expected = np.zeros(batch.tokens.shape, np.float32)
     for row, col in zip(*np.nonzero(batch.completion_mask)):
-        logp = reference_log_probs(logits[row, col - 1][None], **sampling)[0]
+        position_logits = logits[row, col - 1][None]
+        logp = reference_log_probs(position_logits, **sampling)[0]
+        if filters and batch.kept_counts is not None:
+            kept = int(batch.kept_counts[row, col])
+            assert_count_within_rounding(position_logits[0], kept, np.isfinite(logp).sum(), **sampling)
+            logp = reference_log_probs(position_logits, temperature=sampling.get("temperature", 1.0), top_k=kept)[0]
         expected[row, col] = logp[batch.tokens[row, col]]
     return expected
+
+
+def assert_count_within_rounding(logits, engine_count, reference_count, temperature=1.0, top_p=1.0, **_):
+    """The engine's kept count is the reference's, or the top-p mass before one of the tokens
+    between them is within float32 rounding of top_p."""
+    if engine_count == reference_count:
+        return
+    values = np.sort(np.asarray(logits, np.float64) / temperature)[::-1]
+    probs = np.exp(values - np.logaddexp.reduce(values))
+    mass_before = np.cumsum(probs) - probs
+    lo, hi = sorted((engine_count, reference_count))
+    assert np.abs(mass_before[lo:hi] - top_p).min() < 1e-5, (engine_count, reference_count)
 
 
 def assert_filtered_like_reference(logits, case):
@@ -58,6 +80,32 @@ def assert_filtered_like_reference(logits, case):
     finite = np.isfinite(expected)
     np.testing.assert_allclose(np.asarray(filtered)[finite], expected[finite], atol=1e-5, err_msg=str(case))
     return expected
+
+
+def test_the_engines_kept_count_decides_the_trainers_top_p_boundary():
+    """Engine and trainer logits differing in their last digits put the top-p boundary on either
+    side of a token: cut afresh, the trainer's log-prob is off by the log of that token's mass;
+    given the engine's kept count it keeps the same tokens and agrees."""
+    probs = np.array([0.5, 0.4, 0.06, 0.04])
+    engine_logits = np.log(probs).astype(np.float32)
+    engine_logits[1] -= 2e-5  # the mass before token 2 just under 0.9: the engine keeps it
+    trainer_logits = np.log(probs).astype(np.float32)
+    trainer_logits[1] += 2e-5  # ... just over: a fresh cut drops it
+    tempered, filtered = sampling_log_probs(engine_logits[None], 1.0, 2**30, 0.9, 0.0)
+    engine_count = int(np.isfinite(np.asarray(filtered)).sum())
+    assert engine_count == 3
+    engine_logprob = float(filtered[0, 0])
+
+    tokens = np.array([[3, 0]])  # column 0 predicts token 0 at column 1
+    completion = np.array([[False, True]])
+    logits = np.stack([trainer_logits, np.zeros(4, np.float32)])[None]
+    afresh = completion_log_probs(logits, tokens, completion, top_p=0.9)
+    with_count = completion_log_probs(logits, tokens, completion, top_p=0.9, kept_counts=np.array([[0, engine_count]]))
+    assert abs(float(afresh[0, 1]) - engine_logprob) > 0.05  # log(0.96 / 0.9)
+    assert abs(float(with_count[0, 1]) - engine_logprob) < 1e-4
+    # A count of 1 is a filtering row (log-prob 0), not a greedy one.
+    one = completion_log_probs(logits, tokens, completion, top_p=0.4, kept_counts=np.array([[0, 1]]))
+    assert float(one[0, 1]) == 0.0
 
 
 def test_sampling_log_probs_match_a_plain_reference():
@@ -137,6 +185,14 @@ def test_engine_log_probs_equal_the_trainers(synced, sampling):
     assert batch.logprobs.shape == batch.tokens.shape and batch.logprobs.dtype == np.float32
     assert (batch.logprobs[~batch.completion_mask] == 0).all()
     assert (batch.logprobs[batch.completion_mask] < 0).all()
+    vocab = worker.vocab_size
+    assert batch.kept_counts.shape == batch.tokens.shape
+    assert (batch.kept_counts[~batch.completion_mask] == 0).all()
+    kept = batch.kept_counts[batch.completion_mask]
+    if "top_p" in sampling:
+        assert (kept >= 1).all() and (kept < vocab).any()
+    else:
+        assert (kept == vocab).all()
     expected = trainer_reference(model_dir, params, batch, **sampling)
     np.testing.assert_allclose(batch.logprobs, expected, atol=1e-4)
 

@@ -116,17 +116,22 @@ def _uniforms(seeds, positions, rng, rows):
     return keyed_uniforms(seeds, positions)
 
 
+def _all_kept(logits):
+    return jnp.full((logits.shape[0],), logits.shape[-1], jnp.int32)
+
+
 def _greedy_with_logprobs(operands):
     logits, temperatures = operands[:2]
     scaled = logits.astype(jnp.float32) / temperatures.reshape(-1, 1)
     ids, peak = row_argmax_and_max(scaled)
     log_mass = peak[:, 0] + jnp.log(jnp.sum(jnp.exp(scaled - peak), axis=-1))
-    return ids, peak[:, 0] - log_mass
+    return ids, peak[:, 0] - log_mass, _all_kept(logits)
 
 
 def _draw_with_logprobs(operands):
-    """Sampled ids and their log-probs. When no sampling row filters (top-k, top-p, min-p),
-    the draw reads the tempered logits directly in two passes; otherwise the shared filters
+    """Sampled ids, their log-probs and how many tokens each row kept (the vocabulary where
+    nothing was filtered). When no sampling row filters (top-k, top-p, min-p), the draw reads
+    the tempered logits directly in two passes; otherwise the shared filters
     (models.sampling_log_probs) run first. Greedy rows (top_k 1) take the argmax either way."""
     logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, rng = operands
     vocab = logits.shape[-1]
@@ -137,18 +142,21 @@ def _draw_with_logprobs(operands):
     def unfiltered(_):
         ids, log_mass = draw_tokens_and_log_mass(logits, uniforms, greedy, temperatures)
         chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0].astype(jnp.float32)
-        return ids, chosen * (1.0 / temperatures.reshape(-1)) - log_mass
+        return ids, chosen * (1.0 / temperatures.reshape(-1)) - log_mass, _all_kept(logits)
 
     def filtered(_):
         tempered, kept = sampling_log_probs(logits, temperatures, top_ks, top_ps, min_ps)
         ids = draw_tokens(kept, uniforms, greedy)
-        return ids, sampled_token_log_probs(tempered, kept, ids, top_ks)
+        # The trainer applies the same cut from the count (models.completion_log_probs): its own
+        # top-p over logits that differ in the last bits could keep one token more or less.
+        counts = jnp.sum(jnp.isfinite(kept), axis=-1, dtype=jnp.int32)
+        return ids, sampled_token_log_probs(tempered, kept, ids, top_ks), counts
 
     return jax.lax.cond(jnp.any(filtering), filtered, unfiltered, None)
 
 
 def _sample_with_logprobs(self, logits_output, sampling_metadata, positions):
-    """``Sampler.__call__`` replacement: (token ids [B], their log-probs [B])."""
+    """``Sampler.__call__`` replacement: (token ids [B], their log-probs [B], kept counts [B])."""
     logits = logits_output.next_token_logits
     logits = jnp.reshape(logits, (-1, logits.shape[-1]))
     logits = self.apply_penalties(logits, sampling_metadata)
@@ -164,9 +172,9 @@ def _sample_keeping_logprobs(self, logits_output, sampling_metadata, positions):
     When the scheduler asked for this batch's log-probs, both arrays come to the host in one
     transfer (the scheduler's own device_get of the ids then has nothing left to wait for).
     """
-    ids, logprobs = self.jitted_sampler(logits_output, sampling_metadata, positions)
+    ids, logprobs, kept = self.jitted_sampler(logits_output, sampling_metadata, positions)
     if self.__dict__.get("_rollout_fetch_logprobs"):
-        ids, self._rollout_token_logprobs = jax.device_get((ids, logprobs))
+        ids, self._rollout_token_logprobs = jax.device_get((ids, (logprobs, kept)))
     return ids
 
 
@@ -182,7 +190,7 @@ def _run_batch_collecting_logprobs(original):
             fetched = runner._rollout_fetch_logprobs
             runner._rollout_fetch_logprobs = False
         if fetched:
-            logprobs = runner.__dict__.pop("_rollout_token_logprobs")
+            logprobs, kept = runner.__dict__.pop("_rollout_token_logprobs")
             extend = batch.forward_mode.is_extend()
             for i, (req, sink) in enumerate(zip(batch.reqs, rows)):
                 # process_batch_result (no overlap scheduler) appends an output token to every
@@ -190,7 +198,7 @@ def _run_batch_collecting_logprobs(original):
                 # here, before it streams a finished request out, keeps the two aligned.
                 if sink is None or req.is_retracted or (extend and req.is_chunked > 0):
                     continue
-                sink.append(float(logprobs[i]))
+                sink.append(float(logprobs[i]), int(kept[i]))
         return result
 
     return run_batch

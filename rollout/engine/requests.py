@@ -17,7 +17,7 @@ import numpy as np
 
 from ..sampling import SamplingParams
 from .patches import LOGPROB_SINKS
-from .types import EngineError, GenerateOutput
+from .types import EngineError, GenerateOutput, TokenLogprobSink
 from .workarounds import workaround_enabled
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class RequestLoop:
         # error before the loop stops.
         self._in_flight: set[concurrent.futures.Future] = set()
         # rid -> the log-probs of a request that asked for them (filled on the scheduler thread).
-        self._logprob_sinks: dict[str, list[float]] = {}
+        self._logprob_sinks: dict[str, TokenLogprobSink] = {}
         setattr(self._scheduler, LOGPROB_SINKS, self._logprob_sinks)
 
     # ---- generation ------------------------------------------------------------------------
@@ -87,7 +87,7 @@ class RequestLoop:
                     count = len(output.output_ids)
                     output = dataclasses.replace(output, token_versions=versions[row][:count])
                     if sinks is not None:
-                        output = dataclasses.replace(output, logprobs=sinks[row][:count])
+                        output = dataclasses.replace(output, **sinks[row].first(count))
                     caller.call_soon_threadsafe(updates.put_nowait, (row, output))
 
         future = self._submit(pump())
@@ -121,7 +121,7 @@ class RequestLoop:
         if not wanted:
             yield None
             return
-        sinks = [[] for _ in rids]
+        sinks = [TokenLogprobSink() for _ in rids]
         self._logprob_sinks.update(zip(rids, sinks))
         try:
             yield sinks
@@ -194,12 +194,12 @@ class RequestLoop:
         outputs = [dataclasses.replace(out, token_versions=tokens) for out, tokens in zip(outputs, versions)]
         if sinks is None:
             return outputs
-        for i, (out, logprobs) in enumerate(zip(outputs, sinks)):
-            if len(logprobs) != out.completion_tokens:
+        for i, (out, sink) in enumerate(zip(outputs, sinks)):
+            if len(sink) != out.completion_tokens:
                 raise EngineError(
-                    f"request {i}: collected {len(logprobs)} log-probs for {out.completion_tokens} completion tokens"
+                    f"request {i}: collected {len(sink)} log-probs for {out.completion_tokens} completion tokens"
                 )
-        return [dataclasses.replace(out, logprobs=lp) for out, lp in zip(outputs, sinks)]
+        return [dataclasses.replace(out, **sink.first(len(sink))) for out, sink in zip(outputs, sinks)]
 
     def _submit(self, coroutine) -> concurrent.futures.Future:
         """Run ``coroutine`` on this handle's request loop; it fails with EngineError as soon as

@@ -90,6 +90,31 @@ class GenerateOutput:
     logprobs: list[float] | None = None
     # Weight version of the forward that sampled each output token.
     token_versions: list[int] | None = None
+    # With logprobs: how many tokens the distribution of each output token kept after top-k,
+    # top-p and min-p (the vocabulary size where nothing was filtered).
+    kept_counts: list[int] | None = None
+
+
+class TokenLogprobSink:
+    """One request's sampled tokens as the patched sampler records them on the scheduler
+    thread: each token's log-prob and its distribution's kept count."""
+
+    __slots__ = ("logprobs", "kept_counts")
+
+    def __init__(self):
+        self.logprobs: list[float] = []
+        self.kept_counts: list[int] = []
+
+    def append(self, logprob: float, kept: int) -> None:
+        self.logprobs.append(logprob)
+        self.kept_counts.append(kept)
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def first(self, count: int) -> dict:
+        """The GenerateOutput fields of the first ``count`` tokens."""
+        return {"logprobs": self.logprobs[:count], "kept_counts": self.kept_counts[:count]}
 
 
 def _device_ids(devices) -> str:
