@@ -250,7 +250,7 @@ class RolloutWorker:
             flat = flatten_params(params)
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
-        with self._sync_lock, counting_compiles() as compiles:
+        with self._closed_is_clear(), self._sync_lock, counting_compiles() as compiles:
             # Before any collective: every process makes this call with a tree of this structure.
             self._group.pod.agree(
                 call, f"{tree_fingerprint(flat)} allow_cast={allow_cast} check_finite={check_finite} in_flight={in_flight} recompute_kv={recompute_kv}"
@@ -347,7 +347,7 @@ class RolloutWorker:
         """Swap engine-owned arrays in by leaf index, one mapping per engine (same shapes,
         dtypes and shardings as the leaves they replace); ``in_flight`` as for ``sync_params``
         (the running requests keep their KV). Returns the new weight version."""
-        with self._sync_lock, self._swapping(reason, in_flight):
+        with self._closed_is_clear(), self._sync_lock, self._swapping(reason, in_flight):
             version = self.weight_version + 1
             for weights, leaves in zip(self._group.weights, new_leaves):
                 if weights.engine.alive:
@@ -368,7 +368,7 @@ class RolloutWorker:
         return self._drop_kv()
 
     def _drop_kv(self) -> KvReport:
-        with self._gate.exclusive("the KV cache is being dropped"), self._state_lock:
+        with self._closed_is_clear(), self._gate.exclusive("the KV cache is being dropped"), self._state_lock:
             if self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
@@ -385,7 +385,7 @@ class RolloutWorker:
         return self._rebuild_kv()
 
     def _rebuild_kv(self) -> KvReport:
-        with self._gate.exclusive("the KV cache is being rebuilt"), self._state_lock:
+        with self._closed_is_clear(), self._gate.exclusive("the KV cache is being rebuilt"), self._state_lock:
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
@@ -544,11 +544,13 @@ class RolloutWorker:
 
     @contextlib.contextmanager
     def _closed_is_clear(self) -> Iterator[None]:
-        """A call that the worker's close() ended fails with WorkerClosed, not with the engine's
-        shutdown error."""
+        """A call that the worker's close() ended fails with WorkerClosed, not with whatever the
+        engines' shutdown left it to trip on (their error, or state already torn down)."""
         try:
             yield
-        except EngineError as exc:
+        except WorkerClosed:
+            raise
+        except Exception as exc:
             if self._closed:
                 raise WorkerClosed("the RolloutWorker was closed during the call") from exc
             raise

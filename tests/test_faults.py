@@ -169,6 +169,45 @@ def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everyw
         server.close()
 
 
+@pytest.mark.parametrize("in_flight", [True, False], ids=["in-flight", "drain"])
+def test_close_during_a_sync_fails_it_with_worker_closed(qwen2_dir, monkeypatch, in_flight):
+    """A sync that close() overtakes (its new leaves prepared, the engines gone before the swap)
+    fails as every call close() ends does: WorkerClosed, not the engine's shutdown error."""
+    from rollout.weights import EngineWeights
+
+    params = load_hf_params(qwen2_dir)
+    worker = RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy"))
+    try:
+        worker.sync_params(params)
+        preparing, closed = threading.Event(), threading.Event()
+        prepare = EngineWeights.prepare
+
+        def prepare_then_wait_for_close(self, *args, **kwargs):
+            preparing.set()
+            assert closed.wait(60), "close() did not return"
+            return prepare(self, *args, **kwargs)
+
+        monkeypatch.setattr(EngineWeights, "prepare", prepare_then_wait_for_close)
+        outcome = {}
+
+        def sync():
+            try:
+                worker.sync_params(params, in_flight=in_flight)
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                outcome["error"] = exc
+
+        caller = threading.Thread(target=sync)
+        caller.start()
+        assert preparing.wait(60)
+        worker.close()
+        closed.set()
+        caller.join(timeout=60)
+        assert not caller.is_alive()
+        assert isinstance(outcome.get("error"), WorkerClosed), outcome
+    finally:
+        worker.close()
+
+
 # ---- admission limits ----------------------------------------------------------------------------
 
 
