@@ -300,6 +300,7 @@ def test_kv_drop_makes_generation_wait_until_rebuilt(http, worker):
     assert http.get("/admin/memory", headers=ADMIN).json()["kv_bytes"] == 0
     refused = complete(http)
     assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert refused.json()["error"]["code"] == "kv_cache_dropped"
     assert http.post("/admin/rebuild_kv", headers=ADMIN).json()["bytes"] == dropped.json()["bytes"]
     assert http.get("/ready").status_code == 200
     assert complete(http).status_code == 200
@@ -310,8 +311,11 @@ def test_train_step_context_answers_503_until_the_next_sync(http, worker, chat_d
     with worker.released_for_training():
         refused = complete(http)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["type"] == "service_unavailable"
-    assert complete(http).status_code == 503  # stale weights until the trainer syncs
+        error = refused.json()["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == "released_for_training"
+        assert "the KV cache is released for training" in error["message"]
+    stale = complete(http)  # stale weights until the trainer syncs
+    assert stale.status_code == 503 and stale.json()["error"]["code"] == "released_for_training"
     version = worker.sync_params(params).version
     response = complete(http)
     assert response.status_code == 200 and response.json()["weight_version"] == version
@@ -339,6 +343,11 @@ BAD_REQUESTS = [
     ("negative token id", {"model": "tiny", "prompt": [-3, 5]}, 400, "prompt"),
     ("unsupported logprobs", {"model": "tiny", "prompt": PROMPT, "logprobs": 2}, 400, "logprobs"),
     ("body over the limit", {"model": "tiny", "prompt": "1" * (2 << 20)}, 413, None),
+    # Not valid Unicode (a lone surrogate, as its JSON escape), and nesting json.loads would recurse into.
+    ("lone surrogate in stop", b'{"model": "tiny", "prompt": [5, 17], "stop": ["ok", "\\ud800"]}', 400, "stop[1]"),
+    ("streamed, lone surrogate in stop", b'{"model": "tiny", "prompt": [5], "stop": "\\ud800", "stream": true}', 400, "stop"),
+    ("100000 levels of lists", b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    ("100000 levels of objects", b'{"model": "tiny", "prompt": [5], "user": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}", 400, None),
 ]
 
 
@@ -363,8 +372,13 @@ def test_bad_chat_requests(http):
         ({**base, "messages": [{"content": "hi"}]}, "messages[0]"),
         ({**base, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({**base, "max_tokens": 0}, "max_tokens"),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}', "stop[0]"),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
     ]:
-        response = http.post("/v1/chat/completions", json=body)
+        if isinstance(body, str):  # JSON text with an escape httpx would not send
+            response = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        else:
+            response = http.post("/v1/chat/completions", json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert http.post("/v1/chat/completions", json={**base, "max_tokens": 2}).status_code == 200
 

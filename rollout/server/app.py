@@ -24,6 +24,7 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="sglang-jax-rollout", docs_url=None, redoc_url=None, openapi_url=None)
     state = SharedState(backend, config)
     app.state.closers = closers = []  # what Server.close() runs once the server stopped
+    app.state.model_name = state.model_name  # the name clients pass (and the log shows)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):

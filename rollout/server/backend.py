@@ -19,6 +19,7 @@ class Backend(Protocol):
     """
 
     model_name: str  # the default served model name
+    model_path: str | None  # optional: where the weights were loaded from (logged)
     tokenizer: Any  # an HF tokenizer, or None (token-id prompts only)
     context_length: int
     max_request_tokens: int  # prompt + completion tokens one request may have
@@ -43,7 +44,8 @@ class WorkerBackend:
 
     def __init__(self, worker):
         self.worker = worker
-        self.model_name = Path(str(worker.config.model_path).rstrip("/")).name or "model"
+        self.model_path = str(worker.config.model_path)
+        self.model_name = Path(self.model_path.rstrip("/")).name or "model"
 
     @property
     def tokenizer(self):

@@ -34,6 +34,32 @@ def _message(message: str, prompt_field: str) -> str:
     return re.sub(r"\bprompts(?=\[|\b)", prompt_field, message)
 
 
+# Why the worker cannot generate (RolloutWorker.unavailable_reason, WorkerUnavailable.reason,
+# the server's own KV hold) -> the 503's code and message: (words in the reason, code, message).
+# Matched on the worker's words because its reasons are plain strings; first match wins.
+_UNAVAILABLE = (
+    ("the worker is closed", "worker_closed", "the server is shutting down: {reason}"),
+    # RolloutWorker.released_for_training: the KV cache is freed and the weights handed to the
+    # trainer from the drop until the next sync (during the train step and after it alike).
+    (
+        "a train step",
+        "released_for_training",
+        "generation is paused: the KV cache is released for training ({reason}); retry once the trainer has synced new weights",
+    ),
+    ("were freed", "weights_freed", "generation is paused: {reason} (donated by the trainer); retry once new weights are synced"),
+    ("weights are being", "weights_updating", "generation is paused: {reason}; retry later"),
+    ("/admin/drop_kv", "kv_cache_dropped", "generation is paused: {reason}; retry after /admin/rebuild_kv"),
+    ("KV cache is being", "kv_cache_updating", "generation is paused: {reason}; retry later"),
+)
+_OTHER_UNAVAILABLE = ("unavailable", "generation is paused: {reason}; retry later")
+
+
+def unavailable_error(reason: str) -> ApiError:
+    """The 503 answering a worker that cannot generate now, for ``reason``."""
+    code, message = next(((code, message) for words, code, message in _UNAVAILABLE if words in reason), _OTHER_UNAVAILABLE)
+    return ApiError(503, message.format(reason=reason), type="service_unavailable", code=code)
+
+
 # What api_error maps to a deliberate answer (every other type is a 500).
 KNOWN_ERRORS = (ApiError, RolloutError, FileNotFoundError, SyncError, CheckpointError, EngineError)
 
@@ -54,7 +80,7 @@ def api_error(exc: BaseException, *, prompt_field: str = "prompt", where: str = 
     if isinstance(exc, WorkerClosed):
         return ApiError(503, f"the server is shutting down: {exc}", type="service_unavailable", code="worker_closed")
     if isinstance(exc, WorkerUnavailable):
-        return ApiError(503, f"generation is paused: {exc}; retry later", type="service_unavailable", code="weights_updating")
+        return unavailable_error(exc.reason)
     request_id = f"req-{uuid.uuid4().hex[:16]}"
     if isinstance(exc, EngineError):
         logger.error("%s: engine failure (request id %s): %s", where, request_id, exc)

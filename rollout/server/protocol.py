@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import json
 import math
+import re
 from typing import Any
 
 from ..sampling import CALL_SEED_RANGE
 
 MAX_N = 128
 MAX_STOP_STRINGS = 4
+# Far above any body this server accepts (a chat message's content part is 5 deep); json.loads
+# recurses once per level, so deeper bodies are refused before it runs.
+MAX_JSON_DEPTH = 64
 # Accepted only with their neutral value: the engine has no equivalent.
 _NEUTRAL = {
     "echo": (None, False),
@@ -37,6 +42,79 @@ class ApiError(Exception):
 
 def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+# A JSON string literal (escapes included), and what is left of a body once they are removed
+# that is not a bracket.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body: a JSON object nested at most :data:`MAX_JSON_DEPTH` levels whose
+    strings (keys included) are all valid Unicode, else a 400 that says what is wrong where."""
+    try:
+        # As json.loads decodes bytes (UTF-8, -16 or -32): its view of which quotes delimit
+        # strings is then the depth scan's.
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if _depth(text) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"request body is malformed: it nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    _check_unicode(body)
+    return body
+
+
+def _depth(text: str) -> int:
+    """How deep ``text``'s brackets nest outside strings (the count stops past the limit)."""
+    depth = deepest = 0
+    for bracket in _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_JSON_DEPTH:
+                break
+    return deepest
+
+
+def _unicode_error(text: str) -> str | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, which a JSON \ud800 escape can carry
+        return f"{exc.reason} at character {exc.start}"
+    return None
+
+
+def _check_unicode(body: dict) -> None:
+    """A 400 naming the first string (``stop[1]``, ``messages[0].content``) or key that is not
+    valid Unicode: the tokenizer (and the UTF-8 error response) cannot take it."""
+    try:
+        # One pass in C finds whether any string is bad; the walk below only says which.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            reason = _unicode_error(value)
+            if reason is not None:
+                raise invalid(path, f"{path} is not valid Unicode: {reason}")
+        elif isinstance(value, dict):
+            for key in value:
+                reason = _unicode_error(key)
+                if reason is not None:
+                    raise ApiError(400, f"{path or 'the request body'} has a key that is not valid Unicode: {reason}", param=path or None)
+            stack.extend((f"{path}.{key}" if path else key, item) for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +155,15 @@ def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int
         raise invalid(name, f"'{name}' must be an integer, got {value!r}")
     if not low <= value <= high:
         raise invalid(name, f"'{name}' must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _zero_or_null(body: dict, name: str) -> int | None:
+    """The completions ``logprobs`` and chat ``top_logprobs``: how many top alternatives to
+    return per token, which the engine does not compute, so 0 is the only count."""
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value != 0):
+        raise invalid(name, f"'{name}' must be 0 or null: only the sampled token's log-prob is returned, no top alternatives (got {value!r})")
     return value
 
 
@@ -144,9 +231,7 @@ def completion_request(body: dict, context_length: int) -> GenerationRequest:
     if any(isinstance(p, str) and not p for p in prompts):
         raise invalid("prompt", "'prompt' has an empty string")
     max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)
-    logprobs = _int(body, "logprobs", None, 0, 5)
-    if logprobs:
-        raise invalid("logprobs", f"'logprobs' is {logprobs}: only 0 is supported (the sampled token's log-prob, no top alternatives)")
+    logprobs = _zero_or_null(body, "logprobs")
     request = _common(body, prompts, "prompt", max_tokens, context_length)
     return dataclasses.replace(request, logprobs=logprobs is not None)
 
@@ -178,8 +263,7 @@ def chat_request(body: dict, prompt_ids: list[int], context_length: int) -> Gene
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise invalid("logprobs", f"'logprobs' must be a boolean, got {logprobs!r}")
-    if _int(body, "top_logprobs", None, 0, 20):
-        raise invalid("top_logprobs", "'top_logprobs' above 0 is not supported: the sampled token's log-prob only")
+    _zero_or_null(body, "top_logprobs")
     request = _common(body, [prompt_ids], "messages", max_tokens, context_length)
     return dataclasses.replace(request, logprobs=bool(logprobs))
 

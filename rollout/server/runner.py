@@ -51,7 +51,9 @@ class Server:
         if not self._uvicorn.started:
             self._socket.close()
             raise RuntimeError(f"the HTTP server on {self.url} did not start: {self._failed}")
-        logger.info("serving %s on %s", backend.model_name, self.url)
+        path = getattr(backend, "model_path", None)  # optional for backends written before it
+        source = f" (from {path})" if path else ""
+        logger.info("serving model '%s'%s on %s", app.state.model_name, source, self.url)
 
     def _run(self) -> None:
         try:

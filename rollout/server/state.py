@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from fastapi import Request
 
 from .backend import Backend
 from .config import ServerConfig
-from .protocol import ApiError, check_bearer, invalid
+from .errors import unavailable_error
+from .protocol import ApiError, check_bearer, invalid, parse_body
 
 
 class SharedState:
@@ -37,18 +37,14 @@ class SharedState:
             if size > limit:
                 raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        return body
+        return parse_body(b"".join(chunks))
 
     def check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is None:
             raise invalid("model", "'model' is required")
+        if not isinstance(model, str):
+            raise invalid("model", f"'model' must be a string, got {type(model).__name__}")
         self.check_model_name(model)
 
     def check_model_name(self, model: str) -> None:
@@ -70,4 +66,4 @@ class SharedState:
     def check_available(self) -> None:
         reason = self.unavailable_reason()
         if reason is not None:
-            raise ApiError(503, f"generation is paused: {reason}; retry later", type="service_unavailable", code="weights_updating")
+            raise unavailable_error(reason)

@@ -1,0 +1,243 @@
+"""The server's request parsing and error answers, with no engine: the app over a stub backend
+(issue 34). Malformed bodies are 400s naming the field before anything reaches the worker; a
+503 says why generation is paused; the start-up log names the served model."""
+
+import json
+import logging
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
+
+from rollout.errors import WorkerClosed, WorkerUnavailable
+from rollout.server import Server, ServerConfig
+from rollout.server.app import build_app
+from rollout.server.errors import api_error
+from rollout.server.protocol import MAX_JSON_DEPTH
+
+ADMIN = {"Authorization": "Bearer admin"}
+
+
+class StubBackend:
+    """:class:`rollout.server.Backend` with the tiny chat model's tokenizer and no engine: a
+    request that reaches generate or stream is recorded and fails."""
+
+    model_name = "chat"
+    model_path = "/models/chat"
+    context_length = 256
+    max_request_tokens = 256
+    weight_version = 0
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.unavailable_reason = None
+        self.kv_present = True
+        self.reached = []
+
+    async def generate(self, prompts, **sampling):
+        self.reached.append(prompts)
+        raise AssertionError("the request reached the backend")
+
+    def stream(self, prompts, **sampling):
+        self.reached.append(prompts)
+        raise AssertionError("the request reached the backend")
+
+    def drop_kv(self):
+        self.kv_present = False
+        return {}
+
+    def rebuild_kv(self):
+        self.kv_present = True
+        return {}
+
+
+@pytest.fixture(scope="module")
+def backend(chat_dir):
+    return StubBackend(AutoTokenizer.from_pretrained(chat_dir))
+
+
+@pytest.fixture(scope="module")
+def http(backend):
+    app = build_app(backend, ServerConfig(served_model_name="tiny", admin_token="admin"))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def fresh(backend):
+    backend.reached.clear()
+    backend.unavailable_reason = None
+    yield
+    assert not backend.reached, "a refused request reached the backend"
+
+
+def post(http, path: str, body, headers=None) -> httpx.Response:
+    """``body`` as JSON text (``json.dumps`` writes a lone surrogate as its ``\\ud800`` escape),
+    or raw bytes."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return http.post(path, content=content, headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+# ---- text that is not valid Unicode ------------------------------------------------------------
+
+BAD = "\ud800"  # a lone surrogate: valid JSON (as an escape), not valid Unicode
+COMPLETION = {"model": "tiny", "prompt": "1+2=", "max_tokens": 2}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "1+2="}], "max_tokens": 2}
+SURROGATES = [
+    ("stop string", "/v1/completions", {**COMPLETION, "stop": BAD}, "stop"),
+    ("stop list", "/v1/completions", {**COMPLETION, "stop": ["=", BAD]}, "stop[1]"),
+    ("streamed stop list", "/v1/completions", {**COMPLETION, "stop": ["=", BAD], "stream": True}, "stop[1]"),
+    ("chat stop string", "/v1/chat/completions", {**CHAT, "stop": BAD}, "stop"),
+    ("chat stop list", "/v1/chat/completions", {**CHAT, "stop": [BAD]}, "stop[0]"),
+    ("chat streamed stop", "/v1/chat/completions", {**CHAT, "stop": [BAD], "stream": True}, "stop[0]"),
+    ("prompt string", "/v1/completions", {**COMPLETION, "prompt": "1" + BAD}, "prompt"),
+    ("prompt list", "/v1/completions", {**COMPLETION, "prompt": ["1+2=", BAD]}, "prompt[1]"),
+    ("message content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": BAD}]}, "messages[0].content"),
+    (
+        "content part",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": BAD}]}]},
+        "messages[0].content[0].text",
+    ),
+    ("message role", "/v1/chat/completions", {**CHAT, "messages": [{"role": BAD, "content": "hi"}]}, "messages[0].role"),
+    ("model", "/v1/completions", {**COMPLETION, "model": BAD}, "model"),
+    ("chat model", "/v1/chat/completions", {**CHAT, "model": BAD}, "model"),
+    ("user", "/v1/completions", {**COMPLETION, "user": BAD}, "user"),
+    ("chat user", "/v1/chat/completions", {**CHAT, "user": BAD}, "user"),
+    ("an ignored field, nested", "/v1/chat/completions", {**CHAT, "metadata": {"tags": ["ok", BAD]}}, "metadata.tags[1]"),
+    ("a key", "/v1/completions", {**COMPLETION, BAD: 1}, None),
+    ("a nested key", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi", BAD: 1}]}, "messages[0]"),
+    # Raw UTF-8 bytes of a surrogate (ED A0 80) decode to one as well.
+    ("raw bytes", "/v1/completions", b'{"model": "tiny", "prompt": "1+2=", "stop": ["=", "\xed\xa0\x80"]}', "stop[1]"),
+    ("admin reload path", "/admin/reload_weights", {"path": "/tmp/" + BAD, "format": "hf"}, "path"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", [s[1:] for s in SURROGATES], ids=[s[0] for s in SURROGATES])
+def test_text_that_is_not_valid_unicode_is_a_400_naming_the_field(http, path, body, param):
+    found = error(post(http, path, body, headers=ADMIN), 400)
+    assert found["param"] == param
+    assert "not valid Unicode" in found["message"] and found["type"] == "invalid_request_error"
+    if param is not None:
+        assert found["message"].startswith(param + " ")
+
+
+# ---- nesting -------------------------------------------------------------------------------------
+
+DEEP = 100_000
+NESTED = [
+    ("lists, the whole body", b"[" * DEEP + b"]" * DEEP),
+    ("objects, the whole body", b'{"a":' * DEEP + b"1" + b"}" * DEEP),
+    ("lists in prompt", b'{"model": "tiny", "prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+    ("objects in stop", b'{"model": "tiny", "prompt": "1", "stop": ' + b'{"a":' * DEEP + b"1" + b"}" * DEEP + b"}"),
+    ("unclosed lists", b'{"model": "tiny", "prompt": ' + b"[" * DEEP),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/admin/reload_weights"])
+@pytest.mark.parametrize("body", [n[1] for n in NESTED], ids=[n[0] for n in NESTED])
+def test_deep_nesting_is_a_400_saying_the_body_is_malformed(http, path, body):
+    found = error(post(http, path, body, headers=ADMIN), 400)
+    assert found["param"] is None
+    assert found["message"] == f"request body is malformed: it nests deeper than {MAX_JSON_DEPTH} levels"
+
+
+def test_nesting_up_to_the_limit_is_parsed_and_brackets_in_strings_do_not_count(http):
+    # The body is depth 1: stop's value fills the other levels and is then refused as a value.
+    at_limit = {**COMPLETION, "stop": json.loads("[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1))}
+    assert error(post(http, "/v1/completions", at_limit), 400)["param"] == "stop"
+    over = {**COMPLETION, "stop": json.loads("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)}
+    assert error(post(http, "/v1/completions", over), 400)["param"] is None
+    # Brackets, quotes and backslashes inside strings are text.
+    model = '[{\\"' * DEEP
+    assert error(post(http, "/v1/completions", {**COMPLETION, "model": model}), 404)["code"] == "model_not_found"
+    # Still malformed JSON: a 400 saying so.
+    assert "not valid JSON" in error(post(http, "/v1/completions", b'{"model": "tiny", "prompt": [1, 2'), 400)["message"]
+
+
+# ---- the other fields ------------------------------------------------------------------------------
+
+
+def test_a_model_that_is_not_a_string_is_a_400(http):
+    assert error(post(http, "/v1/completions", {**COMPLETION, "model": ["tiny"]}), 400)["param"] == "model"
+
+
+@pytest.mark.parametrize("value", [1, 2, 5, 6, -1, 2.5, True, "0"])
+def test_every_refused_logprobs_gets_one_truthful_message(http, value):
+    found = error(post(http, "/v1/completions", {**COMPLETION, "logprobs": value}), 400)
+    assert found["param"] == "logprobs"
+    assert found["message"] == f"'logprobs' must be 0 or null: only the sampled token's log-prob is returned, no top alternatives (got {value!r})"
+
+
+@pytest.mark.parametrize("value", [1, 20, 21, -1, "0"])
+def test_every_refused_top_logprobs_gets_one_truthful_message(http, value):
+    found = error(post(http, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": value}), 400)
+    assert found["param"] == "top_logprobs"
+    assert found["message"] == f"'top_logprobs' must be 0 or null: only the sampled token's log-prob is returned, no top alternatives (got {value!r})"
+
+
+# ---- 503s ------------------------------------------------------------------------------------------
+
+# The worker's reasons (RolloutWorker.unavailable_reason, WorkerUnavailable.reason) -> code, words.
+REASONS = [
+    ("a train step is running", "released_for_training", "the KV cache is released for training (a train step is running)"),
+    (
+        "a train step ran since the last sync_params",
+        "released_for_training",
+        "the KV cache is released for training (a train step ran since the last sync_params)",
+    ),
+    ("weights are being swapped", "weights_updating", "weights are being swapped"),
+    ("weights are being reloaded", "weights_updating", "weights are being reloaded"),
+    ("weights are being perturbed", "weights_updating", "weights are being perturbed"),
+    ("the KV cache is being dropped", "kv_cache_updating", "the KV cache is being dropped"),
+    ("the KV cache is being rebuilt", "kv_cache_updating", "the KV cache is being rebuilt"),
+    ("the weights of engine 1 were freed", "weights_freed", "the weights of engine 1 were freed"),
+    ("something new", "unavailable", "something new"),
+]
+
+
+@pytest.mark.parametrize("reason,code,words", REASONS, ids=[r[1] + ": " + r[0] for r in REASONS])
+def test_a_paused_worker_is_a_503_saying_why(http, backend, reason, code, words):
+    backend.unavailable_reason = reason
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", {**CHAT, "stream": True})):
+        response = post(http, path, body)
+        found = error(response, 503)
+        assert found["code"] == code and found["type"] == "service_unavailable"
+        assert words in found["message"] and "retry" in found["message"]
+        assert response.headers["retry-after"] == "1"
+    # Raised by the worker once admitted: the same answer.
+    assert api_error(WorkerUnavailable(reason, f"{reason}: details")).body()["error"]["code"] == code
+
+
+def test_a_closed_worker_is_a_503_without_retry_after(http, backend):
+    backend.unavailable_reason = "the worker is closed"
+    response = post(http, "/v1/completions", COMPLETION)
+    found = error(response, 503)
+    assert found["code"] == "worker_closed" and "shutting down" in found["message"]
+    assert "retry-after" not in response.headers
+    assert api_error(WorkerClosed()).code == "worker_closed"
+
+
+def test_a_kv_cache_dropped_through_admin_is_a_503_saying_so(http, backend):
+    assert post(http, "/admin/drop_kv", {}, headers=ADMIN).status_code == 200
+    try:
+        found = error(post(http, "/v1/completions", COMPLETION), 503)
+        assert found["code"] == "kv_cache_dropped" and "/admin/rebuild_kv" in found["message"]
+    finally:
+        assert post(http, "/admin/rebuild_kv", {}, headers=ADMIN).status_code == 200
+
+
+# ---- start-up ----------------------------------------------------------------------------------
+
+
+def test_the_start_up_log_names_the_served_model_and_its_path(backend, caplog):
+    with caplog.at_level(logging.INFO, "rollout.server"), Server(backend, ServerConfig(port=0, served_model_name="qwen")) as server:
+        url = server.url
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("serving"))
+    assert line == f"serving model 'qwen' (from /models/chat) on {url}"
