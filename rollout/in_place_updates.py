@@ -88,7 +88,6 @@ def reads_stale_weights(platform: str) -> bool:
 
 def _dot_after_donated_update(device) -> tuple[bool, bool]:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     # 64 rows against a 512 x 512 weight: XLA:CPU 0.8 packs the weights of dots this size

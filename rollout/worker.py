@@ -43,7 +43,7 @@ from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
-from .engine import EngineError, EngineHandle, GenerateOutput
+from .engine import EngineHandle, GenerateOutput
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable, check_limit
 from .gate import EngineGate
 from .group import EngineGroup, merge

@@ -10,6 +10,7 @@ os.environ["XLA_FLAGS"] = (
 
 import pytest  # noqa: E402
 
+import rollout  # noqa: E402, F401 - before any JAX computation: the XLA flags it sets (rollout/in_place_updates.py)
 from models.tiny import TinyModelSpec, write_tiny_model  # noqa: E402
 
 
