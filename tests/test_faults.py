@@ -2,6 +2,7 @@
 their statuses, admission limits, NaN on every load path, OpenAI conformance details."""
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import json
@@ -506,6 +507,48 @@ def test_a_cancelled_agenerate_aborts_its_rows(worker):
 
     start = asyncio.run(cancelled())
     assert abandoned_forwards(worker, start) < LONG // 4
+
+
+def test_a_cancel_storm_leaves_nothing_to_compile_or_wait_for(worker, chat_dir):
+    """50 agenerate calls of varied shapes cancelled at varied moments while in-flight swaps
+    run: afterwards no call, request or KV slot is left, and a drain sync on the warmed worker
+    (its tree synced once: a tree's first sync compiles its plan, 2 programs) compiles nothing
+    and waits for nothing."""
+    import random
+
+    params = load_hf_params(chat_dir)
+    worker.sync_params(params)
+    rng = random.Random(0)
+    engine = worker.engine
+
+    async def storm():
+        async def cancelled_call(i):
+            prompt = [rng.randrange(5, 300) for _ in range(rng.randrange(2, 40))]
+            call = asyncio.ensure_future(
+                worker.agenerate([prompt], n=rng.choice([1, 2, 4]), max_new_tokens=rng.randrange(4, 64), ignore_eos=True)
+            )
+            # Cancelled before admission, while queued, mid-prefill or mid-decode.
+            for _ in range(i % 7):
+                await asyncio.sleep(0)
+            if i % 3:
+                while engine.forward_count == start and not call.done():
+                    await asyncio.sleep(0.001)
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+
+        async def swaps():
+            for _ in range(5):
+                await asyncio.to_thread(worker.sync_params, params, in_flight=True)
+
+        start = engine.forward_count
+        await asyncio.gather(*(cancelled_call(i) for i in range(50)), swaps())
+
+    asyncio.run(storm())
+    wait_until(lambda: engine.requests_in_flight == 0 and worker.active_calls == 0)
+    assert engine.kv_tokens_held() == 0
+    report = worker.sync_params(params)
+    assert report.compiles == 0 and report.seconds < 1.0, report
 
 
 @pytest.mark.one_end
