@@ -1,19 +1,28 @@
 """Multi-process jobs: join one (``jax.distributed.initialize`` from flags or environment
-variables) or launch N local processes of a program (CPU runs and tests on one machine)."""
+variables), leave it (also after a process was lost), or launch N local processes of a program
+(CPU runs and tests on one machine; ``python -m rollout.launch -n 2 -- prog.py args...``)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
+import math
 import os
+import queue
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
+
+from . import pod
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +63,58 @@ def join(
     return True
 
 
+def leave(code: int = 0, *, timeout_s: float = 60.0) -> NoReturn:
+    """End this process of the job with exit status ``code``; it never returns. Call it last,
+    after ``worker.close()``.
+
+    Every process alive: ``jax.distributed.shutdown()`` (JAX's barrier: each process waits there
+    until every process has left), then ``sys.exit(code)``. Outside a job: ``sys.exit(code)``.
+
+    After a :class:`PodError` named a process that did not arrive (``rollout.pod.gone_processes()``):
+    JAX's client cannot disconnect without its shutdown barrier, which waits for the lost process
+    until ``heartbeat_timeout_s`` and then terminates this one with status 1 however the error was
+    handled (jax 0.8 to 0.12; a shorter shutdown timeout only terminates it sooner). So the
+    process flushes its logs and ends with ``os._exit(code)``, skipping atexit hooks (finish
+    checkpoint writes first). Bound: at once (one key-value write), except on process 0 while
+    other processes survive: its exit ends JAX's coordination service, and JAX terminates every
+    process still connected to it, so process 0 first waits for the others to call ``leave`` (at
+    most ``timeout_s``), then 2 s for their exits to land. Between the loss and ``leave`` a survivor
+    may go on (generation is local) for up to ``heartbeat_timeout_s``: then JAX terminates it.
+    """
+    import jax
+
+    if not jax.distributed.is_initialized():
+        sys.exit(code)
+    gone = pod.gone_processes()
+    if not gone:
+        jax.distributed.shutdown()
+        sys.exit(code)
+    logger.warning(
+        "process %d leaves the job without JAX's shutdown barrier: process(es) %s gone", jax.process_index(), sorted(gone)
+    )
+    if jax.process_index() != 0:
+        _flush()  # before announcing: after it, only the exit itself is left
+    late = pod.announce_leaving(timeout_s)
+    if late:
+        logger.warning("process(es) %s did not leave within %g s; JAX will terminate them", list(late), timeout_s)
+    if jax.process_index() == 0 and len(gone | set(late) | {0}) < jax.process_count():
+        # The others announced just before their os._exit: let it land before the coordination
+        # service goes (no signal of another host's exit exists to wait on).
+        time.sleep(_EXIT_LANDING_S)
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+# How long process 0 lets the other survivors' exits land after they announced them.
+_EXIT_LANDING_S = 2.0
+
+
 def free_port() -> int:
     """A loopback port nobody listens on now (the coordinator binds it moments later)."""
     with socket.socket() as s:
@@ -64,8 +125,31 @@ def free_port() -> int:
 @dataclasses.dataclass(frozen=True)
 class ProcessResult:
     process_id: int
-    returncode: int | None  # None: killed at the timeout
+    returncode: int | None  # None: the launcher stopped it (``stopped`` says why)
     log: str  # its stdout and stderr
+    stopped: str = ""  # why the launcher stopped it: its timeout, or another process failing first
+    seconds: float = 0.0  # from the launch to its end
+
+    @property
+    def ended(self) -> str:
+        """How it ended, in words: 'exit status 0', 'killed by SIGKILL', 'stopped: ...'."""
+        if self.returncode is None:
+            return f"stopped: {self.stopped}"
+        return _how(self.returncode)
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+# A stopped process gets SIGTERM, then SIGKILL this much later: a process of a JAX job takes
+# SIGTERM as a preemption notice and goes on (JAX's preemption notifier).
+_KILL_AFTER_S = 5.0
 
 
 def launch_local(
@@ -74,33 +158,131 @@ def launch_local(
     *,
     devices_per_process: int | None = None,
     timeout_s: float = 600.0,
+    grace_s: float = 0.0,
     env: Mapping[str, str] | None = None,
 ) -> list[ProcessResult]:
     """Run ``python argv...`` as ``num_processes`` processes of one JAX job on this machine
     (coordinator on a free loopback port) and wait for all of them, at most ``timeout_s``
-    (then the rest are killed). ``devices_per_process`` fakes that many host-platform devices
-    in each process (``--xla_force_host_platform_device_count``)."""
+    (``math.inf``: no limit). Once a process fails (a non-zero exit status or a signal), the
+    others may go on for ``grace_s`` (to handle their ``PodError`` and ``leave()``), then they are
+    stopped: SIGTERM, SIGKILL 5 s later. The results are in process order; a stopped process's
+    ``stopped`` names the process that failed first and how. ``devices_per_process`` fakes that
+    many host-platform devices in each process (``--xla_force_host_platform_device_count``)."""
     base = {**os.environ, **(env or {})}
     base.update({COORDINATOR_ENV: f"127.0.0.1:{free_port()}", NUM_PROCESSES_ENV: str(num_processes)})
     if devices_per_process is not None:
         flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", base.get("XLA_FLAGS", ""))
         base["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}".strip()
     with tempfile.TemporaryDirectory(prefix="rollout-launch-") as logs:
-        procs = []
-        for i in range(num_processes):
-            log = open(Path(logs) / f"{i}.log", "w")  # closed below, after the process ends
-            procs.append((subprocess.Popen([sys.executable, *argv], env={**base, PROCESS_ID_ENV: str(i)}, stdout=log, stderr=subprocess.STDOUT), log))
-        deadline = time.monotonic() + timeout_s
-        codes: list[int | None] = []
-        for proc, _ in procs:
-            try:
-                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                codes.append(None)
-        results = []
-        for i, ((_, log), code) in enumerate(zip(procs, codes)):
-            log.close()
-            results.append(ProcessResult(i, code, (Path(logs) / f"{i}.log").read_text(errors="replace")))
-    return results
+        procs: list[subprocess.Popen] = []
+        ends: queue.Queue[int] = queue.Queue()
+        start = time.monotonic()
+        try:
+            for i in range(num_processes):
+                with open(Path(logs) / f"{i}.log", "w") as log:  # the child keeps its own copy
+                    env_i = {**base, PROCESS_ID_ENV: str(i)}
+                    procs.append(subprocess.Popen([sys.executable, *argv], env=env_i, stdout=log, stderr=subprocess.STDOUT))
+                # One waiter per child: the launcher wakes on whichever ends first.
+                threading.Thread(target=lambda p=procs[i], i=i: (p.wait(), ends.put(i)), daemon=True).start()
+            seconds, stopped = _supervise(procs, ends, start, timeout_s, grace_s)
+        finally:
+            for proc in procs:  # left running only when the launcher itself was interrupted
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        return [
+            ProcessResult(
+                i,
+                None if i in stopped else proc.returncode,
+                (Path(logs) / f"{i}.log").read_text(errors="replace"),
+                stopped.get(i, ""),
+                seconds.get(i, time.monotonic() - start),
+            )
+            for i, proc in enumerate(procs)
+        ]
+
+
+def _supervise(
+    procs: list[subprocess.Popen], ends: queue.Queue, start: float, timeout_s: float, grace_s: float
+) -> tuple[dict[int, float], dict[int, str]]:
+    """Wait for every process to end; stop the rest at the timeout, or ``grace_s`` after the
+    first failure. (seconds each ran, why each stopped one was stopped)."""
+    pending = set(range(len(procs)))
+    seconds: dict[int, float] = {}
+    stopped: dict[int, str] = {}
+    stop_at, reason = start + timeout_s, f"the launch's {timeout_s:g} s timeout"
+    signalled = None  # the signal the pending processes got last
+    failed = False
+    while pending:
+        wait = None if math.isinf(stop_at) else max(0.0, stop_at - time.monotonic())
+        try:
+            i = ends.get(timeout=wait)
+        except queue.Empty:
+            if signalled == signal.SIGKILL:
+                logger.warning("process(es) %s did not end %g s after SIGKILL", sorted(pending), _KILL_AFTER_S)
+                break
+            signalled = signal.SIGTERM if signalled is None else signal.SIGKILL
+            for j in pending:
+                stopped.setdefault(j, reason)
+                procs[j].send_signal(signalled)
+            stop_at = time.monotonic() + _KILL_AFTER_S
+            continue
+        pending.discard(i)
+        seconds[i] = time.monotonic() - start
+        code = procs[i].returncode
+        if code != 0 and not failed and signalled is None:
+            failed = True
+            if pending:
+                logger.warning("process %d failed (%s): the others are stopped in %g s", i, _how(code), grace_s)
+            if time.monotonic() + grace_s < stop_at:
+                stop_at, reason = time.monotonic() + grace_s, f"process {i} failed first ({_how(code)})"
+    return seconds, stopped
+
+
+def exit_status(results: Sequence[ProcessResult]) -> int:
+    """One exit status for a launch: 0 when every process exited 0, else that of the process that
+    failed first by itself (a signal as 128 + its number, as shells do; 124 when the launcher
+    only stopped processes at its timeout)."""
+    failures = sorted((r for r in results if r.returncode not in (0, None)), key=lambda r: r.seconds)
+    if failures:
+        code = failures[0].returncode
+        return 128 - code if code < 0 else code
+    return 124 if any(r.returncode is None for r in results) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rollout.launch -n N [options] -- prog.py args...`` (or ``-- -m module args...``):
+    :func:`launch_local` as a command. Prints each process's output after the run, then how each
+    ended; exits with :func:`exit_status`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        argv.append("--")  # argparse then reports what is missing
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout.launch",
+        usage="%(prog)s -n N [options] -- prog.py args... | -m module args...",
+        description="Run a Python program as N processes of one JAX job on this machine "
+        "(coordinator on a free loopback port; JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
+        "JAX_PROCESS_ID set for rollout.launch.join()).",
+    )
+    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument("--devices-per-process", type=int, help="fake host-platform (CPU) devices per process")
+    parser.add_argument("--timeout", type=float, default=math.inf, help="seconds; then every process is stopped (default: none)")
+    parser.add_argument("--grace", type=float, default=0.0, help="seconds the others may go on after one fails (default: 0)")
+    args = parser.parse_args(argv[:split])
+    program = argv[split + 1 :]
+    if not program:
+        parser.error("no program after --")
+    results = launch_local(
+        program, args.num_processes, devices_per_process=args.devices_per_process, timeout_s=args.timeout, grace_s=args.grace
+    )
+    for r in results:
+        sys.stdout.write(f"--- process {r.process_id} ({r.ended}) ---\n{r.log}")
+    sys.stdout.flush()
+    for r in results:
+        sys.stderr.write(f"process {r.process_id}: {r.ended} after {r.seconds:.1f} s\n")
+    return exit_status(results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

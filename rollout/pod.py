@@ -7,6 +7,8 @@ Before any collective, each process publishes a cheap fingerprint of its call (n
 structure) in the JAX distributed runtime's key-value store and reads every other process's,
 waiting at most ``timeout_s``: a disagreement or a process that never arrives is a
 :class:`PodError` naming the processes, instead of a collective that hangs or mixes trees.
+The processes such an error named as not arriving are remembered (:func:`gone_processes`), so
+that ``rollout.launch.leave`` ends this process without waiting for them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ logger = logging.getLogger(__name__)
 # Workers are created in the same order by every process (creation is itself an SPMD call):
 # the n-th worker of each process shares the key namespace ``rollout/<n>/``.
 _worker_numbers = itertools.count()
+
+# Processes a PodError of this process named as not arriving (lost, stuck, or skipping calls), and
+# the coordination service's host when it was unreachable: the job is broken for them.
+_gone: set[int] = set()
+
+# Where each process announces that it is leaving (once per process: rollout.launch.leave).
+_LEAVING_PREFIX = "rollout/leaving/"
 
 
 class PodError(RuntimeError):
@@ -123,6 +132,7 @@ class Pod:
         try:
             action(client)
         except Exception as exc:  # the runtime raises its own status errors
+            _gone.add(0)
             raise PodError(
                 f"{call}: the JAX coordination service (process 0) is unreachable: {exc}", (0,)
             ) from exc
@@ -138,6 +148,7 @@ class Pod:
             except Exception:  # deadline exceeded, or the coordination service is gone
                 missing.append(p)
         if missing:
+            _gone.update(missing)
             raise PodError(
                 f"{call}: process(es) {missing} did not reach this call within {self.timeout_s:g} s "
                 "(WorkerConfig.pod_timeout_s): they skipped it, are stuck, or were lost. Restart the "
@@ -145,3 +156,34 @@ class Pod:
                 tuple(missing),
             )
         return {p: v for p, v in values.items()}
+
+
+def gone_processes() -> frozenset[int]:
+    """The processes a :class:`PodError` in this process named as not arriving (lost, stuck or
+    skipping calls; 0 when the coordination service was unreachable)."""
+    return frozenset(_gone)
+
+
+def announce_leaving(timeout_s: float) -> tuple[int, ...]:
+    """Tell the other processes that this one is leaving. On process 0, which hosts JAX's
+    coordination service, then wait at most ``timeout_s`` for every process not gone to say the
+    same (process 0's exit ends the service, and JAX terminates every process still connected to
+    it). Returns the processes process 0 stopped waiting for; () elsewhere."""
+    me, count = jax.process_index(), jax.process_count()
+    client = _client()
+    try:
+        client.key_value_set(_LEAVING_PREFIX + str(me), "1")
+    except Exception:  # the coordination service is gone: nobody to tell
+        return ()
+    if me != 0:
+        return ()
+    deadline = time.monotonic() + timeout_s
+    late = []
+    for p in range(1, count):
+        if p in _gone:
+            continue
+        try:
+            client.blocking_key_value_get(_LEAVING_PREFIX + str(p), max(1, int((deadline - time.monotonic()) * 1000)))
+        except Exception:  # deadline exceeded
+            late.append(p)
+    return tuple(late)

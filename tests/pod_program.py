@@ -2,7 +2,7 @@
 ``rollout.launch.launch_local``): many checks per launch, since a launch costs engine start-ups.
 
 Usage: python -m tests.pod_program MODEL_DIR OUT_DIR. Writes OUT_DIR/<process>.json after each
-step (a later step may kill a process), then exits.
+step (a later step kills process 1), then process 0 leaves with ``rollout.launch.leave``.
 """
 
 import json
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from rollout import PodError, RolloutWorker  # noqa: E402
-from rollout.launch import join  # noqa: E402
+from rollout.launch import join, leave  # noqa: E402
 from tests.helpers import tiny_worker_config  # noqa: E402
 from trainer_bridge import flatten_params, load_hf_params, restore_params, unflatten_params  # noqa: E402
 
@@ -140,10 +140,12 @@ def main(model_dir: str, out_dir: str) -> None:
         worker.drop_kv()
     except PodError as exc:
         results["next_call_after_loss"] = {"message": str(exc), "processes": list(exc.processes), "seconds": time.perf_counter() - start}
-    save()
     worker.close()
-    # Not jax.distributed.shutdown(): its barrier would wait for the killed process.
-    os._exit(0)
+    results["leaving_at"] = time.monotonic()  # CLOCK_MONOTONIC: the test compares it with its own
+    save()
+    # The way out after a loss (README 'Pods'): JAX's shutdown barrier would wait for the killed
+    # process until the heartbeat timeout, then end this one with status 1.
+    leave(0)
 
 
 if __name__ == "__main__":

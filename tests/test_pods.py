@@ -3,6 +3,7 @@ against one process with the same 4 engines. One launch of ``tests/pod_program.p
 every multi-process check (engine start-ups are the cost); the tests read its results."""
 
 import json
+import time
 
 import jax
 import pytest
@@ -15,15 +16,21 @@ from tests.test_grpo import run_grpo
 from trainer_bridge import load_hf_params
 
 LAUNCH_TIMEOUT_S = 420
+# leave() after a loss in a job of 2 ends the survivor at once; this also covers the launcher
+# noticing the exit on a loaded machine. JAX's own way out takes the heartbeat timeout (300 s).
+LEAVE_BOUND_S = 10
 
 
 @pytest.fixture(scope="module")
 def pod(qwen2_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("pod")
-    runs = launch_local(["-m", "tests.pod_program", str(qwen2_dir), str(out)], 2, devices_per_process=2, timeout_s=LAUNCH_TIMEOUT_S)
-    logs = "\n".join(f"--- process {r.process_id} (exit {r.returncode}):\n{r.log[-3000:]}" for r in runs)
+    # Process 1 is killed on purpose: process 0 goes on (grace_s) until it leaves by itself.
+    argv = ["-m", "tests.pod_program", str(qwen2_dir), str(out)]
+    runs = launch_local(argv, 2, devices_per_process=2, timeout_s=LAUNCH_TIMEOUT_S, grace_s=LAUNCH_TIMEOUT_S)
+    returned_at = time.monotonic()
+    logs = "\n".join(f"--- process {r.process_id} ({r.ended}):\n{r.log[-3000:]}" for r in runs)
     results = [json.loads((out / f"{i}.json").read_text()) if (out / f"{i}.json").exists() else {} for i in range(2)]
-    return runs, results, logs
+    return runs, results, logs, returned_at
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +42,7 @@ def one_process(qwen2_dir):
 
 
 def _both(pod, key):
-    runs, results, logs = pod
+    runs, results, logs, _ = pod
     assert all(key in r for r in results), f"{key} missing from a process's results\n{logs}"
     return [r[key] for r in results]
 
@@ -82,8 +89,8 @@ def test_disagreeing_calls_are_a_named_error_and_change_nothing(pod):
     assert _both(pod, "after_disagreement_greedy") == _both(pod, "greedy")
 
 
-def test_a_process_killed_mid_sync_is_named_within_the_bound(pod):
-    runs, results, logs = pod
+def test_a_process_killed_mid_sync_is_named_within_the_bound_and_the_survivor_leaves(pod):
+    runs, results, logs, returned_at = pod
     assert runs[1].returncode == -9 and runs[0].returncode == 0, logs
     survivor = results[0]
     bound = pod_program.LOSS_TIMEOUT_S + 15  # the roll call's wait, plus the failed collective
@@ -92,6 +99,9 @@ def test_a_process_killed_mid_sync_is_named_within_the_bound(pod):
         assert survivor[key]["seconds"] < bound, survivor[key]
     # Generation is per process: the survivor's engines still serve.
     assert survivor["greedy_after_loss"] == survivor["greedy"]
+    # Then rollout.launch.leave(0) ends it with status 0 (above) at once, not after JAX's
+    # heartbeat timeout with status 1.
+    assert returned_at - survivor["leaving_at"] < LEAVE_BOUND_S, (returned_at - survivor["leaving_at"], logs)
 
 
 @pytest.mark.example_run

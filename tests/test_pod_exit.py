@@ -1,0 +1,75 @@
+"""Ending a multi-process job: ``rollout.launch.leave`` (also after a process was lost) and the
+local launcher stopping the others when one fails, as a function and as ``python -m
+rollout.launch``. Small jobs without engines (``tests/pod_leave_program.py``, or a few lines of
+Python), so each launch takes seconds."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollout.launch import exit_status, launch_local
+from tests import pod_leave_program
+
+# leave() after a loss in a job of 2 ends the survivor at once; this also covers the launcher
+# noticing the exit on a loaded machine. JAX's own way out takes the heartbeat timeout.
+LEAVE_BOUND_S = 10
+LAUNCH_TIMEOUT_S = 240
+
+# Process 0 ignores SIGTERM (as a process of a JAX job does) and would wait far longer than any
+# launch timeout below unless the launcher kills it; process 1 fails once process 0 is ready.
+FAIL_ONE = """
+import os, pathlib, signal, sys, threading, time
+ready = pathlib.Path({ready!r})
+if os.environ["JAX_PROCESS_ID"] == "0":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.touch()
+    print("process 0 waits", flush=True)
+    threading.Event().wait(600)
+deadline = time.monotonic() + 120
+while not ready.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+{failure}
+"""
+
+
+@pytest.mark.parametrize("mode", ["lost", "clean"])
+def test_leave_ends_every_survivor_with_its_status_at_once(tmp_path, mode):
+    argv = ["-m", "tests.pod_leave_program", str(tmp_path), mode]
+    # The killed process is on purpose: the survivor goes on (grace_s) until it leaves by itself.
+    runs = launch_local(argv, 2, timeout_s=LAUNCH_TIMEOUT_S, grace_s=LAUNCH_TIMEOUT_S)
+    returned_at = time.monotonic()
+    logs = "\n".join(f"--- process {r.process_id} ({r.ended}):\n{r.log[-3000:]}" for r in runs)
+    survivor = json.loads((tmp_path / "0.json").read_text())
+    if mode == "lost":
+        assert [r.returncode for r in runs] == [0, -9], logs
+        assert survivor["lost"] == [1]
+        # Not JAX's shutdown barrier: that waits for the lost process until the heartbeat timeout,
+        # then ends the survivor with status 1.
+        assert returned_at - survivor["leaving_at"] < LEAVE_BOUND_S < pod_leave_program.HEARTBEAT_TIMEOUT_S, logs
+    else:
+        assert [r.returncode for r in runs] == [0, 0], logs
+
+
+def test_launch_local_stops_the_others_when_one_dies(tmp_path):
+    code = FAIL_ONE.format(ready=str(tmp_path / "ready"), failure="os.kill(os.getpid(), signal.SIGKILL)")
+    runs = launch_local(["-c", code], 2, timeout_s=LAUNCH_TIMEOUT_S)
+    assert runs[1].returncode == -9 and runs[1].ended == "killed by SIGKILL" and runs[1].stopped == ""
+    # SIGTERM first, then SIGKILL: process 0 ignores SIGTERM.
+    assert runs[0].returncode is None, runs[0]
+    assert runs[0].stopped == "process 1 failed first (killed by SIGKILL)", runs[0]
+    assert exit_status(runs) == 128 + 9
+
+
+def test_the_launch_command_names_the_failed_process_and_exits_with_its_status(tmp_path):
+    code = FAIL_ONE.format(ready=str(tmp_path / "ready"), failure="sys.exit(3)")
+    command = [sys.executable, "-m", "rollout.launch", "-n", "2", "--timeout", str(LAUNCH_TIMEOUT_S), "--", "-c", code]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S + 60)
+    assert done.returncode == 3, done
+    assert "process 1: exit status 3" in done.stderr, done.stderr
+    assert "process 0: stopped: process 1 failed first (exit status 3)" in done.stderr, done.stderr
+    # Each process's output, under its heading.
+    assert "--- process 0 (stopped: process 1 failed first (exit status 3)) ---\nprocess 0 waits\n" in done.stdout, done.stdout
+    assert "--- process 1 (exit status 3) ---\n" in done.stdout, done.stdout
