@@ -127,7 +127,8 @@ def test_keyed_draw_draws_from_the_given_distribution():
         jnp.full((rows,), 7, dtype=jnp.int32),
         None,
     )
-    draws, log_probs = map(np.asarray, jax.jit(patches._draw_with_logprobs)(operands))
+    draws, log_probs, kept = map(np.asarray, jax.jit(patches._draw_with_logprobs)(operands))
+    assert (kept == 4).all()  # nothing filtered: the whole vocabulary
     freq = np.bincount(draws, minlength=4) / rows
     np.testing.assert_allclose(freq, probs, atol=0.03)
     np.testing.assert_allclose(log_probs, np.log(np.asarray(probs))[draws], atol=1e-6)

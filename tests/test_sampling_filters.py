@@ -164,8 +164,9 @@ def test_rows_draw_the_same_whether_or_not_another_row_filters():
         return map(np.asarray, jax.jit(patches._draw_with_logprobs)(operands))
 
     everything = [2**30] * rows
-    plain_ids, plain_logps = sample(everything, [1.0] * rows)
-    mixed_ids, mixed_logps = sample([2**30, 1, 2**30, 2**30, 2**30, 20], [1.0, 1.0, 1.0, 0.5, 1.0, 1.0])
+    plain_ids, plain_logps, plain_kept = sample(everything, [1.0] * rows)
+    mixed_ids, mixed_logps, mixed_kept = sample([2**30, 1, 2**30, 2**30, 2**30, 20], [1.0, 1.0, 1.0, 0.5, 1.0, 1.0])
+    assert (plain_kept == vocab).all() and (mixed_kept[[0, 2, 4]] == vocab).all() and mixed_kept[5] == 20
     free = [0, 2, 4]
     np.testing.assert_array_equal(mixed_ids[free], plain_ids[free])
     np.testing.assert_allclose(mixed_logps[free], plain_logps[free], atol=1e-5)
@@ -175,4 +176,4 @@ def test_rows_draw_the_same_whether_or_not_another_row_filters():
     assert mixed_ids[5] in np.argsort(-np.asarray(logits[5]))[:20]
     order = np.argsort(-np.asarray(reference[3]))
     kept = order[: np.searchsorted(np.cumsum(np.exp(np.asarray(reference[3])[order])), 0.5) + 1]
-    assert mixed_ids[3] in kept
+    assert mixed_ids[3] in kept and mixed_kept[3] == len(kept)
