@@ -21,6 +21,18 @@ def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> np.ndarray:
     return (centered / (groups.std(axis=1, keepdims=True) + eps)).reshape(-1)
 
 
+def frac_reward_zero_std(rewards, group_size: int) -> jax.Array:
+    """The fraction of groups (``group_size`` consecutive rows) whose samples all earned the
+    same reward, TRL's ``frac_reward_zero_std``: their advantages are 0, they teach nothing.
+    At 1 a step's update has no signal at all. ``rewards`` may be a global (sharded) array."""
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if group_size < 1 or rewards.size % group_size:
+        raise ValueError(f"{rewards.size} rewards do not split into groups of {group_size}")
+    groups = rewards.reshape(-1, group_size)
+    # Equal, not a std under some eps: a group of one repeated reward is what zeroes the advantages.
+    return jnp.mean(groups.max(axis=1) == groups.min(axis=1))
+
+
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """log p(tokens[:, t] | tokens[:, :t]) for t >= 1: shape [B, T - 1]."""
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)

@@ -22,7 +22,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from examples.critic import CRITIC_MODES, ValueHead, init_critic
 from examples.grpo_math import ppo_clip_loss, token_logprobs
@@ -38,7 +37,7 @@ from examples.ppo_math import (
     token_rewards,
 )
 from examples.rl_loop import QWEN25_3B, Policy, RLConfig, Rollout, cli, mismatch_metrics, parse_args as parse_config, run
-from examples.rl_update import make_train_step, run_updates
+from examples.rl_update import make_optimizer, make_train_step, run_updates
 
 OLD_LOGPROBS = ("trainer", "engine")
 
@@ -119,8 +118,8 @@ class PPO:
         self.config = config
         model = policy.model
         self.optimizers = {
-            "params": ("opt_state", optax.chain(optax.clip_by_global_norm(1.0), optax.adam(config.learning_rate))),
-            "critic": ("critic_opt_state", optax.chain(optax.clip_by_global_norm(1.0), optax.adam(config.critic_learning_rate))),
+            "params": ("opt_state", make_optimizer(config.learning_rate, config.warmup_updates)),
+            "critic": ("critic_opt_state", make_optimizer(config.critic_learning_rate, config.warmup_updates)),
         }
         self.critic, critic_model = init_critic(config.critic, model, policy.params, config.seed)
         # The reference is the initial policy, also after a resume; a copy (the train step donates).
@@ -186,8 +185,9 @@ class PPO:
         if config.old_logprobs == "engine":
             old = rollout.rows(rollout.batch.logprobs[:, 1:])
             old_values = self.values(trees, *inputs)
+            entropy = None
         else:
-            old, _, old_values = self.forward(trees, *inputs)
+            old, entropy, old_values = self.forward(trees, *inputs)
         stats = {}
         kl = None
         if self.ref_params is not None:
@@ -207,6 +207,9 @@ class PPO:
             seed=config.seed, step=rollout.step,
         )
         stats.update({k: v for k, v in last.items() if not k.startswith("logprob_diff")})
+        # The entropy logged is the rollout policy's on its sampled tokens (the old log-probs'
+        # forward; with the engine's old log-probs, the first train step's, before any update).
+        stats["entropy"] = first["entropy"] if entropy is None else masked_mean(entropy, mask)
         if config.old_logprobs == "engine":
             # The first train step's log-probs are the trainer's before any update: against the
             # engine's, they are the mismatch (on the first minibatch; no extra forward).

@@ -76,8 +76,10 @@ class RLConfig:
     prompts_per_step: int = 8
     max_prompt_tokens: int = 8
     max_new_tokens: int = 3
+    max_operand: int = 9  # tiny presets: the task is a+b= with digits a, b in [0, max_operand]
     temperature: float = 1.0
     learning_rate: float = 6e-4
+    warmup_updates: int = 0  # train steps over which the learning rates ramp up linearly from 0
     ppo_epochs: int = 2
     minibatches: int = 1  # train steps per epoch, each on a shuffled 1/minibatches of the rows
     clip_eps: float = 0.2
@@ -134,6 +136,10 @@ class RLConfig:
                 f"kv_tokens={self.kv_tokens} cannot hold one step: {rows} rows x "
                 f"({self.max_prompt_tokens} + {self.max_new_tokens}) tokens"
             )
+        if self.warmup_updates < 0:
+            raise ValueError(f"warmup_updates must be >= 0, got {self.warmup_updates}")
+        if not 0 <= self.max_operand <= 9:
+            raise ValueError(f"max_operand must be a digit (0-9), got {self.max_operand}")
         if self.local_processes < 1:
             raise ValueError(f"local_processes must be >= 1, got {self.local_processes}")
         if self.preset not in TINY_MODELS and (self.model is None or self.dataset is None):
@@ -187,8 +193,8 @@ class Policy:
 
 # What a resume in the same output dir must share with the run that wrote its checkpoints: the
 # initial model (the tiny presets build theirs from the seed), the prompts (drawn from (seed,
-# step)) and the task.
-RUN_IDENTITY = ("preset", "model", "dataset", "seed")
+# step)) and the task (the tiny presets' operand range).
+RUN_IDENTITY = ("preset", "model", "dataset", "seed", "max_operand")
 
 
 def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
@@ -260,7 +266,7 @@ class Task:
         prompts an uninterrupted one would."""
         rng = np.random.default_rng([self.config.seed, step])
         if self.pool is None:
-            return addition_problems(rng, count)
+            return addition_problems(rng, count, self.config.max_operand)
         return [self.pool[i] for i in rng.choice(len(self.pool), count, replace=False)]
 
 
@@ -490,7 +496,8 @@ def _save(manager, state: TrainState) -> None:
 
 def _postfix(record: dict, algorithm: Algorithm) -> dict[str, str]:
     fields = (
-        ("reward", "reward", "{:.3f}"), ("kl", "approx_kl", "{:.4f}"), ("clip", "clip_fraction", "{:.3f}"),
+        ("reward", "reward", "{:.3f}"), ("solved", "solved", "{:.2f}"), ("ent", "entropy", "{:.2f}"),
+        ("kl", "approx_kl", "{:.4f}"), ("clip", "clip_fraction", "{:.3f}"),
         *algorithm.progress_fields, ("sync", "sync_s", "{:.2f}s"), ("gen", "generate_s", "{:.2f}s"),
         ("dlogp", "mismatch_mean", "{:.1e}"),
     )
@@ -585,7 +592,7 @@ def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
     if config.local_processes > 1 and not os.environ.get(PROCESS_ID_ENV):
         results = launch_local(["-m", f"examples.{name}", *sys.argv[1:]], config.local_processes)
         for result in results:
-            print(f"--- process {result.process_id} (exit {result.returncode}) ---\n{result.log}", end="")
+            print(f"--- process {result.process_id} ({result.ended}) ---\n{result.log}", end="")
         failed = [r.process_id for r in results if r.returncode != 0]
         if failed:
             raise SystemExit(f"{name}: process(es) {failed} failed")

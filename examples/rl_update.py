@@ -12,6 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+def make_optimizer(learning_rate: float, warmup_updates: int = 0) -> optax.GradientTransformation:
+    """Adam after clipping the global gradient norm at 1, its learning rate ramped linearly from
+    0 over the first ``warmup_updates`` train steps: Adam's first steps move every parameter by
+    about the full learning rate whatever its gradient's size, which on a small model jumps the
+    policy far from the one that sampled the rollout (approx KL > 1 on the first step)."""
+    schedule = optax.linear_schedule(0.0, learning_rate, warmup_updates) if warmup_updates else learning_rate
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+
+
 # loss_fn(trained, minibatch) -> (loss, stats); stats has "approx_kl", measured on the params
 # the step starts from (before its own update).
 LossFn = Callable[[dict[str, Any], dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]

@@ -19,10 +19,12 @@ class Problem:
 # ---- tiny task: single-digit addition --------------------------------------------------------
 
 
-def addition_problems(rng: np.random.Generator, count: int) -> list[Problem]:
-    """``a+b=`` with single digits; the answer is the decimal sum."""
-    a = rng.integers(0, 10, count)
-    b = rng.integers(0, 10, count)
+def addition_problems(rng: np.random.Generator, count: int, max_operand: int = 9) -> list[Problem]:
+    """``a+b=`` with digits ``a, b`` in ``[0, max_operand]``; the answer is the decimal sum."""
+    if not 0 <= max_operand <= 9:
+        raise ValueError(f"max_operand must be a digit (0-9), got {max_operand}")
+    a = rng.integers(0, max_operand + 1, count)
+    b = rng.integers(0, max_operand + 1, count)
     return [Problem(f"{x}+{y}=", str(x + y)) for x, y in zip(a, b)]
 
 
