@@ -7,7 +7,6 @@ they define (a tiny model, a param tree, a stand-in train step). The other chang
 are listed with it (a free port for the README's 8000).
 """
 
-import dataclasses
 import functools
 import os
 import re
@@ -40,18 +39,13 @@ def readme_blocks() -> dict[str, tuple[str, str]]:
     return {m["id"]: (m["language"], m["code"]) for m in BLOCK.finditer(README.read_text())}
 
 
-@dataclasses.dataclass(frozen=True)
-class Skip:
-    reason: str
-
-
 # Blocks this test does not run, and why. Every other block has a test below.
 SKIPPED = {
-    "start": Skip("`make test` is this suite, and `make demo` runs the example tests/test_grpo.py runs (30 steps)"),
-    "serve-tpu": Skip("needs 4 TPU chips; serve-cpu runs the same command on CPU devices"),
-    "grpo-tpu": Skip("TPU and network (downloads Qwen2.5-3B and GSM8K); tests/test_grpo.py runs the preset on a local stand-in"),
-    "pods-leave": Skip("tests/test_pods.py runs this path: a peer SIGKILLed mid-sync, the survivor handles its PodError, closes and leaves (exit 0)"),
-    "install": Skip("installs into another environment; `make test` installs both of its venvs the same way"),
+    "start": "`make test` is this suite, and `make demo` runs the example tests/test_grpo.py runs (30 steps)",
+    "serve-tpu": "needs 4 TPU chips; serve-cpu runs the same command on CPU devices",
+    "grpo-tpu": "TPU and network (downloads Qwen2.5-3B and GSM8K); tests/test_grpo.py runs the preset on a local stand-in",
+    "pods-leave": "tests/test_pods.py runs this path: a peer SIGKILLed mid-sync, the survivor handles its PodError, closes and leaves (exit 0)",
+    "install": "installs into another environment; `make test` installs both of its venvs the same way",
 }
 RUN = {"use", "logprobs", "serve-cpu", "client", "admin", "tiny-models", "pods"}
 
