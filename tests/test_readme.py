@@ -1,10 +1,12 @@
-"""Every code block of the README runs as written, so the guide stays true.
+"""Every code block of the README and of docs/ runs as written, so the guide stays true.
 
-Each block is preceded by ``<!-- readme-block: ID -->`` and has a plan here: run it (Python in
-this process or under the local pod launcher, shell with bash), or skip it with the reason. Lines
-marked ``# placeholder`` are the reader's to fill: the test drops them and supplies the names
-they define (a tiny model, a param tree, a stand-in train step). The other changes a plan makes
-are listed with it (a free port for the README's 8000).
+Each block is preceded by ``<!-- readme-block: ID -->`` (IDs unique across README.md and
+docs/*.md) and has a plan here: run it (Python in this process or under the local pod launcher,
+shell with bash), or skip it with the reason. Lines marked ``# placeholder`` are the reader's to
+fill: the test drops them and supplies the names they define (a tiny model, a param tree, a
+stand-in train step). The other changes a plan makes are listed with it (a free port for the
+guide's 8000). The guide's relative links must resolve, and the README stays a guide: at most
+300 lines, the details in docs/.
 """
 
 import functools
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import jax
@@ -25,18 +28,45 @@ from models import write_tiny_model
 from models.tiny import tiny_llama3_spec
 from trainer_bridge import load_hf_params
 
-# The README's text does not change with the JAX version: the oldest end runs its blocks (the
+# The guide's text does not change with the JAX version: the oldest end runs its blocks (the
 # calls they make are tested at both ends by the rest of the suite).
 pytestmark = pytest.mark.one_end
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+README_MAX_LINES = 300
 BLOCK = re.compile(r"<!-- readme-block: (?P<id>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^ *```", re.M)  # indented fences too: a block in a list item needs its marker as well
 PLACEHOLDER = "# placeholder"
 
 
-def readme_blocks() -> dict[str, tuple[str, str]]:
-    return {m["id"]: (m["language"], m["code"]) for m in BLOCK.finditer(README.read_text())}
+class Block(NamedTuple):
+    path: Path
+    language: str
+    code: str
+
+
+def guide_files() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def readme_blocks() -> dict[str, Block]:
+    """Every marked block of the README and docs/, by ID."""
+    blocks: dict[str, Block] = {}
+    for path in guide_files():
+        for m in BLOCK.finditer(path.read_text()):
+            assert m["id"] not in blocks, f"block {m['id']!r} in both {blocks[m['id']].path.name} and {path.name}"
+            blocks[m["id"]] = Block(path, m["language"], m["code"])
+    return blocks
+
+
+def block_code(block: str) -> str:
+    return readme_blocks()[block].code
+
+
+def source_name(block: str) -> str:
+    return f"{readme_blocks()[block].path.relative_to(REPO)}:{block}"
 
 
 # Blocks this test does not run, and why. Every other block has a test below.
@@ -46,15 +76,63 @@ SKIPPED = {
     "grpo-tpu": "TPU and network (downloads Qwen2.5-3B and GSM8K); tests/test_grpo.py runs the preset on a local stand-in",
     "pods-leave": "tests/test_pods.py runs this path: a peer SIGKILLed mid-sync, the survivor handles its PodError, closes and leaves (exit 0)",
     "install": "installs into another environment; `make test` installs both of its venvs the same way",
+    "bench": "the benchmarks take tens of minutes and print figures, not pass/fail; the suite tests what they call",
 }
 RUN = {"use", "logprobs", "serve-cpu", "client", "admin", "tiny-models", "pods"}
 
 
+@pytest.mark.parametrize("path", guide_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_fence_has_a_marker(path):
+    text = path.read_text()
+    fences = len(FENCE.findall(text))
+    assert fences % 2 == 0, f"{path.name}: an unclosed fence"
+    marked = len(BLOCK.findall(text))
+    assert marked == fences // 2, f"{path.name}: every fenced block needs a <!-- readme-block: ID --> line right before it"
+
+
 def test_every_block_has_a_plan():
     blocks = readme_blocks()
-    fences = README.read_text().count("\n```") // 2
-    assert len(blocks) == fences, "every fenced block needs a <!-- readme-block: ID --> line before it"
-    assert set(blocks) == set(SKIPPED) | RUN, "a block without a plan here, or a plan without its block"
+    assert not set(SKIPPED) & RUN
+    assert set(blocks) == set(SKIPPED) | RUN, (
+        f"blocks without a plan here: {sorted(set(blocks) - set(SKIPPED) - RUN)}; "
+        f"plans without a block: {sorted((set(SKIPPED) | RUN) - set(blocks))}"
+    )
+
+
+def test_readme_is_a_guide():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move details to docs/"
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to '-'."""
+    anchors = set()
+    for title in re.findall(r"^#+ +(.+?) *$", re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M), re.M):
+        anchors.add(re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_design_lists_every_workaround():
+    from rollout.engine.workarounds import WORKAROUNDS
+
+    listed = re.findall(r"^\| `([a-z0-9-]+)` \|", (DOCS / "design.md").read_text(), re.M)
+    assert sorted(listed) == sorted(WORKAROUNDS), "docs/design.md's workaround table must list WORKAROUNDS exactly"
+
+
+@pytest.mark.parametrize("path", guide_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_links_resolve(path):
+    """Relative links (README <-> docs/, docs -> code) name files that exist, and headings that do."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+            broken.append(target)
+    assert not broken, f"{path.name}: broken links {broken}"
 
 
 def without_placeholders(code: str, supplied, definitions: str = "") -> str:
@@ -99,7 +177,7 @@ def _train_step(params, opt_state, batch):
 
 def run_python(block: str, supplied: dict) -> dict:
     namespace = dict(supplied)
-    exec(compile(without_placeholders(readme_blocks()[block][1], supplied), f"README.md:{block}", "exec"), namespace)
+    exec(compile(without_placeholders(block_code(block), supplied), source_name(block), "exec"), namespace)
     return namespace
 
 
@@ -132,7 +210,7 @@ def test_logprobs(qwen2_dir):
 def served(chat_dir):
     """serve-cpu as written, on a free port instead of 8000 and the session's chat model."""
     port = free_port()
-    command = readme_blocks()["serve-cpu"][1].replace("--port 8000", f"--port {port}")
+    command = block_code("serve-cpu").replace("--port 8000", f"--port {port}")
     # `python` is this environment's, as for a reader who activated it.
     env = dict(os.environ, MODEL_DIR=str(chat_dir), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     env.pop("XLA_FLAGS", None)
@@ -142,7 +220,7 @@ def served(chat_dir):
         deadline = time.monotonic() + 240
         while True:
             assert process.poll() is None, process.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the README's server did not get ready in 240 s"
+            assert time.monotonic() < deadline, "the guide's server did not get ready in 240 s"
             try:
                 if httpx.get(url + "/ready", timeout=5).status_code == 200:
                     break
@@ -156,14 +234,14 @@ def served(chat_dir):
 
 
 def test_client(served, capsys):
-    code = readme_blocks()["client"][1].replace("127.0.0.1:8000", f"127.0.0.1:{served}")
-    exec(compile(code, "README.md:client", "exec"), {})
+    code = block_code("client").replace("127.0.0.1:8000", f"127.0.0.1:{served}")
+    exec(compile(code, source_name("client"), "exec"), {})
     printed = capsys.readouterr().out
     assert printed.strip()
 
 
 def test_admin(served):
-    code = readme_blocks()["admin"][1].replace("127.0.0.1:8000", f"127.0.0.1:{served}")
+    code = block_code("admin").replace("127.0.0.1:8000", f"127.0.0.1:{served}")
     result = subprocess.run(
         ["bash", "-e", "-c", code], env=dict(os.environ, ROLLOUT_ADMIN_TOKEN="secret"), capture_output=True, text=True, timeout=300
     )
@@ -178,7 +256,7 @@ def test_admin(served):
 
 def test_tiny_models(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(readme_blocks()["tiny-models"][1], "README.md:tiny-models", "exec"), {})
+    exec(compile(block_code("tiny-models"), source_name("tiny-models"), "exec"), {})
     written = sorted(p.parent.name for p in tmp_path.glob("tiny/*/config.json"))
     assert written == ["llama3", "qwen2", "qwen3", "qwen3-moe", "random-llama"]
     assert all((tmp_path / "tiny" / name / "tokenizer.json").exists() for name in written)
@@ -209,7 +287,7 @@ def test_pods(qwen2_dir, tmp_path):
     program = tmp_path / "pods_block.py"
     definitions = POD_PLACEHOLDERS.format(model_dir=str(qwen2_dir))
     program.write_text(
-        without_placeholders(readme_blocks()["pods"][1], supplied, definitions)
+        without_placeholders(block_code("pods"), supplied, definitions)
         + "print('ROWS', batch.tokens.shape[0], flush=True)\n"
     )
     results = launch_local([str(program)], 2, devices_per_process=1, timeout_s=600)
