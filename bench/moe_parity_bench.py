@@ -5,7 +5,7 @@ tokens and the log-prob mismatch of sampled tokens, float32 and bfloat16 engines
 
 The trainer is the float32 Flax model (``models/qwen3_moe_flax.py``) on the HF weights; each
 engine starts with dummy weights and gets them by ``sync_params``. Mismatch over 8 prompts x
-n=4 x 6 tokens sampled at temperature 1 (192 tokens), as the README's table for Qwen2/Qwen3.
+n=4 x 6 tokens sampled at temperature 1 (192 tokens), as docs/benchmarks.md's table for Qwen2/Qwen3.
 """
 
 from __future__ import annotations

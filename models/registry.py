@@ -3,7 +3,7 @@
 A family is data: its mapping table (trainer <-> HF <-> engine names, ``models/<family>.py``),
 the Flax trainer model that has exactly the trainer paths of that table, and the config
 features both sides agree on (RoPE scaling types). Adding a family is adding an entry here
-(README, "Adding a model family").
+(docs/models.md, "Adding a model family").
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class WorkerConfig(EngineOptions):
     (``engine 1 (devices 2,3)``). ``dp_size`` engines run in the process, each on its own group of ``tp_size`` consecutive
     devices from ``devices`` (default: all local devices); ``dp_size * tp_size`` must equal
     the number of devices. In a multi-process job (``jax.distributed.initialize``) they are
-    this process's devices: each process runs its own engines (README "Pods").
+    this process's devices: each process runs its own engines (docs/pods.md).
     """
 
     dp_size: int = 1

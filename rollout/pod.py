@@ -108,7 +108,7 @@ class Pod:
             raise PodError(
                 f"{call}: process(es) {differ} made a different call than the others ({seen}); every process must make the same "
                 "weight and KV calls in the same order with trees of the same structure (the SPMD rule, "
-                "README 'Pods'). Nothing was changed.",
+                "docs/pods.md). Nothing was changed.",
                 tuple(differ),
             )
         if self._calls > 1:
@@ -152,7 +152,7 @@ class Pod:
             raise PodError(
                 f"{call}: process(es) {missing} did not reach this call within {self.timeout_s:g} s "
                 "(WorkerConfig.pod_timeout_s): they skipped it, are stuck, or were lost. Restart the "
-                "job and resume from the last checkpoint (README 'Pods').",
+                "job and resume from the last checkpoint (docs/pods.md).",
                 tuple(missing),
             )
         return {p: v for p, v in values.items()}

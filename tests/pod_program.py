@@ -143,7 +143,7 @@ def main(model_dir: str, out_dir: str) -> None:
     worker.close()
     results["leaving_at"] = time.monotonic()  # CLOCK_MONOTONIC: the test compares it with its own
     save()
-    # The way out after a loss (README 'Pods'): JAX's shutdown barrier would wait for the killed
+    # The way out after a loss (docs/pods.md): JAX's shutdown barrier would wait for the killed
     # process until the heartbeat timeout, then end this one with status 1.
     leave(0)
 
