@@ -13,7 +13,7 @@ EXTRAS ?=
 EDITABLE ?=
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test test-oldest test-newest bench install cpu
+.PHONY: demo test test-fast test-oldest test-newest lint bench install cpu
 
 # The CPU the figures and tests ran on (numerics and speed differ between instruction sets).
 cpu:
@@ -64,14 +64,23 @@ demo: $(VENV)/.installed
 # workaround, which differs, has its own test that runs at both. It also skips the newer
 # `example_run` tests (RL examples run end to end, minutes each): the worker calls they make are
 # tested at both ends by the rest of the suite, and their learning thresholds were set at the oldest.
-# And it skips the `one_end` tests: the server's HTTP protocol, admission limits, disconnects
-# and the worker's sync gate, which no version in the range changes (what they call in the
-# worker is tested at both ends).
-test: cpu $(VENV)/.installed $(NEWEST)/.installed
+# And it skips the `one_end` tests: the HTTP server, typed errors, admission limits, signals and
+# aborts, batching across threads, the sync gate and the docs' code blocks, Python that no
+# version in the range changes (what they call in the worker is tested at both ends).
+test: cpu $(VENV)/.installed $(NEWEST)/.installed lint
 	@status=0; \
 	$(MAKE) --no-print-directory test-oldest || status=1; \
 	$(MAKE) --no-print-directory test-newest || status=1; \
 	exit $$status
+
+# The unit layer: tests/unit boots no engine (its conftest refuses one), for the edit-test loop.
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q tests/unit
+
+# The formatter and linter settings are pyproject.toml's [tool.ruff].
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 test-oldest: $(VENV)/.installed
 	@$(VENV)/bin/python -c 'import jax, flax; print(f"== oldest: jax {jax.__version__}, flax {flax.__version__}")'
