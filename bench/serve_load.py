@@ -126,7 +126,7 @@ def swap_stalls(engine, since: float) -> tuple[list[tuple[float, float, int]], f
     waited for its boundary; requests running). And the median forward-to-forward interval
     over the same time without swaps (one decode step, for scale)."""
     busy = [(start, end) for start, end in engine.busy_intervals() if start >= since]
-    records = [r for r in engine.swap_records() if r.start >= since]
+    records = [r for r in engine.testing.swap_records() if r.start >= since]
     stalls = []
     for record in records:
         before = [end for _, end in busy if end <= record.start]

@@ -21,7 +21,7 @@ from .consistency import (  # noqa: E402
     check_consistency,
     mismatch_stats,
 )
-from .engine import EngineError, UnsupportedEngineVersion  # noqa: E402
+from .engine import EngineError  # noqa: E402
 from .errors import (  # noqa: E402
     InvalidRequest,
     LimitExceeded,
@@ -52,7 +52,6 @@ __all__ = [
     "SamplingParams",
     "StreamChunk",
     "TokenMismatch",
-    "UnsupportedEngineVersion",
     "UnsupportedVersionError",
     "WorkerClosed",
     "WorkerConfig",

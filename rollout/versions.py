@@ -33,12 +33,14 @@ SUPPORTED: dict[str, str] = {
     "numpy": ">=2.2.0,<2.6",
 }
 
-# The engine release whose internals rollout/engine knows (SUPPORTED_ENGINE_VERSION).
+# The engine release whose internals rollout/engine knows (its start-up checks it too).
 ENGINE = ("sglang-jax", "0.0.2")
 
 
-class UnsupportedVersionError(ImportError):
-    """A library in the environment is outside the versions this worker supports."""
+# A RuntimeError too: the engine's own check at start-up raised one before.
+class UnsupportedVersionError(ImportError, RuntimeError):
+    """A library in the environment is outside the versions this worker supports (at
+    ``import rollout``), or the engine's start-up found another sglang-jax than ``ENGINE``."""
 
 
 def installed_version(distribution: str) -> str | None:

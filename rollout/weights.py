@@ -34,10 +34,7 @@ class EngineWeights:
 
     def __init__(self, engine: EngineHandle):
         self.engine = engine
-        self.leaves: tuple[EngineLeaf, ...] = tuple(
-            EngineLeaf(i, spec.path, spec.shape, spec.dtype, spec.sharding, spec.rng_state)
-            for i, spec in enumerate(engine.leaf_specs())
-        )
+        self.leaves: tuple[EngineLeaf, ...] = tuple(engine.leaf_specs())
         self.mappings: tuple[ParamMapping, ...] = tuple(mappings_for(engine.hf_config))
         config = engine.hf_config
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)

@@ -40,14 +40,16 @@ class LeafAction(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class EngineLeaf:
-    """What the engine expects at one leaf position."""
+    """One weight leaf of the engine (``EngineHandle.leaf_specs``): its position, its path in
+    the model state and what the engine expects there."""
 
     index: int
     path: str
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: np.dtype  # or a JAX PRNG key dtype for the engine's rng leaves
     sharding: jax.sharding.Sharding
-    # The engine's own RNG state, not a weight: no trainer path maps to it.
+    # The engine's own RNG state (safetensors loading adds it), not a weight: no trainer path
+    # maps to it.
     rng_state: bool = False
 
 

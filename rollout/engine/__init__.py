@@ -3,7 +3,7 @@
 Everything version-specific about the engine lives here: how it is started in-process, where its
 weights and KV cache live, how work is run on its scheduler thread, and the workarounds for the
 bugs of ``sglang-jax==0.0.2`` (each listed in ``WORKAROUNDS`` with the bug it fixes and pinned
-by a test in ``tests/test_engine_workarounds.py``). Nothing else in this project imports
+by a test listed in ``PINNING_TESTS``, ``tests/helpers.py``). Nothing else in this project imports
 ``sgl_jax``.
 
 Threads: the engine runs its scheduler (which owns the model, the weights and the KV cache) in
@@ -19,18 +19,21 @@ ups take turns, process-wide) and driven concurrently; each names itself in its 
 errors (``EngineHandle.name``, e.g. ``engine 1 (devices 2,3)``), records its forward passes
 (``busy_intervals()``), fails alone, and joins all its threads on ``close()``.
 
-Methods that change the engine's weights or KV pool run on the scheduler thread: they are
-private, and their public counterparts (``replace_weight_leaves``, ``release_weight_leaves``,
-``flush_prefix_cache``, ``drop_kv_buffers``, ``rebuild_kv_buffers``, ...) go through
-:meth:`EngineHandle.call` themselves, so they may be called from any thread.
-:meth:`EngineHandle.inject_failure` makes an engine fail as an engine bug would (tests, drills).
+An ``EngineHandle`` is made of parts, each handed what it uses: its model state
+(``state.ModelState``: weights and KV pool, whose changes must run on the scheduler thread) and
+its request loop (``requests.RequestLoop``). The handle's methods that change weights or KV
+(``replace_weight_leaves``, ``release_weight_leaves``, ``drop_kv_buffers``,
+``rebuild_kv_buffers``, ...) run the model state's through :meth:`EngineHandle.call`, so they
+may be called from any thread. Test hooks are apart, in ``EngineHandle.testing``
+(``testing.EngineTesting``): ``inject_failure`` makes an engine fail as an engine bug would.
 
 Modules: ``workarounds`` (the registry ``WORKAROUNDS`` and its switches; imports nothing),
 ``patches`` (the 0.0.2 patches themselves), ``start_up`` (one start-up at a time, and which
 engine is being built), ``runtime`` (the engine's threads), ``handle`` (``EngineHandle``:
 start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
-loop), ``inflight`` (weight swaps with requests running), ``profile`` (where steps spend
-their time), ``types`` (options, leaf specs, errors; no sgl_jax import).
+loop), ``testing`` (its test hooks), ``inflight`` (weight swaps with requests running),
+``profile`` (where steps spend their time), ``types`` (options, outputs, errors; no sgl_jax
+import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 """
 
 from .handle import EngineHandle
@@ -39,13 +42,10 @@ from .patches import engine_version, install_workarounds
 from .profile import Step, StepSplit, StepTimes, profile_steps
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
-    SUPPORTED_ENGINE_VERSION,
     EngineError,
     EngineOptions,
     ForwardMemory,
     GenerateOutput,
-    LeafSpec,
-    UnsupportedEngineVersion,
     device_buffers,
     device_nbytes,
 )
@@ -54,19 +54,16 @@ from .workarounds import DISABLE_ENV, WORKAROUNDS, disabled_workarounds, workaro
 __all__ = [
     "DEFAULT_WATCHDOG_TIMEOUT_S",
     "DISABLE_ENV",
-    "SUPPORTED_ENGINE_VERSION",
     "WORKAROUNDS",
     "EngineError",
     "EngineHandle",
     "EngineOptions",
     "ForwardMemory",
     "GenerateOutput",
-    "LeafSpec",
     "Step",
     "StepSplit",
     "StepTimes",
     "SwapRecord",
-    "UnsupportedEngineVersion",
     "device_buffers",
     "device_nbytes",
     "disabled_workarounds",

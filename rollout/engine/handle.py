@@ -1,6 +1,7 @@
 """EngineHandle: one sglang-jax engine running in this process: start-up, facts, calls on its
-scheduler thread, failure and close. Its model state (weights, KV pool) is in ``state.py``, its
-request loop (generate, stream) in ``requests.py``."""
+scheduler thread, failure and close. It is made of parts: its model state (weights, KV pool,
+``state.py``), its request loop (generate, stream, ``requests.py``) and its test hooks
+(``testing.py``)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,29 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
+from trainer_bridge import EngineLeaf
+
+from ..sampling import SamplingParams
 from . import inflight
 from .patches import install_workarounds, preserved_process_state, variables_sharded_lazily
 from .requests import RequestLoop
 from .runtime import SchedulerControl
 from .start_up import engine_start_up
 from .state import ModelState
-from .types import EngineOptions, engine_name
+from .testing import EngineTesting
+from .types import EngineOptions, ForwardMemory, GenerateOutput, engine_name
 from .workarounds import workaround_enabled
 
 logger = logging.getLogger(__name__)
 
 
-class EngineHandle(ModelState, RequestLoop):
+class EngineHandle:
     """An sglang-jax engine running in this process, and everything done to its internals.
 
     Several can run in one process, each on its own devices (``EngineOptions.devices``),
@@ -90,17 +96,21 @@ class EngineHandle(ModelState, RequestLoop):
             self._scheduler = self._engine.scheduler_info["scheduler"]
             self._control = SchedulerControl.of(self._scheduler)
             self._control.wait_for_threads(timeout=30)
-        self._start_request_loop()
         self._closed = False
+        self._model = ModelState(self._scheduler, self._engine, options.seed)
+        self._requests = RequestLoop(
+            self._engine, self._scheduler, self._control, self.check_alive, self.kv_pool_tokens
+        )
+        self.testing = EngineTesting(self.call, self._control, self._model)
         _open_handles.add(self)
         if workaround_enabled("untied-head-dtype"):
-            self.call(self._align_lm_head_dtype)
+            self.call(self._model.align_lm_head_dtype)
 
     # ---- engine facts ----------------------------------------------------------------------
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        return self._model_runner.mesh
+        return self._model.runner.mesh
 
     @property
     def forward_count(self) -> int:
@@ -137,11 +147,11 @@ class EngineHandle(ModelState, RequestLoop):
 
     @property
     def context_length(self) -> int:
-        return int(self._model_runner.model_config.context_len)
+        return int(self._model.runner.model_config.context_len)
 
     @property
     def vocab_size(self) -> int:
-        return int(self._model_runner.model_config.vocab_size)
+        return int(self._model.runner.model_config.vocab_size)
 
     @property
     def attention_backend(self) -> str:
@@ -149,7 +159,7 @@ class EngineHandle(ModelState, RequestLoop):
 
     @property
     def hf_config(self):
-        return self._model_runner.model_config.hf_config
+        return self._model.runner.model_config.hf_config
 
     def busy_intervals(self) -> list[tuple[float, float]]:
         """(start, end) ``time.perf_counter()`` of this engine's latest forward passes."""
@@ -160,7 +170,7 @@ class EngineHandle(ModelState, RequestLoop):
         return not self._closed and self._control.error is None and not self._control.stopped.is_set()
 
     def check_alive(self) -> None:
-        if self._closed or self._control.error is not None or self._control.stopped.is_set():
+        if not self.alive:
             raise self._control.dead_error()
 
     # ---- scheduler thread ------------------------------------------------------------------
@@ -188,16 +198,6 @@ class EngineHandle(ModelState, RequestLoop):
         self._control.queue_at_boundary(fn, when, future)
         return self._wait(future, timeout)
 
-    @property
-    def boundary_calls_queued(self) -> int:
-        """Calls queued with :meth:`call_at_boundary` that have not started."""
-        return self._control.boundary_calls_queued
-
-    def output_lengths(self) -> dict[str, int]:
-        """rid -> tokens sampled so far of every request the scheduler holds. Scheduler thread
-        only (a ``call_at_boundary`` condition, for instance)."""
-        return inflight.output_lengths(self._scheduler)
-
     def _wait(self, future: concurrent.futures.Future, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -210,16 +210,134 @@ class EngineHandle(ModelState, RequestLoop):
                     future.cancel()
                     raise TimeoutError(f"engine call did not run within {timeout} s") from None
 
-    def inject_failure(self, error: BaseException) -> None:
-        """Make this engine's next forward pass raise ``error`` on its scheduler thread, as a
-        real engine bug would: the engine fails and every caller gets an EngineError naming it.
-        For fault-tolerance tests and drills."""
+    # ---- generation (the request loop) ------------------------------------------------------
 
-        def failing_run_batch(batch):
-            raise error
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> list[GenerateOutput]:
+        """Sample ``params.n`` completions of every token-id prompt, prompt-major.
 
-        scheduler = self._scheduler
-        self.call(lambda: setattr(scheduler, "run_batch", failing_run_batch))
+        ``seeds[i, j]`` is the sampling seed of sample ``j`` of prompt ``i``. Safe to call from
+        several threads at once: the engine batches the requests together. With
+        ``params.return_logprobs`` every output carries the log-prob of each of its tokens
+        under the distribution it was drawn from (``models/logprobs.py``), collected on the
+        scheduler thread (the engine's own return_logprob path crashes in 0.0.2).
+        """
+        return self._requests.submit(prompts, params, seeds).result()
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> concurrent.futures.Future:
+        """:meth:`generate` without waiting: a future of its outputs (``asyncio.wrap_future``
+        makes it awaitable on any event loop)."""
+        return self._requests.submit(prompts, params, seeds)
+
+    def astream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """Yield ``(row, output so far)`` as tokens arrive; a row is done when its
+        ``finish_reason`` is set. Rows are prompt-major as in :meth:`generate`."""
+        return self._requests.astream(prompts, params, seeds)
+
+    # ---- weights, KV pool, compiled forward (the model state) --------------------------------
+
+    def weight_leaves(self) -> list[jax.Array]:
+        """The arrays the next forward pass will read, in the engine's leaf order."""
+        return self._model.weight_leaves()
+
+    def leaf_specs(self) -> list[EngineLeaf]:
+        """Weight leaves by path (``transformer.layers.0.self_attn.q_proj.weight``), in order."""
+        return self._model.leaf_specs()
+
+    @property
+    def weight_version(self) -> int:
+        """The version label of the weights the next forward samples with."""
+        return self._control.weight_version
+
+    def replace_weight_leaves(
+        self,
+        new_leaves: Sequence[jax.Array],
+        *,
+        flush_prefix_cache: bool = True,
+        free: Iterable[int] = (),
+        version: int | None = None,
+        in_flight: bool = False,
+        recompute_kv: bool = False,
+    ) -> inflight.SwapRecord:
+        """Swap in a whole new leaf list between forwards, then (by default) forget the cached
+        prefixes computed with the old weights, and delete the old arrays at the indices in
+        ``free`` (those the engine owns) at once, so a swap's peak memory stays at the bytes
+        it writes. Every leaf must keep its shape, dtype and sharding (the caller checks).
+        Tokens sampled from then on are labelled ``version`` (``GenerateOutput.token_versions``).
+
+        Drain (default): runs while the engine is idle. ``in_flight``: runs at the next forward
+        boundary and the running requests go on (see :mod:`.inflight`), keeping their KV or,
+        with ``recompute_kv``, prefilled again under the new weights first.
+        """
+        new_leaves, free = list(new_leaves), tuple(free)
+        model, control, queued = self._model, self._control, time.perf_counter()
+
+        def swap():
+            old = model.weight_leaves()
+            model.replace_weight_leaves(new_leaves)
+            if version is not None:
+                control.weight_version = version
+            for index in free:
+                if old[index] is not new_leaves[index]:
+                    old[index].delete()
+
+        def drained() -> inflight.SwapRecord:
+            start = time.perf_counter()
+            swap()
+            if flush_prefix_cache:
+                model.flush_prefix_cache()
+            return inflight.SwapRecord(control.weight_version, queued, start, time.perf_counter(), False, 0, 0)
+
+        def in_flight_swap() -> inflight.SwapRecord:
+            label = control.weight_version if version is None else version
+            return inflight.swap_at_boundary(model.scheduler, swap, version=label, recompute=recompute_kv, queued=queued)
+
+        record = self.call_at_boundary(in_flight_swap) if in_flight else self.call(drained)
+        control.swaps.append(record)
+        return record
+
+    def release_weight_leaves(self, indices: Iterable[int]) -> None:
+        """Drop the engine's references to the leaves at ``indices``, so a trainer can donate
+        the buffers. The forward must not run again until :meth:`replace_weight_leaves` puts
+        real leaves back (the worker enforces this)."""
+        indices = tuple(indices)
+        self.call(lambda: self._model.release_weight_leaves(indices))
+
+    def reload_weights_from_model_dir(self) -> None:
+        """sglang-jax's own safetensors load into the running model.
+
+        The engine's reload path, kept as the baseline the sync benchmark compares against.
+        Needs an engine started with a safetensors load format (the loader adds rng leaves).
+        """
+        self.call(self._model.reload_weights_from_model_dir)
+
+    def kv_buffers(self) -> list[jax.Array]:
+        return self._model.kv_buffers()
+
+    def drop_kv_buffers(self) -> tuple[int, int]:
+        """Flush the prefix cache and delete the KV buffers.
+
+        Returns (number of buffers, device bytes they held, summed over devices).
+        """
+        return self.call(self._model.drop_kv_buffers)
+
+    def rebuild_kv_buffers(self) -> None:
+        """Recreate the KV buffers: same shapes, dtype and sharding."""
+        self.call(self._model.rebuild_kv_buffers)
+
+    def forward_memory(self, num_tokens: int, decode: bool = False) -> ForwardMemory:
+        """XLA's memory analysis of the forward compiled for one batch, padded as the scheduler
+        pads it: a prefill of ``num_tokens`` tokens (requests padded to the largest batch size,
+        ``cache_loc`` to that many full contexts) or a decode step of ``num_tokens`` rows.
+
+        Compiles (with this engine's weights, KV pool and attention) and runs nothing.
+        """
+        return self.call(lambda: self._model.forward_memory(num_tokens, decode))
 
     # ---- shutdown --------------------------------------------------------------------------
 
@@ -231,8 +349,8 @@ class EngineHandle(ModelState, RequestLoop):
         _open_handles.discard(self)
         control = self._control
         control.stop_threads()
-        self._stop_request_loop()
-        scheduler, tm = self._scheduler, self._tokenizer_manager
+        self._requests.close()
+        scheduler, tm = self._scheduler, self._engine.tokenizer_manager
         sockets = [
             getattr(scheduler, "recv_from_tokenizer", None),
             getattr(scheduler, "send_to_tokenizer", None),
@@ -249,8 +367,8 @@ class EngineHandle(ModelState, RequestLoop):
         control.wake_reader.close()
         control.wake_writer.close()
         # Drop references to device memory (weights, KV) held by the engine objects.
+        self._model.close()
         self._scheduler = None
-        self._tokenizer_manager = None
         self._engine = None
 
 

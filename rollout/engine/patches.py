@@ -19,12 +19,12 @@ from jax._src import config as jax_config
 
 from models import sampled_token_log_probs, sampling_log_probs, table_logits
 
+from ..versions import ENGINE, UnsupportedVersionError
 from .attention import converts_16bit_rows, paged_attention, runs_head_major_dots, set_rows
 from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms, row_argmax_and_max
 from .moe import patch_expert_block
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
-from .types import SUPPORTED_ENGINE_VERSION, UnsupportedEngineVersion
 from .workarounds import DISABLE_ENV, disabled_workarounds, workaround_enabled
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
@@ -48,11 +48,11 @@ def install_workarounds() -> None:
     with _install_lock:
         if _installed:
             return
-        version = engine_version()
-        if version != SUPPORTED_ENGINE_VERSION:
-            raise UnsupportedEngineVersion(
+        version, (_, supported) = engine_version(), ENGINE
+        if version != supported:
+            raise UnsupportedVersionError(
                 f"sglang-jax {version} is installed; this release of sglang-jax-rollout knows the "
-                f"internals of sglang-jax=={SUPPORTED_ENGINE_VERSION} only"
+                f"internals of sglang-jax=={supported} only"
             )
         if disabled_workarounds():
             logger.warning("sglang-jax workarounds disabled (%s): %s", DISABLE_ENV, sorted(disabled_workarounds()))

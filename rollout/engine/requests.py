@@ -1,4 +1,4 @@
-"""The engine's request loop: an asyncio loop in a thread of the handle that talks to the
+"""The engine's request loop: an asyncio loop in a thread of its own that talks to the
 tokenizer manager, so callers on any thread or event loop generate at once and the scheduler
 batches their requests."""
 
@@ -11,12 +11,13 @@ import dataclasses
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
 from ..sampling import SamplingParams
 from .patches import LOGPROB_SINKS
+from .runtime import SchedulerControl
 from .types import EngineError, GenerateOutput, TokenLogprobSink
 from .workarounds import workaround_enabled
 
@@ -24,11 +25,16 @@ logger = logging.getLogger(__name__)
 
 
 class RequestLoop:
-    """Generation for an :class:`EngineHandle` (a part of it: it reads the handle's
-    ``_engine``, ``_scheduler``, ``_control``, ``kv_pool_tokens`` and ``check_alive``)."""
+    """Generation for one engine (a part of :class:`EngineHandle`). ``check_alive`` raises the
+    engine's error once it failed or was closed; ``kv_pool_tokens`` is its KV pool's size."""
 
-    def _start_request_loop(self) -> None:
-        self._tokenizer_manager = self._engine.tokenizer_manager
+    def __init__(
+        self, engine, scheduler, control: SchedulerControl, check_alive: Callable[[], None], kv_pool_tokens: int
+    ):
+        self._control = control
+        self._check_alive = check_alive
+        self._kv_pool_tokens = kv_pool_tokens
+        self._tokenizer_manager = engine.tokenizer_manager
         # Every use of the tokenizer manager (its zmq sockets, its per-request asyncio events)
         # happens on this loop. (It would also install SIGTERM/SIGQUIT handlers on first use of
         # a loop of its own.)
@@ -45,35 +51,20 @@ class RequestLoop:
         self._in_flight: set[concurrent.futures.Future] = set()
         # rid -> the log-probs of a request that asked for them (filled on the scheduler thread).
         self._logprob_sinks: dict[str, TokenLogprobSink] = {}
-        setattr(self._scheduler, LOGPROB_SINKS, self._logprob_sinks)
+        setattr(scheduler, LOGPROB_SINKS, self._logprob_sinks)
 
     # ---- generation ------------------------------------------------------------------------
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
-    ) -> list[GenerateOutput]:
-        """Sample ``params.n`` completions of every token-id prompt, prompt-major.
-
-        ``seeds[i, j]`` is the sampling seed of sample ``j`` of prompt ``i``. Safe to call from
-        several threads at once: the engine batches the requests together. With
-        ``params.return_logprobs`` every output carries the log-prob of each of its tokens
-        under the distribution it was drawn from (``models/logprobs.py``), collected on the
-        scheduler thread (the engine's own return_logprob path crashes in 0.0.2).
-        """
-        return self.submit(prompts, params, seeds).result()
 
     def submit(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
     ) -> concurrent.futures.Future:
-        """:meth:`generate` without waiting: a future of its outputs (``asyncio.wrap_future``
-        makes it awaitable on any event loop)."""
+        """A future of the outputs of :meth:`EngineHandle.generate`."""
         return self._submit(self._generate(prompts, params, seeds))
 
     async def astream(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: np.ndarray
     ) -> AsyncIterator[tuple[int, GenerateOutput]]:
-        """Yield ``(row, output so far)`` as tokens arrive; a row is done when its
-        ``finish_reason`` is set. Rows are prompt-major as in :meth:`generate`."""
+        """:meth:`EngineHandle.astream`."""
         caller = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         request, rids = self._request(prompts, params, seeds, stream=True)
@@ -168,7 +159,7 @@ class RequestLoop:
             return
         # A one-token prompt has nothing to share: a request always prefills its last token.
         distinct = [ids for ids in dict.fromkeys(tuple(map(int, ids)) for ids in prompts) if len(ids) > 1]
-        if not distinct or sum(map(len, distinct)) > self.kv_pool_tokens // 2:
+        if not distinct or sum(map(len, distinct)) > self._kv_pool_tokens // 2:
             return
         request, rids = self._request(distinct, dataclasses.replace(params, n=1), np.zeros((len(distinct), 1), np.int64))
         for sampling in request.sampling_params:
@@ -202,10 +193,10 @@ class RequestLoop:
         return [dataclasses.replace(out, **sink.first(len(sink))) for out, sink in zip(outputs, sinks)]
 
     def _submit(self, coroutine) -> concurrent.futures.Future:
-        """Run ``coroutine`` on this handle's request loop; it fails with EngineError as soon as
+        """Run ``coroutine`` on the request loop; it fails with EngineError as soon as
         the engine does."""
         try:
-            self.check_alive()
+            self._check_alive()
         except EngineError:
             coroutine.close()
             raise
@@ -232,7 +223,9 @@ class RequestLoop:
                 with contextlib.suppress(BaseException):
                     await task
 
-    def _stop_request_loop(self) -> None:
+    def close(self) -> None:
+        """Stop the loop (after the scheduler). The tokenizer manager's sockets are the
+        handle's to close."""
         # The scheduler has stopped: every running call sees it within a poll and fails with
         # the engine's error (a caller waits for that, not for the loop's end).
         concurrent.futures.wait(list(self._in_flight), timeout=10)
@@ -248,6 +241,7 @@ class RequestLoop:
         self._loop_thread.join(timeout=10)
         if not self._loop_thread.is_alive():
             self._loop.close()
+        self._tokenizer_manager = None
 
 
 def _sampling_dict(params: SamplingParams, seed: int) -> dict:

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
-
-SUPPORTED_ENGINE_VERSION = "0.0.2"
-
 
 # Seconds without progress on a running forward after which the watchdog fails the engine.
 DEFAULT_WATCHDOG_TIMEOUT_S = 1800.0
@@ -16,22 +12,6 @@ DEFAULT_WATCHDOG_TIMEOUT_S = 1800.0
 
 class EngineError(RuntimeError):
     """The engine failed: its scheduler thread raised, or it was used after it stopped."""
-
-
-class UnsupportedEngineVersion(RuntimeError):
-    """The installed sglang-jax is not a version this module knows the internals of."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-    """One weight leaf of the engine: its path in the model state and its placement."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: Any  # a numpy dtype, or a JAX PRNG key dtype for the engine's rng leaves
-    sharding: jax.sharding.Sharding
-    nbytes: int
-    rng_state: bool = False  # the engine's RNG key state (safetensors loading adds it), not a weight
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Imports nothing of this project or the engine: every engine module (patches, runtime, start-up,
 handle) may ask ``workaround_enabled`` without an import circle. Each entry names the bug and
-what is done about it; its pinning test is listed in ``tests/test_engine_workarounds.py``.
+what is done about it; its pinning test is listed in ``PINNING_TESTS`` (``tests/helpers.py``).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ WORKAROUNDS: dict[str, str] = {
         "GenerateReqInput ignores n > 1 for a single prompt, and batched n first runs a "
         "prefix-caching request per prompt, waiting for each in turn (one prefill step per "
         "prompt). Every sample is sent as its own "
-        "request with its own seed (EngineHandle._request), after one prompt-only request per "
-        "prompt that puts it in the prefix cache (EngineHandle._cache_prompts): the samples "
+        "request with its own seed (RequestLoop._request), after one prompt-only request per "
+        "prompt that puts it in the prefix cache (RequestLoop._cache_prompts): the samples "
         "then prefill only their last token (page), as the engine's own n meant to."
     ),
     "flush-cache": (
