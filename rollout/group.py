@@ -1,6 +1,8 @@
 """The engines of this process as one group: start-up and close, which are live, how a
 generate call's rows are split over them and merged back, and where a trainer tree must live
-so that every engine can use it (the group mesh: an axis over the engines).
+so that every engine can use it (the group mesh: an axis over the engines). The group answers
+for every engine what one engine answers (a sync's prepare and commit, a generate's future,
+KV drop and rebuild, liveness), keyed by engine index, so the worker calls it once.
 
 In a multi-process job the group mesh is global: its ``replica`` axis runs over every engine
 of every process (process order), so one placement serves all engines of all hosts, and a
@@ -9,10 +11,12 @@ tree spread over hosts reaches every engine through one collective reshard (:met
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -20,11 +24,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer_bridge import relabel
 
+from . import kv, stream
 from .config import WorkerConfig
 from .engine import EngineError, EngineHandle, GenerateOutput
+from .kv import KvReport, MemoryReport
 from .pod import Pod, PodError
 from .sampling import SamplingParams
-from .weights import EngineWeights
+from .weights import EngineWeights, PreparedSync
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +88,79 @@ class EngineGroup:
         for engine in self.engines:
             engine.close()
 
-    def live(self) -> list[EngineWeights]:
-        """The engines still running (an engine whose thread failed stays failed); raises the
-        first engine's own error when none is."""
-        live = [w for w in self.weights if w.engine.alive]
+    def live(self) -> dict[int, EngineWeights]:
+        """The engines still running, by index (an engine whose thread failed stays failed);
+        raises the first engine's own error when none is."""
+        live = {index: w for index, w in enumerate(self.weights) if w.engine.alive}
         if not live:
             self.first.engine.check_alive()
         return live
+
+    def dead_leaves(self) -> dict[int, list[str]]:
+        """Per engine whose weights' buffers were freed (donated by the trainer): their paths."""
+        return {index: dead for index, w in enumerate(self.weights) if (dead := w.dead_leaves())}
+
+    def weight_leaves(self) -> dict[int, list]:
+        """Every running engine's current weight leaves (engine leaf order), by engine index."""
+        return {index: engine.weight_leaves() for index, engine in enumerate(self.engines) if engine.alive}
+
+    # ---- weight changes (the caller holds the worker's locks) ------------------------------------
+
+    def prepare(
+        self, trees: Sequence[Mapping[str, object]], *, allow_cast: bool, check_finite: bool
+    ) -> dict[int, PreparedSync]:
+        """Every running engine's new leaves from its tree (:meth:`localize`), by engine index.
+        Changes nothing the engines serve."""
+        return {
+            index: w.prepare(trees[index], allow_cast=allow_cast, check_finite=check_finite)
+            for index, w in self.live().items()
+        }
+
+    def commit(
+        self, prepared: Mapping[int, PreparedSync], version: int, *, in_flight: bool, recompute_kv: bool
+    ) -> None:
+        """Swap the prepared leaves in, engine by engine (:meth:`EngineWeights.commit`)."""
+        for index, update in prepared.items():
+            self.weights[index].commit(update, version, in_flight=in_flight, recompute_kv=recompute_kv)
+
+    def replace_leaves(
+        self, new_leaves: Mapping[int, Mapping[int, jax.Array]], version: int, *, in_flight: bool
+    ) -> None:
+        """Swap engine-owned arrays in: engine index -> leaf index -> array. Engines no longer
+        running are skipped."""
+        for index, weights in enumerate(self.weights):
+            if index in new_leaves and weights.engine.alive:
+                weights.replace_leaves(new_leaves[index], version, in_flight=in_flight)
+
+    def release_aliased(self) -> None:
+        """Every running engine drops its references to the trainer's buffers."""
+        for weights in self.live().values():
+            weights.release_aliased()
+
+    # ---- KV cache and memory -----------------------------------------------------------------
+
+    def drop_kv(self) -> dict[int, KvReport]:
+        """Free every running engine's KV buffers and prefix cache; reports by engine index."""
+        return {index: kv.drop_kv(w.engine) for index, w in self.live().items()}
+
+    def rebuild_kv(self) -> dict[int, KvReport]:
+        """Recreate every running engine's KV buffers; reports by engine index."""
+        return {index: kv.rebuild_kv(w.engine) for index, w in self.live().items()}
+
+    def memory(self) -> MemoryReport:
+        """Device bytes of weights and KV per engine, and of all live arrays per device."""
+        engines, all_weights = [], {}
+        for weights in self.weights:
+            buffers = weights.device_buffers()
+            all_weights.update(buffers)
+            engines.append(kv.engine_memory(weights.engine, buffers))
+        devices = self.devices
+        names = {d.id: str(d) for d in devices}
+        per_device = dict.fromkeys(names.values(), 0)
+        for (device_id, _), nbytes in kv.live_device_buffers(devices).items():
+            per_device[names[device_id]] += nbytes
+        kv_bytes = sum(e.kv_bytes for e in engines)
+        return MemoryReport(sum(all_weights.values()), kv_bytes, per_device, tuple(engines))
 
     # ---- placement ---------------------------------------------------------------------------
 
@@ -165,11 +237,29 @@ class EngineGroup:
 
     # ---- generate fan-out --------------------------------------------------------------------
 
+    def submit(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> concurrent.futures.Future:
+        """A generate call's rows on the running engines (:meth:`split`): one future of every
+        row's output in global row order, done when every engine is done with its rows (so a
+        caller holding off weight changes until then holds them off while any row runs); its
+        error is the first failing engine's. Cancelling it cancels the engines' requests."""
+        parts = self.split(prompts, params, seeds)
+        return _merged([(rows, weights.engine.submit(*part)) for weights, rows, part in parts])
+
+    def astream(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: np.ndarray
+    ) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """A generate call's rows on the running engines, streamed: ``(global row, output so
+        far)`` as tokens arrive (:func:`rollout.stream.merged`)."""
+        parts = self.split(prompts, params, seeds)
+        return stream.merged([(rows, weights.engine.astream(*part)) for weights, rows, part in parts])
+
     def split(self, prompts: list[list[int]], params: SamplingParams, seeds: np.ndarray) -> list[Part]:
         """(engine, its global rows, (prompts, params, seeds)) per live engine with work:
         whole prompts (their n samples together), balanced by tokens."""
         n = params.n
-        live = self.live()
+        live = list(self.live().values())
         load = [0] * len(live)
         assigned: list[list[int]] = [[] for _ in live]
         cost = [len(p) + params.max_new_tokens for p in prompts]
@@ -188,6 +278,36 @@ class EngineGroup:
 
 def _on_group_mesh(x, mesh: Mesh) -> bool:
     return isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+
+
+def _merged(parts: list[tuple[list[int], concurrent.futures.Future]]) -> concurrent.futures.Future:
+    """One future of the engines' futures, their outputs merged (:func:`merge`) once all are done."""
+    merged: concurrent.futures.Future = concurrent.futures.Future()
+    pending = len(parts)
+    lock = threading.Lock()
+
+    def cancel_parts(_):
+        if merged.cancelled():
+            for _, future in parts:
+                future.cancel()
+
+    def part_done(_):
+        nonlocal pending
+        with lock:
+            pending -= 1
+            if pending:
+                return
+        if not merged.set_running_or_notify_cancel():  # cancelled: nobody waits for the outputs
+            return
+        try:
+            merged.set_result(merge([(rows, future.result()) for rows, future in parts]))
+        except BaseException as exc:  # whatever it is, the waiter must wake up with it
+            merged.set_exception(exc)
+
+    merged.add_done_callback(cancel_parts)
+    for _, future in parts:
+        future.add_done_callback(part_done)
+    return merged
 
 
 def merge(parts: list[tuple[list[int], list[GenerateOutput]]]) -> list[GenerateOutput]:

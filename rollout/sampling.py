@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, check_limit
 
 # Seeds travel to the engine as int32; a call's seed may be any int64 (row seeds derive from it).
 MAX_SAMPLING_SEED = 2**31 - 1
@@ -218,3 +219,71 @@ def check_request_lengths(
                 f"{total} tokens do not fit {limit}; at most {max_request_tokens} tokens per "
                 "request (prompt + completion)"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """A validated generate call, before it is split over engines."""
+
+    prompts: list[list[int]]
+    params: SamplingParams  # stop ids final (EOS added), seed drawn
+    seeds: np.ndarray  # [P, n]
+    pad_prompts_to: int | None
+
+
+class RequestValidator:
+    """Checks a generate call's arguments against the worker's limits (``config``'s), its
+    engines' (``engine``: every engine has the same), and the model's vocabulary, and draws the
+    call seed of calls without one from its own stream (seeded with ``config.seed``)."""
+
+    def __init__(self, config, engine, tokenizer, eos_token_ids: set[int]):
+        self._config = config
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
+        self._rng = np.random.default_rng(config.seed)
+        self._rng_lock = threading.Lock()  # calls come from any thread
+
+    def validate(self, prompts, options: Mapping) -> GenerateRequest:
+        """``options``: the call's keyword arguments (``RolloutWorker.generate``'s names)."""
+        extra = ("pad_prompts_to", "prompt_offset")
+        sampling = {k: v for k, v in options.items() if k not in extra}
+        unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
+        if unknown:
+            raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        params = SamplingParams(**sampling)
+        config, engine = self._config, self._engine
+        prompt_ids = prompt_token_ids(
+            prompts, vocab_size=engine.vocab_size, tokenizer=self._tokenizer, model_path=config.model_path
+        )
+        rows = len(prompt_ids) * params.n
+        check_limit("n", "rows (prompts x n)", rows, "WorkerConfig.max_rows_per_call", config.max_rows_per_call)
+        tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
+        check_limit(
+            "prompts", "tokens (prompt + max_new_tokens, over every row)", tokens,
+            "WorkerConfig.max_tokens_per_call", config.max_tokens_per_call,
+        )
+        vocab = engine.vocab_size
+        for j, stop in enumerate(params.stop_token_ids):
+            if stop >= vocab:
+                raise InvalidRequest(f"stop_token_ids[{j}]", f"stop_token_ids[{j}] = {stop} is outside [0, {vocab})")
+        check_request_lengths(
+            prompt_ids,
+            params.max_new_tokens,
+            context_length=engine.context_length,
+            max_request_tokens=engine.max_request_tokens,
+            max_prompt_tokens=engine.max_prompt_tokens,
+            kv_pool_tokens=engine.kv_pool_tokens,
+        )
+        pad_to = pad_width(options.get("pad_prompts_to"), prompt_ids)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_token_ids)
+        call_seed = params.seed
+        if call_seed is None:
+            with self._rng_lock:
+                call_seed = int(self._rng.integers(MAX_SAMPLING_SEED))
+        params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
+        offset = options.get("prompt_offset", 0)
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"prompt_offset must be a non-negative int, got {offset!r}")
+        seeds = row_seeds(call_seed, len(prompt_ids), params.n, first_prompt=offset)
+        return GenerateRequest(prompt_ids, params, seeds, pad_to)

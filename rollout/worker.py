@@ -1,8 +1,11 @@
 """The rollout worker: sglang-jax engines in the trainer's process.
 
-A facade over its parts: ``weights`` (sync plans, leaf ownership, checkpoint targets), ``kv``
-(KV lifecycle, memory accounting), ``sampling`` (validated sampling parameters and prompts),
-``gate`` (concurrent calls versus exclusive changes) and ``phase_log``.
+A facade over its parts, which it is handed rather than inheriting from: ``group`` (the
+engines: a sync's prepare and commit, generate fan-out, KV, liveness), ``weights`` (sync plans,
+leaf ownership, checkpoint targets), ``kv`` (KV lifecycle, memory accounting), ``sampling``
+(validated generate calls), ``stream`` (streamed calls), ``weight_tools`` (the admin weight
+tools), ``gate`` (concurrent calls versus exclusive changes) and ``phase_log``. What the facade
+itself owns is the order of things: locks, the gate, the weight version.
 
 Thread safety: every public method may be called from any thread. Generate calls run
 concurrently and the engines batch their requests together. Weight swaps (``sync_params``,
@@ -16,13 +19,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 
 import jax
-import numpy as np
 
 from models import ParamMapping
 from trainer_bridge import (
@@ -38,43 +39,23 @@ from trainer_bridge import (
     wrap_like,
 )
 
-from . import kv, weight_check
+from . import kv, stream, weight_tools
 from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineHandle, GenerateOutput
-from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable, check_limit
+from .errors import WorkerClosed, WorkerUnavailable
 from .gate import EngineGate
-from .group import EngineGroup, merge
+from .group import EngineGroup
 from .in_place_updates import check_in_place_updates
-from .pod import Pod, tree_fingerprint
 from .kv import KvReport, MemoryReport
 from .phase_log import PhaseLog
-from .sampling import (
-    MAX_SAMPLING_SEED,
-    SamplingParams,
-    as_int,
-    check_request_lengths,
-    pad_width,
-    prompt_token_ids,
-    row_seeds,
-)
+from .pod import Pod, tree_fingerprint
+from .sampling import GenerateRequest, RequestValidator
+from .weight_tools import check_swap_mode
 
 logger = logging.getLogger(__name__)
-
-# jax.random.key takes any int64; the admin route's seed is a non-negative one.
-MAX_PERTURB_SEED = 2**32 - 1  # the perturbation's seed is a traced uint32 (one compile for all)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Request:
-    """A validated generate call, before it is split over engines."""
-
-    prompts: list[list[int]]
-    params: SamplingParams  # stop ids final (EOS added)
-    seeds: np.ndarray  # [P, n]
-    pad_prompts_to: int | None
 
 
 class RolloutWorker:
@@ -105,7 +86,6 @@ class RolloutWorker:
         self._sync_lock = threading.RLock()
         self._gate = EngineGate()
         self._state_lock = threading.RLock()
-        self._rng = np.random.default_rng(config.seed)
         self._closed = False
         self.weight_version = 0
         self._kv_dropped = False
@@ -113,6 +93,7 @@ class RolloutWorker:
         self._tokenizer = _load_tokenizer(config.model_path)
         self.pad_token_id = _pad_token_id(self._tokenizer)
         self.eos_token_ids = _eos_token_ids(self._tokenizer, self.engine.hf_config)
+        self._requests = RequestValidator(config, self.engine, self._tokenizer, self.eos_token_ids)
         self._phases = PhaseLog(config.phase_log, self.memory)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -245,7 +226,7 @@ class RolloutWorker:
     ) -> SyncReport:
         start = time.perf_counter()
         self._check_open()
-        _check_swap_mode(in_flight, recompute_kv)
+        check_swap_mode(in_flight, recompute_kv)
         try:
             flat = flatten_params(params)
         except (TypeError, ValueError) as exc:
@@ -256,19 +237,14 @@ class RolloutWorker:
                 call, f"{tree_fingerprint(flat)} allow_cast={allow_cast} check_finite={check_finite} in_flight={in_flight} recompute_kv={recompute_kv}"
             )
             trees, gathered = self._group.localize(flat, call)
-            live = self._group.live()
-            prepared = [
-                w.prepare(trees[self._group.weights.index(w)], allow_cast=allow_cast, check_finite=check_finite)
-                for w in live
-            ]
+            prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
             with self._swapping(reason, in_flight):
                 version = self.weight_version + 1
-                for weights, update in zip(live, prepared):
-                    weights.commit(update, version, in_flight=in_flight, recompute_kv=recompute_kv)
+                self._group.commit(prepared, version, in_flight=in_flight, recompute_kv=recompute_kv)
                 self._stale_reason = None
                 self.weight_version = version
         seconds = time.perf_counter() - start
-        reports = [update.plan.report(version, seconds) for update in prepared]
+        reports = [update.plan.report(version, seconds) for update in prepared.values()]
         report = dataclasses.replace(_combine_sync_reports(reports, compiles.value), bytes_gathered=gathered)
         logger.info("sync_params: %s", report)
         self._phases.record("weights_synced", seconds, version=version, bytes_copied=report.bytes_copied)
@@ -310,7 +286,7 @@ class RolloutWorker:
         ``check_finite=False``; ``in_flight``, ``recompute_kv`` as there). On error nothing
         changes."""
         self._check_open()
-        _check_swap_mode(in_flight, recompute_kv)
+        check_swap_mode(in_flight, recompute_kv)
         return self._sync(
             load_hf_params(model_dir, dtype=None), "load_hf", allow_cast=True, check_finite=check_finite,
             in_flight=in_flight, recompute_kv=recompute_kv, reason="weights are being reloaded",
@@ -329,7 +305,7 @@ class RolloutWorker:
         ``recompute_kv``: as for ``sync_params``. On error nothing changes.
         """
         self._check_open()
-        _check_swap_mode(in_flight, recompute_kv)
+        check_swap_mode(in_flight, recompute_kv)
         item_dir = resolve_checkpoint(path, step)
         saved, wrapped = saved_layout(item_dir)
         targets = self._group.checkpoint_targets(saved, item_dir)
@@ -349,9 +325,7 @@ class RolloutWorker:
         (the running requests keep their KV). Returns the new weight version."""
         with self._closed_is_clear(), self._sync_lock, self._swapping(reason, in_flight):
             version = self.weight_version + 1
-            for weights, leaves in zip(self._group.weights, new_leaves):
-                if weights.engine.alive:
-                    weights.replace_leaves(leaves, version, in_flight=in_flight)
+            self._group.replace_leaves(dict(enumerate(new_leaves)), version, in_flight=in_flight)
             self.weight_version = version
             return version
 
@@ -372,9 +346,9 @@ class RolloutWorker:
             if self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = [kv.drop_kv(w.engine) for w in self._group.live()]
+            reports = self._group.drop_kv()
             self._kv_dropped = True
-        report = kv.combine(reports, time.perf_counter() - start)
+        report = kv.combine(list(reports.values()), time.perf_counter() - start)
         self._phases.record("kv_dropped", report.seconds, bytes=report.bytes)
         return report
 
@@ -389,9 +363,9 @@ class RolloutWorker:
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = [kv.rebuild_kv(w.engine) for w in self._group.live()]
+            reports = self._group.rebuild_kv()
             self._kv_dropped = False
-        report = kv.combine(reports, time.perf_counter() - start)
+        report = kv.combine(list(reports.values()), time.perf_counter() - start)
         self._phases.record("kv_rebuilt", report.seconds, bytes=report.bytes)
         return report
 
@@ -409,25 +383,13 @@ class RolloutWorker:
             report = self._drop_kv()
             with self._state_lock:
                 self._stale_reason = "a train step ran since the last sync_params"
-                for weights in self._group.live():
-                    weights.release_aliased()
+                self._group.release_aliased()
         yield report
 
     def memory(self) -> MemoryReport:
         """Device bytes of weights and KV per engine, and of all live arrays per device."""
-        engines, all_weights = [], {}
-        for engine, weights in zip(self.engines, self._group.weights):
-            buffers = weights.device_buffers()
-            all_weights.update(buffers)
-            engines.append(kv.engine_memory(engine, buffers))
-        devices = self._group.devices
-        names = {d.id: str(d) for d in devices}
-        per_device = dict.fromkeys(names.values(), 0)
-        for (device_id, _), nbytes in kv.live_device_buffers(devices).items():
-            per_device[names[device_id]] += nbytes
-        return MemoryReport(
-            sum(all_weights.values()), sum(e.kv_bytes for e in engines), per_device, tuple(engines)
-        )
+        self._check_open()
+        return self._group.memory()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -460,31 +422,30 @@ class RolloutWorker:
         that each generate their share of a global batch (same ``seed``) draw what one worker
         would over the whole batch.
         """
-        request = self._request(prompts, locals())
+        options = {k: v for k, v in locals().items() if k not in ("self", "prompts")}  # as agenerate gets them
         start = time.perf_counter()
-        with counting_compiles() as compiles, self._closed_is_clear():
-            self._admit()
-            try:
-                version = self.weight_version
-                futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._group.split(request.prompts, request.params, request.seeds)]
-                outputs = merge([(rows, future.result()) for _, rows, future in futures])
-            finally:
-                self._gate.leave()
-        self._phases.record("generate", time.perf_counter() - start, rows=len(outputs))
-        return self._pack(request, outputs, version, compiles.value)
+        batch = _run_blocking(self._generate(prompts, options, blocking=True))
+        self._phases.record("generate", time.perf_counter() - start, rows=len(batch.completions))
+        return batch
 
     async def agenerate(self, prompts, **options) -> RolloutBatch:
         """:meth:`generate` for asyncio callers: awaits the engines without blocking the loop.
         Cancelling it (``asyncio.wait_for``'s timeout, a task's ``cancel()``) aborts its rows
         in the engines: they stop within a forward and free their KV cache."""
-        request = self._request(prompts, {"self": self, "prompts": prompts, **options})
+        return await self._generate(prompts, options, blocking=False)
+
+    async def _generate(self, prompts, options: dict, *, blocking: bool) -> RolloutBatch:
+        """The one body of :meth:`generate` and :meth:`agenerate`, so the two cannot drift apart.
+        ``blocking``: it waits on this thread and never suspends (:func:`_run_blocking` runs it);
+        otherwise it awaits on the caller's event loop."""
+        self._check_open()
+        request = self._requests.validate(prompts, options)
         with counting_compiles() as compiles, self._closed_is_clear():
-            await self._aadmit()
+            await self._admit(blocking=blocking)
             try:
                 version = self.weight_version
-                futures = [(w, rows, w.engine.submit(*part)) for w, rows, part in self._group.split(request.prompts, request.params, request.seeds)]
-                results = await asyncio.gather(*(asyncio.wrap_future(future) for _, _, future in futures))
-                outputs = merge([(rows, result) for (_, rows, _), result in zip(futures, results)])
+                future = self._group.submit(request.prompts, request.params, request.seeds)
+                outputs = future.result() if blocking else await asyncio.wrap_future(future)
             finally:
                 self._gate.leave()
         return self._pack(request, outputs, version, compiles.value)
@@ -497,48 +458,17 @@ class RolloutWorker:
         generating."""
         if "pad_prompts_to" in options:
             raise TypeError("astream() got an unexpected keyword argument 'pad_prompts_to': streamed rows are not padded")
-        request = self._request(prompts, {"self": self, "prompts": prompts, **options})
-        await self._aadmit()
+        self._check_open()
+        request = self._requests.validate(prompts, options)
+        await self._admit(blocking=False)
         try:
             version = self.weight_version
-            updates: asyncio.Queue = asyncio.Queue()
-
-            async def pump(weights, rows, part):
-                async for row, output in weights.engine.astream(*part):
-                    await updates.put((rows[row], output))
-
-            parts = self._group.split(request.prompts, request.params, request.seeds)
-            tasks = [asyncio.ensure_future(pump(w, rows, part)) for w, rows, part in parts]
-            pending = set(tasks)
-
-            def ended(task):
-                pending.discard(task)
-                if not pending or (not task.cancelled() and task.exception() is not None):
-                    updates.put_nowait(None)
-
-            for task in tasks:
-                task.add_done_callback(ended)
-            sent = [0] * (len(request.prompts) * request.params.n)
-            try:
+            updates = self._group.astream(request.prompts, request.params, request.seeds)
+            rows = len(request.prompts) * request.params.n
+            async with contextlib.aclosing(stream.chunks(updates, rows, request.params.n, version)) as chunks:
                 with self._closed_is_clear():
-                    while (update := await updates.get()) is not None:
-                        row, output = update
-                        new = output.output_ids[sent[row] :]
-                        end = len(output.output_ids)
-                        logprobs = None if output.logprobs is None else output.logprobs[sent[row] : end]
-                        versions = None if output.token_versions is None else output.token_versions[sent[row] : end]
-                        sent[row] = end
-                        if new or output.finish_reason:
-                            n = request.params.n
-                            yield StreamChunk(row, row // n, row % n, new, output.finish_reason or None, version, logprobs, versions)
-                    for task in tasks:
-                        if task.done() and not task.cancelled() and task.exception() is not None:
-                            raise task.exception()
-            finally:
-                for task in tasks:
-                    task.cancel()
-                # Every pump's outcome is collected (no "exception was never retrieved").
-                await asyncio.gather(*tasks, return_exceptions=True)
+                    async for chunk in chunks:
+                        yield chunk
         finally:
             self._gate.leave()
 
@@ -555,96 +485,49 @@ class RolloutWorker:
                 raise WorkerClosed("the RolloutWorker was closed during the call") from exc
             raise
 
-    def _request(self, prompts, arguments: dict) -> _Request:
-        """Validate a generate call's arguments (``generate``'s own names)."""
-        self._check_open()
-        options = {k: v for k, v in arguments.items() if k not in ("self", "prompts", "pad_prompts_to", "prompt_offset")}
-        unknown = set(options) - {f.name for f in dataclasses.fields(SamplingParams)}
-        if unknown:
-            raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-        params = SamplingParams(**options)
-        prompt_ids = prompt_token_ids(
-            prompts, vocab_size=self.vocab_size, tokenizer=self._tokenizer, model_path=self.config.model_path
-        )
-        config = self.config
-        rows = len(prompt_ids) * params.n
-        check_limit("n", "rows (prompts x n)", rows, "WorkerConfig.max_rows_per_call", config.max_rows_per_call)
-        tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
-        check_limit("prompts", "tokens (prompt + max_new_tokens, over every row)", tokens, "WorkerConfig.max_tokens_per_call", config.max_tokens_per_call)
-        for j, stop in enumerate(params.stop_token_ids):
-            if stop >= self.vocab_size:
-                raise InvalidRequest(f"stop_token_ids[{j}]", f"stop_token_ids[{j}] = {stop} is outside [0, {self.vocab_size})")
-        engine = self.engine
-        check_request_lengths(
-            prompt_ids,
-            params.max_new_tokens,
-            context_length=engine.context_length,
-            max_request_tokens=engine.max_request_tokens,
-            max_prompt_tokens=engine.max_prompt_tokens,
-            kv_pool_tokens=engine.kv_pool_tokens,
-        )
-        pad_to = pad_width(arguments.get("pad_prompts_to"), prompt_ids)
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        call_seed = params.seed
-        if call_seed is None:
-            with self._state_lock:
-                call_seed = int(self._rng.integers(MAX_SAMPLING_SEED))
-        params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
-        offset = arguments.get("prompt_offset", 0)
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"prompt_offset must be a non-negative int, got {offset!r}")
-        seeds = row_seeds(call_seed, len(prompt_ids), params.n, first_prompt=offset)
-        return _Request(prompt_ids, params, seeds, pad_to)
-
-    def _admit(self) -> None:
-        """Enter the gate as a generate call, rebuilding the KV caches first if dropped."""
+    async def _admit(self, *, blocking: bool) -> None:
+        """Enter the gate as a generate call, rebuilding the KV caches first if dropped; raises
+        (gate left) when the weights cannot serve. ``blocking`` as for :meth:`_generate`."""
         while True:
             if self._kv_dropped:
-                self._rebuild_kv()
-            self._gate.enter()
-            if self._admitted():
-                return
-
-    async def _aadmit(self) -> None:
-        while True:
-            if self._kv_dropped:
-                await asyncio.to_thread(self._rebuild_kv)
-            await self._gate.aenter()
-            if self._admitted():
-                return
-
-    def _admitted(self) -> bool:
-        """Right after entering the gate: False (gate left) when the KV caches were dropped
-        meanwhile; raises (gate left) when the weights cannot serve."""
-        if self._kv_dropped:
-            self._gate.leave()
-            return False
+                if blocking:
+                    self._rebuild_kv()
+                else:
+                    await asyncio.to_thread(self._rebuild_kv)
+            if blocking:
+                self._gate.enter()
+            else:
+                await self._gate.aenter()
+            if not self._kv_dropped:
+                break
+            self._gate.leave()  # dropped again meanwhile: rebuild first
         try:
             self._check_weights_alive()
         except BaseException:
             self._gate.leave()
             raise
-        return True
 
     def _check_weights_alive(self) -> None:
         self._check_open()
         if self._stale_reason is not None:
             raise WorkerUnavailable(self._stale_reason, f"{self._stale_reason}: call worker.sync_params(params) before generate")
-        for index, weights in enumerate(self._group.weights):
-            dead = weights.dead_leaves()
-            if dead:
-                raise WorkerUnavailable(
-                    f"the weights of engine {index} were freed",
-                    f"the weights of engine {index} were freed ({len(dead)} leaves, e.g. '{dead[0]}'): "
-                    "the trainer donated buffers the engine was using. Call worker.sync_params(params) "
-                    "before generate."
-                )
+        freed = self._group.dead_leaves()
+        if freed:
+            index, dead = next(iter(freed.items()))
+            raise WorkerUnavailable(
+                f"the weights of engine {index} were freed",
+                f"the weights of engine {index} were freed ({len(dead)} leaves, e.g. '{dead[0]}'): "
+                "the trainer donated buffers the engine was using. Call worker.sync_params(params) "
+                "before generate."
+            )
 
     def _check_open(self) -> None:
         if self._closed:
             raise WorkerClosed()
 
-    def _pack(self, request: _Request, outputs: list[GenerateOutput], version: int, compiles: int) -> RolloutBatch:
+    def _pack(
+        self, request: GenerateRequest, outputs: list[GenerateOutput], version: int, compiles: int
+    ) -> RolloutBatch:
         params = request.params
         completions = [list(o.output_ids[: params.max_new_tokens]) for o in outputs]
         texts = None
@@ -676,18 +559,9 @@ class RolloutWorker:
         """A checksum of the weights being served, computed on device: the same weights give
         the same value in any process and any sharding. Returns ``checksum`` (hex, of the
         first engine), ``weight_version``, ``leaves`` and, with several engines, ``per_engine``."""
-        weights = [leaf for leaf in self.leaves if not leaf.rng_state]
         with self._sync_lock:  # no swap frees the leaves being read
             self._check_weights_alive()
-            version = self.weight_version
-            checksums = []
-            for engine in (e for e in self.engines if e.alive):
-                arrays = engine.weight_leaves()
-                checksums.append(weight_check.weights_checksum([w.path for w in weights], [arrays[w.index] for w in weights]))
-        report = {"checksum": checksums[0], "weight_version": version, "leaves": len(weights)}
-        if len(checksums) > 1:
-            report["per_engine"] = checksums
-        return report
+            return weight_tools.checksum_report(self._group, self.weight_version)
 
     def perturb_weights(
         self, seed: int, scale: float, num_leaves: int, *, check_finite: bool = True, in_flight: bool = False
@@ -697,32 +571,13 @@ class RolloutWorker:
         (``in_flight`` as for ``sync_params``). Perturbed weights that are not finite are
         refused as by ``sync_params`` (the previous weights keep serving). Returns the perturbed
         leaf paths and the new weight version."""
-        weights = [leaf for leaf in self.leaves if not leaf.rng_state]
-        seed = as_int("seed", seed, minimum=0)
-        if seed > MAX_PERTURB_SEED:
-            raise InvalidRequest("seed", f"seed must be in [0, {MAX_PERTURB_SEED}], got {seed}")
-        if isinstance(num_leaves, bool) or not isinstance(num_leaves, int) or not 1 <= num_leaves <= len(weights):
-            raise InvalidRequest("num_leaves", f"num_leaves must be an int in [1, {len(weights)}], got {num_leaves!r}")
-        if not math.isfinite(scale):
-            raise InvalidRequest("scale", f"scale must be a finite number, got {scale!r}")
+        perturbation = weight_tools.Perturbation.checked(self._group, seed, scale, num_leaves)
         self._check_weights_alive()
         # Held from reading the leaves to the swap, so no sync lands in between and is undone.
         with self._sync_lock:
-            new_leaves = []
-            for engine in self.engines:
-                arrays = engine.weight_leaves() if engine.alive else None
-                new_leaves.append(
-                    {}
-                    if arrays is None
-                    else {w.index: weight_check.perturbed(arrays[w.index], seed, i, float(scale)) for i, w in enumerate(weights[:num_leaves])}
-                )
-            if check_finite:
-                perturbed = new_leaves[0]
-                bad = weight_check.non_finite([w.path for w in weights[:num_leaves]], [perturbed[w.index] for w in weights[:num_leaves]])
-                if bad:
-                    raise InvalidRequest("scale", f"the perturbation makes weights non-finite (nan/inf) in: {', '.join(bad[:8])}")
+            new_leaves = perturbation.new_leaves(self._group, check_finite=check_finite)
             version = self.replace_engine_leaves(new_leaves, "weights are being perturbed", in_flight=in_flight)
-        return {"leaves": [w.path for w in weights[:num_leaves]], "weight_version": version}
+        return {"leaves": perturbation.paths, "weight_version": version}
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, **options):
         """Serve this worker over HTTP (OpenAI-compatible and admin routes) from this process;
@@ -739,17 +594,23 @@ class RolloutWorker:
         return check_consistency(self, params, prompts, **kwargs)
 
 
-def _check_swap_mode(in_flight: bool, recompute_kv: bool) -> None:
-    if recompute_kv and not in_flight:
-        raise InvalidRequest("recompute_kv", "recompute_kv=True needs in_flight=True: a drain swap has no running request to recompute")
-
-
 def _combine_sync_reports(reports: list[SyncReport], compiles: int) -> SyncReport:
     if len(reports) == 1:
         return dataclasses.replace(reports[0], compiles=compiles)
     fields = ("leaves_aliased", "leaves_relabeled", "leaves_copied", "leaves_resharded", "bytes_aliased", "bytes_copied")
     totals = {name: sum(getattr(r, name) for r in reports) for name in fields}
     return dataclasses.replace(reports[0], **totals, compiles=compiles, per_engine=tuple(reports))
+
+
+def _run_blocking(body: Coroutine):
+    """The result of a coroutine that never suspends, run to its end on this thread without an
+    event loop (``generate`` may be called where a loop is running, and must not start one)."""
+    try:
+        body.send(None)
+    except StopIteration as done:
+        return done.value
+    body.close()  # it awaited after all: not left half-run (holding the gate)
+    raise RuntimeError("generate's blocking body suspended")
 
 
 def _load_tokenizer(model_path: str):

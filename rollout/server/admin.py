@@ -9,6 +9,7 @@ import os
 
 from fastapi import APIRouter, Request
 
+from ..weight_tools import check_swap_mode, perturb_seed
 from .protocol import ApiError, check_bearer, invalid
 from .state import SharedState
 
@@ -51,8 +52,7 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         for name, value in (("in_flight", in_flight), ("recompute_kv", recompute_kv)):
             if not isinstance(value, bool):
                 raise invalid(name, f"'{name}' must be a boolean, got {value!r}")
-        if recompute_kv and not in_flight:
-            raise invalid("recompute_kv", "'recompute_kv' needs 'in_flight': true")
+        check_swap_mode(in_flight, recompute_kv)  # before the admin lock is waited for
         return in_flight, recompute_kv
 
     @router.post("/perturb_weights")
@@ -63,8 +63,7 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         if recompute_kv:
             raise invalid("recompute_kv", "'recompute_kv' is for reloads: a perturbation keeps the running requests' KV")
         seed, scale, num_leaves = body.get("seed", 0), body.get("scale", 1e-3), body.get("num_leaves", 1)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise invalid("seed", f"'seed' must be an int >= 0, got {seed!r}")
+        seed = perturb_seed(seed)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise invalid("scale", f"'scale' must be a number, got {scale!r}")
         async with admin.lock:
