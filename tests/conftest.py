@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 
 import rollout  # noqa: E402, F401 - before any JAX computation: the XLA flags it sets (rollout/in_place_updates.py)
 from models.tiny import TinyModelSpec, write_tiny_model  # noqa: E402
+from models.tiny_moe import TinyMoeSpec  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +39,15 @@ def qwen3_dir(tmp_path_factory):
     """Qwen3: qk-norm, no biases, multi-head (2 KV heads), no tokenizer files."""
     spec = TinyModelSpec(architecture="qwen3", num_key_value_heads=2, seed=2)
     return write_tiny_model(tmp_path_factory.mktemp("qwen3"), spec, with_tokenizer=False)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """The stand-in for Qwen2.5-3B-Instruct: a tiny random Qwen2 dir with a ChatML template."""
+    return write_tiny_model(tmp_path_factory.mktemp("chat-model"), TinyModelSpec(chat_template=True))
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    """8 experts, top-2, normalized top-k weights; layer 0 dense (mlp_only_layers), layer 1 sparse."""
+    return write_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), TinyMoeSpec(), with_tokenizer=False)

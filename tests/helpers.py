@@ -1,15 +1,28 @@
-"""Shared test helpers."""
+"""Shared test helpers: of tests/ and tests/unit/ (the unit layer, which boots no engine)."""
 
 import contextlib
+import dataclasses
+import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
 
+from models import TinyModelSpec, TinyMoeSpec, flax_model_for, tiny_llama3_spec, tiny_random_llama_spec
 from rollout import WorkerConfig
+from rollout.engine import EngineOptions
+from rollout.engine.attention import paged_attention
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_worker_config(model_dir, **overrides) -> WorkerConfig:
@@ -54,3 +67,176 @@ def serve_process(model_dir, *flags, env=None):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# ---- paged attention inputs (tests/test_attention.py, tests/unit/test_attention_kernels.py) ----
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def ragged_batch(rng, prefix_lens, extend_lens, page_size=1, pool_slots=256, loc_len=96, pad_tokens=5):
+    """A batch laid out the way the scheduler lays it out, with padded requests and tokens."""
+    prefix_lens = np.asarray(prefix_lens, np.int32)
+    extend_lens = np.asarray(extend_lens, np.int32)
+    seq_lens = prefix_lens + extend_lens
+    kv = rng.standard_normal((pool_slots, 2 * KV_HEADS, HEAD_DIM)).astype(np.float32)
+    # Slot 0 is the padding slot; real tokens sit anywhere else in the pool, in no order.
+    slots = iter(rng.permutation(np.arange(1, pool_slots)))
+    cache_loc = np.zeros(loc_len, np.int32)
+    offset = 0
+    for n in seq_lens:
+        cache_loc[offset : offset + n] = [next(slots) for _ in range(n)]
+        offset += -(-n // page_size) * page_size
+    q = rng.standard_normal((int(extend_lens.sum()) + pad_tokens, HEADS, HEAD_DIM)).astype(np.float32)
+    return q, kv, cache_loc, seq_lens, prefix_lens, extend_lens
+
+
+def attend(q, kv, cache_loc, seq_lens, prefix_lens=None, extend_lens=None, **kwargs):
+    as_jax = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+    fn = jax.jit(
+        lambda *args: paged_attention(*args, num_heads=HEADS, num_kv_heads=KV_HEADS, **kwargs)
+    )
+    return np.asarray(fn(*map(as_jax, (q, kv, cache_loc, seq_lens, prefix_lens, extend_lens))))
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def orbax_save(path, tree):
+    """``tree`` as an orbax checkpoint at ``path`` (returned)."""
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, tree)
+    checkpointer.wait_until_finished()
+    return path
+
+
+# ---- engine workarounds (tests/test_engine_workarounds.py, tests/unit/test_workarounds.py) -------
+
+# The test that fails without each workaround (run with ROLLOUT_DISABLE_WORKAROUNDS=<name>, one process
+# each, by tests/test_engine_workarounds.py). A new entry of WORKAROUNDS needs one here
+# (tests/unit/test_workarounds.py checks).
+PINNING_TESTS = {
+    "duplicate-pytree-registration": "tests/unit/test_patches.py::test_duplicate_pytree_registration_import",
+    "sampler": "tests/test_sampling_filters.py::test_temperature_sampling_follows_the_softmax",
+    "process-kill-on-error": "tests/test_engine_workarounds.py::test_engine_thread_error_is_an_exception_not_a_dead_process",
+    "idle-busy-spin": "tests/test_generate.py::test_worker_idles_quietly",
+    "process-global-side-effects": "tests/test_engine_workarounds.py::test_process_global_state_is_preserved",
+    "untied-head-dtype": "tests/test_engine_workarounds.py::test_untied_head_computes_in_the_model_dtype",
+    "detokenizer-output-ids": "tests/test_generate.py::test_eos_stop_keeps_the_eos_token",
+    "shared-hf-config": "tests/test_engine_workarounds.py::test_second_tensor_parallel_engine_on_the_same_model",
+    "one-request-per-sample": "tests/test_generate.py::test_n_samples_per_prompt_are_independent_and_prompt_major",
+    "flush-cache": "tests/test_engine_workarounds.py::test_flush_prefix_cache_drops_kv_of_the_old_weights",
+    "engine-devices": "tests/test_multi_engine.py::test_pair_keeps_every_array_on_its_devices",
+    "device-memory-scope": "tests/unit/test_patches.py::test_device_memory_is_measured_on_the_engines_devices_without_clearing_caches",
+    "concurrent-start-up": "tests/unit/test_start_up.py::test_start_ups_take_turns",
+    "gpu-matmul-precision": "tests/test_multi_engine.py::test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine",
+    "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
+    "native-attention-memory": "tests/test_attention.py::test_engine_forward_memory_does_not_follow_padding_limits",
+    "kv-pool-conversions": "tests/test_attention.py::test_bf16_kv_pool_is_not_converted_per_forward",
+    "bf16-logits": "tests/unit/test_patches.py::test_bfloat16_engine_logits_are_float32",
+    "flax-eager-sharding": "tests/test_engine_workarounds.py::test_flax_eager_sharding_is_off_only_while_the_engine_builds",
+    "failure-signal-handler": "tests/test_faults.py::test_the_engines_forwards_leave_the_sigterm_handler_alone",
+    "llama3-rope-scaling": "tests/test_families.py::test_llama3_rope_scaling_gives_the_trainers_positions",
+    "head-dim-padding": "tests/test_families.py::test_head_dim_64_boots_from_safetensors_and_generates_the_flax_tokens",
+    "moe-forward": "tests/test_qwen3_moe.py::test_engine_serves_the_flax_models_tokens_from_safetensors",
+    "moe-jax-import": "tests/unit/test_engine_moe.py::test_the_engine_knows_qwen3_moe",
+    "moe-expert-shapes": "tests/test_qwen3_moe.py::test_tensor_parallel_dummy_engine_holds_every_expert",
+    "moe-sparse-step": "tests/test_qwen3_moe.py::test_decoder_sparse_step_and_unnormalized_routing",
+    "xla-stale-packed-weights": "tests/test_in_place_updates.py::test_the_engine_serves_the_trainers_params_after_donated_updates[qwen2-tp1]",
+}
+# Workarounds that are part of how an engine runs here and cannot be switched off on their own;
+# their pinning tests check the behaviour directly.
+NOT_SWITCHABLE = {
+    "concurrent-start-up": "the start-up lock also tells each engine's threads which engine they serve",
+    "gpu-matmul-precision": "GPU only; its test simulates the engine's GPU branch on CPU",
+    "moe-jax-import": "only jax >= 0.12 needs it; it is always on",
+}
+
+
+# ---- engines ---------------------------------------------------------------------------------------
+
+
+def tiny_options(model_dir, devices=None, tp_size=None, **overrides) -> EngineOptions:
+    settings = dict(
+        model_path=str(model_dir),
+        dtype="float32",
+        tp_size=tp_size or (len(devices) if devices else 1),
+        max_total_tokens=1024,
+        context_length=256,
+        max_running_requests=16,
+        max_prefill_tokens=512,
+        chunked_prefill_size=512,
+        devices=devices,
+    )
+    settings.update(overrides)
+    return EngineOptions(**settings)
+
+
+# ---- model families (tests/test_families.py, tests/unit/test_registry.py) --------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    family: str
+    spec: Callable[[], TinyModelSpec]
+    tp_size: int
+
+
+# The contract cases of tests/test_families.py. Every family in models.FAMILIES needs at least one
+# (tests/unit/test_registry.py checks). Qwen2/Qwen3 parity at both tp sizes and tied/untied is also
+# covered by tests/test_sync.py and test_logprobs.py.
+CASES = [
+    Case("qwen2-tied-gqa-tp2", "qwen2", lambda: TinyModelSpec(seed=11), 2),
+    Case("qwen3-tied-tp1", "qwen3", lambda: TinyModelSpec(architecture="qwen3", num_key_value_heads=2, seed=12), 1),
+    Case("llama3-untied-gqa-hd64-tp2", "llama", lambda: tiny_llama3_spec(seed=13), 2),
+    Case("llama3-tied-hd64-tp1", "llama", lambda: tiny_llama3_spec(tie_word_embeddings=True, seed=14), 1),
+    Case("tiny-random-llama-hd4-tp2", "llama", lambda: tiny_random_llama_spec(seed=15), 2),
+    # 8 experts (top-2) sharded over 2 devices, layer 0 dense; tp 1 in tests/test_qwen3_moe.py.
+    Case("qwen3-moe-tp2", "qwen3_moe", lambda: TinyMoeSpec(seed=16), 2),
+]
+
+
+def flax_model(model_dir):
+    """The Flax trainer model of a model dir's config.json."""
+    return flax_model_for(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+# ---- RL examples -----------------------------------------------------------------------------------
+
+GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k_sample.jsonl"  # GSM8K-format rows, written for these tests
+
+
+# ---- the guide's code blocks (tests/test_readme.py, tests/unit/test_readme.py) ---------------------
+
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+BLOCK = re.compile(r"<!-- readme-block: (?P<id>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)^```", re.S | re.M)
+
+
+class Block(NamedTuple):
+    path: Path
+    language: str
+    code: str
+
+
+def guide_files() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def readme_blocks() -> dict[str, Block]:
+    """Every marked block of the README and docs/, by ID."""
+    blocks: dict[str, Block] = {}
+    for path in guide_files():
+        for m in BLOCK.finditer(path.read_text()):
+            assert m["id"] not in blocks, f"block {m['id']!r} in both {blocks[m['id']].path.name} and {path.name}"
+            blocks[m["id"]] = Block(path, m["language"], m["code"])
+    return blocks
+
+
+def block_code(block: str) -> str:
+    return readme_blocks()[block].code
+
+
+def source_name(block: str) -> str:
+    return f"{readme_blocks()[block].path.relative_to(REPO)}:{block}"

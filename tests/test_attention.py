@@ -10,92 +10,8 @@ import pytest
 
 from rollout import RolloutWorker
 from rollout.engine import attention, patches
-from rollout.engine.attention import DEFAULT_KV_CHUNK, DEFAULT_Q_BLOCK, paged_attention
-from tests.helpers import tiny_worker_config
-
-HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
-
-
-def ragged_batch(rng, prefix_lens, extend_lens, page_size=1, pool_slots=256, loc_len=96, pad_tokens=5):
-    """A batch laid out the way the scheduler lays it out, with padded requests and tokens."""
-    prefix_lens = np.asarray(prefix_lens, np.int32)
-    extend_lens = np.asarray(extend_lens, np.int32)
-    seq_lens = prefix_lens + extend_lens
-    kv = rng.standard_normal((pool_slots, 2 * KV_HEADS, HEAD_DIM)).astype(np.float32)
-    # Slot 0 is the padding slot; real tokens sit anywhere else in the pool, in no order.
-    slots = iter(rng.permutation(np.arange(1, pool_slots)))
-    cache_loc = np.zeros(loc_len, np.int32)
-    offset = 0
-    for n in seq_lens:
-        cache_loc[offset : offset + n] = [next(slots) for _ in range(n)]
-        offset += -(-n // page_size) * page_size
-    q = rng.standard_normal((int(extend_lens.sum()) + pad_tokens, HEADS, HEAD_DIM)).astype(np.float32)
-    return q, kv, cache_loc, seq_lens, prefix_lens, extend_lens
-
-
-def dense_reference(q, kv, cache_loc, seq_lens, prefix_lens, extend_lens, scale, page_size=1, causal=True):
-    """Attention one token at a time, straight from the definition (numpy, float64)."""
-    out = np.zeros((q.shape[0], HEADS * HEAD_DIM))
-    group = HEADS // KV_HEADS
-    token, key_start = 0, 0
-    for seq_len, prefix, extend in zip(seq_lens, prefix_lens, extend_lens):
-        slots = cache_loc[key_start : key_start + seq_len]
-        keys, values = kv[slots, 0::2].astype(np.float64), kv[slots, 1::2].astype(np.float64)
-        for i in range(extend):
-            visible = prefix + i + 1 if causal else seq_len
-            for h in range(HEADS):
-                logits = keys[:visible, h // group] @ q[token, h] * scale
-                weights = np.exp(logits - logits.max())
-                weights /= weights.sum()
-                out[token, h * HEAD_DIM : (h + 1) * HEAD_DIM] = weights @ values[:visible, h // group]
-            token += 1
-        key_start += -(-seq_len // page_size) * page_size
-    return out
-
-
-def attend(q, kv, cache_loc, seq_lens, prefix_lens=None, extend_lens=None, **kwargs):
-    as_jax = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
-    fn = jax.jit(
-        lambda *args: paged_attention(*args, num_heads=HEADS, num_kv_heads=KV_HEADS, **kwargs)
-    )
-    return np.asarray(fn(*map(as_jax, (q, kv, cache_loc, seq_lens, prefix_lens, extend_lens))))
-
-
-@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("q_block, kv_chunk", [(4, 3), (DEFAULT_Q_BLOCK, DEFAULT_KV_CHUNK)], ids=["small-blocks", "defaults"])
-def test_extend_matches_dense_reference(page_size, causal, q_block, kv_chunk, head_major):
-    rng = np.random.default_rng(0)
-    # Fresh prompts, cached prefixes, a one-token extend, and two padded requests.
-    batch = ragged_batch(rng, [0, 5, 3, 0, 11, 0, 0], [7, 4, 9, 1, 2, 0, 0], page_size)
-    q, kv, cache_loc, seq_lens, prefix_lens, extend_lens = batch
-    got = attend(
-        *batch, scale=0.3, causal=causal, page_size=page_size, q_block=q_block, kv_chunk=kv_chunk, head_major=head_major
-    )
-    want = dense_reference(*batch, scale=0.3, page_size=page_size, causal=causal)
-    real = int(extend_lens.sum())
-    np.testing.assert_allclose(got[:real], want[:real], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got[real:], 0.0)
-
-
-@pytest.mark.parametrize("integer_view", [False, True], ids=["", "integer-view"])
-@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_decode_matches_dense_reference(page_size, head_major, integer_view):
-    rng = np.random.default_rng(1)
-    _, kv, cache_loc, seq_lens, _, _ = ragged_batch(rng, [6, 1, 13, 0, 0], [1, 1, 1, 0, 0], page_size)
-    q = rng.standard_normal((len(seq_lens), HEADS, HEAD_DIM)).astype(np.float32)
-    got = attend(
-        q, kv, cache_loc, seq_lens, scale=0.5, page_size=page_size, decode_kv_chunk=4, head_major=head_major,
-        integer_view=integer_view,
-    )
-    # A decode token is an extend of one token after seq_len - 1 cached ones.
-    ones = (seq_lens > 0).astype(np.int32)
-    want = dense_reference(q, kv, cache_loc, seq_lens, seq_lens - ones, ones, 0.5, page_size)
-    real = seq_lens > 0
-    np.testing.assert_allclose(got[real], want[real], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got[~real], 0.0)
+from rollout.engine.attention import paged_attention
+from tests.helpers import HEAD_DIM, HEADS, KV_HEADS, attend, ragged_batch, tiny_worker_config
 
 
 def test_matches_engine_native_attention():
@@ -182,28 +98,6 @@ def test_probes_answer_the_same_under_a_mesh_and_inside_a_trace():
     assert seen == [answers, answers]
 
 
-def test_only_an_unimplemented_error_makes_the_probe_say_no(monkeypatch):
-    """A backend that cannot run the dots says no; any other failure (out of memory, a bug) is
-    raised, not cached as a permanent slow path."""
-    failure = {}
-
-    def failing(*args, **kwargs):
-        raise jax.errors.JaxRuntimeError(failure["message"])
-
-    monkeypatch.setattr(attention, "paged_attention", failing)
-    try:
-        for message, says_no in (("UNIMPLEMENTED: no such dot", True), ("RESOURCE_EXHAUSTED: out of memory", False)):
-            failure["message"] = message
-            attention.runs_head_major_dots.cache_clear()
-            if says_no:
-                assert attention.runs_head_major_dots(jax.default_backend(), "float32") is False
-            else:
-                with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
-                    attention.runs_head_major_dots(jax.default_backend(), "float32")
-    finally:
-        attention.runs_head_major_dots.cache_clear()
-
-
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
 def test_tensor_parallel_attention_keeps_each_devices_kv_heads(head_major):
     """With the pool sharded over KV heads as the engine shards it (and q over heads), the
@@ -282,7 +176,7 @@ def captured_forwards(worker):
     Rows are keyed by content, not by forward: how requests are batched depends on when they
     reach the scheduler.
     """
-    runner = worker.engine._model_runner
+    runner = worker.engine.testing.model_runner
     forward = runner.forward
     logits, prefixes = {}, []
 

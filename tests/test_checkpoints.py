@@ -5,21 +5,17 @@ import json
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from rollout import RolloutWorker
-from tests.helpers import tiny_worker_config
+from tests.helpers import orbax_save, tiny_worker_config
 from trainer_bridge import (
     CheckpointError,
     SyncError,
     flatten_params,
     load_hf_params,
-    restore_params,
     unflatten_params,
 )
 
@@ -48,19 +44,12 @@ def greedy(worker):
     return worker.generate(PROMPTS, temperature=0.0, max_new_tokens=10, ignore_eos=True).completions
 
 
-def save(path, tree):
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, tree)
-    checkpointer.wait_until_finished()
-    return path
-
-
 def test_orbax_checkpoint_equals_a_direct_sync(worker, params, tmp_path):
     worker.sync_params(params)
     expected = greedy(worker)
     worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
     assert greedy(worker) != expected
-    report = worker.load_checkpoint(save(tmp_path / "ckpt", params))
+    report = worker.load_checkpoint(orbax_save(tmp_path / "ckpt", params))
     assert greedy(worker) == expected
     # Leaves with no transform were restored straight into the engine's layout and aliased.
     assert report.leaves_aliased > 0
@@ -71,7 +60,7 @@ def test_wrapped_params_tree(worker, params, tmp_path):
     worker.sync_params(params)
     expected = greedy(worker)
     worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
-    worker.load_checkpoint(save(tmp_path / "wrapped", {"params": params}))
+    worker.load_checkpoint(orbax_save(tmp_path / "wrapped", {"params": params}))
     assert greedy(worker) == expected
 
 
@@ -93,21 +82,6 @@ def test_checkpoint_manager_step_selection(worker, params, scaled, tmp_path):
         worker.load_checkpoint(tmp_path / "run", step=7)
 
 
-def test_trainer_resume_restores_onto_trainer_shardings(params, tmp_path):
-    path = save(tmp_path / "resume", params)
-    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-    target = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("fsdp") if x.shape[0] % 4 == 0 else P())),
-        params,
-    )
-    restored = restore_params(path, target)
-    for (key, got), want, spec in zip(
-        flatten_params(restored).items(), flatten_params(params).values(), flatten_params(target).values()
-    ):
-        assert got.sharding == spec.sharding, key
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=key)
-
-
 def assert_still_serving(worker, expected, version):
     assert worker.weight_version == version
     assert greedy(worker) == expected
@@ -121,19 +95,19 @@ def test_bad_checkpoints_leave_the_worker_serving(worker, params, qwen3_dir, tmp
         worker.load_checkpoint(tmp_path / "does-not-exist")
     assert_still_serving(worker, expected, version)
 
-    other = save(tmp_path / "qwen3", load_hf_params(qwen3_dir))
+    other = orbax_save(tmp_path / "qwen3", load_hf_params(qwen3_dir))
     with pytest.raises(SyncError, match=r"does not match the model: missing \d+ expected path\(s\) \['model\.layers_0\.self_attn\.k_proj\.bias'"):
         worker.load_checkpoint(other)
     assert_still_serving(worker, expected, version)
 
     flat = flatten_params(params)
     flat["model.layers_1.mlp.down_proj.kernel"] = flat["model.layers_1.mlp.down_proj.kernel"][:256]
-    wrong_shape = save(tmp_path / "shape", unflatten_params(flat))
+    wrong_shape = orbax_save(tmp_path / "shape", unflatten_params(flat))
     with pytest.raises(SyncError, match=r"'model\.layers_1\.mlp\.down_proj\.kernel' has shape \(256, 256\), expected \(512, 256\)"):
         worker.load_checkpoint(wrong_shape)
     assert_still_serving(worker, expected, version)
 
-    corrupt = save(tmp_path / "corrupt", params)
+    corrupt = orbax_save(tmp_path / "corrupt", params)
     data_files = [p for p in Path(corrupt).rglob("*") if p.is_file() and p.stat().st_size > 10_000]
     assert data_files
     for file in data_files:

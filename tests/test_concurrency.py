@@ -12,6 +12,10 @@ from rollout import RolloutWorker, compile_count, counting_compiles
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
+# Batching across threads and event loops, the sync gate: the worker's Python, which no supported
+# jax/flax/transformers version changes, run at the oldest end (the engine calls are tested at both).
+pytestmark = pytest.mark.one_end
+
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 
 
@@ -92,7 +96,6 @@ def test_astream_yields_tokens_as_they_come_and_matches_generate(worker):
     assert {c.weight_version for c in chunks} == {worker.weight_version}
 
 
-@pytest.mark.one_end
 def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params, monkeypatch):
     worker.sync_params(params)
     version = worker.weight_version

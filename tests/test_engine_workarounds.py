@@ -16,53 +16,13 @@ import numpy as np
 import pytest
 from packaging.version import Version
 
-from models import QwenConfig, QwenForCausalLM, greedy_decode, table_logits
+from models import QwenConfig, QwenForCausalLM, greedy_decode
 from rollout import EngineError, RolloutWorker, in_place_updates
 from rollout.engine import patches, workarounds
-from tests.helpers import tiny_worker_config
+from tests.helpers import NOT_SWITCHABLE, PINNING_TESTS, REPO, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3]]
-REPO = Path(__file__).resolve().parents[1]
-
-# The test that fails without each workaround (run with ROLLOUT_DISABLE_WORKAROUNDS=<name>).
-# A new entry of WORKAROUNDS needs one here.
-PINNING_TESTS = {
-    "duplicate-pytree-registration": "tests/test_engine_workarounds.py::test_duplicate_pytree_registration_import",
-    "sampler": "tests/test_sampling_filters.py::test_temperature_sampling_follows_the_softmax",
-    "process-kill-on-error": "tests/test_engine_workarounds.py::test_engine_thread_error_is_an_exception_not_a_dead_process",
-    "idle-busy-spin": "tests/test_generate.py::test_worker_idles_quietly",
-    "process-global-side-effects": "tests/test_engine_workarounds.py::test_process_global_state_is_preserved",
-    "untied-head-dtype": "tests/test_engine_workarounds.py::test_untied_head_computes_in_the_model_dtype",
-    "detokenizer-output-ids": "tests/test_generate.py::test_eos_stop_keeps_the_eos_token",
-    "shared-hf-config": "tests/test_engine_workarounds.py::test_second_tensor_parallel_engine_on_the_same_model",
-    "one-request-per-sample": "tests/test_generate.py::test_n_samples_per_prompt_are_independent_and_prompt_major",
-    "flush-cache": "tests/test_engine_workarounds.py::test_flush_prefix_cache_drops_kv_of_the_old_weights",
-    "engine-devices": "tests/test_multi_engine.py::test_pair_keeps_every_array_on_its_devices",
-    "device-memory-scope": "tests/test_multi_engine.py::test_device_memory_is_measured_on_the_engines_devices_without_clearing_caches",
-    "concurrent-start-up": "tests/test_multi_engine.py::test_start_ups_take_turns",
-    "gpu-matmul-precision": "tests/test_multi_engine.py::test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine",
-    "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
-    "native-attention-memory": "tests/test_attention.py::test_engine_forward_memory_does_not_follow_padding_limits",
-    "kv-pool-conversions": "tests/test_attention.py::test_bf16_kv_pool_is_not_converted_per_forward",
-    "bf16-logits": "tests/test_engine_workarounds.py::test_bfloat16_engine_logits_are_float32",
-    "flax-eager-sharding": "tests/test_engine_workarounds.py::test_flax_eager_sharding_is_off_only_while_the_engine_builds",
-    "failure-signal-handler": "tests/test_faults.py::test_the_engines_forwards_leave_the_sigterm_handler_alone",
-    "llama3-rope-scaling": "tests/test_families.py::test_llama3_rope_scaling_gives_the_trainers_positions",
-    "head-dim-padding": "tests/test_families.py::test_head_dim_64_boots_from_safetensors_and_generates_the_flax_tokens",
-    "moe-forward": "tests/test_qwen3_moe.py::test_engine_serves_the_flax_models_tokens_from_safetensors",
-    "moe-jax-import": "tests/test_qwen3_moe.py::test_the_engine_knows_qwen3_moe",
-    "moe-expert-shapes": "tests/test_qwen3_moe.py::test_tensor_parallel_dummy_engine_holds_every_expert",
-    "moe-sparse-step": "tests/test_qwen3_moe.py::test_decoder_sparse_step_and_unnormalized_routing",
-    "xla-stale-packed-weights": "tests/test_in_place_updates.py::test_the_engine_serves_the_trainers_params_after_donated_updates[qwen2-tp1]",
-}
-# Workarounds that are part of how an engine runs here and cannot be switched off on their own;
-# their pinning tests check the behaviour directly.
-NOT_SWITCHABLE = {
-    "concurrent-start-up": "the start-up lock also tells each engine's threads which engine they serve",
-    "gpu-matmul-precision": "GPU only; its test simulates the engine's GPU branch on CPU",
-    "moe-jax-import": "only jax >= 0.12 needs it; it is always on",
-}
 
 
 def run_pytest(nodes, disabled=""):
@@ -73,23 +33,6 @@ def run_pytest(nodes, disabled=""):
         env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(in_place_updates.XNNPACK_OFF, "").strip()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodes]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-
-
-def test_every_workaround_has_a_pinning_test():
-    assert sorted(PINNING_TESTS) == sorted(workarounds.WORKAROUNDS), "each workaround needs a pinning test"
-    assert set(NOT_SWITCHABLE) <= set(PINNING_TESTS)
-    for node in PINNING_TESTS.values():
-        file, name = node.split("::")
-        assert f"def {name.split('[')[0]}(" in (REPO / file).read_text(), f"{node} does not exist"
-
-
-def test_unknown_disabled_workaround_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(workarounds.DISABLE_ENV, "flush-cache, no-such-fix")
-    with pytest.raises(ValueError, match=r"ROLLOUT_DISABLE_WORKAROUNDS names unknown workaround\(s\) \['no-such-fix'\]"):
-        workarounds.disabled_workarounds()
-    monkeypatch.setenv(workarounds.DISABLE_ENV, "flush-cache, sampler")
-    assert workarounds.disabled_workarounds() == {"flush-cache", "sampler"}
-    assert not workarounds.workaround_enabled("flush-cache") and workarounds.workaround_enabled("idle-busy-spin")
 
 
 # One fresh process per workaround (a workaround is installed once per process): the slowest
@@ -105,11 +48,6 @@ def test_pinning_test_fails_without_its_workaround(name):
         f"{PINNING_TESTS[name]} with {name} disabled exited {result.returncode}:\n"
         + result.stdout[-3000:] + result.stderr[-3000:]
     )
-
-
-def test_duplicate_pytree_registration_import():
-    patches.install_workarounds()
-    assert "sgl_jax.srt.layers.attention.native_backend" in sys.modules
 
 
 def test_keyed_draw_draws_from_the_given_distribution():
@@ -193,26 +131,6 @@ def test_untied_head_computes_in_the_model_dtype(qwen2_untied_dir):
         assert report.max_abs_diff < 1e-4
 
 
-def test_bfloat16_engine_logits_are_float32():
-    """The engine's logits processor on a bfloat16 head: the trainer's float32 logits, not logits
-    rounded to bfloat16."""
-    patches.install_workarounds()
-    from flax import nnx
-    from sgl_jax.srt.layers.embeddings import ParallelLMHead
-    from sgl_jax.srt.layers.logits_processor import LogitsProcessor
-
-    vocab = 1000
-    with patches.variables_sharded_lazily():
-        head = ParallelLMHead(vocab + 24, 64, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    hidden = jax.random.normal(jax.random.key(1), (4, 64), jnp.bfloat16) * 8
-    logits = LogitsProcessor(vocab, mesh=None)._get_logits(hidden, head)
-    assert logits.dtype == jnp.float32 and logits.shape == (4, vocab)
-    expected = table_logits(hidden, head.embedding.value)[:, :vocab]
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=1e-6, atol=1e-6)
-    rounded = np.asarray(logits.astype(jnp.bfloat16).astype(jnp.float32))
-    assert np.mean(rounded != np.asarray(logits)) > 0.9
-
-
 def test_second_tensor_parallel_engine_on_the_same_model(qwen2_dir):
     outputs = []
     for _ in range(2):
@@ -243,7 +161,7 @@ def test_flush_prefix_cache_drops_kv_of_the_old_weights(doomed_worker, qwen2_dir
     engine.replace_weight_leaves(new_leaves, flush_prefix_cache=False)
     stale = doomed_worker.generate(prompt, **kwargs).completions
     assert stale != expected, "the cached prefix was reused (else this test shows nothing)"
-    engine.flush_prefix_cache()
+    engine.testing.flush_prefix_cache()
     assert doomed_worker.generate(prompt, **kwargs).completions == expected
 
 
@@ -255,7 +173,7 @@ def test_error_in_a_scheduler_call_reaches_the_caller_and_engine_serves_on(doome
 
 def test_engine_thread_error_is_an_exception_not_a_dead_process(doomed_worker):
     engine = doomed_worker.engine
-    engine.inject_failure(RuntimeError("injected forward failure"))
+    engine.testing.inject_failure(RuntimeError("injected forward failure"))
     with pytest.raises(EngineError, match="injected forward failure"):
         doomed_worker.generate(PROMPTS, temperature=0.0, max_new_tokens=4)
     # This process survived (the engine's own handler sends it SIGQUIT); the dead engine fails

@@ -2,16 +2,14 @@
 engine per case: greedy tokens and log-probs equal the family's Flax model after ``sync_params``,
 ``load_hf`` and ``load_checkpoint``; a tree placed by ``param_shardings()`` copies only the
 leaves its table transforms; another family's tree is a SyncError naming the first mismatching
-path; unsupported configs are refused before anything starts. What tests/test_sync.py and
-tests/test_logprobs.py already check for every Qwen variant (exact leaf values, KV-head repeats,
-validation, sampling filters) is not repeated here.
+path. Unsupported configs, refused before anything starts: tests/unit/test_registry.py. What
+tests/test_sync.py and tests/test_logprobs.py already check for every Qwen variant (exact leaf
+values, KV-head repeats, validation, sampling filters) is not repeated here.
 """
 
 import dataclasses
 import json
 import re
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -20,47 +18,22 @@ import orbax.checkpoint as ocp
 import pytest
 
 from models import (
-    FAMILIES,
     EngineTransform,
-    Llama3RopeScaling,
     TinyModelSpec,
-    TinyMoeSpec,
     flax_model_for,
     greedy_decode,
-    rope_inv_freq,
     tiny_llama3_spec,
     tiny_random_llama_spec,
     write_tiny_model,
 )
 from rollout import RolloutWorker
-from tests.helpers import tiny_worker_config
+from tests.helpers import CASES, Case, tiny_worker_config
 from trainer_bridge import SyncError, flatten_params, load_hf_params
 
 PROMPTS = [[5, 17, 42, 8, 100, 3, 250, 251, 252, 7, 9, 11, 64, 65, 66, 300], [100, 3], [12, 34, 56]]
 NEW_TOKENS = 8
 # fp32 engine vs fp32 Flax model: float rounding only (tests/test_logprobs.py uses the same).
 LOGPROB_ATOL = 1e-4
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    family: str
-    spec: Callable[[], TinyModelSpec]
-    tp_size: int
-
-
-# Every family in models.FAMILIES needs at least one case (checked below). Qwen2/Qwen3 parity at
-# both tp sizes and tied/untied is also covered by tests/test_sync.py and test_logprobs.py.
-CASES = [
-    Case("qwen2-tied-gqa-tp2", "qwen2", lambda: TinyModelSpec(seed=11), 2),
-    Case("qwen3-tied-tp1", "qwen3", lambda: TinyModelSpec(architecture="qwen3", num_key_value_heads=2, seed=12), 1),
-    Case("llama3-untied-gqa-hd64-tp2", "llama", lambda: tiny_llama3_spec(seed=13), 2),
-    Case("llama3-tied-hd64-tp1", "llama", lambda: tiny_llama3_spec(tie_word_embeddings=True, seed=14), 1),
-    Case("tiny-random-llama-hd4-tp2", "llama", lambda: tiny_random_llama_spec(seed=15), 2),
-    # 8 experts (top-2) sharded over 2 devices, layer 0 dense; tp 1 in tests/test_qwen3_moe.py.
-    Case("qwen3-moe-tp2", "qwen3_moe", lambda: TinyMoeSpec(seed=16), 2),
-]
 
 
 def greedy(worker):
@@ -105,10 +78,6 @@ def transformed(served) -> list:
         if m.engine_transform is EngineTransform.TRANSPOSE
         or (m.engine_transform is EngineTransform.REPEAT_KV_HEADS and repeat)
     ]
-
-
-def test_every_family_has_a_contract_case():
-    assert set(FAMILIES) <= {case.family for case in CASES}
 
 
 def test_placed_tree_copies_only_transformed_leaves_and_serves_the_flax_policy(served):
@@ -156,42 +125,6 @@ def test_another_familys_tree_is_refused_naming_the_first_mismatching_path(serve
     with pytest.raises(SyncError, match=re.escape(first_mismatching_path(worker.mappings, flat))):
         worker.sync_params(flat)
     assert greedy(worker) == served.reference
-
-
-UNSUPPORTED = [
-    ({"model_type": "mistral"}, r"model_type 'mistral' is not supported; supported: \['llama', 'qwen2', 'qwen3'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling type 'yarn' is not supported for llama"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling type 'linear' is not supported"),
-    ({"attention_bias": True}, r"attention_bias=True is not supported for llama"),
-    ({"head_dim": 5, "num_attention_heads": 4, "hidden_size": 20}, r"head_dim 5 is odd"),
-]
-
-
-@pytest.mark.parametrize("change, message", UNSUPPORTED, ids=["model_type", "yarn", "linear", "bias", "odd-head-dim"])
-def test_unsupported_configs_are_refused_before_anything_starts(tmp_path, change, message):
-    model_dir = write_tiny_model(tmp_path, tiny_random_llama_spec(vocab_size=320), with_tokenizer=False)
-    config_file = model_dir / "config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **change}))
-    before = set(threading.enumerate())
-    with pytest.raises(ValueError, match=message) as error:
-        RolloutWorker(tiny_worker_config(model_dir))
-    assert str(config_file) in str(error.value)
-    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("sglang-jax")]
-
-
-def test_llama3_frequencies_are_the_engines(tmp_path):
-    """The trainer's llama3 RoPE frequencies against the engine's own Llama3RotaryEmbedding
-    (built as the engine builds it, with the workarounds installed)."""
-    from rollout.engine import install_workarounds
-
-    install_workarounds()
-    from sgl_jax.srt.layers.embeddings import get_rope
-
-    scaling = tiny_llama3_spec().rope_scaling
-    rope = get_rope(64, 64, 1024, 10000.0, True, dict(scaling), dtype=np.float32)
-    ours = rope_inv_freq(64, 10000.0, Llama3RopeScaling.from_hf(scaling))
-    np.testing.assert_allclose(rope._inv_freq_np, ours, rtol=1e-6)
-    assert not np.allclose(ours, rope_inv_freq(64, 10000.0)), "the scaling must change some frequencies"
 
 
 def test_flax_llama_equals_hf_transformers_flax_llama(tmp_path):

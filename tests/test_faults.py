@@ -25,6 +25,10 @@ from rollout.server import Server, ServerConfig, WorkerBackend
 from tests.helpers import serve_process, tiny_worker_config
 from trainer_bridge import SyncError, load_hf_params
 
+# Typed errors, admission, signals, aborts: the worker's and server's Python, which no supported
+# jax/flax/transformers version changes, run at the oldest end (the engine calls are tested at both).
+pytestmark = pytest.mark.one_end
+
 PROMPT = [5, 17, 42, 8]
 ADMIN_TOKEN = "admin-faults"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -93,7 +97,6 @@ class _FailingBackend(WorkerBackend):
         raise RuntimeError("KV rebuild failed: out of memory")
 
 
-@pytest.mark.one_end
 def test_an_unknown_error_is_a_500_with_a_request_id_never_a_503(worker, caplog):
     with Server(_FailingBackend(worker), ServerConfig(port=0)) as server, caplog.at_level(logging.ERROR, "rollout"):
         response = httpx.post(server.url + "/v1/completions", json={"model": chat_dir_name(worker), "prompt": PROMPT})
@@ -108,7 +111,6 @@ def test_an_unknown_error_is_a_500_with_a_request_id_never_a_503(worker, caplog)
 # ---- API misuse ----------------------------------------------------------------------------------
 
 
-@pytest.mark.one_end
 def test_bad_arguments_are_clear_errors(worker):
     with pytest.raises(InvalidRequest) as pad:
         worker.generate([PROMPT], pad_prompts_to="x")
@@ -125,7 +127,6 @@ def test_bad_arguments_are_clear_errors(worker):
     assert surrogate.value.field == "prompts[1]" and "Unicode" in str(surrogate.value)
 
 
-@pytest.mark.one_end
 def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everywhere(qwen2_dir):
     threads_before = set(threading.enumerate())
     worker = RolloutWorker(tiny_worker_config(qwen2_dir))
@@ -208,7 +209,6 @@ def test_close_during_a_sync_fails_it_with_worker_closed(qwen2_dir, monkeypatch,
 # ---- admission limits ----------------------------------------------------------------------------
 
 
-@pytest.mark.one_end
 def test_admission_limits_refuse_oversized_calls(worker):
     with pytest.raises(LimitExceeded) as rows:
         worker.generate([PROMPT], n=100_000, max_new_tokens=1)
@@ -226,7 +226,6 @@ def test_admission_limits_refuse_oversized_calls(worker):
     ],
     ids=["prompts", "rows", "tokens"],
 )
-@pytest.mark.one_end
 def test_admission_limits_answer_413_naming_the_limit(http, body, limit):
     response = http.post("/v1/completions", json={"model": "tiny", **body})
     assert response.status_code == 413, response.text
@@ -293,7 +292,6 @@ def test_nan_weights_are_refused_on_every_load_path(worker, http, nan_sources, c
 # ---- statuses --------------------------------------------------------------------------------------
 
 
-@pytest.mark.one_end
 def test_former_500s_are_4xx(http):
     surrogate = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\\ud800abc"}', headers={"Content-Type": "application/json"})
     assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt", surrogate.text
@@ -303,7 +301,6 @@ def test_former_500s_are_4xx(http):
     assert seed.status_code == 400 and seed.json()["error"]["param"] == "seed", seed.text
 
 
-@pytest.mark.one_end
 def test_reloads_outside_the_reload_root_are_refused(worker, chat_dir, tmp_path):
     with worker.serve(admin_token=ADMIN_TOKEN, reload_root=str(tmp_path)) as server:
         for path in (str(chat_dir), str(tmp_path / ".." / chat_dir.name), "/etc/nope"):
@@ -314,7 +311,6 @@ def test_reloads_outside_the_reload_root_are_refused(worker, chat_dir, tmp_path)
 # ---- OpenAI conformance ------------------------------------------------------------------------------
 
 
-@pytest.mark.one_end
 def test_request_fields_as_openai_defines_them(http):
     assert http.get("/v1/models/tiny").json()["id"] == "tiny"
     assert http.get("/v1/models/gpt-9").status_code == 404
@@ -334,7 +330,6 @@ def sse(response: httpx.Response) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
-@pytest.mark.one_end
 def test_streamed_usage_is_null_until_the_last_chunk(http):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/completions", json=body) as response:
@@ -487,11 +482,10 @@ def abandoned_forwards(worker, start: int) -> int:
     engine = worker.engine
     wait_until(lambda: engine.requests_in_flight == 0 and worker.active_calls == 0)
     spent = engine.forward_count - start
-    assert engine.kv_tokens_held() == 0
+    assert engine.testing.kv_tokens_held() == 0
     return spent
 
 
-@pytest.mark.one_end
 def test_a_cancelled_agenerate_aborts_its_rows(worker):
     engine = worker.engine
 
@@ -546,12 +540,11 @@ def test_a_cancel_storm_leaves_nothing_to_compile_or_wait_for(worker, chat_dir):
 
     asyncio.run(storm())
     wait_until(lambda: engine.requests_in_flight == 0 and worker.active_calls == 0)
-    assert engine.kv_tokens_held() == 0
+    assert engine.testing.kv_tokens_held() == 0
     report = worker.sync_params(params)
     assert report.compiles == 0 and report.seconds < 1.0, report
 
 
-@pytest.mark.one_end
 def test_leaving_an_astream_aborts_its_rows_and_logs_nothing(worker, caplog):
     engine = worker.engine
 
@@ -570,7 +563,6 @@ def test_leaving_an_astream_aborts_its_rows_and_logs_nothing(worker, caplog):
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
-@pytest.mark.one_end
 def test_a_client_leaving_a_stream_aborts_its_rows(http, worker, caplog):
     engine = worker.engine
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
@@ -584,7 +576,6 @@ def test_a_client_leaving_a_stream_aborts_its_rows(http, worker, caplog):
     assert complete(http).status_code == 200
 
 
-@pytest.mark.one_end
 def test_a_client_leaving_before_its_response_aborts_its_rows(server, worker, caplog):
     engine = worker.engine
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}).encode()

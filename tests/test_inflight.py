@@ -61,7 +61,7 @@ def _swap_at_token(worker, new_params, position, **swap):
         release.wait()
 
     def reached():
-        return any(n >= position for n in engine.output_lengths().values())
+        return any(n >= position for n in engine.testing.output_lengths().values())
 
     def run(name, fn):
         try:
@@ -77,7 +77,7 @@ def _swap_at_token(worker, new_params, position, **swap):
     assert held.wait(300) and not errors, errors
     sync = threading.Thread(target=run, args=("report", lambda: worker.sync_params(new_params, in_flight=True, **swap)))
     sync.start()
-    while engine.boundary_calls_queued == 0 and sync.is_alive():  # the swap is queued behind the hold
+    while engine.testing.boundary_calls_queued == 0 and sync.is_alive():  # the swap is queued behind the hold
         time.sleep(0.001)
     release.set()
     for t in [*threads, sync]:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from rollout import SamplingParams
-from rollout.engine import EngineError, EngineHandle, EngineOptions, patches, runtime, start_up
+from rollout.engine import EngineError, EngineHandle, runtime
+from tests.helpers import tiny_options
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 # (sampling params, per-row seeds [prompts, n]) as EngineHandle.generate takes them.
@@ -22,22 +23,6 @@ GREEDY = (SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True), np
 # Long enough that forward passes of engines driven at the same time overlap.
 LONG = (SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True), np.arange(12).reshape(12, 1))
 LONG_PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(5 + i)] for i in range(12)]
-
-
-def tiny_options(model_dir, devices=None, tp_size=None, **overrides) -> EngineOptions:
-    settings = dict(
-        model_path=str(model_dir),
-        dtype="float32",
-        tp_size=tp_size or (len(devices) if devices else 1),
-        max_total_tokens=1024,
-        context_length=256,
-        max_running_requests=16,
-        max_prefill_tokens=512,
-        chunked_prefill_size=512,
-        devices=devices,
-    )
-    settings.update(overrides)
-    return EngineOptions(**settings)
 
 
 def start_from_threads(options_list) -> list[EngineHandle]:
@@ -124,16 +109,6 @@ def quad(qwen2_dir):
         engine.close()
 
 
-def test_devices_must_match_tp_size_and_be_distinct(qwen2_dir):
-    devices = jax.devices()
-    with pytest.raises(ValueError, match="has 2 devices .* but tp_size is 1"):
-        tiny_options(qwen2_dir, devices[:2], tp_size=1)
-    with pytest.raises(ValueError, match="lists a device twice: 1,1"):
-        tiny_options(qwen2_dir, (devices[1], devices[1]))
-    with pytest.raises(ValueError, match="non-empty sequence of jax.Device"):
-        tiny_options(qwen2_dir, (0, 1), tp_size=2)
-
-
 def test_pair_first_generates_run_concurrently_and_match_one_engine(pair, reference):
     # The first generate on each engine (it compiles), from one thread per engine at once.
     sampled = generate_in_threads(pair, LONG_PROMPTS, LONG)
@@ -178,57 +153,6 @@ def test_four_single_device_engines(quad, reference):
             assert device_ids(leaf) == {device.id}
 
 
-def test_start_ups_take_turns():
-    inside, entered_second = threading.Event(), threading.Event()
-    release = threading.Event()
-
-    def first():
-        with start_up.engine_start_up("first", None):
-            inside.set()
-            release.wait(10)
-
-    def second():
-        with start_up.engine_start_up("second", None) as second_start_up:
-            assert second_start_up.name == "second"
-            entered_second.set()
-
-    a = threading.Thread(target=first)
-    a.start()
-    assert inside.wait(10)
-    b = threading.Thread(target=second)
-    b.start()
-    assert not entered_second.wait(0.5), "a second start-up ran while the first was running"
-    release.set()
-    a.join()
-    b.join()
-    assert entered_second.is_set()
-    assert start_up.current_start_up() is None
-
-
-def test_device_memory_is_measured_on_the_engines_devices_without_clearing_caches(monkeypatch):
-    from sgl_jax.srt.model_executor import model_runner
-
-    patches.install_workarounds()
-
-    class FakeGpu:
-        platform = "gpu"
-
-        def __init__(self, free):
-            self.free = free
-
-        def memory_stats(self):
-            return {"bytes_limit": 10_000, "bytes_in_use": 10_000 - self.free}
-
-    cleared = []
-    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(True))
-    monkeypatch.setattr(jax, "local_devices", lambda: [FakeGpu(1000), FakeGpu(3000), FakeGpu(5000)])
-    assert model_runner.get_available_device_memory("gpu") == 1000
-    # During an engine's start-up: that engine's devices only.
-    monkeypatch.setattr(start_up, "_start_up", start_up.StartUp("engine 1", (FakeGpu(3000), FakeGpu(5000))))
-    assert model_runner.get_available_device_memory("gpu") == 3000
-    assert cleared == []
-
-
 def test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine(qwen2_dir, monkeypatch):
     """On GPU, 0.0.2's ModelRunner sets 'highest' matmul precision process-wide during start-up;
     simulated here on CPU by a start-up hook that does what that branch does."""
@@ -259,7 +183,7 @@ def test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine(qwen2_di
 
 def test_a_failing_engine_names_itself_and_the_others_serve_on(quad, reference):
     doomed = quad[3]
-    doomed.inject_failure(RuntimeError("injected forward failure"))
+    doomed.testing.inject_failure(RuntimeError("injected forward failure"))
     with pytest.raises(EngineError, match=r"^engine 3 \(devices 3\): .*injected forward failure"):
         doomed.generate(PROMPTS, *GREEDY)
     assert not doomed.alive

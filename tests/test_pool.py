@@ -47,11 +47,6 @@ def _shard_pointers(array):
     return {s.device.id: s.data.unsafe_buffer_pointer() for s in array.addressable_shards}
 
 
-def test_device_counts_must_add_up(qwen2_dir):
-    with pytest.raises(ValueError, match=r"dp_size \(3\) x tp_size \(1\) = 3 devices, but the worker is given 4"):
-        RolloutWorker(tiny_worker_config(qwen2_dir, dp_size=3, devices=tuple(jax.devices())))
-
-
 @pytest.mark.parametrize("name", ["dp4", "dp2tp2"])
 def test_same_seed_same_completions_as_one_engine(request, name, single, params):
     worker = request.getfixturevalue(name)
@@ -126,7 +121,7 @@ def test_a_failed_engine_is_named_and_the_others_serve_on(qwen2_dir, params, sin
     worker = RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=2))
     try:
         worker.sync_params(jax.device_put(params, worker.param_shardings()))
-        worker.engines[1].inject_failure(RuntimeError("injected forward failure"))
+        worker.engines[1].testing.inject_failure(RuntimeError("injected forward failure"))
         with pytest.raises(EngineError, match=r"engine 1 \(devices 1\).*injected forward failure"):
             worker.generate(PROMPTS, **GREEDY)
         # The live engine takes every row from now on, and weight changes reach it.

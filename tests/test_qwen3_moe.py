@@ -1,7 +1,8 @@
-"""Qwen3-MoE: the mapping table, HF loading, the Flax trainer model against the engine (greedy
-tokens and log-probs after every way of loading weights), zero-copy of the stacked experts, what
-the consistency check catches, and the engine workarounds it needs. The contract suite
-(tests/test_families.py) runs the same checks at tp 2; here they run at tp 1."""
+"""Qwen3-MoE: the Flax trainer model against the engine (greedy tokens and log-probs after every
+way of loading weights), zero-copy of the stacked experts, what the consistency check catches,
+and the engine workarounds it needs. The contract suite (tests/test_families.py) runs the same
+checks at tp 2; here they run at tp 1. The mapping table, routing and HF loading, which need no
+engine: tests/unit/ (test_registry.py, test_moe.py, test_qwen3_moe.py, test_hf.py)."""
 
 import json
 import os
@@ -13,35 +14,19 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from safetensors.numpy import load_file
 
 from models import (
-    Condition,
     TinyMoeSpec,
-    flax_model_for,
     greedy_decode,
-    mappings_for,
-    qwen3_moe,
-    route,
     write_tiny_model,
 )
 from rollout import ConsistencyError, RolloutWorker
-from tests.helpers import tiny_worker_config
+from tests.helpers import flax_model, tiny_worker_config
 from trainer_bridge import flatten_params, load_hf_params, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 NEW_TOKENS = 8
 FP32_ATOL = 1e-4  # as tests/test_logprobs.py holds the dense families
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    """8 experts, top-2, normalized top-k weights; layer 0 dense (mlp_only_layers), layer 1 sparse."""
-    return write_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), TinyMoeSpec(), with_tokenizer=False)
-
-
-def flax_model(model_dir):
-    return flax_model_for(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
 @pytest.fixture(scope="module")
@@ -90,89 +75,7 @@ def assert_serves(worker, params, reference):
     return batch, report
 
 
-# ---- tables, routing, HF loading (no engine) -------------------------------------------------
-
-
-def reference_route(logits, top_k, norm):
-    """HF transformers' Qwen3MoeSparseMoeBlock routing, in numpy float64."""
-    logits = np.asarray(logits, np.float64)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    experts = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
-    weights = np.take_along_axis(probs, experts, -1)
-    if norm:
-        weights /= weights.sum(-1, keepdims=True)
-    return weights, experts
-
-
-@pytest.mark.parametrize("norm", [True, False])
-def test_routing_follows_hf_transformers(norm):
-    logits = np.asarray(jax.random.normal(jax.random.key(1), (16, 8)) * 2.0)
-    weights, experts = route(logits, 2, norm)
-    expected_weights, expected_experts = reference_route(logits, 2, norm)
-    np.testing.assert_array_equal(np.asarray(experts), expected_experts)
-    np.testing.assert_allclose(np.asarray(weights), expected_weights, rtol=1e-6)
-
-
-def test_sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step():
-    config = {"num_hidden_layers": 6, "num_experts": 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
-    assert qwen3_moe.sparse_layers(config.get) == {1, 5}
-    assert qwen3_moe.sparse_layers({**config, "decoder_sparse_step": 1}.get) == {0, 1, 2, 4, 5}
-    assert qwen3_moe.sparse_layers({**config, "num_experts": 0}.get) == frozenset()
-
-
-def test_mapping_table_expands_router_and_experts_in_sparse_layers_only(moe_dir):
-    spec = TinyMoeSpec()
-    entries = {m.trainer: m for m in mappings_for(spec.hf_config())}
-    assert entries["model.layers_1.mlp.gate_proj"].engine == "transformer.layers.1.mlp.wi_0"
-    assert entries["model.layers_1.mlp.down_proj"].hf == "model.layers.1.mlp.experts.{expert}.down_proj.weight"
-    assert entries["model.layers_1.mlp.gate.kernel"].engine == "transformer.layers.1.moe_gate.kernel"
-    assert entries["model.layers_0.mlp.gate_proj.kernel"].condition is Condition.DENSE_LAYER
-    assert entries["model.layers_0.self_attn.o_proj.kernel"].engine == "transformer.layers.0.self_attn.c_proj.weight"
-    assert "model.layers_0.mlp.gate.kernel" not in entries and "model.layers_1.mlp.up_proj.kernel" not in entries
-    # Exactly the leaves of the Flax model.
-    model = flax_model(moe_dir)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
-    assert set(flatten_params(shapes)) == set(entries)
-
-
-UNSUPPORTED = [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_scaling type 'llama3' is not supported for qwen3_moe"),
-    ({"attention_bias": True}, r"attention_bias=True is not supported for qwen3_moe"),
-    ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in 1\.\.num_experts=8"),
-]
-
-
-@pytest.mark.parametrize("change, message", UNSUPPORTED, ids=["rope-scaling", "attention-bias", "top-k"])
-def test_unsupported_moe_configs_are_refused_before_anything_starts(moe_dir, tmp_path, change, message):
-    config_file = tmp_path / "config.json"
-    config_file.write_text(json.dumps({**json.loads((moe_dir / "config.json").read_text()), **change}))
-    with pytest.raises(ValueError, match=message):
-        RolloutWorker(tiny_worker_config(tmp_path, load_format="dummy"))
-
-
-def test_hf_experts_are_stacked_in_trainer_layout(moe_dir, params):
-    hf = load_file(str(moe_dir / "model.safetensors"))
-    flat = flatten_params(params)
-    for expert in (0, 5):
-        prefix = f"model.layers.1.mlp.experts.{expert}."
-        np.testing.assert_array_equal(flat["model.layers_1.mlp.gate_proj"][expert], hf[prefix + "gate_proj.weight"].T)
-        np.testing.assert_array_equal(flat["model.layers_1.mlp.down_proj"][expert], hf[prefix + "down_proj.weight"].T)
-    assert flat["model.layers_1.mlp.up_proj"].shape == (8, 256, 128)
-    np.testing.assert_array_equal(flat["model.layers_1.mlp.gate.kernel"], hf["model.layers.1.mlp.gate.weight"].T)
-
-
 # ---- the engine against the Flax model ------------------------------------------------------
-
-
-def test_the_engine_knows_qwen3_moe():
-    """Pins WORKAROUNDS "moe-jax-import" (jax 0.12 cannot import 0.0.2's Qwen3-MoE module)."""
-    from rollout.engine import install_workarounds
-
-    install_workarounds()
-    from sgl_jax.srt.models.registry import ModelRegistry
-
-    assert "Qwen3MoeForCausalLM" in ModelRegistry.get_supported_archs()
 
 
 def test_engine_serves_the_flax_models_tokens_from_safetensors(tp1_worker, params, reference):

@@ -1,7 +1,7 @@
 """Every code block of the README and of docs/ runs as written, so the guide stays true.
 
 Each block is preceded by ``<!-- readme-block: ID -->`` (IDs unique across README.md and
-docs/*.md) and has a plan here: run it (Python in this process or under the local pod launcher,
+docs/*.md) and has a plan (tests/unit/test_readme.py checks): run it (Python in this process or under the local pod launcher,
 shell with bash), or skip it with the reason. Lines marked ``# placeholder`` are the reader's to
 fill: the test drops them and supplies the names they define (a tiny model, a param tree, a
 stand-in train step). The other changes a plan makes are listed with it (a free port for the
@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import httpx
 import jax
@@ -26,59 +25,16 @@ import pytest
 
 from models import write_tiny_model
 from models.tiny import tiny_llama3_spec
+from tests.helpers import BLOCK, DOCS, README, REPO, block_code, guide_files, source_name
 from trainer_bridge import load_hf_params
 
 # The guide's text does not change with the JAX version: the oldest end runs its blocks (the
 # calls they make are tested at both ends by the rest of the suite).
 pytestmark = pytest.mark.one_end
 
-REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
-DOCS = REPO / "docs"
 README_MAX_LINES = 300
-BLOCK = re.compile(r"<!-- readme-block: (?P<id>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)^```", re.S | re.M)
 FENCE = re.compile(r"^ *```", re.M)  # indented fences too: a block in a list item needs its marker as well
 PLACEHOLDER = "# placeholder"
-
-
-class Block(NamedTuple):
-    path: Path
-    language: str
-    code: str
-
-
-def guide_files() -> list[Path]:
-    return [README, *sorted(DOCS.glob("*.md"))]
-
-
-def readme_blocks() -> dict[str, Block]:
-    """Every marked block of the README and docs/, by ID."""
-    blocks: dict[str, Block] = {}
-    for path in guide_files():
-        for m in BLOCK.finditer(path.read_text()):
-            assert m["id"] not in blocks, f"block {m['id']!r} in both {blocks[m['id']].path.name} and {path.name}"
-            blocks[m["id"]] = Block(path, m["language"], m["code"])
-    return blocks
-
-
-def block_code(block: str) -> str:
-    return readme_blocks()[block].code
-
-
-def source_name(block: str) -> str:
-    return f"{readme_blocks()[block].path.relative_to(REPO)}:{block}"
-
-
-# Blocks this test does not run, and why. Every other block has a test below.
-SKIPPED = {
-    "start": "`make test` is this suite, and `make demo` runs the example tests/test_grpo.py runs (30 steps)",
-    "serve-tpu": "needs 4 TPU chips; serve-cpu runs the same command on CPU devices",
-    "grpo-tpu": "TPU and network (downloads Qwen2.5-3B and GSM8K); tests/test_grpo.py runs the preset on a local stand-in",
-    "pods-leave": "tests/test_pods.py runs this path: a peer SIGKILLed mid-sync, the survivor handles its PodError, closes and leaves (exit 0)",
-    "install": "installs into another environment; `make test` installs both of its venvs the same way",
-    "bench": "the benchmarks take tens of minutes and print figures, not pass/fail; the suite tests what they call",
-}
-RUN = {"use", "logprobs", "serve-cpu", "client", "admin", "tiny-models", "pods"}
 
 
 @pytest.mark.parametrize("path", guide_files(), ids=lambda p: str(p.relative_to(REPO)))
@@ -88,15 +44,6 @@ def test_every_fence_has_a_marker(path):
     assert fences % 2 == 0, f"{path.name}: an unclosed fence"
     marked = len(BLOCK.findall(text))
     assert marked == fences // 2, f"{path.name}: every fenced block needs a <!-- readme-block: ID --> line right before it"
-
-
-def test_every_block_has_a_plan():
-    blocks = readme_blocks()
-    assert not set(SKIPPED) & RUN
-    assert set(blocks) == set(SKIPPED) | RUN, (
-        f"blocks without a plan here: {sorted(set(blocks) - set(SKIPPED) - RUN)}; "
-        f"plans without a block: {sorted((set(SKIPPED) | RUN) - set(blocks))}"
-    )
 
 
 def test_readme_is_a_guide():
@@ -249,17 +196,6 @@ def test_admin(served):
     # Each curl printed the route's JSON answer: the checksum, then the perturbation's checksums.
     assert '"checksum"' in result.stdout and '"checksum_after"' in result.stdout
     assert '"weight_version"' in result.stdout and '"kv_bytes"' in result.stdout
-
-
-# ---- tiny model dirs ---------------------------------------------------------------------------
-
-
-def test_tiny_models(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    exec(compile(block_code("tiny-models"), source_name("tiny-models"), "exec"), {})
-    written = sorted(p.parent.name for p in tmp_path.glob("tiny/*/config.json"))
-    assert written == ["llama3", "qwen2", "qwen3", "qwen3-moe", "random-llama"]
-    assert all((tmp_path / "tiny" / name / "tokenizer.json").exists() for name in written)
 
 
 # ---- the pods block, two processes under the local launcher ------------------------------------

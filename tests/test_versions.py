@@ -1,89 +1,10 @@
-"""Supported versions (rollout/versions.py), the packaging that declares them, and the
-platform choices made when a config leaves them open."""
+"""The engine starts with the attention backend chosen for its platform (the choice itself, the
+supported versions and the packaging that declares them: tests/unit/)."""
 
-import tomllib
-from pathlib import Path
 
-import pytest
-from packaging.requirements import Requirement
 
-from rollout import RolloutWorker, versions
-from rollout.engine import SUPPORTED_ENGINE_VERSION
-from rollout.engine.handle import default_attention_backend
+from rollout import RolloutWorker
 from tests.helpers import tiny_worker_config
-
-PYPROJECT = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-
-
-def _requirements(lines):
-    return {req.name: req for req in map(Requirement, lines)}
-
-
-def test_pyproject_declares_the_supported_ranges():
-    declared = _requirements(PYPROJECT["project"]["dependencies"])
-    for name, spec in versions.SUPPORTED.items():
-        assert name in declared, f"pyproject.toml does not declare {name}"
-        assert str(declared[name].specifier) == str(Requirement(f"{name}{spec}").specifier), name
-
-
-def test_engine_is_not_a_declared_dependency():
-    # Its metadata pins jax[tpu]~=0.8.0 and more; make install adds it with --no-deps.
-    assert versions.ENGINE[0] not in _requirements(PYPROJECT["project"]["dependencies"])
-    assert versions.ENGINE[1] == SUPPORTED_ENGINE_VERSION
-
-
-def test_accelerator_extras_keep_the_jax_range():
-    extras = PYPROJECT["project"]["optional-dependencies"]
-    for extra, jax_extra in (("tpu", "tpu"), ("gpu", "cuda12")):
-        (req,) = map(Requirement, extras[extra])
-        assert req.name == "jax" and jax_extra in req.extras
-        assert str(req.specifier) == str(Requirement("jax" + versions.SUPPORTED["jax"]).specifier)
-
-
-def test_this_environment_is_supported():
-    assert versions.unsupported_versions() == []
-
-
-def test_out_of_range_versions_are_named(monkeypatch):
-    fake = {"jax": "0.7.2", "flax": "0.13.0", "numpy": "2.2.6", "jaxlib": "0.7.2", "transformers": None}
-    real = versions.installed_version
-    monkeypatch.setattr(versions, "installed_version", lambda name: fake[name] if name in fake else real(name))
-    with pytest.raises(versions.UnsupportedVersionError) as info:
-        versions.check_versions()
-    message = str(info.value)
-    assert "jax 0.7.2 is installed (supported: jax>=0.8.0,<0.13)" in message
-    assert "flax 0.13.0 is installed (supported: flax>=0.12.0,<0.13)" in message
-    assert "transformers is not installed" in message
-    assert "numpy" not in message
-    assert "make install" in message
-
-
-def test_missing_engine_is_named(monkeypatch):
-    real = versions.installed_version
-    monkeypatch.setattr(versions, "installed_version", lambda name: None if name == "sglang-jax" else real(name))
-    assert versions.unsupported_versions() == [
-        "sglang-jax is not installed (needed: sglang-jax==0.0.2, installed by `make install`)"
-    ]
-
-
-def test_install_requirements(monkeypatch, capsys):
-    assert versions.oldest_requirements()[:3] == ["jax==0.8.0", "jaxlib==0.8.0", "flax==0.12.0"]
-    assert all("<" in r and ">=" in r for r in versions.newest_requirements())
-    assert versions._main(["constraints"]) == 0
-    pins = capsys.readouterr().out.split()
-    import jax
-
-    assert f"jax=={jax.__version__}" in pins
-    # An environment whose jax is outside the ranges is refused before pip could move it.
-    real = versions.installed_version
-    monkeypatch.setattr(versions, "installed_version", lambda name: "0.7.2" if name == "jax" else real(name))
-    assert versions._main(["constraints"]) == 1
-    assert "jax 0.7.2 (supported: jax>=0.8.0,<0.13)" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(("device", "backend"), [("tpu", "fa"), ("gpu", "native"), ("cuda", "native"), ("cpu", "native")])
-def test_attention_backend_is_chosen_by_platform(device, backend):
-    assert default_attention_backend(device) == backend
 
 
 def test_engine_starts_with_the_chosen_attention_backend(qwen2_dir):

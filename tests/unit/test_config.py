@@ -1,4 +1,5 @@
-"""WorkerConfig checks that need the machine or the model dir: clear errors before any engine starts."""
+"""WorkerConfig checks (rollout/config.py) that need the machine or the model dir: clear errors
+before any engine starts."""
 
 import json
 import threading
@@ -45,3 +46,13 @@ def test_context_limit_follows_rope_scaling_and_skips_hub_ids(tmp_path):
     assert model_context_limit(tmp_path) == 4096
     assert model_context_limit("Qwen/Qwen2.5-3B-Instruct") is None
     WorkerConfig(model_path="Qwen/Qwen2.5-3B-Instruct", context_length=10**6, devices=jax.devices()[:1]).validate()
+
+
+def test_device_counts_must_add_up(qwen2_dir):
+    with pytest.raises(ValueError, match=r"dp_size \(3\) x tp_size \(1\) = 3 devices, but the worker is given 4"):
+        RolloutWorker(tiny_worker_config(qwen2_dir, dp_size=3, devices=tuple(jax.devices())))
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        RolloutWorker(tiny_worker_config(tmp_path / "nowhere"))

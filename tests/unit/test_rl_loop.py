@@ -1,0 +1,30 @@
+"""examples/rl_loop.py: an output dir is bound to one run."""
+
+import dataclasses
+import json
+
+import pytest
+
+from examples.grpo import PRESETS
+from examples.rl_loop import claim_output_dir
+
+
+def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_model_dir, monkeypatch):
+    """A resume with another seed would restore one run's weights and go on with another run's
+    prompts and KL reference: refused before anything starts, naming the file and both values.
+    Before a first checkpoint nothing is bound (a rerun may fix a start-up error)."""
+    config = dataclasses.replace(PRESETS["tiny"], seed=2)
+    claim_output_dir(config, tmp_path)
+    claim_output_dir(dataclasses.replace(config, seed=0), tmp_path)  # no checkpoint yet: rebinds
+    assert json.loads((tmp_path / "run.json").read_text())["seed"] == 0
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    claim_output_dir(dataclasses.replace(config, seed=0, steps=90), tmp_path)  # the same run, resumed for longer
+    with pytest.raises(ValueError, match=r"run\.json: this output dir holds checkpoints of a run with seed=0; this one has seed=2"):
+        claim_output_dir(config, tmp_path)
+    # A local model dir named by another path is the same run.
+    other = tmp_path / "other"
+    other.mkdir()
+    claim_output_dir(dataclasses.replace(config, model=str(chat_model_dir)), other)
+    (other / "checkpoints" / "1").mkdir(parents=True)
+    monkeypatch.chdir(chat_model_dir.parent)
+    claim_output_dir(dataclasses.replace(config, model=chat_model_dir.name), other)
