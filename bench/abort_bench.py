@@ -49,7 +49,10 @@ def _stream_left(url: str, body: dict) -> None:
 def _request_left(url: str, body: dict, engine) -> None:
     payload = json.dumps(body).encode()
     host, port = url.removeprefix("http://").split(":")
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
     client = socket.create_connection((host, int(port)))
     client.sendall(head.encode() + payload)
     _wait(lambda: engine.requests_in_flight > 0)
@@ -95,8 +98,13 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(tmp, TinyModelSpec(max_position_embeddings=2048))
         config = WorkerConfig(
-            model_path=str(model_dir), dtype="float32", max_total_tokens=4096, context_length=1024,
-            max_running_requests=8, max_prefill_tokens=1024, chunked_prefill_size=1024,
+            model_path=str(model_dir),
+            dtype="float32",
+            max_total_tokens=4096,
+            context_length=1024,
+            max_running_requests=8,
+            max_prefill_tokens=1024,
+            chunked_prefill_size=1024,
             devices=tuple(jax.devices()[:1]),
         )
         with RolloutWorker(config) as worker, worker.serve() as server:

@@ -33,10 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.common import PeakRss, gib, median_seconds
 from models import TinyModelSpec
@@ -93,8 +92,11 @@ def attention_choice(paged: bool):
 
 def forward_memory(model_dir: Path, config: AttentionBenchConfig, paged: bool, max_requests: int, context: int):
     worker_config = WorkerConfig(
-        model_path=str(model_dir), load_format="dummy", max_total_tokens=config.max_total_tokens,
-        max_running_requests=max_requests, context_length=context,
+        model_path=str(model_dir),
+        load_format="dummy",
+        max_total_tokens=config.max_total_tokens,
+        max_running_requests=max_requests,
+        context_length=context,
     )
     with attention_choice(paged), RolloutWorker(worker_config) as worker:
         prefill = worker.engine.forward_memory(config.prefill_tokens)
@@ -104,7 +106,9 @@ def forward_memory(model_dir: Path, config: AttentionBenchConfig, paged: bool, m
 
 def rollout(model_dir: Path, config: AttentionBenchConfig, paged: bool, context: int | None) -> dict:
     worker_config = WorkerConfig(
-        model_path=str(model_dir), load_format="dummy", max_total_tokens=config.max_total_tokens,
+        model_path=str(model_dir),
+        load_format="dummy",
+        max_total_tokens=config.max_total_tokens,
         context_length=context,
     )
     rng = np.random.default_rng(0)
@@ -128,32 +132,43 @@ def rollout_in_fresh_process(*args) -> dict:
 
 
 def memory_analysis(model_dir: Path, config: AttentionBenchConfig) -> None:
-    print(f"\nXLA temp bytes of the compiled forward: prefill of {config.prefill_tokens} tokens "
-          f"(requests padded to max_running_requests), decode of {config.decode_rows} rows")
+    print(
+        f"\nXLA temp bytes of the compiled forward: prefill of {config.prefill_tokens} tokens "
+        f"(requests padded to max_running_requests), decode of {config.decode_rows} rows"
+    )
     temps = {}
     for max_requests, context in config.settings:
         for paged in (True, False):
             temps[paged, max_requests, context] = forward_memory(model_dir, config, paged, max_requests, context)
             prefill, decode = temps[paged, max_requests, context]
-            print(f"  {'paged ' if paged else 'native'} {max_requests:>4} x {context:<6} "
-                  f"prefill {gib(prefill):>14}  decode {gib(decode):>14}", flush=True)
+            print(
+                f"  {'paged ' if paged else 'native'} {max_requests:>4} x {context:<6} "
+                f"prefill {gib(prefill):>14}  decode {gib(decode):>14}",
+                flush=True,
+            )
     first = config.settings[0]
     for setting in config.settings[1:]:
         for paged in (True, False):
             small, large = temps[(paged, *first)], temps[(paged, *setting)]
-            print(f"  {'paged ' if paged else 'native'} {setting[0]}x{setting[1]} / {first[0]}x{first[1]}: "
-                  f"prefill x{large[0] / small[0]:.2f}, decode x{large[1] / small[1]:.2f}")
+            print(
+                f"  {'paged ' if paged else 'native'} {setting[0]}x{setting[1]} / {first[0]}x{first[1]}: "
+                f"prefill x{large[0] / small[0]:.2f}, decode x{large[1] / small[1]:.2f}"
+            )
     for max_requests, context in config.settings:
         native, paged = temps[False, max_requests, context], temps[True, max_requests, context]
-        print(f"  native / paged at {max_requests}x{context}: prefill x{native[0] / paged[0]:.1f}, "
-              f"decode x{native[1] / paged[1]:.1f}")
+        print(
+            f"  native / paged at {max_requests}x{context}: prefill x{native[0] / paged[0]:.1f}, "
+            f"decode x{native[1] / paged[1]:.1f}"
+        )
 
 
 def rollouts(model_dir: Path, config: AttentionBenchConfig) -> None:
     rows = config.prompts * config.n
-    print(f"\nRollout: {config.prompts} prompts x {config.prompt_tokens} tokens, n={config.n}, "
-          f"{config.new_tokens} new tokens ({rows} rows), temperature 1, seed 0; default WorkerConfig, "
-          f"max_total_tokens={config.max_total_tokens}; time includes compiles")
+    print(
+        f"\nRollout: {config.prompts} prompts x {config.prompt_tokens} tokens, n={config.n}, "
+        f"{config.new_tokens} new tokens ({rows} rows), temperature 1, seed 0; default WorkerConfig, "
+        f"max_total_tokens={config.max_total_tokens}; time includes compiles"
+    )
     results = {}
     for run in config.rollouts:
         attention, _, context = run.partition("@")
@@ -164,15 +179,20 @@ def rollouts(model_dir: Path, config: AttentionBenchConfig) -> None:
             print(f"  {label:<36} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             continue
         results[run] = result
-        print(f"  {label:<36} {result['seconds']:8.1f} s  {result['tokens'] / result['seconds']:7.2f} tokens/s  "
-              f"peak RSS {gib(result['peak_rss'])}", flush=True)
+        print(
+            f"  {label:<36} {result['seconds']:8.1f} s  {result['tokens'] / result['seconds']:7.2f} tokens/s  "
+            f"peak RSS {gib(result['peak_rss'])}",
+            flush=True,
+        )
     for run, result in results.items():
         attention, _, context = run.partition("@")
         paged = results.get(f"paged@{context}" if context else "paged")
         if attention == "native" and paged is not None:
-            print(f"  at context_length={context}: paged x{result['seconds'] / paged['seconds']:.2f} faster, "
-                  f"peak RSS x{result['peak_rss'] / paged['peak_rss']:.2f} lower; same completions: "
-                  f"{result['completions'] == paged['completions']}")
+            print(
+                f"  at context_length={context}: paged x{result['seconds'] / paged['seconds']:.2f} faster, "
+                f"peak RSS x{result['peak_rss'] / paged['peak_rss']:.2f} lower; same completions: "
+                f"{result['completions'] == paged['completions']}"
+            )
 
 
 def layout_seconds(head_major: bool, rows: int, tokens_per_row: int, context: int) -> float:
@@ -186,8 +206,11 @@ def layout_seconds(head_major: bool, rows: int, tokens_per_row: int, context: in
     q = jax.random.normal(key_q, (rows * tokens_per_row, heads * QWEN25_05B_HEAD_DIM), jnp.bfloat16)
     seq_lens = jnp.full((rows,), context, jnp.int32)
     extend = () if tokens_per_row == 1 else (seq_lens - tokens_per_row, jnp.full((rows,), tokens_per_row, jnp.int32))
-    attend = jax.jit(lambda *args: attention.paged_attention(
-        *args, num_heads=heads, num_kv_heads=kv_heads, scale=QWEN25_05B_HEAD_DIM**-0.5, head_major=head_major))
+    attend = jax.jit(
+        lambda *args: attention.paged_attention(
+            *args, num_heads=heads, num_kv_heads=kv_heads, scale=QWEN25_05B_HEAD_DIM**-0.5, head_major=head_major
+        )
+    )
     run = lambda: jax.block_until_ready(attend(q, pool, cache_loc, seq_lens, *extend))  # noqa: E731
     run()
     return median_seconds(run, 15)
@@ -204,8 +227,11 @@ def layouts(config: AttentionBenchConfig) -> None:
     for label, rows, tokens, context in cases:
         head_major = layout_seconds(True, rows, tokens, context)
         slot_rows = layout_seconds(False, rows, tokens, context)
-        print(f"  {label:<32} head-major {head_major * 1e3:7.2f} ms  slot rows {slot_rows * 1e3:7.2f} ms  "
-              f"x{slot_rows / head_major:.2f}", flush=True)
+        print(
+            f"  {label:<32} head-major {head_major * 1e3:7.2f} ms  slot rows {slot_rows * 1e3:7.2f} ms  "
+            f"x{slot_rows / head_major:.2f}",
+            flush=True,
+        )
 
 
 def main(config: AttentionBenchConfig) -> None:
@@ -224,8 +250,11 @@ def parse_args() -> AttentionBenchConfig:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = AttentionBenchConfig()
     parser.add_argument("--layers", type=int, default=defaults.layers)
-    parser.add_argument("--settings", default=",".join(f"{r}x{c}" for r, c in defaults.settings),
-                        help="max_running_requests x context_length pairs for the memory analysis")
+    parser.add_argument(
+        "--settings",
+        default=",".join(f"{r}x{c}" for r, c in defaults.settings),
+        help="max_running_requests x context_length pairs for the memory analysis",
+    )
     parser.add_argument("--no-memory", dest="memory", action="store_false")
     parser.add_argument("--rollouts", default=",".join(defaults.rollouts), help="'' for none")
     parser.add_argument("--prompts", type=int, default=defaults.prompts)

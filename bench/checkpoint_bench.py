@@ -53,8 +53,14 @@ def main(config: CheckpointBenchConfig) -> None:
         del params
         path = Path(tmp) / "ckpt"
         worker_config = WorkerConfig(
-            model_path=str(model_dir), dtype="float32", load_format="dummy", max_total_tokens=256,
-            context_length=256, max_running_requests=4, max_prefill_tokens=256, chunked_prefill_size=256,
+            model_path=str(model_dir),
+            dtype="float32",
+            load_format="dummy",
+            max_total_tokens=256,
+            context_length=256,
+            max_running_requests=4,
+            max_prefill_tokens=256,
+            chunked_prefill_size=256,
         )
         with RolloutWorker(worker_config) as worker:
             worker.load_checkpoint(path)
@@ -75,10 +81,18 @@ def main(config: CheckpointBenchConfig) -> None:
     direct_s, host_s = statistics.median(direct), statistics.median(host)
     print(f"Qwen2.5-1.5B shape, {config.layers} of 28 layers: checkpoint {gib(total)} float32")
     print(f"{'path':44s} {'seconds':>9s} {'synced by copy':>15s} {'peak extra RSS':>15s}")
-    print(f"{'load_checkpoint (restore into engine layout)':44s} {direct_s:9.3f} {gib(report.bytes_copied):>15s} {gib(max(0, mem_direct.extra_bytes)):>15s}")
-    print(f"{'restore to host, then sync_params':44s} {host_s:9.3f} {gib(host_report.bytes_copied):>15s} {gib(max(0, mem_host.extra_bytes)):>15s}")
-    print(f"load_checkpoint: {host_s / direct_s:.2f}x faster; aliased {report.leaves_aliased} of "
-          f"{report.leaves_aliased + report.leaves_copied} leaves")
+    print(
+        f"{'load_checkpoint (restore into engine layout)':44s} {direct_s:9.3f} {gib(report.bytes_copied):>15s} "
+        f"{gib(max(0, mem_direct.extra_bytes)):>15s}"
+    )
+    print(
+        f"{'restore to host, then sync_params':44s} {host_s:9.3f} {gib(host_report.bytes_copied):>15s} "
+        f"{gib(max(0, mem_host.extra_bytes)):>15s}"
+    )
+    print(
+        f"load_checkpoint: {host_s / direct_s:.2f}x faster; aliased {report.leaves_aliased} of "
+        f"{report.leaves_aliased + report.leaves_copied} leaves"
+    )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,10 @@ LLAMA32_1B_SHAPE = dict(
     rms_norm_eps=1e-5,
     max_position_embeddings=131072,
     rope_scaling={
-        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     },
 )

@@ -71,7 +71,11 @@ from rollout import RolloutWorker, WorkerConfig, counting_compiles
 from rollout.engine import StepSplit, attention, patches, profile_steps, workarounds
 
 # name: (HF shape, head_dim)
-SHAPES = {"0.5b": (QWEN25_05B_SHAPE, QWEN25_05B_HEAD_DIM), "1.5b": (QWEN25_15B_SHAPE, 128), "3b": (QWEN25_3B_SHAPE, 128)}
+SHAPES = {
+    "0.5b": (QWEN25_05B_SHAPE, QWEN25_05B_HEAD_DIM),
+    "1.5b": (QWEN25_15B_SHAPE, 128),
+    "3b": (QWEN25_3B_SHAPE, 128),
+}
 # The workarounds this bench's baseline variant switches off.
 SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions", "bf16-logits")
 
@@ -140,8 +144,7 @@ def timed_generate(worker, batch: Batch, vocab: int, new_tokens: int | None = No
     new_tokens = new_tokens or batch.new_tokens
     prompts = prompts_for(batch, vocab)
     start = time.perf_counter()
-    out = worker.generate(prompts, n=batch.n, temperature=1.0, max_new_tokens=new_tokens,
-                          ignore_eos=True, seed=0)
+    out = worker.generate(prompts, n=batch.n, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
     seconds = time.perf_counter() - start
     assert int(out.completion_mask.sum()) == batch.rows * new_tokens
     return seconds
@@ -204,7 +207,9 @@ def matmul_seconds(weights, head, tokens: int, logit_rows: int, repeats: int, or
     return min(_matmul_seconds(weights, head, tokens, logit_rows, repeats, f32, ordered) for f32 in (False, True))
 
 
-def _matmul_seconds(weights, head, tokens: int, logit_rows: int, repeats: int, float32_head: bool, ordered: bool) -> float:
+def _matmul_seconds(
+    weights, head, tokens: int, logit_rows: int, repeats: int, float32_head: bool, ordered: bool
+) -> float:
     h = head.shape[1]
     x = jnp.ones((tokens, h), jnp.bfloat16)
     if ordered:
@@ -261,7 +266,9 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
     cache_loc = jnp.arange(1, rows * seq + 1, dtype=jnp.int32)
     out_loc = jnp.arange(rows, dtype=jnp.int32) * seq + seq
     seq_lens = jnp.full((rows,), seq, jnp.int32)
-    view = workarounds.workaround_enabled("kv-pool-conversions") and attention.converts_16bit_rows(jax.default_backend())
+    view = workarounds.workaround_enabled("kv-pool-conversions") and attention.converts_16bit_rows(
+        jax.default_backend()
+    )
     head_major = attention.runs_head_major_dots(jax.default_backend(), "bfloat16")  # as the engine chooses
 
     def attend(pool, q, kv_new):
@@ -269,9 +276,19 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
         for layer in pool:
             layer = attention.set_rows(layer, out_loc, kv_new, view)
             new_pool.append(layer)
-            outs.append(attention.paged_attention(
-                q, layer, cache_loc, seq_lens, num_heads=heads, num_kv_heads=kv_heads, scale=head_dim**-0.5,
-                integer_view=view, head_major=head_major))
+            outs.append(
+                attention.paged_attention(
+                    q,
+                    layer,
+                    cache_loc,
+                    seq_lens,
+                    num_heads=heads,
+                    num_kv_heads=kv_heads,
+                    scale=head_dim**-0.5,
+                    integer_view=view,
+                    head_major=head_major,
+                )
+            )
         return outs, new_pool
 
     # The weights are arguments: closed over, they would be compiled in as constants (GBs at 3B).
@@ -286,8 +303,16 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
     positions = jnp.full((rows,), seq, jnp.int32)
 
     def sampler(logits, top_p):
-        operands = (logits, jnp.ones(rows), jnp.full(rows, 2**30, jnp.int32), jnp.full(rows, top_p),
-                    jnp.zeros(rows), seeds, positions, jax.random.key(0))
+        operands = (
+            logits,
+            jnp.ones(rows),
+            jnp.full(rows, 2**30, jnp.int32),
+            jnp.full(rows, top_p),
+            jnp.zeros(rows),
+            seeds,
+            positions,
+            jax.random.key(0),
+        )
         return patches._draw_with_logprobs(operands)
 
     pieces = {
@@ -332,13 +357,18 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         directory = model_dir(Path(tmp), shape, layers, weights=not config.dummy_weights)
         worker_config = WorkerConfig(
-            model_path=str(directory), dtype="bfloat16", load_format="dummy",
-            max_total_tokens=config.max_total_tokens, chunked_prefill_size=config.chunked_prefill_size,
-            max_prefill_tokens=config.chunked_prefill_size, max_running_requests=64,
+            model_path=str(directory),
+            dtype="bfloat16",
+            load_format="dummy",
+            max_total_tokens=config.max_total_tokens,
+            chunked_prefill_size=config.chunked_prefill_size,
+            max_prefill_tokens=config.chunked_prefill_size,
+            max_running_requests=64,
             # Every extend token bucket and the decode batch compiled at start-up, as a long RL
             # run has them after its first steps: the first extend of a call packs a varying
             # number of tokens, and one bucket compiled inside the timed call cost it ~2 s.
-            precompile=True, precompile_bs_paddings=(64,),
+            precompile=True,
+            precompile_bs_paddings=(64,),
         )
         with PeakRss() as rss, RolloutWorker(worker_config) as worker:
             if not config.dummy_weights:
@@ -360,15 +390,18 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                         bounds.append(bound)
                         decodes.append(decode)
                         unordered.append(
-                            bound_seconds(weights, head, batch, config.chunked_prefill_size, reps, ordered=False)[0])
+                            bound_seconds(weights, head, batch, config.chunked_prefill_size, reps, ordered=False)[0]
+                        )
                     with profile_steps() as times:
                         timed_generate(worker, batch, vocab)
                 entry = {
-                    "seconds": statistics.median(calls), "bound": statistics.median(bounds),
+                    "seconds": statistics.median(calls),
+                    "bound": statistics.median(bounds),
                     "ratio": statistics.median(c / b for c, b in zip(calls, bounds)),
                     "unordered_bound": statistics.median(unordered),
                     "unordered_ratio": statistics.median(c / b for c, b in zip(calls, unordered)),
-                    "decode_matmuls": statistics.median(decodes), "compiles": compiles.value,
+                    "decode_matmuls": statistics.median(decodes),
+                    "compiles": compiles.value,
                 }
                 # None where no step of the mode had a next one (a prefill of one chunk).
                 profiled = times.split("decode" if batch.decodes else "extend")
@@ -382,7 +415,8 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
         result["bandwidth"] = bandwidth
         result["decode"]["bytes_step"] = sum(x.nbytes for x in arrays) / bandwidth
         result["decode"]["split"] = decode_split(
-            shape, weights, head, BATCHES["decode"], config.max_total_tokens + 1, config.repeats)
+            shape, weights, head, BATCHES["decode"], config.max_total_tokens + 1, config.repeats
+        )
     result["uptime_after"] = os.getloadavg()
     return result
 
@@ -395,8 +429,17 @@ def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig
         env[workarounds.DISABLE_ENV] = variant.removeprefix("without:")
     elif variant != "new":
         raise ValueError(f"unknown variant {variant!r}: new, baseline or without:WORKAROUND")
-    args = [sys.executable, "-m", "bench.generate_bench", "--child", f"{shape}:{layers}",
-            "--batches", ",".join(config.batches), "--repeats", str(config.repeats)]
+    args = [
+        sys.executable,
+        "-m",
+        "bench.generate_bench",
+        "--child",
+        f"{shape}:{layers}",
+        "--batches",
+        ",".join(config.batches),
+        "--repeats",
+        str(config.repeats),
+    ]
     args += ["--dummy-weights"] if config.dummy_weights else []
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -408,9 +451,21 @@ def torch_decode(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     batch = BATCHES["decode"]
     with tempfile.TemporaryDirectory() as tmp:
         directory = model_dir(Path(tmp), shape, layers, weights=not config.dummy_weights)
-        args = [config.torch_python, str(Path(__file__).with_name("torch_generate.py")), str(directory),
-                "--prompts", str(batch.prompts), "--prompt-tokens", str(batch.prompt_tokens), "--n", str(batch.n),
-                "--new-tokens", str(batch.new_tokens), "--repeats", str(config.repeats)]
+        args = [
+            config.torch_python,
+            str(Path(__file__).with_name("torch_generate.py")),
+            str(directory),
+            "--prompts",
+            str(batch.prompts),
+            "--prompt-tokens",
+            str(batch.prompt_tokens),
+            "--n",
+            str(batch.n),
+            "--new-tokens",
+            str(batch.new_tokens),
+            "--repeats",
+            str(config.repeats),
+        ]
         done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"PyTorch reference failed:\n{done.stderr[-3000:]}")
@@ -419,43 +474,57 @@ def torch_decode(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
 
 def report(shape: str, layers: int, variant: str, r: dict) -> None:
     load = " ".join(f"{x:.1f}" for x in r["uptime"])
-    print(f"\n{shape} shape, {layers} layers, bf16, {variant}: load average {load} "
-          f"(after: {r['uptime_after'][0]:.1f}), peak RSS {gib(r['peak_rss'])}")
+    print(
+        f"\n{shape} shape, {layers} layers, bf16, {variant}: load average {load} "
+        f"(after: {r['uptime_after'][0]:.1f}), peak RSS {gib(r['peak_rss'])}"
+    )
     for name, b in BATCHES.items():
         if name not in r:
             continue
         e = r[name]
         counted = b.rows * b.new_tokens if b.decodes else b.rows * b.prompt_tokens
         what = "new tokens/s" if b.decodes else "prompt tokens/s"
-        print(f"  {b.label} ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
-              f"{e['seconds']:.2f} s, {counted / e['seconds']:.1f} {what}; matmul bound {e['bound']:.2f} s "
-              f"({counted / e['bound']:.1f} {what}): x{e['ratio']:.2f} the bound (median of the per-call ratios; "
-              f"of the medians x{e['seconds'] / e['bound']:.2f}); the same matmuls unordered "
-              f"{e['unordered_bound']:.2f} s: x{e['unordered_ratio']:.2f}"
-              + (f"; {e['compiles']} XLA compilations in the timed calls" if e["compiles"] else ""))
+        print(
+            f"  {b.label} ({b.prompts} prompts x {b.prompt_tokens}, n={b.n}, {b.new_tokens} new): "
+            f"{e['seconds']:.2f} s, {counted / e['seconds']:.1f} {what}; matmul bound {e['bound']:.2f} s "
+            f"({counted / e['bound']:.1f} {what}): x{e['ratio']:.2f} the bound (median of the per-call ratios; "
+            f"of the medians x{e['seconds'] / e['bound']:.2f}); the same matmuls unordered "
+            f"{e['unordered_bound']:.2f} s: x{e['unordered_ratio']:.2f}"
+            + (f"; {e['compiles']} XLA compilations in the timed calls" if e["compiles"] else "")
+        )
         if e["profile"] is None:
             print(f"    engine profile per {name} step: no step was followed by another")
             continue
         profiled = StepSplit(**e["profile"])
         step, forward, sampler, host = profiled.wall_s, profiled.forward_s, profiled.sample_s, profiled.host_s
-        print(f"    engine profile per {name} step ({profiled.steps} steps): {step * 1e3:.1f} ms: forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
-              f"sampler {sampler * 1e3:.1f} ms ({sampler / step:.0%}), host {host * 1e3:.1f} ms ({host / step:.0%})")
+        print(
+            f"    engine profile per {name} step ({profiled.steps} steps): {step * 1e3:.1f} ms: "
+            f"forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
+            f"sampler {sampler * 1e3:.1f} ms ({sampler / step:.0%}), host {host * 1e3:.1f} ms ({host / step:.0%})"
+        )
         if name == "decode":
-            print(f"    decode step matmuls {e['decode_matmuls'] * 1e3:.1f} ms (measured step x{step / e['decode_matmuls']:.2f}), "
-                  f"weights' bytes / bandwidth ({r['bandwidth'] / 1e9:.1f} GB/s) {e['bytes_step'] * 1e3:.1f} ms "
-                  f"(x{step / e['bytes_step']:.2f})")
+            print(
+                f"    decode step matmuls {e['decode_matmuls'] * 1e3:.1f} ms "
+                f"(measured step x{step / e['decode_matmuls']:.2f}), "
+                f"weights' bytes / bandwidth ({r['bandwidth'] / 1e9:.1f} GB/s) {e['bytes_step'] * 1e3:.1f} ms "
+                f"(x{step / e['bytes_step']:.2f})"
+            )
             split = e["split"]
             pieces = {k: v for k, v in split.items() if k != "sampler top-p 0.9"}
             glue = forward - sum(pieces.values())
-            print("    forward pieces (separately jitted): " + ", ".join(
-                f"{k} {v * 1e3:.1f} ms ({v / step:.0%})" for k, v in pieces.items())
+            print(
+                "    forward pieces (separately jitted): "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms ({v / step:.0%})" for k, v in pieces.items())
                 + f", glue {glue * 1e3:.1f} ms ({glue / step:.0%}); "
-                  f"sampler at top-p 0.9: {split['sampler top-p 0.9'] * 1e3:.1f} ms")
+                f"sampler at top-p 0.9: {split['sampler top-p 0.9'] * 1e3:.1f} ms"
+            )
 
 
 def main(config: GenerateBenchConfig) -> None:
-    print(f"uptime: {os.getloadavg()}; JAX {jax.__version__}, {jax.devices()[0].platform}; "
-          f"baseline = {workarounds.DISABLE_ENV}={','.join(SPEED_WORKAROUNDS) or '(none)'}")
+    print(
+        f"uptime: {os.getloadavg()}; JAX {jax.__version__}, {jax.devices()[0].platform}; "
+        f"baseline = {workarounds.DISABLE_ENV}={','.join(SPEED_WORKAROUNDS) or '(none)'}"
+    )
     for shape, layers in zip(config.shapes, config.layers):
         results = {}
         for variant in config.variants:
@@ -464,10 +533,12 @@ def main(config: GenerateBenchConfig) -> None:
         if config.torch_python and "decode" in config.batches:
             reference = torch_decode(shape, layers, config)
             torch_seconds, batch = reference["seconds"], BATCHES["decode"]
-            print(f"  PyTorch {reference['torch']} on {reference['device']} (transformers generate, bf16), decode-heavy: "
-                  f"{torch_seconds:.2f} s, "
-                  f"{batch.rows * batch.new_tokens / torch_seconds:.1f} new tokens/s"
-                  + "".join(f"; {v} x{torch_seconds / r['decode']['seconds']:.2f} as fast" for v, r in results.items()))
+            print(
+                f"  PyTorch {reference['torch']} on {reference['device']} (transformers generate, bf16), decode-heavy: "
+                f"{torch_seconds:.2f} s, "
+                f"{batch.rows * batch.new_tokens / torch_seconds:.1f} new tokens/s"
+                + "".join(f"; {v} x{torch_seconds / r['decode']['seconds']:.2f} as fast" for v, r in results.items())
+            )
         for other in sorted(results.keys() - {"new"}) if "new" in results else ():
             for name in config.batches:
                 ratio = results[other][name]["seconds"] / results["new"][name]["seconds"]
@@ -483,14 +554,21 @@ def parse_args():
     parser.add_argument("--batches", default=",".join(d.batches))
     parser.add_argument("--repeats", type=int, default=d.repeats)
     parser.add_argument("--torch-python", help="a Python with torch and transformers: adds the PyTorch reference")
-    parser.add_argument("--dummy-weights", action="store_true",
-                        help="serve the engine's dummy initialisation instead of written random weights")
+    parser.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="serve the engine's dummy initialisation instead of written random weights",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = GenerateBenchConfig(
-        shapes=tuple(args.shapes.split(",")), layers=tuple(int(x) for x in args.layers.split(",")),
-        variants=tuple(args.variants.split(",")), batches=tuple(args.batches.split(",")), repeats=args.repeats,
-        torch_python=args.torch_python, dummy_weights=args.dummy_weights,
+        shapes=tuple(args.shapes.split(",")),
+        layers=tuple(int(x) for x in args.layers.split(",")),
+        variants=tuple(args.variants.split(",")),
+        batches=tuple(args.batches.split(",")),
+        repeats=args.repeats,
+        torch_python=args.torch_python,
+        dummy_weights=args.dummy_weights,
     )
     return config, args.child
 

@@ -40,13 +40,22 @@ def main(config: KvBenchConfig) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = qwen25_15b_dir(Path(tmp), config.layers)
         worker_config = WorkerConfig(
-            model_path=str(model_dir), dtype=config.dtype, load_format="dummy", max_total_tokens=tokens,
-            context_length=1024, max_running_requests=8, max_prefill_tokens=1024, chunked_prefill_size=1024,
+            model_path=str(model_dir),
+            dtype=config.dtype,
+            load_format="dummy",
+            max_total_tokens=tokens,
+            context_length=1024,
+            max_running_requests=8,
+            max_prefill_tokens=1024,
+            chunked_prefill_size=1024,
         )
         with RolloutWorker(worker_config) as worker:
             worker.generate([[1, 2, 3, 4]], temperature=0.0, max_new_tokens=8)
             kv_bytes = worker.memory().kv_bytes
-            print(f"Qwen2.5-1.5B shape, {config.layers} of 28 layers, {config.dtype}: KV cache {tokens} tokens = {gib(kv_bytes)}")
+            print(
+                f"Qwen2.5-1.5B shape, {config.layers} of 28 layers, {config.dtype}: "
+                f"KV cache {tokens} tokens = {gib(kv_bytes)}"
+            )
             drops, rebuilds, released = [], [], []
             for _ in range(config.cycles):
                 before = live_device_bytes()
@@ -81,8 +90,10 @@ def main(config: KvBenchConfig) -> None:
     print(f"{'rebuild_kv (median)':36s} {rebuild_s:9.4f} {gib(rebuilds[-1].bytes):>12s}")
     print(f"{'baseline: jnp.zeros of the same bytes':36s} {alloc_s:9.4f} {gib(kv_bytes):>12s}")
     print(f"{'baseline: one memory pass':36s} {memcpy_s:9.4f} {gib(kv_bytes):>12s}")
-    print(f"drop frees {drops[-1].bytes / kv_bytes:.3f}x the KV size; rebuild takes {rebuild_s / alloc_s:.2f}x a plain "
-          f"allocation of the same bytes; 0 recompiles after every rebuild")
+    print(
+        f"drop frees {drops[-1].bytes / kv_bytes:.3f}x the KV size; rebuild takes {rebuild_s / alloc_s:.2f}x a plain "
+        f"allocation of the same bytes; 0 recompiles after every rebuild"
+    )
 
 
 if __name__ == "__main__":

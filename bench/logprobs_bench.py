@@ -58,9 +58,11 @@ def sampler_step(rows: int, vocab: int = 151936, repeats: int = 20) -> None:
     for name, fn in (("draw", draw), ("draw + log-prob", draw_with_log_prob)):
         jax.block_until_ready(fn(logits))
         timings[name] = median_seconds(lambda fn=fn: jax.block_until_ready(fn(logits)), repeats)
-    print(f"sampler step, {rows} x {vocab} logits, temperature 1: draw {timings['draw'] * 1e3:.2f} ms, "
-          f"draw + log-prob {timings['draw + log-prob'] * 1e3:.2f} ms "
-          f"({timings['draw + log-prob'] / timings['draw']:.2f}x)")
+    print(
+        f"sampler step, {rows} x {vocab} logits, temperature 1: draw {timings['draw'] * 1e3:.2f} ms, "
+        f"draw + log-prob {timings['draw + log-prob'] * 1e3:.2f} ms "
+        f"({timings['draw + log-prob'] / timings['draw']:.2f}x)"
+    )
 
 
 def main(config: LogprobsBenchConfig) -> None:
@@ -71,10 +73,14 @@ def main(config: LogprobsBenchConfig) -> None:
         model_dir = qwen25_15b_dir(Path(tmp), config.layers)
         params = load_hf_params(model_dir)
         worker_config = WorkerConfig(
-            model_path=str(model_dir), dtype=config.dtype, load_format="dummy",
+            model_path=str(model_dir),
+            dtype=config.dtype,
+            load_format="dummy",
             max_total_tokens=config.rows * (config.prompt_tokens + config.new_tokens) + 256,
-            context_length=config.prompt_tokens + config.new_tokens + 8, max_running_requests=config.rows,
-            max_prefill_tokens=1024, chunked_prefill_size=1024,
+            context_length=config.prompt_tokens + config.new_tokens + 8,
+            max_running_requests=config.rows,
+            max_prefill_tokens=1024,
+            chunked_prefill_size=1024,
         )
         with RolloutWorker(worker_config) as worker:
             worker.sync_params(params)
@@ -99,16 +105,22 @@ def main(config: LogprobsBenchConfig) -> None:
     off, on = (tokens / statistics.median(times[flag]) for flag in (False, True))
     check_s = statistics.median(r.seconds for r in reports)
     report = reports[-1]
-    print(f"Qwen2.5-1.5B shape, {config.layers} of 28 layers, {config.dtype} engine; {config.rows} rows x "
-          f"{config.new_tokens} new tokens, temperature 1, median of {config.repeats}")
+    print(
+        f"Qwen2.5-1.5B shape, {config.layers} of 28 layers, {config.dtype} engine; {config.rows} rows x "
+        f"{config.new_tokens} new tokens, temperature 1, median of {config.repeats}"
+    )
     print(f"{'generate':36s} {'tokens/s':>10s}")
     print(f"{'  return_logprobs=False':36s} {off:10.1f}")
     print(f"{'  return_logprobs=True':36s} {on:10.1f}")
     print(f"log-probs cost: {on / off:.3f}x the tokens/s without them ({(off / on - 1) * 100:+.1f}% time)")
-    print(f"check_consistency ({config.check_prompts} prompts x {config.new_tokens} tokens, fp32 trainer): "
-          f"{check_s:.3f} s = {check_s / generate_s:.2f}x a generate of the same prompts ({generate_s:.3f} s)")
-    print(f"  bf16 engine vs fp32 trainer: mean |Δ log p| {report.mean_abs_diff:.4f}, max {report.max_abs_diff:.4f}, "
-          f"KL estimate {report.kl:.2e} over {report.tokens} tokens")
+    print(
+        f"check_consistency ({config.check_prompts} prompts x {config.new_tokens} tokens, fp32 trainer): "
+        f"{check_s:.3f} s = {check_s / generate_s:.2f}x a generate of the same prompts ({generate_s:.3f} s)"
+    )
+    print(
+        f"  bf16 engine vs fp32 trainer: mean |Δ log p| {report.mean_abs_diff:.4f}, max {report.max_abs_diff:.4f}, "
+        f"KL estimate {report.kl:.2e} over {report.tokens} tokens"
+    )
 
 
 def _timed(fn) -> float:

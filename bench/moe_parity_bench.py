@@ -29,21 +29,33 @@ def main() -> None:
         params = load_hf_params(model_dir)
         model = flax_model_for(json.loads((model_dir / "config.json").read_text()))
         reference = greedy_decode(model, params, PROMPTS, 16)
-        print(f"{'engine':18s} {'greedy tokens equal':>20s} {'mean |Δ log p|':>15s} {'max |Δ log p|':>14s} {'KL estimate':>12s}")
+        print(
+            f"{'engine':18s} {'greedy tokens equal':>20s} {'mean |Δ log p|':>15s} "
+            f"{'max |Δ log p|':>14s} {'KL estimate':>12s}"
+        )
         for dtype in ("float32", "bfloat16"):
             for tp in (1, 2):
                 config = WorkerConfig(
-                    model_path=str(model_dir), dtype=dtype, load_format="dummy", tp_size=tp,
-                    devices=tuple(jax.devices()[:tp]), max_total_tokens=2048, context_length=256,
-                    max_running_requests=32, max_prefill_tokens=512, chunked_prefill_size=512,
+                    model_path=str(model_dir),
+                    dtype=dtype,
+                    load_format="dummy",
+                    tp_size=tp,
+                    devices=tuple(jax.devices()[:tp]),
+                    max_total_tokens=2048,
+                    context_length=256,
+                    max_running_requests=32,
+                    max_prefill_tokens=512,
+                    chunked_prefill_size=512,
                 )
                 with RolloutWorker(config) as worker:
                     worker.sync_params(params)
                     greedy = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=16, ignore_eos=True).completions
                     equal = sum(a == b for g, r in zip(greedy, reference) for a, b in zip(g, r))
                     report = worker.check_consistency(params, PROMPTS, n=4, max_new_tokens=6, atol=10.0)
-                print(f"{dtype + ' tp=' + str(tp):18s} {f'{equal}/{16 * len(PROMPTS)}':>20s} "
-                      f"{report.mean_abs_diff:15.2e} {report.max_abs_diff:14.2e} {report.kl:12.1e}")
+                print(
+                    f"{dtype + ' tp=' + str(tp):18s} {f'{equal}/{16 * len(PROMPTS)}':>20s} "
+                    f"{report.mean_abs_diff:15.2e} {report.max_abs_diff:14.2e} {report.kl:12.1e}"
+                )
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@
 
 The shape is Qwen3-30B-A3B's per layer (hidden 2048, 32 heads, 4 KV heads, head_dim 128, experts
 of moe_intermediate 768, top-8) with fewer experts and layers and a vocab of 32000 (``--vocab
-151936`` for Qwen3's), to fit a shared CPU machine. Measured in one run: (a) the sync of a trainer tree placed by ``param_shardings()``
-(bytes moved, leaves aliased and those copied, with why), (b) the same tree held whole on one
-device instead (every leaf resharded: the baseline), (c) one memory pass over the tree's bytes.
+151936`` for Qwen3's), to fit a shared CPU machine. Measured in one run: (a) the sync of a
+trainer tree placed by ``param_shardings()`` (bytes moved, leaves aliased and those copied, with
+why), (b) the same tree held whole on one device instead (every leaf resharded: the baseline),
+(c) one memory pass over the tree's bytes.
 """
 
 from __future__ import annotations
@@ -42,9 +43,17 @@ class MoeSyncBenchConfig:
 
 def moe_spec(config: MoeSyncBenchConfig) -> TinyMoeSpec:
     return TinyMoeSpec(
-        vocab_size=config.vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=config.layers,
-        num_attention_heads=32, num_key_value_heads=4, num_experts=config.experts, num_experts_per_tok=8,
-        moe_intermediate_size=768, mlp_only_layers=(), max_position_embeddings=4096,
+        vocab_size=config.vocab,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=config.layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        num_experts=config.experts,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        mlp_only_layers=(),
+        max_position_embeddings=4096,
     )
 
 
@@ -72,16 +81,26 @@ def main(config: MoeSyncBenchConfig) -> None:
         hf_config = moe_spec(config).hf_config()
         (model_dir / "config.json").write_text(json.dumps(hf_config))
         worker_config = WorkerConfig(
-            model_path=str(model_dir), dtype=config.dtype, load_format="dummy", tp_size=config.tp,
-            devices=tuple(jax.devices()[: config.tp]), max_total_tokens=256, context_length=256,
-            max_running_requests=4, max_prefill_tokens=256, chunked_prefill_size=256,
+            model_path=str(model_dir),
+            dtype=config.dtype,
+            load_format="dummy",
+            tp_size=config.tp,
+            devices=tuple(jax.devices()[: config.tp]),
+            max_total_tokens=256,
+            context_length=256,
+            max_running_requests=4,
+            max_prefill_tokens=256,
+            chunked_prefill_size=256,
         )
         with RolloutWorker(worker_config) as worker:
             tree = patterned_tree(hf_config, config.dtype, worker.param_shardings())
             flat = flatten_params(tree)
             total = sum(x.nbytes for x in flat.values())
-            print(f"model: Qwen3-30B-A3B layer shape, {config.layers} of 48 layers, {config.experts} of 128 experts, vocab {config.vocab}, "
-                  f"{len(flat)} tensors, {gib(total)} {config.dtype}, tp={config.tp}")
+            print(
+                f"model: Qwen3-30B-A3B layer shape, {config.layers} of 48 layers, "
+                f"{config.experts} of 128 experts, vocab {config.vocab}, "
+                f"{len(flat)} tensors, {gib(total)} {config.dtype}, tp={config.tp}"
+            )
             worker.sync_params(tree, check_finite=False)
             placed_s = median_seconds(lambda: worker.sync_params(tree, check_finite=False), config.repeats)
             placed = worker.sync_params(tree, check_finite=False)
@@ -97,7 +116,7 @@ def main(config: MoeSyncBenchConfig) -> None:
 
             whole = jax.device_put(tree, jax.devices()[0])
             worker.sync_params(whole, check_finite=False)
-            whole_s = median_seconds(lambda: worker.sync_params(whole, check_finite=False), config.repeats)
+            whole_s = median_seconds(partial(worker.sync_params, whole, check_finite=False), config.repeats)
             unplaced = worker.sync_params(whole, check_finite=False)
             del whole
 
@@ -107,13 +126,20 @@ def main(config: MoeSyncBenchConfig) -> None:
         memcpy_s = median_seconds(lambda: np.copyto(dst, src), config.repeats)
 
     print(f"{'sync':44s} {'seconds':>9s} {'bytes moved':>13s} {'aliased':>8s} {'copied':>7s}")
-    for name, seconds, report in (("tree placed by param_shardings()", placed_s, placed),
-                                  ("same tree on one device (baseline)", whole_s, unplaced)):
-        print(f"{name:44s} {seconds:9.4f} {gib(report.bytes_copied):>13s} {report.leaves_aliased:8d} {report.leaves_copied:7d}")
+    for name, seconds, report in (
+        ("tree placed by param_shardings()", placed_s, placed),
+        ("same tree on one device (baseline)", whole_s, unplaced),
+    ):
+        print(
+            f"{name:44s} {seconds:9.4f} {gib(report.bytes_copied):>13s} "
+            f"{report.leaves_aliased:8d} {report.leaves_copied:7d}"
+        )
     print(f"{'one memory pass over the tree':44s} {memcpy_s:9.4f} {gib(total):>13s}")
-    print(f"placed sync: {whole_s / placed_s:.0f}x faster than the baseline, {placed.bytes_copied} bytes moved; "
-          f"the {len(experts)} stacked expert leaves ({gib(expert_bytes)}) all aliased: "
-          f"{not any(p in experts for p, _, _ in copied)}")
+    print(
+        f"placed sync: {whole_s / placed_s:.0f}x faster than the baseline, {placed.bytes_copied} bytes moved; "
+        f"the {len(experts)} stacked expert leaves ({gib(expert_bytes)}) all aliased: "
+        f"{not any(p in experts for p, _, _ in copied)}"
+    )
     for path, found, expected in copied:
         print(f"  copied: {path} ({found} -> engine {expected})")
 

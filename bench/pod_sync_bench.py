@@ -38,24 +38,41 @@ def measure(model_dir: str, repeats: int) -> None:
     join()
     local = tuple(jax.local_devices())
     config = WorkerConfig(
-        model_path=model_dir, dtype="bfloat16", load_format="dummy", max_total_tokens=256, context_length=256,
-        max_running_requests=4, max_prefill_tokens=256, chunked_prefill_size=256, dp_size=len(local), devices=local,
+        model_path=model_dir,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_total_tokens=256,
+        context_length=256,
+        max_running_requests=4,
+        max_prefill_tokens=256,
+        chunked_prefill_size=256,
+        dp_size=len(local),
+        devices=local,
         pod_timeout_s=600.0,
     )
+
     def global_tree(shardings):
-        return unflatten_params({p: jax.make_array_from_callback(x.shape, shardings[p], lambda i, x=x: x[i]) for p, x in host.items()})
+        return unflatten_params(
+            {p: jax.make_array_from_callback(x.shape, shardings[p], lambda i, x=x: x[i]) for p, x in host.items()}
+        )
 
     figures = {"process": jax.process_index(), "processes": jax.process_count(), "engines_here": len(local)}
     with RolloutWorker(config) as worker:
         # Read after the engines start: their start-up sizes the KV pool from free memory.
         host = flatten_params(load_hf_params(model_dir, dtype=ml_dtypes.bfloat16))
         mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-        fsdp_shardings = {p: NamedSharding(mesh, P("fsdp") if x.shape[0] % mesh.size == 0 else P()) for p, x in host.items()}
+        fsdp_shardings = {
+            p: NamedSharding(mesh, P("fsdp") if x.shape[0] % mesh.size == 0 else P()) for p, x in host.items()
+        }
         for name, shardings in (("placed", flatten_params(worker.param_shardings())), ("fsdp", fsdp_shardings)):
             tree = global_tree(shardings)
             report = worker.sync_params(tree, check_finite=False)  # compiles the plan
             seconds = median_seconds(lambda tree=tree: worker.sync_params(tree, check_finite=False), repeats)
-            figures[name] = {"bytes_gathered": report.bytes_gathered, "bytes_copied": report.bytes_copied, "seconds": seconds}
+            figures[name] = {
+                "bytes_gathered": report.bytes_gathered,
+                "bytes_copied": report.bytes_copied,
+                "seconds": seconds,
+            }
             del tree
     figures["tree_bytes"] = sum(x.nbytes for x in host.values())
     print(RESULT_PREFIX + json.dumps(figures), flush=True)
@@ -79,11 +96,13 @@ def main() -> None:
         argv = ["-m", "bench.pod_sync_bench", "--measure", str(model_dir), "--repeats", str(args.repeats)]
         runs = {}
         for processes, devices in ((1, 2), (2, 1)):
-            results = launch_local(argv, processes, devices_per_process=devices, timeout_s=1800, env={"JAX_PLATFORMS": "cpu"})
+            results = launch_local(
+                argv, processes, devices_per_process=devices, timeout_s=1800, env={"JAX_PLATFORMS": "cpu"}
+            )
             lines = [line for r in results for line in r.log.splitlines() if line.startswith(RESULT_PREFIX)]
             if len(lines) != processes:
                 sys.exit("a bench process failed:\n" + "\n".join(r.log[-3000:] for r in results))
-            runs[processes] = [json.loads(line[len(RESULT_PREFIX):]) for line in lines]
+            runs[processes] = [json.loads(line[len(RESULT_PREFIX) :]) for line in lines]
             print(f"{processes} process(es): {runs[processes]}", flush=True)
     print(f"tree: {gib(runs[1][0]['tree_bytes'])}")
     print(f"{'run':<34} {'tree':<7} {'bytes per process (gathered + copied)':>40} {'seconds':>9}")

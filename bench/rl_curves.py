@@ -52,7 +52,12 @@ def main(argv=None) -> None:
     runs = {
         "grpo": run("examples.grpo", args.out / "grpo", "--steps", str(args.steps_grpo)),
         f"grpo target_kl={args.target_kl}": run(
-            "examples.grpo", args.out / "grpo-target-kl", "--steps", str(args.steps_grpo), "--target-kl", str(args.target_kl)
+            "examples.grpo",
+            args.out / "grpo-target-kl",
+            "--steps",
+            str(args.steps_grpo),
+            "--target-kl",
+            str(args.target_kl),
         ),
         "ppo": run("examples.ppo", args.out / "ppo", "--steps", str(args.steps_ppo)),
     }
@@ -69,7 +74,9 @@ def main(argv=None) -> None:
         reward_ax.plot([r["elapsed_s"] for r in records], [r["reward"] for r in records], label=name)
         if name.startswith("grpo"):
             kl_ax.plot([r["step"] for r in records], [r["approx_kl"] for r in records], label=name)
-    reward_ax.set(xlabel="seconds since the loop started (start-up excluded)", ylabel="mean reward", title="tiny preset, a+b=")
+    reward_ax.set(
+        xlabel="seconds since the loop started (start-up excluded)", ylabel="mean reward", title="tiny preset, a+b="
+    )
     kl_ax.set(xlabel="step", ylabel="approx KL (last train step)", yscale="log")
     reward_ax.legend()
     kl_ax.legend()

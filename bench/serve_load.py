@@ -87,7 +87,11 @@ async def run_load(
             seconds = time.perf_counter() - start
             version = response.json().get("weight_version") if response.status_code == 200 else None
             return Outcome(
-                response.status_code, seconds, response.headers.get("x-weight-version"), version, response.headers.get("retry-after")
+                response.status_code,
+                seconds,
+                response.headers.get("x-weight-version"),
+                version,
+                response.headers.get("retry-after"),
             )
 
         reload_seconds = []
@@ -113,7 +117,8 @@ def describe(name: str, result: LoadResult) -> str:
     ok = sum(o.status == 200 for o in result.outcomes)
     return (
         f"{name}: {len(result.outcomes)} requests, {len(result.reload_statuses)} reloads {result.reload_statuses}, "
-        f"statuses {result.counts()}, 200s p50 {result.percentile(50) * 1e3:.0f} ms p99 {result.percentile(99) * 1e3:.0f} ms, "
+        f"statuses {result.counts()}, "
+        f"200s p50 {result.percentile(50) * 1e3:.0f} ms p99 {result.percentile(99) * 1e3:.0f} ms, "
         f"503s p50 {result.percentile(50, 503) * 1e3:.0f} ms p99 {result.percentile(99, 503) * 1e3:.0f} ms, "
         f"{ok / result.seconds:.1f} completed req/s over {result.seconds:.1f} s"
     )
@@ -133,9 +138,7 @@ def swap_stalls(engine, since: float) -> tuple[list[tuple[float, float, int]], f
         after = [end for start, end in busy if start >= record.end]
         stall = after[0] - before[-1] if record.running and before and after else 0.0
         stalls.append((stall, record.start - record.queued, record.running))
-    steps = [
-        b[1] - a[1] for a, b in zip(busy, busy[1:]) if not any(a[1] <= r.start <= b[1] for r in records)
-    ]
+    steps = [b[1] - a[1] for a, b in zip(busy, busy[1:]) if not any(a[1] <= r.start <= b[1] for r in records)]
     return stalls, float(np.median(steps)) if steps else float("nan")
 
 
@@ -158,11 +161,21 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(tmp, TinyModelSpec())
         config = WorkerConfig(
-            model_path=str(model_dir), dtype="float32", max_total_tokens=4096, context_length=256,
-            max_running_requests=64, max_prefill_tokens=1024, chunked_prefill_size=1024,
+            model_path=str(model_dir),
+            dtype="float32",
+            max_total_tokens=4096,
+            context_length=256,
+            max_running_requests=64,
+            max_prefill_tokens=1024,
+            chunked_prefill_size=1024,
         )
         with RolloutWorker(config) as worker, worker.serve(admin_token=ADMIN_TOKEN) as server:
-            load = {"model": server.backend.model_name, "requests": args.requests, "max_tokens": args.max_tokens, "window_s": args.window_s}
+            load = {
+                "model": server.backend.model_name,
+                "requests": args.requests,
+                "max_tokens": args.max_tokens,
+                "window_s": args.window_s,
+            }
             modes = {
                 "drain": {"in_flight": False},
                 "in-flight": {"in_flight": True},

@@ -36,8 +36,14 @@ class SyncBenchConfig:
 
 def worker_config(model_dir: Path, dtype: str, load_format: str = "dummy") -> WorkerConfig:
     return WorkerConfig(
-        model_path=str(model_dir), dtype=dtype, load_format=load_format, max_total_tokens=256,
-        context_length=256, max_running_requests=4, max_prefill_tokens=256, chunked_prefill_size=256,
+        model_path=str(model_dir),
+        dtype=dtype,
+        load_format=load_format,
+        max_total_tokens=256,
+        context_length=256,
+        max_running_requests=4,
+        max_prefill_tokens=256,
+        chunked_prefill_size=256,
     )
 
 
@@ -78,7 +84,9 @@ def main(config: SyncBenchConfig) -> None:
             with PeakRss() as mem:
                 finite_s = median_seconds(lambda: worker.sync_params(tree, check_finite=True), config.repeats)
             rows.append(("sync, aliasable f32, check_finite", finite_s, 0, mem.extra_bytes))
-            read_s = median_seconds(lambda: jax.block_until_ready([x.sum() for x in jax.tree_util.tree_leaves(tree)]), config.repeats)
+            read_s = median_seconds(
+                lambda: jax.block_until_ready([x.sum() for x in jax.tree_util.tree_leaves(tree)]), config.repeats
+            )
             rows.append(("one read of every weight (x.sum())", read_s, 0, 0))
             # The check's previous form: the exact all(isfinite) reduction of every leaf.
             exact = jax.jit(lambda *xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
@@ -118,17 +126,24 @@ def main(config: SyncBenchConfig) -> None:
     print(f"{'method':40s} {'seconds':>10s} {'bytes moved':>14s} {'peak extra RSS':>16s}")
     for name, seconds, moved, extra in rows:
         print(f"{name:40s} {seconds:10.4f} {gib(moved):>14s} {gib(max(extra, 0)):>16s}")
-    print(f"aliasable sync: {mllm_s / alias_s:.0f}x faster than the MLLM-JAX way (target >= 100x), "
-          f"{reload_s / alias_s:.0f}x faster than sglang-jax's reload; bytes moved {rows[0][2]} (target 0)")
-    print(f"check_finite on an aliasable sync: {finite_s:.4f} s vs {alias_s:.4f} s without "
-          f"(+{finite_s - alias_s:.4f} s, {finite_s / alias_s:.0f}x); a plain read of the {gib(total)} "
-          f"takes {read_s:.4f} s, so the check costs {(finite_s - alias_s) / read_s:.2f}x one read; the old "
-          f"check's all(isfinite) alone took {exact_s:.4f} s ({exact_s / max(finite_s - alias_s, 1e-9):.1f}x the check's cost)")
-    print(f"cast sync: {cast_s / memcpy_s:.2f}x one memory pass over the {gib(cast_report.bytes_copied)} it writes "
-          f"into touched memory, {cast_s / fresh_s:.2f}x into fresh memory (target <= 2x; every sync writes "
-          f"new buffers, and on the CPU backend first-touch page faults dominate); peak extra RSS "
-          f"{gib(rows[2][3])} vs {gib(cast_report.bytes_copied)} written (target <=); XLA: the cast allocates "
-          f"{gib(memory.output_size_in_bytes)} of outputs and {gib(memory.temp_size_in_bytes)} of temporaries")
+    print(
+        f"aliasable sync: {mllm_s / alias_s:.0f}x faster than the MLLM-JAX way (target >= 100x), "
+        f"{reload_s / alias_s:.0f}x faster than sglang-jax's reload; bytes moved {rows[0][2]} (target 0)"
+    )
+    print(
+        f"check_finite on an aliasable sync: {finite_s:.4f} s vs {alias_s:.4f} s without "
+        f"(+{finite_s - alias_s:.4f} s, {finite_s / alias_s:.0f}x); a plain read of the {gib(total)} "
+        f"takes {read_s:.4f} s, so the check costs {(finite_s - alias_s) / read_s:.2f}x one read; the old "
+        f"check's all(isfinite) alone took {exact_s:.4f} s "
+        f"({exact_s / max(finite_s - alias_s, 1e-9):.1f}x the check's cost)"
+    )
+    print(
+        f"cast sync: {cast_s / memcpy_s:.2f}x one memory pass over the {gib(cast_report.bytes_copied)} it writes "
+        f"into touched memory, {cast_s / fresh_s:.2f}x into fresh memory (target <= 2x; every sync writes "
+        f"new buffers, and on the CPU backend first-touch page faults dominate); peak extra RSS "
+        f"{gib(rows[2][3])} vs {gib(cast_report.bytes_copied)} written (target <=); XLA: the cast allocates "
+        f"{gib(memory.output_size_in_bytes)} of outputs and {gib(memory.temp_size_in_bytes)} of temporaries"
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,14 @@ def main(layers: int, repeats: int, profile: bool) -> None:
         spec = TinyModelSpec(num_hidden_layers=layers, hidden_size=128, intermediate_size=256, num_attention_heads=1)
         model_dir = write_tiny_model(Path(tmp), spec, with_tokenizer=False)
         config = WorkerConfig(
-            model_path=str(model_dir), dtype="float32", load_format="dummy", max_total_tokens=256,
-            context_length=256, max_running_requests=4, max_prefill_tokens=256, chunked_prefill_size=256,
+            model_path=str(model_dir),
+            dtype="float32",
+            load_format="dummy",
+            max_total_tokens=256,
+            context_length=256,
+            max_running_requests=4,
+            max_prefill_tokens=256,
+            chunked_prefill_size=256,
             devices=tuple(jax.local_devices()[:1]),
         )
         with RolloutWorker(config) as worker:
@@ -46,7 +52,10 @@ def main(layers: int, repeats: int, profile: bool) -> None:
             # The bookkeeping alone: the finite check (on by default) is a read of every weight.
             sync_s = median_seconds(lambda: worker.sync_params(tree, check_finite=False), repeats)
             floor_s = median_seconds(swap_back, repeats)
-            print(f"{len(worker.leaves)} engine leaves, {report.leaves_aliased} aliased, {report.bytes_copied} bytes copied")
+            print(
+                f"{len(worker.leaves)} engine leaves, {report.leaves_aliased} aliased, "
+                f"{report.bytes_copied} bytes copied"
+            )
             print(f"aliasable sync_params      {sync_s * 1e3:8.2f} ms")
             print(f"swap own leaves back in    {floor_s * 1e3:8.2f} ms")
             print(f"ratio                      {sync_s / floor_s:8.2f}x (target <= 2x)")

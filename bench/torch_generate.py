@@ -46,8 +46,15 @@ def main() -> None:
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
             )
         if device == "cuda":
             torch.cuda.synchronize()
@@ -56,8 +63,16 @@ def main() -> None:
 
     run(2)
     seconds = statistics.median(run(args.new_tokens) for _ in range(args.repeats))
-    print(json.dumps({"seconds": seconds, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                      "threads": torch.get_num_threads(), "torch": torch.__version__}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

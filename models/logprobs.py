@@ -72,11 +72,7 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         # Each condition holds on a prefix of the sorted row, so together they keep a prefix;
         # the first token always stays.
-        keep = (
-            (jnp.arange(width)[None, :] < top_k)
-            & (mass_before <= top_p)
-            & (descending >= floor)
-        )
+        keep = (jnp.arange(width)[None, :] < top_k) & (mass_before <= top_p) & (descending >= floor)
         kept = jnp.maximum(keep.sum(axis=-1, keepdims=True), 1)
         fits = (kept < width) | (top_k <= width) | (width == vocab) | keeps_all
         return jnp.take_along_axis(descending, kept - 1, axis=-1), jnp.all(fits)
@@ -86,7 +82,7 @@ def sampling_log_probs(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Ar
         keys = _order_keys(tempered)
         probs = jnp.exp(tempered)
         # top-p: the smallest value whose strictly larger tokens weigh at most top_p.
-        top_p_key = _bisect(lambda x: (jnp.where(keys > x, probs, 0.0).sum(-1, keepdims=True) <= top_p), keys)
+        top_p_key = _bisect(lambda x: jnp.where(keys > x, probs, 0.0).sum(-1, keepdims=True) <= top_p, keys)
         # top-k: the k-th largest value, read from the preselection where k is inside it (greedy
         # padding rows, usual top-k) or keeping all at k >= V (top-p-only rows); searched (fewer
         # than k tokens above it) only when some row's k lies between: half the passes otherwise.

@@ -21,7 +21,9 @@ from . import qwen3_moe
 from .moe import route
 from .qwen_flax import MLP, QwenConfig, read_hf_config
 
-_expert_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+_expert_init = nn.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,10 @@ class Qwen3MoeConfig(QwenConfig):
         qwen3_moe.check_config(source.get)
         base = QwenConfig.from_hf({**source, "model_type": "qwen3"}, dtype=dtype)
         return cls(
-            **{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, "architecture": qwen3_moe.MODEL_TYPE},
+            **{
+                **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                "architecture": qwen3_moe.MODEL_TYPE,
+            },
             num_experts=int(source["num_experts"]),
             num_experts_per_tok=int(source["num_experts_per_tok"]),
             moe_intermediate_size=int(source["moe_intermediate_size"]),

@@ -173,9 +173,7 @@ def train_tiny_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def write_tiny_model(
-    path: str | Path, spec: TinyModelSpec = TinyModelSpec(), *, with_tokenizer: bool = True
-) -> Path:
+def write_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec(), *, with_tokenizer: bool = True) -> Path:
     """Write a tiny random HF model directory at ``path`` and return it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -202,9 +200,7 @@ def char_tokenizer():
 def write_tiny_tokenizer(path: Path, spec: TinyModelSpec) -> None:
     tokenizer = train_tiny_tokenizer(spec.vocab_size) if spec.tokenizer == "bpe" else char_tokenizer()
     if tokenizer.get_vocab_size() > spec.vocab_size:
-        raise ValueError(
-            f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={spec.vocab_size}"
-        )
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={spec.vocab_size}")
     tokenizer.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -224,9 +220,17 @@ def tiny_random_llama_spec(**overrides) -> TinyModelSpec:
     16, 2 layers, 4 heads of head_dim 4, untied), which the seeds' HTTP admin and several-engines
     runs used; its tokenizer here is the offline BPE one (fewer tokens than the vocab)."""
     settings = dict(
-        architecture="llama", vocab_size=32000, hidden_size=16, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=4, tie_word_embeddings=False,
-        max_position_embeddings=2048, rms_norm_eps=1e-6,
+        architecture="llama",
+        vocab_size=32000,
+        hidden_size=16,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
     )
     settings.update(overrides)
     return TinyModelSpec(**settings)
@@ -237,11 +241,23 @@ def tiny_llama3_spec(**overrides) -> TinyModelSpec:
     llama3 RoPE scaling, untied head. ``original_max_position_embeddings`` is short so that the
     scaling changes the positions of a few tokens (at 8192 it would only show past thousands)."""
     settings = dict(
-        architecture="llama", vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
-        rope_theta=10000.0, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        architecture="llama",
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
         rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
     )

@@ -30,7 +30,9 @@ class TinyMoeSpec(TinyModelSpec):
     def __post_init__(self):
         super().__post_init__()
         if self.architecture != "qwen3":
-            raise ValueError(f"TinyMoeSpec.architecture is the attention's and must be 'qwen3', got {self.architecture!r}")
+            raise ValueError(
+                f"TinyMoeSpec.architecture is the attention's and must be 'qwen3', got {self.architecture!r}"
+            )
 
     def hf_config(self) -> dict:
         config = super().hf_config()

@@ -25,10 +25,11 @@ class WorkerConfig(EngineOptions):
     since the engine otherwise takes a fraction of free memory.
 
     ``name`` prefixes the engines' names in thread names, logs and errors
-    (``engine 1 (devices 2,3)``). ``dp_size`` engines run in the process, each on its own group of ``tp_size`` consecutive
-    devices from ``devices`` (default: all local devices); ``dp_size * tp_size`` must equal
-    the number of devices. In a multi-process job (``jax.distributed.initialize``) they are
-    this process's devices: each process runs its own engines (docs/pods.md).
+    (``engine 1 (devices 2,3)``). ``dp_size`` engines run in the process, each on its own
+    group of ``tp_size`` consecutive devices from ``devices`` (default: all local devices);
+    ``dp_size * tp_size`` must equal the number of devices. In a multi-process job
+    (``jax.distributed.initialize``) they are this process's devices: each process runs its
+    own engines (docs/pods.md).
     """
 
     dp_size: int = 1
@@ -57,8 +58,14 @@ class WorkerConfig(EngineOptions):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"WorkerConfig.{name} must be a positive int or None, got {value!r}")
-        if isinstance(self.pod_timeout_s, bool) or not isinstance(self.pod_timeout_s, (int, float)) or not self.pod_timeout_s > 0:
-            raise ValueError(f"WorkerConfig.pod_timeout_s must be a positive number of seconds, got {self.pod_timeout_s!r}")
+        if (
+            isinstance(self.pod_timeout_s, bool)
+            or not isinstance(self.pod_timeout_s, (int, float))
+            or not self.pod_timeout_s > 0
+        ):
+            raise ValueError(
+                f"WorkerConfig.pod_timeout_s must be a positive number of seconds, got {self.pod_timeout_s!r}"
+            )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"WorkerConfig.context_length must be >= 2, got {self.context_length}")
         if self.dtype not in ("bfloat16", "float32", "float16"):
@@ -110,7 +117,12 @@ class WorkerConfig(EngineOptions):
         check_model_family(self.model_path)
         groups = self.device_groups()
         limit = model_context_limit(self.model_path)
-        if self.context_length is not None and limit is not None and self.context_length > limit and not self.allow_long_context:
+        if (
+            self.context_length is not None
+            and limit is not None
+            and self.context_length > limit
+            and not self.allow_long_context
+        ):
             raise ValueError(
                 f"WorkerConfig.context_length={self.context_length} exceeds the model's context length "
                 f"{limit} ({Path(self.model_path) / 'config.json'}); pass allow_long_context=True to "
@@ -120,7 +132,13 @@ class WorkerConfig(EngineOptions):
 
 
 # config.json keys the engine reads the context length from, in its order of precedence.
-_CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+_CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
 
 
 def check_model_family(model_path: str) -> None:

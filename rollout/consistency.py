@@ -90,8 +90,16 @@ def check_consistency(
     """
     start = time.perf_counter()
     batch = worker.generate(
-        prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        top_k=top_k, min_p=min_p, seed=seed, pad_prompts_to=pad_prompts_to, return_logprobs=True,
+        prompts,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        pad_prompts_to=pad_prompts_to,
+        return_logprobs=True,
     )
     tree = params["params"] if set(params) == {"params"} else params
     config_file = Path(worker.config.model_path) / "config.json"
@@ -145,7 +153,13 @@ def _trainer_log_probs(config_json: str, dtype: str, temperature: float, top_k: 
     def log_probs(params, tokens, attention_mask, positions, completion_mask, kept_counts):
         logits = model.apply({"params": params}, tokens, attention_mask, positions)
         return completion_log_probs(
-            logits, tokens, completion_mask, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            logits,
+            tokens,
+            completion_mask,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             kept_counts=kept_counts,
         )
 

@@ -68,12 +68,20 @@ class EngineGroup:
         """Axis ``replica`` over the engines of every process, then each engine's own mesh axes.
         Every process must start the same engines (same model shapes, dp_size, tp_size)."""
         first = self.engines[0]
-        layout = (len(self.engines), first.mesh.devices.shape, [(w.path, w.shape, str(w.dtype)) for w in self.first.leaves])
+        layout = (
+            len(self.engines),
+            first.mesh.devices.shape,
+            [(w.path, w.shape, str(w.dtype)) for w in self.first.leaves],
+        )
         fingerprint = hashlib.sha256(repr(layout).encode()).hexdigest()[:16]
         mine = [[d.id for d in engine.mesh.devices.flat] for engine in self.engines]
         payloads = self.pod.agree("RolloutWorker start-up", fingerprint, json.dumps(mine))
         by_id = {d.id: d for d in jax.devices()}
-        grids = [np.array([by_id[i] for i in ids]).reshape(first.mesh.devices.shape) for p in payloads for ids in json.loads(p)]
+        grids = [
+            np.array([by_id[i] for i in ids]).reshape(first.mesh.devices.shape)
+            for p in payloads
+            for ids in json.loads(p)
+        ]
         return Mesh(np.stack(grids), ("replica", *first.mesh.axis_names))
 
     @property
@@ -193,8 +201,11 @@ class EngineGroup:
             return [flat] * len(self.weights), 0
         targets = self.param_shardings()
         moving = [
-            p for p, x in flat.items()
-            if isinstance(x, jax.Array) and not x.is_fully_addressable and p in targets
+            p
+            for p, x in flat.items()
+            if isinstance(x, jax.Array)
+            and not x.is_fully_addressable
+            and p in targets
             and not x.sharding.is_equivalent_to(targets[p], x.ndim)
         ]
         flat = dict(flat)
@@ -207,10 +218,12 @@ class EngineGroup:
         trees = []
         for weights in self.weights:
             mesh = weights.engine.mesh
-            trees.append({
-                p: relabel(x, NamedSharding(mesh, x.sharding.spec)) if _on_group_mesh(x, self.mesh) else x
-                for p, x in flat.items()
-            })
+            trees.append(
+                {
+                    p: relabel(x, NamedSharding(mesh, x.sharding.spec)) if _on_group_mesh(x, self.mesh) else x
+                    for p, x in flat.items()
+                }
+            )
         return trees, gathered
 
     def _reshard(self, shardings: tuple, arrays: list, call: str) -> list[jax.Array]:
@@ -229,7 +242,8 @@ class EngineGroup:
         except Exception as exc:  # the runtime's own error type differs between jax versions
             lost = self.pod.lost_processes(call)
             raise PodError(
-                f"{call}: the cross-process reshard failed; {f'process(es) {list(lost)} lost' if lost else 'no process lost'} "
+                f"{call}: the cross-process reshard failed; "
+                f"{f'process(es) {list(lost)} lost' if lost else 'no process lost'} "
                 f"({type(exc).__name__}: {str(exc)[:300]}). Restart the job and resume from the last "
                 "checkpoint (README 'Pods').",
                 lost,
@@ -237,9 +251,7 @@ class EngineGroup:
 
     # ---- generate fan-out --------------------------------------------------------------------
 
-    def submit(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: np.ndarray
-    ) -> concurrent.futures.Future:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: np.ndarray) -> concurrent.futures.Future:
         """A generate call's rows on the running engines (:meth:`split`): one future of every
         row's output in global row order, done when every engine is done with its rows (so a
         caller holding off weight changes until then holds them off while any row runs); its

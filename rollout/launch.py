@@ -53,7 +53,9 @@ def join(
     if not coordinator or not num_processes or num_processes < 2:
         return False
     if process_id is None:
-        raise ValueError(f"a job of {num_processes} processes needs this process's id ({PROCESS_ID_ENV} or process_id=)")
+        raise ValueError(
+            f"a job of {num_processes} processes needs this process's id ({PROCESS_ID_ENV} or process_id=)"
+        )
     import jax
 
     jax.distributed.initialize(
@@ -90,7 +92,9 @@ def leave(code: int = 0, *, timeout_s: float = 60.0) -> NoReturn:
         jax.distributed.shutdown()
         sys.exit(code)
     logger.warning(
-        "process %d leaves the job without JAX's shutdown barrier: process(es) %s gone", jax.process_index(), sorted(gone)
+        "process %d leaves the job without JAX's shutdown barrier: process(es) %s gone",
+        jax.process_index(),
+        sorted(gone),
     )
     if jax.process_index() != 0:
         _flush()  # before announcing: after it, only the exit itself is left
@@ -181,7 +185,9 @@ def launch_local(
             for i in range(num_processes):
                 with open(Path(logs) / f"{i}.log", "w") as log:  # the child keeps its own copy
                     env_i = {**base, PROCESS_ID_ENV: str(i)}
-                    procs.append(subprocess.Popen([sys.executable, *argv], env=env_i, stdout=log, stderr=subprocess.STDOUT))
+                    procs.append(
+                        subprocess.Popen([sys.executable, *argv], env=env_i, stdout=log, stderr=subprocess.STDOUT)
+                    )
                 # One waiter per child: the launcher wakes on whichever ends first.
                 threading.Thread(target=lambda p=procs[i], i=i: (p.wait(), ends.put(i)), daemon=True).start()
             seconds, stopped = _supervise(procs, ends, start, timeout_s, grace_s)
@@ -267,14 +273,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("-n", "--num-processes", type=int, required=True)
     parser.add_argument("--devices-per-process", type=int, help="fake host-platform (CPU) devices per process")
-    parser.add_argument("--timeout", type=float, default=math.inf, help="seconds; then every process is stopped (default: none)")
-    parser.add_argument("--grace", type=float, default=0.0, help="seconds the others may go on after one fails (default: 0)")
+    parser.add_argument(
+        "--timeout", type=float, default=math.inf, help="seconds; then every process is stopped (default: none)"
+    )
+    parser.add_argument(
+        "--grace", type=float, default=0.0, help="seconds the others may go on after one fails (default: 0)"
+    )
     args = parser.parse_args(argv[:split])
     program = argv[split + 1 :]
     if not program:
         parser.error("no program after --")
     results = launch_local(
-        program, args.num_processes, devices_per_process=args.devices_per_process, timeout_s=args.timeout, grace_s=args.grace
+        program,
+        args.num_processes,
+        devices_per_process=args.devices_per_process,
+        timeout_s=args.timeout,
+        grace_s=args.grace,
     )
     for r in results:
         sys.stdout.write(f"--- process {r.process_id} ({r.ended}) ---\n{r.log}")

@@ -62,7 +62,9 @@ def tree_fingerprint(flat: Mapping[str, object]) -> str:
     parts = []
     for path, leaf in flat.items():
         sharding = getattr(leaf, "sharding", None)
-        placement = repr(sharding.spec) + repr(sharding.mesh.shape) if hasattr(sharding, "spec") else type(leaf).__name__
+        placement = (
+            repr(sharding.spec) + repr(sharding.mesh.shape) if hasattr(sharding, "spec") else type(leaf).__name__
+        )
         parts.append(f"{path}:{tuple(np.shape(leaf))}:{getattr(leaf, 'dtype', None)}:{placement}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -106,7 +108,8 @@ class Pod:
             differ = sorted(p for p, (c, f, _) in calls.items() if (c, f) != usual)
             seen = "; ".join(f"process {p}: {c}({f})" for p, (c, f, _) in sorted(calls.items()))
             raise PodError(
-                f"{call}: process(es) {differ} made a different call than the others ({seen}); every process must make the same "
+                f"{call}: process(es) {differ} made a different call than the others ({seen}); "
+                "every process must make the same "
                 "weight and KV calls in the same order with trees of the same structure (the SPMD rule, "
                 "docs/pods.md). Nothing was changed.",
                 tuple(differ),
@@ -133,9 +136,7 @@ class Pod:
             action(client)
         except Exception as exc:  # the runtime raises its own status errors
             _gone.add(0)
-            raise PodError(
-                f"{call}: the JAX coordination service (process 0) is unreachable: {exc}", (0,)
-            ) from exc
+            raise PodError(f"{call}: the JAX coordination service (process 0) is unreachable: {exc}", (0,)) from exc
         return client
 
     def _gather(self, client, prefix: str, call: str) -> dict[int, str]:

@@ -51,9 +51,7 @@ def token_id_list(name: str, values, vocab_size: int) -> tuple[int, ...]:
     ids = []
     for j, value in enumerate(values):
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-            raise InvalidRequest(
-                name, f"{name}[{j}] must be an int token id, got {value!r} ({type(value).__name__})"
-            )
+            raise InvalidRequest(name, f"{name}[{j}] must be an int token id, got {value!r} ({type(value).__name__})")
         ids.append(int(value))
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
@@ -154,8 +152,7 @@ def prompt_token_ids(prompts, *, vocab_size: int, tokenizer=None, model_path: st
             if tokenizer is None:
                 raise InvalidRequest(
                     f"prompts[{i}]",
-                    f"prompts[{i}] is a string but the model directory {model_path} has no "
-                    "tokenizer: pass token ids"
+                    f"prompts[{i}] is a string but the model directory {model_path} has no tokenizer: pass token ids",
                 )
             tokens = encode_text(tokenizer, prompt, f"prompts[{i}]")
         else:
@@ -204,7 +201,7 @@ def check_request_lengths(
                 f"prompts[{i}]",
                 f"prompts[{i}] has {len(tokens)} tokens; the engine accepts prompts of at most "
                 f"{max_prompt_tokens} tokens (context length {context_length}, KV pool "
-                f"{kv_pool_tokens} tokens)"
+                f"{kv_pool_tokens} tokens)",
             )
         total = len(tokens) + max_new_tokens
         if total > max_request_tokens:
@@ -217,7 +214,7 @@ def check_request_lengths(
                 "max_new_tokens",
                 f"prompts[{i}] has {len(tokens)} tokens and max_new_tokens={max_new_tokens}: "
                 f"{total} tokens do not fit {limit}; at most {max_request_tokens} tokens per "
-                "request (prompt + completion)"
+                "request (prompt + completion)",
             )
 
 
@@ -260,8 +257,11 @@ class RequestValidator:
         check_limit("n", "rows (prompts x n)", rows, "WorkerConfig.max_rows_per_call", config.max_rows_per_call)
         tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
         check_limit(
-            "prompts", "tokens (prompt + max_new_tokens, over every row)", tokens,
-            "WorkerConfig.max_tokens_per_call", config.max_tokens_per_call,
+            "prompts",
+            "tokens (prompt + max_new_tokens, over every row)",
+            tokens,
+            "WorkerConfig.max_tokens_per_call",
+            config.max_tokens_per_call,
         )
         vocab = engine.vocab_size
         for j, stop in enumerate(params.stop_token_ids):

@@ -42,7 +42,10 @@ def _flag_type(hint):
 def parse_args(argv=None) -> tuple[WorkerConfig, ServerConfig, str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="INFO")
-    groups = ((parser.add_argument_group("server"), ServerConfig), (parser.add_argument_group("engine (WorkerConfig)"), WorkerConfig))
+    groups = (
+        (parser.add_argument_group("server"), ServerConfig),
+        (parser.add_argument_group("engine (WorkerConfig)"), WorkerConfig),
+    )
     for group, cls in groups:
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):

@@ -130,8 +130,10 @@ def _main(argv: list[str]) -> int:
             if (version := installed_version(name)) is not None and not in_range(name, version)
         ]
         if outside:
-            print("this environment has versions sglang-jax-rollout does not support:\n  "
-                  + "\n  ".join(outside), file=sys.stderr)
+            print(
+                "this environment has versions sglang-jax-rollout does not support:\n  " + "\n  ".join(outside),
+                file=sys.stderr,
+            )
             return 1
     print("\n".join(commands[argv[0]]()))
     return 0

@@ -91,8 +91,11 @@ class EngineWeights:
         with ``version``, and free the engine-owned arrays that were replaced. Returns the
         engine's :class:`~rollout.engine.SwapRecord`."""
         record = self.engine.replace_weight_leaves(
-            prepared.leaves, free=self._owned & prepared.updated, version=version,
-            in_flight=in_flight, recompute_kv=recompute_kv,
+            prepared.leaves,
+            free=self._owned & prepared.updated,
+            version=version,
+            in_flight=in_flight,
+            recompute_kv=recompute_kv,
         )
         self._owned = set(prepared.copied) | (self._owned - prepared.updated)
         return record
@@ -109,7 +112,11 @@ class EngineWeights:
     def _check_layout(self, leaves: list, indices) -> None:
         for index in indices:
             leaf, expected = leaves[index], self.leaves[index]
-            if tuple(leaf.shape) != expected.shape or leaf.dtype != expected.dtype or leaf.sharding != expected.sharding:
+            if (
+                tuple(leaf.shape) != expected.shape
+                or leaf.dtype != expected.dtype
+                or leaf.sharding != expected.sharding
+            ):
                 raise SyncError(
                     f"internal: engine leaf '{expected.path}' would change from "
                     f"{expected.shape} {expected.dtype} {expected.sharding} to "

@@ -210,7 +210,12 @@ class RolloutWorker:
         stay exact.
         """
         return self._sync(
-            params, "sync_params", allow_cast=allow_cast, check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv
+            params,
+            "sync_params",
+            allow_cast=allow_cast,
+            check_finite=check_finite,
+            in_flight=in_flight,
+            recompute_kv=recompute_kv,
         )
 
     def _sync(
@@ -234,7 +239,9 @@ class RolloutWorker:
         with self._closed_is_clear(), self._sync_lock, counting_compiles() as compiles:
             # Before any collective: every process makes this call with a tree of this structure.
             self._group.pod.agree(
-                call, f"{tree_fingerprint(flat)} allow_cast={allow_cast} check_finite={check_finite} in_flight={in_flight} recompute_kv={recompute_kv}"
+                call,
+                f"{tree_fingerprint(flat)} allow_cast={allow_cast} check_finite={check_finite} "
+                f"in_flight={in_flight} recompute_kv={recompute_kv}",
             )
             trees, gathered = self._group.localize(flat, call)
             prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
@@ -280,7 +287,9 @@ class RolloutWorker:
         batch over ``replica`` to train data-parallel over the engines' devices."""
         return self._group.mesh
 
-    def load_hf(self, model_dir, *, check_finite: bool = True, in_flight: bool = False, recompute_kv: bool = False) -> SyncReport:
+    def load_hf(
+        self, model_dir, *, check_finite: bool = True, in_flight: bool = False, recompute_kv: bool = False
+    ) -> SyncReport:
         """Serve the weights of an HF safetensors directory (single file or sharded with an
         index json), through the same plan as ``sync_params`` (NaN/inf refused unless
         ``check_finite=False``; ``in_flight``, ``recompute_kv`` as there). On error nothing
@@ -288,12 +297,23 @@ class RolloutWorker:
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
         return self._sync(
-            load_hf_params(model_dir, dtype=None), "load_hf", allow_cast=True, check_finite=check_finite,
-            in_flight=in_flight, recompute_kv=recompute_kv, reason="weights are being reloaded",
+            load_hf_params(model_dir, dtype=None),
+            "load_hf",
+            allow_cast=True,
+            check_finite=check_finite,
+            in_flight=in_flight,
+            recompute_kv=recompute_kv,
+            reason="weights are being reloaded",
         )
 
     def load_checkpoint(
-        self, path, step: int | None = None, *, check_finite: bool = True, in_flight: bool = False, recompute_kv: bool = False
+        self,
+        path,
+        step: int | None = None,
+        *,
+        check_finite: bool = True,
+        in_flight: bool = False,
+        recompute_kv: bool = False,
     ) -> SyncReport:
         """Serve a trainer param tree saved with orbax: a ``StandardCheckpointer`` directory,
         or a ``CheckpointManager`` root (latest step, or ``step``).
@@ -313,8 +333,13 @@ class RolloutWorker:
         self._group.pod.agree("load_checkpoint", tree_fingerprint(targets))
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
         return self._sync(
-            restored, "load_checkpoint", allow_cast=True, check_finite=check_finite, in_flight=in_flight,
-            recompute_kv=recompute_kv, reason="weights are being reloaded",
+            restored,
+            "load_checkpoint",
+            allow_cast=True,
+            check_finite=check_finite,
+            in_flight=in_flight,
+            recompute_kv=recompute_kv,
+            reason="weights are being reloaded",
         )
 
     def replace_engine_leaves(
@@ -457,7 +482,9 @@ class RolloutWorker:
         Leaving the loop early (``break``, ``aclose()``, cancellation) aborts the rows still
         generating."""
         if "pad_prompts_to" in options:
-            raise TypeError("astream() got an unexpected keyword argument 'pad_prompts_to': streamed rows are not padded")
+            raise TypeError(
+                "astream() got an unexpected keyword argument 'pad_prompts_to': streamed rows are not padded"
+            )
         self._check_open()
         request = self._requests.validate(prompts, options)
         await self._admit(blocking=False)
@@ -510,7 +537,9 @@ class RolloutWorker:
     def _check_weights_alive(self) -> None:
         self._check_open()
         if self._stale_reason is not None:
-            raise WorkerUnavailable(self._stale_reason, f"{self._stale_reason}: call worker.sync_params(params) before generate")
+            raise WorkerUnavailable(
+                self._stale_reason, f"{self._stale_reason}: call worker.sync_params(params) before generate"
+            )
         freed = self._group.dead_leaves()
         if freed:
             index, dead = next(iter(freed.items()))
@@ -518,7 +547,7 @@ class RolloutWorker:
                 f"the weights of engine {index} were freed",
                 f"the weights of engine {index} were freed ({len(dead)} leaves, e.g. '{dead[0]}'): "
                 "the trainer donated buffers the engine was using. Call worker.sync_params(params) "
-                "before generate."
+                "before generate.",
             )
 
     def _check_open(self) -> None:
@@ -546,9 +575,12 @@ class RolloutWorker:
             completion_texts=texts,
             prompt_width=request.pad_prompts_to,
             logprobs=[o.logprobs[: len(c)] for o, c in zip(outputs, completions)] if params.return_logprobs else None,
-            kept_counts=[o.kept_counts[: len(c)] for o, c in zip(outputs, completions)] if params.return_logprobs else None,
+            kept_counts=[o.kept_counts[: len(c)] for o, c in zip(outputs, completions)]
+            if params.return_logprobs
+            else None,
             token_versions=(
-                None if any(o.token_versions is None for o in outputs)
+                None
+                if any(o.token_versions is None for o in outputs)
                 else [o.token_versions[: len(c)] for o, c in zip(outputs, completions)]
             ),
         )
@@ -597,7 +629,14 @@ class RolloutWorker:
 def _combine_sync_reports(reports: list[SyncReport], compiles: int) -> SyncReport:
     if len(reports) == 1:
         return dataclasses.replace(reports[0], compiles=compiles)
-    fields = ("leaves_aliased", "leaves_relabeled", "leaves_copied", "leaves_resharded", "bytes_aliased", "bytes_copied")
+    fields = (
+        "leaves_aliased",
+        "leaves_relabeled",
+        "leaves_copied",
+        "leaves_resharded",
+        "bytes_aliased",
+        "bytes_copied",
+    )
     totals = {name: sum(getattr(r, name) for r in reports) for name in fields}
     return dataclasses.replace(reports[0], **totals, compiles=compiles, per_engine=tuple(reports))
 
@@ -638,4 +677,3 @@ def _pad_token_id(tokenizer) -> int:
         if value is not None:
             return int(value)
     return 0
-

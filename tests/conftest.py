@@ -4,9 +4,7 @@ import os
 
 # Before JAX is imported anywhere: several CPU devices so sharding code paths really run.
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-).strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 import pytest  # noqa: E402
 
@@ -23,9 +21,7 @@ def qwen2_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen2_untied_dir(tmp_path_factory):
-    return write_tiny_model(
-        tmp_path_factory.mktemp("qwen2_untied"), TinyModelSpec(tie_word_embeddings=False, seed=1)
-    )
+    return write_tiny_model(tmp_path_factory.mktemp("qwen2_untied"), TinyModelSpec(tie_word_embeddings=False, seed=1))
 
 
 @pytest.fixture(scope="session")

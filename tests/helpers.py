@@ -48,8 +48,22 @@ def serve_process(model_dir, *flags, env=None):
     """``python -m rollout.serve`` on a tiny model in a subprocess: yields (process, url) once it
     serves; killed at exit if still running."""
     command = [
-        sys.executable, "-m", "rollout.serve", "--model-path", str(model_dir), "--port", "0", "--dtype", "float32",
-        "--max-total-tokens", "1024", "--context-length", "256", "--max-running-requests", "4", *flags,
+        sys.executable,
+        "-m",
+        "rollout.serve",
+        "--model-path",
+        str(model_dir),
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "1024",
+        "--context-length",
+        "256",
+        "--max-running-requests",
+        "4",
+        *flags,
     ]
     env = {**os.environ, "XLA_FLAGS": "", **(env or {})}
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
@@ -93,9 +107,7 @@ def ragged_batch(rng, prefix_lens, extend_lens, page_size=1, pool_slots=256, loc
 
 def attend(q, kv, cache_loc, seq_lens, prefix_lens=None, extend_lens=None, **kwargs):
     as_jax = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
-    fn = jax.jit(
-        lambda *args: paged_attention(*args, num_heads=HEADS, num_kv_heads=KV_HEADS, **kwargs)
-    )
+    fn = jax.jit(lambda *args: paged_attention(*args, num_heads=HEADS, num_kv_heads=KV_HEADS, **kwargs))
     return np.asarray(fn(*map(as_jax, (q, kv, cache_loc, seq_lens, prefix_lens, extend_lens))))
 
 
@@ -118,7 +130,9 @@ def orbax_save(path, tree):
 PINNING_TESTS = {
     "duplicate-pytree-registration": "tests/unit/test_patches.py::test_duplicate_pytree_registration_import",
     "sampler": "tests/test_sampling_filters.py::test_temperature_sampling_follows_the_softmax",
-    "process-kill-on-error": "tests/test_engine_workarounds.py::test_engine_thread_error_is_an_exception_not_a_dead_process",
+    "process-kill-on-error": (
+        "tests/test_engine_workarounds.py::test_engine_thread_error_is_an_exception_not_a_dead_process"
+    ),
     "idle-busy-spin": "tests/test_generate.py::test_worker_idles_quietly",
     "process-global-side-effects": "tests/test_engine_workarounds.py::test_process_global_state_is_preserved",
     "untied-head-dtype": "tests/test_engine_workarounds.py::test_untied_head_computes_in_the_model_dtype",
@@ -127,14 +141,20 @@ PINNING_TESTS = {
     "one-request-per-sample": "tests/test_generate.py::test_n_samples_per_prompt_are_independent_and_prompt_major",
     "flush-cache": "tests/test_engine_workarounds.py::test_flush_prefix_cache_drops_kv_of_the_old_weights",
     "engine-devices": "tests/test_multi_engine.py::test_pair_keeps_every_array_on_its_devices",
-    "device-memory-scope": "tests/unit/test_patches.py::test_device_memory_is_measured_on_the_engines_devices_without_clearing_caches",
+    "device-memory-scope": (
+        "tests/unit/test_patches.py::test_device_memory_is_measured_on_the_engines_devices_without_clearing_caches"
+    ),
     "concurrent-start-up": "tests/unit/test_start_up.py::test_start_ups_take_turns",
-    "gpu-matmul-precision": "tests/test_multi_engine.py::test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine",
+    "gpu-matmul-precision": (
+        "tests/test_multi_engine.py::test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine"
+    ),
     "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
     "native-attention-memory": "tests/test_attention.py::test_engine_forward_memory_does_not_follow_padding_limits",
     "kv-pool-conversions": "tests/test_attention.py::test_bf16_kv_pool_is_not_converted_per_forward",
     "bf16-logits": "tests/unit/test_patches.py::test_bfloat16_engine_logits_are_float32",
-    "flax-eager-sharding": "tests/test_engine_workarounds.py::test_flax_eager_sharding_is_off_only_while_the_engine_builds",
+    "flax-eager-sharding": (
+        "tests/test_engine_workarounds.py::test_flax_eager_sharding_is_off_only_while_the_engine_builds"
+    ),
     "failure-signal-handler": "tests/test_faults.py::test_the_engines_forwards_leave_the_sigterm_handler_alone",
     "llama3-rope-scaling": "tests/test_families.py::test_llama3_rope_scaling_gives_the_trainers_positions",
     "head-dim-padding": "tests/test_families.py::test_head_dim_64_boots_from_safetensors_and_generates_the_flax_tokens",
@@ -142,7 +162,9 @@ PINNING_TESTS = {
     "moe-jax-import": "tests/unit/test_engine_moe.py::test_the_engine_knows_qwen3_moe",
     "moe-expert-shapes": "tests/test_qwen3_moe.py::test_tensor_parallel_dummy_engine_holds_every_expert",
     "moe-sparse-step": "tests/test_qwen3_moe.py::test_decoder_sparse_step_and_unnormalized_routing",
-    "xla-stale-packed-weights": "tests/test_in_place_updates.py::test_the_engine_serves_the_trainers_params_after_donated_updates[qwen2-tp1]",
+    "xla-stale-packed-weights": (
+        "tests/test_in_place_updates.py::test_the_engine_serves_the_trainers_params_after_donated_updates[qwen2-tp1]"
+    ),
 }
 # Workarounds that are part of how an engine runs here and cannot be switched off on their own;
 # their pinning tests check the behaviour directly.

@@ -62,7 +62,11 @@ def main(model_dir: str, out_dir: str) -> None:
     except ValueError as exc:
         results["foreign_device_error"] = str(exc)
 
-    worker = RolloutWorker(tiny_worker_config(model_dir, load_format="dummy", dp_size=2, devices=tuple(jax.local_devices()), pod_timeout_s=POD_TIMEOUT_S))
+    worker = RolloutWorker(
+        tiny_worker_config(
+            model_dir, load_format="dummy", dp_size=2, devices=tuple(jax.local_devices()), pod_timeout_s=POD_TIMEOUT_S
+        )
+    )
     host = flatten_params(load_hf_params(model_dir))
     placed_shardings = flatten_params(worker.param_shardings())
     results["mesh_shape"] = dict(next(iter(placed_shardings.values())).mesh.shape)
@@ -79,7 +83,10 @@ def main(model_dir: str, out_dir: str) -> None:
     fsdp_shardings = {p: NamedSharding(mesh, P("fsdp") if x.shape[0] % 4 == 0 else P()) for p, x in host.items()}
     fsdp = global_tree(host, fsdp_shardings)
     start = time.perf_counter()
-    results["fsdp"] = {**sync_figures(worker.sync_params(unflatten_params(fsdp))), "seconds": time.perf_counter() - start}
+    results["fsdp"] = {
+        **sync_figures(worker.sync_params(unflatten_params(fsdp))),
+        "seconds": time.perf_counter() - start,
+    }
     results["fsdp_greedy"] = worker.generate(PROMPTS[mine], **GREEDY).completions
     save()
 
@@ -131,7 +138,11 @@ def main(model_dir: str, out_dir: str) -> None:
     try:
         worker.sync_params(unflatten_params(fsdp))
     except PodError as exc:
-        results["killed_mid_sync"] = {"message": str(exc), "processes": list(exc.processes), "seconds": time.perf_counter() - start}
+        results["killed_mid_sync"] = {
+            "message": str(exc),
+            "processes": list(exc.processes),
+            "seconds": time.perf_counter() - start,
+        }
     save()
     # Its generates still run (they are local), and the next weight call names the lost process.
     results["greedy_after_loss"] = worker.generate(PROMPTS[mine], **GREEDY).completions
@@ -139,7 +150,11 @@ def main(model_dir: str, out_dir: str) -> None:
     try:
         worker.drop_kv()
     except PodError as exc:
-        results["next_call_after_loss"] = {"message": str(exc), "processes": list(exc.processes), "seconds": time.perf_counter() - start}
+        results["next_call_after_loss"] = {
+            "message": str(exc),
+            "processes": list(exc.processes),
+            "seconds": time.perf_counter() - start,
+        }
     worker.close()
     results["leaving_at"] = time.monotonic()  # CLOCK_MONOTONIC: the test compares it with its own
     save()

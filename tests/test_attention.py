@@ -25,15 +25,35 @@ def test_matches_engine_native_attention():
     q, kv, cache_loc, seq_lens, prefix_lens, extend_lens = batch
     k_cache, v_cache = jnp.asarray(kv[:, 0::2]), jnp.asarray(kv[:, 1::2])
     engine = forward_attention(
-        jnp.asarray(q), k_cache, v_cache, jnp.asarray(seq_lens), jnp.asarray(cache_loc),
-        jnp.asarray(prefix_lens), jnp.asarray(extend_lens), HEADS, KV_HEADS, 0.3, True, ForwardMode.EXTEND,
+        jnp.asarray(q),
+        k_cache,
+        v_cache,
+        jnp.asarray(seq_lens),
+        jnp.asarray(cache_loc),
+        jnp.asarray(prefix_lens),
+        jnp.asarray(extend_lens),
+        HEADS,
+        KV_HEADS,
+        0.3,
+        True,
+        ForwardMode.EXTEND,
     )
     real = int(extend_lens.sum())
     np.testing.assert_allclose(attend(*batch, scale=0.3)[:real], np.asarray(engine)[:real], rtol=1e-5, atol=1e-6)
     q_decode = q[: len(seq_lens)]
     engine = forward_attention(
-        jnp.asarray(q_decode), k_cache, v_cache, jnp.asarray(seq_lens), jnp.asarray(cache_loc),
-        None, None, HEADS, KV_HEADS, 0.3, False, ForwardMode.DECODE,
+        jnp.asarray(q_decode),
+        k_cache,
+        v_cache,
+        jnp.asarray(seq_lens),
+        jnp.asarray(cache_loc),
+        None,
+        None,
+        HEADS,
+        KV_HEADS,
+        0.3,
+        False,
+        ForwardMode.DECODE,
     )
     got = attend(q_decode, kv, cache_loc, seq_lens, scale=0.3)
     np.testing.assert_allclose(got, np.asarray(engine), rtol=1e-5, atol=1e-6)
@@ -54,7 +74,9 @@ def test_the_head_major_probe_says_whether_a_bfloat16_pool_runs_head_major():
     def decode_and_extend(head_major):
         decode = attend(q[: len(seq_lens)], kv, cache_loc, seq_lens, scale=0.3, head_major=head_major)
         extend = attend(q, kv, cache_loc, seq_lens, prefix_lens, extend_lens, scale=0.3, head_major=head_major)
-        layer = jax.jit(lambda *args: paged_attention(*args, num_heads=14, num_kv_heads=2, scale=0.125, head_major=head_major))
+        layer = jax.jit(
+            lambda *args: paged_attention(*args, num_heads=14, num_kv_heads=2, scale=0.125, head_major=head_major)
+        )
         layer_decode = np.asarray(layer(layer_q, layer_kv, cache_loc, seq_lens)).reshape(-1, HEADS * HEAD_DIM)
         return np.concatenate([decode, extend, layer_decode]).astype(np.float32)
 
@@ -109,7 +131,9 @@ def test_tensor_parallel_attention_keeps_each_devices_kv_heads(head_major):
     kv = jax.ShapeDtypeStruct((256, 2 * KV_HEADS, HEAD_DIM), jnp.float32, sharding=heads_sharded)
     cache_loc = jax.ShapeDtypeStruct((96,), jnp.int32, sharding=replicated)
     lens = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=replicated)
-    fn = jax.jit(lambda *args: paged_attention(*args, num_heads=HEADS, num_kv_heads=KV_HEADS, scale=1.0, head_major=head_major))
+    fn = jax.jit(
+        lambda *args: paged_attention(*args, num_heads=HEADS, num_kv_heads=KV_HEADS, scale=1.0, head_major=head_major)
+    )
     for tokens, extend in ((4, ()), (8, (lens, lens))):
         q = jax.ShapeDtypeStruct((tokens, HEADS, HEAD_DIM), jnp.float32, sharding=heads_sharded)
         hlo = fn.lower(q, kv, cache_loc, lens, *extend).compile().as_text()

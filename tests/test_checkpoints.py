@@ -96,14 +96,19 @@ def test_bad_checkpoints_leave_the_worker_serving(worker, params, qwen3_dir, tmp
     assert_still_serving(worker, expected, version)
 
     other = orbax_save(tmp_path / "qwen3", load_hf_params(qwen3_dir))
-    with pytest.raises(SyncError, match=r"does not match the model: missing \d+ expected path\(s\) \['model\.layers_0\.self_attn\.k_proj\.bias'"):
+    with pytest.raises(
+        SyncError,
+        match=r"does not match the model: missing \d+ expected path\(s\) \['model\.layers_0\.self_attn\.k_proj\.bias'",
+    ):
         worker.load_checkpoint(other)
     assert_still_serving(worker, expected, version)
 
     flat = flatten_params(params)
     flat["model.layers_1.mlp.down_proj.kernel"] = flat["model.layers_1.mlp.down_proj.kernel"][:256]
     wrong_shape = orbax_save(tmp_path / "shape", unflatten_params(flat))
-    with pytest.raises(SyncError, match=r"'model\.layers_1\.mlp\.down_proj\.kernel' has shape \(256, 256\), expected \(512, 256\)"):
+    with pytest.raises(
+        SyncError, match=r"'model\.layers_1\.mlp\.down_proj\.kernel' has shape \(256, 256\), expected \(512, 256\)"
+    ):
         worker.load_checkpoint(wrong_shape)
     assert_still_serving(worker, expected, version)
 

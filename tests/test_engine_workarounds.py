@@ -46,7 +46,8 @@ def test_pinning_test_fails_without_its_workaround(name):
     # Not 2-5 (interrupted, internal or usage error, nothing collected): those prove nothing.
     assert result.returncode == 1 or result.returncode < 0, (
         f"{PINNING_TESTS[name]} with {name} disabled exited {result.returncode}:\n"
-        + result.stdout[-3000:] + result.stderr[-3000:]
+        + result.stdout[-3000:]
+        + result.stderr[-3000:]
     )
 
 

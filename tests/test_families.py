@@ -74,7 +74,8 @@ def transformed(served) -> list:
     and k/v projections whose heads the engine repeats (tp_size > num_key_value_heads)."""
     repeat = served.case.tp_size > served.config["num_key_value_heads"]
     return [
-        m for m in served.worker.mappings
+        m
+        for m in served.worker.mappings
         if m.engine_transform is EngineTransform.TRANSPOSE
         or (m.engine_transform is EngineTransform.REPEAT_KV_HEADS and repeat)
     ]
@@ -157,7 +158,9 @@ def test_flax_llama_equals_hf_transformers_flax_llama(tmp_path):
 @pytest.fixture(scope="module")
 def llama3_from_safetensors(tmp_path_factory):
     """A Llama-3-style model (head_dim 64, llama3 RoPE) booted straight from its safetensors."""
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("llama3-auto"), tiny_llama3_spec(seed=21), with_tokenizer=False)
+    model_dir = write_tiny_model(
+        tmp_path_factory.mktemp("llama3-auto"), tiny_llama3_spec(seed=21), with_tokenizer=False
+    )
     with RolloutWorker(tiny_worker_config(model_dir, load_format="auto")) as worker:
         yield worker, model_dir
 
@@ -195,7 +198,9 @@ def llama_pool(tmp_path_factory):
 def test_llama_engine_pool_and_kv_drop_rebuild(llama_pool):
     worker, model_dir = llama_pool
     params = load_hf_params(model_dir)
-    reference = greedy_decode(flax_model_for(json.loads((model_dir / "config.json").read_text())), params, PROMPTS, NEW_TOKENS)
+    reference = greedy_decode(
+        flax_model_for(json.loads((model_dir / "config.json").read_text())), params, PROMPTS, NEW_TOKENS
+    )
     assert greedy(worker) == reference
     report = worker.sync_params(jax.device_put(params, worker.param_shardings()))
     # Only the untied head is transposed; every engine aliases the rest.
@@ -220,9 +225,10 @@ def test_llama_http_admin_checksum_perturb_reload(llama_pool):
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
         return http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
 
-    with worker.serve(admin_token=ADMIN_TOKEN, served_model_name="tiny") as server, httpx.Client(
-        base_url=server.url, timeout=120
-    ) as http:
+    with (
+        worker.serve(admin_token=ADMIN_TOKEN, served_model_name="tiny") as server,
+        httpx.Client(base_url=server.url, timeout=120) as http,
+    ):
         assert http.post("/admin/reload_weights", json=reload, headers=admin).status_code == 200
         original = http.get("/admin/weights_checksum", headers=admin).json()
         assert original["leaves"] == len(worker.mappings)
@@ -245,10 +251,23 @@ def test_grpo_example_runs_on_tiny_llama(tmp_path):
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     command = [
-        sys.executable, "-m", "examples.grpo", "--preset", "tiny-llama", "--output-dir", str(tmp_path),
-        "--no-progress", "--no-plot", "--steps", "3", "--check-consistency-every", "1",
+        sys.executable,
+        "-m",
+        "examples.grpo",
+        "--preset",
+        "tiny-llama",
+        "--output-dir",
+        str(tmp_path),
+        "--no-progress",
+        "--no-plot",
+        "--steps",
+        "3",
+        "--check-consistency-every",
+        "1",
     ]
-    result = subprocess.run(command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -293,9 +293,17 @@ def test_nan_weights_are_refused_on_every_load_path(worker, http, nan_sources, c
 
 
 def test_former_500s_are_4xx(http):
-    surrogate = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\\ud800abc"}', headers={"Content-Type": "application/json"})
+    surrogate = http.post(
+        "/v1/completions",
+        content=b'{"model": "tiny", "prompt": "\\ud800abc"}',
+        headers={"Content-Type": "application/json"},
+    )
     assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt", surrogate.text
-    chat = http.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', headers={"Content-Type": "application/json"})
+    chat = http.post(
+        "/v1/chat/completions",
+        content=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        headers={"Content-Type": "application/json"},
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages[0].content", chat.text
     seed = http.post("/admin/perturb_weights", json={"seed": 2**70, "scale": 0.1}, headers=ADMIN)
     assert seed.status_code == 400 and seed.json()["error"]["param"] == "seed", seed.text
@@ -304,8 +312,12 @@ def test_former_500s_are_4xx(http):
 def test_reloads_outside_the_reload_root_are_refused(worker, chat_dir, tmp_path):
     with worker.serve(admin_token=ADMIN_TOKEN, reload_root=str(tmp_path)) as server:
         for path in (str(chat_dir), str(tmp_path / ".." / chat_dir.name), "/etc/nope"):
-            response = httpx.post(server.url + "/admin/reload_weights", json={"path": path, "format": "hf"}, headers=ADMIN, timeout=60)
-            assert response.status_code == 403 and response.json()["error"]["code"] == "outside_reload_root", response.text
+            response = httpx.post(
+                server.url + "/admin/reload_weights", json={"path": path, "format": "hf"}, headers=ADMIN, timeout=60
+            )
+            assert response.status_code == 403 and response.json()["error"]["code"] == "outside_reload_root", (
+                response.text
+            )
 
 
 # ---- OpenAI conformance ------------------------------------------------------------------------------
@@ -321,7 +333,10 @@ def test_request_fields_as_openai_defines_them(http):
     for seed in (-1, 2**40, -(2**63), 2**63 - 1):
         first = complete(http, seed=seed, max_tokens=6, ignore_eos=True)
         assert first.status_code == 200, first.text
-        assert complete(http, seed=seed, max_tokens=6, ignore_eos=True).json()["choices"][0]["token_ids"] == first.json()["choices"][0]["token_ids"]
+        assert (
+            complete(http, seed=seed, max_tokens=6, ignore_eos=True).json()["choices"][0]["token_ids"]
+            == first.json()["choices"][0]["token_ids"]
+        )
 
 
 def sse(response: httpx.Response) -> list[dict]:
@@ -331,15 +346,33 @@ def sse(response: httpx.Response) -> list[dict]:
 
 
 def test_streamed_usage_is_null_until_the_last_chunk(http):
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with http.stream("POST", "/v1/completions", json=body) as response:
         chunks = sse(response)
     assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
-    assert chunks[-1]["usage"]["completion_tokens"] == sum(len(c["choices"][0].get("token_ids", [])) for c in chunks[:-1] if c["choices"])
+    assert chunks[-1]["usage"]["completion_tokens"] == sum(
+        len(c["choices"][0].get("token_ids", [])) for c in chunks[:-1] if c["choices"]
+    )
 
 
 def test_chat_logprob_bytes_are_each_tokens_own(http, worker):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 48, "temperature": 1.0, "seed": 4, "n": 2, "logprobs": True, "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 48,
+        "temperature": 1.0,
+        "seed": 4,
+        "n": 2,
+        "logprobs": True,
+        "ignore_eos": True,
+    }
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     # The tokens the content's decode skips (skip_special_tokens): the named ones and every
@@ -366,7 +399,9 @@ def _valid_utf8(data: bytes) -> bool:
 def streamed(http, body) -> dict:
     """A streamed completion's choice 0 put together: text, token ids, log-probs, offsets, usage."""
     result = {"text": "", "token_ids": None, "logprobs": [], "text_offset": [], "tokens": [], "finish_reason": None}
-    with http.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+    with http.stream(
+        "POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as response:
         assert response.status_code == 200
         for chunk in sse(response):
             if chunk["usage"] is not None:
@@ -383,7 +418,15 @@ def streamed(http, body) -> dict:
 
 
 def test_streamed_text_offsets_match_the_non_streamed(http):
-    body = {"model": "tiny", "prompt": "1+2=", "max_tokens": 24, "temperature": 1.0, "seed": 11, "ignore_eos": True, "logprobs": 0}
+    body = {
+        "model": "tiny",
+        "prompt": "1+2=",
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "seed": 11,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
     plain = http.post("/v1/completions", json=body).json()["choices"][0]
     offsets = plain["logprobs"]["text_offset"]
     assert offsets == sorted(offsets) and offsets[-1] > 0
@@ -397,8 +440,12 @@ def test_a_stop_string_cuts_every_field_alike_streamed_or_not(http, worker):
     full = http.post("/v1/completions", json=body).json()["choices"][0]
     tokenizer = worker.tokenizer
     # A stop string spanning two tokens, well inside the completion.
-    texts = [tokenizer.decode(full["token_ids"][:k], skip_special_tokens=True) for k in range(len(full["token_ids"]) + 1)]
-    k = next(k for k in range(4, len(texts) - 2) if len(texts[k]) > len(texts[k - 1]) and len(texts[k + 1]) > len(texts[k]))
+    texts = [
+        tokenizer.decode(full["token_ids"][:k], skip_special_tokens=True) for k in range(len(full["token_ids"]) + 1)
+    ]
+    k = next(
+        k for k in range(4, len(texts) - 2) if len(texts[k]) > len(texts[k - 1]) and len(texts[k + 1]) > len(texts[k])
+    )
     stop = texts[k + 1][len(texts[k]) - 1 :]
     cut_at = full["text"].index(stop)
     request = {**body, "stop": [stop]}
@@ -452,9 +499,17 @@ def test_a_signal_during_a_request_drains_it_and_exits_0(chat_dir, signum, drain
     with absl's stack dump, exit 134; or, past the drain, hung on the busy engine and aborted)."""
     with serve_process(chat_dir, "--drain-timeout-s", str(drain_s)) as (process, url):
         # Compiles the forwards, and imports what the engine imports on its first forward.
-        warm = httpx.post(url + "/v1/completions", json={"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 2}, timeout=120)
+        warm = httpx.post(
+            url + "/v1/completions", json={"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 2}, timeout=120
+        )
         assert warm.status_code == 200
-        body = {"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 24 if whole else 240, "ignore_eos": True, "stream": True}
+        body = {
+            "model": chat_dir.name,
+            "prompt": PROMPT,
+            "max_tokens": 24 if whole else 240,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # running
@@ -519,7 +574,9 @@ def test_a_cancel_storm_leaves_nothing_to_compile_or_wait_for(worker, chat_dir):
         async def cancelled_call(i):
             prompt = [rng.randrange(5, 300) for _ in range(rng.randrange(2, 40))]
             call = asyncio.ensure_future(
-                worker.agenerate([prompt], n=rng.choice([1, 2, 4]), max_new_tokens=rng.randrange(4, 64), ignore_eos=True)
+                worker.agenerate(
+                    [prompt], n=rng.choice([1, 2, 4]), max_new_tokens=rng.randrange(4, 64), ignore_eos=True
+                )
             )
             # Cancelled before admission, while queued, mid-prefill or mid-decode.
             for _ in range(i % 7):
@@ -579,7 +636,10 @@ def test_a_client_leaving_a_stream_aborts_its_rows(http, worker, caplog):
 def test_a_client_leaving_before_its_response_aborts_its_rows(server, worker, caplog):
     engine = worker.engine
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     with caplog.at_level(logging.INFO, "rollout"):
         client = socket.create_connection(("127.0.0.1", server.port))
         client.sendall(head.encode() + body)

@@ -142,7 +142,9 @@ def test_a_request_that_just_fits_the_context_runs_whole(worker):
 
 
 def test_numpy_integers_are_accepted_everywhere(worker):
-    kwargs = dict(n=np.int64(2), max_new_tokens=np.int32(4), top_k=np.int64(5), seed=np.uint32(3), ignore_eos=np.bool_(True))
+    kwargs = dict(
+        n=np.int64(2), max_new_tokens=np.int32(4), top_k=np.int64(5), seed=np.uint32(3), ignore_eos=np.bool_(True)
+    )
     batch = worker.generate([np.array([5, 17, 42], np.int64)], **kwargs)
     plain = worker.generate([[5, 17, 42]], n=2, max_new_tokens=4, top_k=5, seed=3, ignore_eos=True)
     assert batch.completions == plain.completions and batch.size == 2

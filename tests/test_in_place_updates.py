@@ -83,9 +83,15 @@ def test_the_engine_serves_the_trainers_params_after_donated_updates(request, mo
         # in device buffers of their own: a device_put of a numpy array may share the host
         # memory, which cannot be donated.
         shardings = flatten_params(worker.param_shardings())
-        params = jax.tree_util.tree_map(jnp.copy, unflatten_params(
-            {path: jax.device_put(leaf, shardings[path]) for path, leaf in flatten_params(load_hf_params(model_dir)).items()}
-        ))
+        params = jax.tree_util.tree_map(
+            jnp.copy,
+            unflatten_params(
+                {
+                    path: jax.device_put(leaf, shardings[path])
+                    for path, leaf in flatten_params(load_hf_params(model_dir)).items()
+                }
+            ),
+        )
         update = _donated_update(params)
         for step in range(ROUNDS):
             report = worker.sync_params(params)
@@ -93,7 +99,9 @@ def test_the_engine_serves_the_trainers_params_after_donated_updates(request, mo
             fresh = _fresh_copy(params)
             consistency = check_consistency(worker, fresh, PROMPTS, n=2, max_new_tokens=6, seed=step, atol=1e-4)
             assert consistency.max_abs_diff < 1e-4, (step, consistency.worst[:2])
-            batch = worker.generate(PROMPTS, n=2, max_new_tokens=6, ignore_eos=True, seed=10 + step, return_logprobs=True)
+            batch = worker.generate(
+                PROMPTS, n=2, max_new_tokens=6, ignore_eos=True, seed=10 + step, return_logprobs=True
+            )
             expected = trainer_log_probs(fresh, batch)
             np.testing.assert_allclose(batch.logprobs, expected, atol=1e-4, err_msg=f"engine, round {step}")
             # The trainer's own compiled forward reads the donated buffers too.

@@ -163,8 +163,13 @@ async def _serve_load(worker, url: str, model: str, requests: int, swaps: int, r
 
         async def one(i: int):
             body = {
-                "model": model, "prompt": [5 + i % 200, 17, 42, 8], "max_tokens": LOAD_TOKENS,
-                "temperature": 1.0, "seed": i, "ignore_eos": True, "stream": i % 2 == 1,
+                "model": model,
+                "prompt": [5 + i % 200, 17, 42, 8],
+                "max_tokens": LOAD_TOKENS,
+                "temperature": 1.0,
+                "seed": i,
+                "ignore_eos": True,
+                "stream": i % 2 == 1,
             }
             if not body["stream"]:
                 response = await client.post("/v1/completions", json=body)

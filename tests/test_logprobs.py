@@ -147,8 +147,13 @@ def test_a_row_past_the_preselection_leaves_every_other_row_exact(with_top_k_pas
     """Row 0's top-p needs more than PRESELECT tokens, so the batch takes the bisection path:
     rows with a top-k inside the preselection (a greedy padding row too), with none, or (second
     case) past it keep exactly the reference's tokens, each with its own parameters."""
-    rows = [dict(temperature=3.0, top_p=0.99), dict(temperature=1.0, top_k=5), dict(temperature=1.0, top_k=1),
-            dict(temperature=0.7, top_k=30, top_p=0.9), dict(temperature=1.0)]
+    rows = [
+        dict(temperature=3.0, top_p=0.99),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=1.0, top_k=1),
+        dict(temperature=0.7, top_k=30, top_p=0.9),
+        dict(temperature=1.0),
+    ]
     if with_top_k_past:
         rows.append(dict(temperature=1.0, top_k=1500, top_p=0.95))
     scales = np.array([0.2, 3.0, 3.0, 1.0, 8.0, 0.5][: len(rows)])[:, None]
@@ -160,7 +165,9 @@ def test_a_row_past_the_preselection_leaves_every_other_row_exact(with_top_k_pas
         np.testing.assert_array_equal(np.isfinite(filtered[row]), np.isfinite(expected), err_msg=str(case))
         finite = np.isfinite(expected)
         np.testing.assert_allclose(np.asarray(filtered[row])[finite], expected[finite], atol=1e-5, err_msg=str(case))
-    assert np.isfinite(reference_log_probs(logits[:1], **rows[0])).sum() > PRESELECT, "row 0 must exceed the preselection"
+    assert np.isfinite(reference_log_probs(logits[:1], **rows[0])).sum() > PRESELECT, (
+        "row 0 must exceed the preselection"
+    )
 
 
 MODELS = [("qwen2_dir", 1), ("qwen2_untied_dir", 1), ("qwen3_dir", 1), ("qwen2_dir", 2), ("qwen3_dir", 2)]
@@ -263,7 +270,8 @@ def swap_k_v(flat):
     layer = "model.layers_1.self_attn"
     for leaf in ("kernel", "bias"):
         flat[f"{layer}.k_proj.{leaf}"], flat[f"{layer}.v_proj.{leaf}"] = (
-            flat[f"{layer}.v_proj.{leaf}"], flat[f"{layer}.k_proj.{leaf}"]
+            flat[f"{layer}.v_proj.{leaf}"],
+            flat[f"{layer}.k_proj.{leaf}"],
         )
     return flat
 
@@ -286,7 +294,11 @@ def lm_head_from(other_dir):
 def test_wrong_mappings_that_shapes_cannot_catch_are_caught(untied, qwen2_dir, corrupt):
     worker, params = untied
     flat = flatten_params(params)
-    bad = {"k-v-swapped": swap_k_v, "o-proj-transposed": transpose_o_proj, "lm-head-of-another-model": lm_head_from(qwen2_dir)}[corrupt](flat)
+    bad = {
+        "k-v-swapped": swap_k_v,
+        "o-proj-transposed": transpose_o_proj,
+        "lm-head-of-another-model": lm_head_from(qwen2_dir),
+    }[corrupt](flat)
     worker.sync_params(unflatten_params(bad))  # every shape and dtype fits: the sync succeeds
     try:
         with pytest.raises(ConsistencyError, match=r"max \|Δ log p\| = .* exceeds 0.001") as error:

@@ -101,9 +101,7 @@ def pair(qwen2_dir):
 @pytest.fixture(scope="module")
 def quad(qwen2_dir):
     """Four single-device engines, on devices 0, 1, 2 and 3."""
-    engines = start_from_threads(
-        [tiny_options(qwen2_dir, (d,), name=f"engine {d.id}") for d in jax.devices()]
-    )
+    engines = start_from_threads([tiny_options(qwen2_dir, (d,), name=f"engine {d.id}") for d in jax.devices()])
     yield engines
     for engine in engines:
         engine.close()
@@ -230,12 +228,19 @@ def test_a_failed_start_up_lets_the_process_exit(qwen2_dir, tmp_path):
     gc.collect), so it is reproduced with pytest in a subprocess."""
     (tmp_path / "test_failed_start.py").write_text(FAILED_START)
     env = dict(
-        os.environ, JAX_PLATFORMS="cpu", MODEL_DIR=str(qwen2_dir), PYTHONPATH=str(Path(__file__).parents[1]),
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        MODEL_DIR=str(qwen2_dir),
+        PYTHONPATH=str(Path(__file__).parents[1]),
         PYTHONUNBUFFERED="1",
     )
     process = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines, summary = [], threading.Event()
 

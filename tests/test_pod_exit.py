@@ -71,5 +71,7 @@ def test_the_launch_command_names_the_failed_process_and_exits_with_its_status(t
     assert "process 1: exit status 3" in done.stderr, done.stderr
     assert "process 0: stopped: process 1 failed first (exit status 3)" in done.stderr, done.stderr
     # Each process's output, under its heading.
-    assert "--- process 0 (stopped: process 1 failed first (exit status 3)) ---\nprocess 0 waits\n" in done.stdout, done.stdout
+    assert "--- process 0 (stopped: process 1 failed first (exit status 3)) ---\nprocess 0 waits\n" in done.stdout, (
+        done.stdout
+    )
     assert "--- process 1 (exit status 3) ---\n" in done.stdout, done.stdout

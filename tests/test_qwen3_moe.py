@@ -142,9 +142,10 @@ def test_kv_drop_rebuild_and_http_admin_flow(tp1_worker, moe_dir, params, refere
     assert greedy(tp1_worker).completions == reference  # rebuilds first
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     reload = {"path": str(moe_dir), "format": "hf"}
-    with tp1_worker.serve(admin_token=ADMIN_TOKEN, served_model_name="moe") as server, httpx.Client(
-        base_url=server.url, timeout=120
-    ) as http:
+    with (
+        tp1_worker.serve(admin_token=ADMIN_TOKEN, served_model_name="moe") as server,
+        httpx.Client(base_url=server.url, timeout=120) as http,
+    ):
         original = http.get("/admin/weights_checksum", headers=admin).json()
         assert original["leaves"] == len(tp1_worker.mappings)
         perturbed = http.post("/admin/perturb_weights", json={"seed": 3, "scale": 0.05, "num_leaves": 4}, headers=admin)
@@ -176,7 +177,11 @@ def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
     model_dir = write_tiny_model(tmp_path / "moe", spec, with_tokenizer=False)
     params = load_hf_params(model_dir)
     flat = flatten_params(params)
-    assert {"model.layers_0.mlp.gate_proj.kernel", "model.layers_1.mlp.gate_proj", "model.layers_2.mlp.up_proj.kernel"} <= set(flat)
+    assert {
+        "model.layers_0.mlp.gate_proj.kernel",
+        "model.layers_1.mlp.gate_proj",
+        "model.layers_2.mlp.up_proj.kernel",
+    } <= set(flat)
     reference = greedy_decode(flax_model(model_dir), params, PROMPTS, NEW_TOKENS)
     with RolloutWorker(tiny_worker_config(model_dir, load_format="auto")) as worker:
         assert {leaf.path for leaf in worker.leaves} >= {
@@ -194,11 +199,27 @@ def test_grpo_example_runs_on_tiny_moe_with_an_engine_pool(tmp_path):
     and the engines serve the trainer's policy (checked every step)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     command = [
-        sys.executable, "-m", "examples.grpo", "--preset", "tiny-moe", "--output-dir", str(tmp_path),
-        "--no-progress", "--no-plot", "--steps", "2", "--check-consistency-every", "1", "--prompts-per-step", "4",
-        "--dp-size", "2",
+        sys.executable,
+        "-m",
+        "examples.grpo",
+        "--preset",
+        "tiny-moe",
+        "--output-dir",
+        str(tmp_path),
+        "--no-progress",
+        "--no-plot",
+        "--steps",
+        "2",
+        "--check-consistency-every",
+        "1",
+        "--prompts-per-step",
+        "4",
+        "--dp-size",
+        "2",
     ]
-    result = subprocess.run(command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

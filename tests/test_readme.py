@@ -1,12 +1,12 @@
 """Every code block of the README and of docs/ runs as written, so the guide stays true.
 
 Each block is preceded by ``<!-- readme-block: ID -->`` (IDs unique across README.md and
-docs/*.md) and has a plan (tests/unit/test_readme.py checks): run it (Python in this process or under the local pod launcher,
-shell with bash), or skip it with the reason. Lines marked ``# placeholder`` are the reader's to
-fill: the test drops them and supplies the names they define (a tiny model, a param tree, a
-stand-in train step). The other changes a plan makes are listed with it (a free port for the
-guide's 8000). The guide's relative links must resolve, and the README stays a guide: at most
-300 lines, the details in docs/.
+docs/*.md) and has a plan (tests/unit/test_readme.py checks): run it (Python in this process
+or under the local pod launcher, shell with bash), or skip it with the reason. Lines marked
+``# placeholder`` are the reader's to fill: the test drops them and supplies the names they
+define (a tiny model, a param tree, a stand-in train step). The other changes a plan makes are
+listed with it (a free port for the guide's 8000). The guide's relative links must resolve,
+and the README stays a guide: at most 300 lines, the details in docs/.
 """
 
 import functools
@@ -43,7 +43,9 @@ def test_every_fence_has_a_marker(path):
     fences = len(FENCE.findall(text))
     assert fences % 2 == 0, f"{path.name}: an unclosed fence"
     marked = len(BLOCK.findall(text))
-    assert marked == fences // 2, f"{path.name}: every fenced block needs a <!-- readme-block: ID --> line right before it"
+    assert marked == fences // 2, (
+        f"{path.name}: every fenced block needs a <!-- readme-block: ID --> line right before it"
+    )
 
 
 def test_readme_is_a_guide():
@@ -131,8 +133,14 @@ def run_python(block: str, supplied: dict) -> dict:
 def test_use(llama_dir):
     params = load_hf_params(llama_dir)
     namespace = run_python(
-        "use", dict(model_dir=str(llama_dir), params=params, opt_state=jnp.zeros(()), train_step=_train_step,
-                    prompts=["1+2=", "7+5="]),
+        "use",
+        dict(
+            model_dir=str(llama_dir),
+            params=params,
+            opt_state=jnp.zeros(()),
+            train_step=_train_step,
+            prompts=["1+2=", "7+5="],
+        ),
     )
     batch, report = namespace["batch"], namespace["report"]
     assert batch.tokens.shape == (2 * 8, 256 + 256) and report.version == 1
@@ -147,7 +155,9 @@ def test_logprobs(qwen2_dir):
     with RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", context_length=512)) as worker:
         worker.sync_params(params)
         namespace = run_python("logprobs", dict(worker=worker, params=params, prompts=["1+2=", "7+5="]))
-    assert namespace["report"].max_abs_diff < 1e-3 and namespace["batch"].logprobs.shape == namespace["batch"].tokens.shape
+    assert (
+        namespace["report"].max_abs_diff < 1e-3 and namespace["batch"].logprobs.shape == namespace["batch"].tokens.shape
+    )
 
 
 # ---- the server, its client and its admin routes --------------------------------------------
@@ -159,9 +169,13 @@ def served(chat_dir):
     port = free_port()
     command = block_code("serve-cpu").replace("--port 8000", f"--port {port}")
     # `python` is this environment's, as for a reader who activated it.
-    env = dict(os.environ, MODEL_DIR=str(chat_dir), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = dict(
+        os.environ, MODEL_DIR=str(chat_dir), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    )
     env.pop("XLA_FLAGS", None)
-    process = subprocess.Popen(["bash", "-c", command], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        ["bash", "-c", command], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -190,7 +204,11 @@ def test_client(served, capsys):
 def test_admin(served):
     code = block_code("admin").replace("127.0.0.1:8000", f"127.0.0.1:{served}")
     result = subprocess.run(
-        ["bash", "-e", "-c", code], env=dict(os.environ, ROLLOUT_ADMIN_TOKEN="secret"), capture_output=True, text=True, timeout=300
+        ["bash", "-e", "-c", code],
+        env=dict(os.environ, ROLLOUT_ADMIN_TOKEN="secret"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     # Each curl printed the route's JSON answer: the checksum, then the perturbation's checksums.

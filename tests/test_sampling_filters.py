@@ -48,7 +48,9 @@ def softmax(x):
 
 
 def sampled_frequencies(worker, vocab, **filters):
-    batch = worker.generate([PROMPT], n=ROWS, temperature=TEMPERATURE, max_new_tokens=1, ignore_eos=True, seed=11, **filters)
+    batch = worker.generate(
+        [PROMPT], n=ROWS, temperature=TEMPERATURE, max_new_tokens=1, ignore_eos=True, seed=11, **filters
+    )
     first = np.array([c[0] for c in batch.completions])
     return np.bincount(first, minlength=vocab) / ROWS
 
@@ -136,8 +138,16 @@ def test_rows_draw_the_same_whether_or_not_another_row_filters():
     temperatures = jnp.full(rows, 0.8)
 
     def sample(top_ks, top_ps):
-        operands = (logits, temperatures, jnp.asarray(top_ks), jnp.asarray(top_ps, jnp.float32),
-                    jnp.zeros(rows), seeds, positions, None)
+        operands = (
+            logits,
+            temperatures,
+            jnp.asarray(top_ks),
+            jnp.asarray(top_ps, jnp.float32),
+            jnp.zeros(rows),
+            seeds,
+            positions,
+            None,
+        )
         return map(np.asarray, jax.jit(patches._draw_with_logprobs)(operands))
 
     everything = [2**30] * rows
@@ -148,7 +158,9 @@ def test_rows_draw_the_same_whether_or_not_another_row_filters():
     np.testing.assert_array_equal(mixed_ids[free], plain_ids[free])
     np.testing.assert_allclose(mixed_logps[free], plain_logps[free], atol=1e-5)
     reference = jax.nn.log_softmax(logits / 0.8, axis=-1)
-    np.testing.assert_allclose(plain_logps, np.take_along_axis(np.asarray(reference), plain_ids[:, None], 1)[:, 0], atol=1e-5)
+    np.testing.assert_allclose(
+        plain_logps, np.take_along_axis(np.asarray(reference), plain_ids[:, None], 1)[:, 0], atol=1e-5
+    )
     assert mixed_ids[1] == int(jnp.argmax(logits[1]))
     assert mixed_ids[5] in np.argsort(-np.asarray(logits[5]))[:20]
     order = np.argsort(-np.asarray(reference[3]))

@@ -107,7 +107,9 @@ def test_n_samples_and_seed(client):
 def test_stop_string_cuts_the_text(client):
     full = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0).choices[0]
     stop = full.text[2:4]
-    cut = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0, stop=[stop]).choices[0]
+    cut = client.completions.create(
+        model="tiny", prompt="hello world", max_tokens=8, temperature=0, stop=[stop]
+    ).choices[0]
     assert cut.text == full.text[: full.text.index(stop)]
     assert cut.finish_reason == "stop"
 
@@ -127,14 +129,22 @@ def test_chat_completion_uses_the_chat_template(client, worker):
 
 def test_streaming_matches_the_non_streamed_result(client):
     plain = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
-    chunks = list(client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
     messages = [{"role": "user", "content": "hello"}]
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
     stream = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=6, temperature=0, n=2, stream=True, stream_options={"include_usage": True}
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     texts, finish, usage = {0: "", 1: ""}, {}, None
     for chunk in stream:
@@ -174,7 +184,11 @@ def test_streaming_cuts_at_a_stop_string(client):
     full = client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0).choices[0]
     stop = full.text[3:5]
     expected = full.text[: full.text.index(stop)]
-    chunks = list(client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0, stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="hello world", max_tokens=12, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -240,7 +254,9 @@ def test_perturb_changes_the_checksum_and_reload_restores_it(http, original_chec
     assert original["leaves"] == 26
     before = complete(http, temperature=0).json()
 
-    perturbed = http.post("/admin/perturb_weights", json={"seed": 3, "scale": 0.05, "num_leaves": 4}, headers=ADMIN).json()
+    perturbed = http.post(
+        "/admin/perturb_weights", json={"seed": 3, "scale": 0.05, "num_leaves": 4}, headers=ADMIN
+    ).json()
     assert perturbed["checksum_before"] == original["checksum"]
     assert perturbed["checksum_after"] != original["checksum"]
     assert perturbed["weight_version"] == original["weight_version"] + 1
@@ -264,7 +280,9 @@ def test_perturb_changes_the_checksum_and_reload_restores_it(http, original_chec
 
 def test_bad_reload_keeps_the_weights(http, tmp_path):
     before = checksum(http)
-    missing = http.post("/admin/reload_weights", json={"path": str(tmp_path / "nope"), "format": "orbax"}, headers=ADMIN)
+    missing = http.post(
+        "/admin/reload_weights", json={"path": str(tmp_path / "nope"), "format": "orbax"}, headers=ADMIN
+    )
     assert missing.status_code == 404 and "does not exist" in missing.json()["error"]["message"]
     (tmp_path / "junk").mkdir()
     junk = http.post("/admin/reload_weights", json={"path": str(tmp_path / "junk"), "format": "hf"}, headers=ADMIN)
@@ -313,9 +331,19 @@ BAD_REQUESTS = [
     ("missing model", {"prompt": PROMPT}, 400, "model"),
     ("missing prompt", {"model": "tiny"}, 400, "prompt"),
     ("max_tokens beyond context", {"model": "tiny", "prompt": PROMPT, "max_tokens": 100000}, 400, "max_tokens"),
-    ("prompt + max_tokens beyond context", {"model": "tiny", "prompt": LONG[:200], "max_tokens": 100}, 400, "max_tokens"),
+    (
+        "prompt + max_tokens beyond context",
+        {"model": "tiny", "prompt": LONG[:200], "max_tokens": 100},
+        400,
+        "max_tokens",
+    ),
     ("prompt longer than context", {"model": "tiny", "prompt": LONG, "max_tokens": 1}, 400, "prompt"),
-    ("streamed, prompt longer than context", {"model": "tiny", "prompt": LONG, "max_tokens": 1, "stream": True}, 400, "prompt"),
+    (
+        "streamed, prompt longer than context",
+        {"model": "tiny", "prompt": LONG, "max_tokens": 1, "stream": True},
+        400,
+        "prompt",
+    ),
     ("temperature out of range", {"model": "tiny", "prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ("top_p zero", {"model": "tiny", "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     ("n zero", {"model": "tiny", "prompt": PROMPT, "n": 0}, 400, "n"),
@@ -327,9 +355,19 @@ BAD_REQUESTS = [
     ("body over the limit", {"model": "tiny", "prompt": "1" * (2 << 20)}, 413, None),
     # Not valid Unicode (a lone surrogate, as its JSON escape), and nesting json.loads would recurse into.
     ("lone surrogate in stop", b'{"model": "tiny", "prompt": [5, 17], "stop": ["ok", "\\ud800"]}', 400, "stop[1]"),
-    ("streamed, lone surrogate in stop", b'{"model": "tiny", "prompt": [5], "stop": "\\ud800", "stream": true}', 400, "stop"),
+    (
+        "streamed, lone surrogate in stop",
+        b'{"model": "tiny", "prompt": [5], "stop": "\\ud800", "stream": true}',
+        400,
+        "stop",
+    ),
     ("100000 levels of lists", b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
-    ("100000 levels of objects", b'{"model": "tiny", "prompt": [5], "user": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}", 400, None),
+    (
+        "100000 levels of objects",
+        b'{"model": "tiny", "prompt": [5], "user": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}",
+        400,
+        None,
+    ),
 ]
 
 
@@ -386,16 +424,23 @@ def test_several_servers_in_one_process(worker, chat_dir, qwen2_dir, http):
         body = {"model": name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
         # Same weights (both dirs are seed 0): the same greedy tokens and checksums, on every engine.
         ours = complete(http, temperature=0).json()["choices"][0]["token_ids"]
-        assert httpx.post(other.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"] == ours
+        assert (
+            httpx.post(other.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"] == ours
+        )
         shared_body = {**body, "model": chat_dir.name}
-        assert httpx.post(shared.url + "/v1/completions", json=shared_body, timeout=60).json()["choices"][0]["token_ids"] == ours
+        assert (
+            httpx.post(shared.url + "/v1/completions", json=shared_body, timeout=60).json()["choices"][0]["token_ids"]
+            == ours
+        )
         original = other_worker.weights_checksum()
         assert original["per_engine"] == [checksum(http)["checksum"]] * 2
         other_worker.perturb_weights(seed=1, scale=0.1, num_leaves=2)
         perturbed = other_worker.weights_checksum()["per_engine"]
         assert perturbed[0] == perturbed[1] != original["checksum"]
         no_template = httpx.post(
-            other.url + "/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "hi"}]}, timeout=60
+            other.url + "/v1/chat/completions",
+            json={"model": name, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=60,
         )
         assert no_template.status_code == 400 and "chat template" in no_template.json()["error"]["message"]
     assert not shared.running and not other.running
@@ -410,8 +455,15 @@ def test_concurrent_requests_during_reloads_are_served_or_refused_cleanly(server
     version = http.get("/ready").json()["weight_version"]
     result = asyncio.run(
         run_load(
-            server.url, model="tiny", requests=200, reloads=5, window_s=4.0, max_tokens=4, timeout_s=120,
-            reload_body={"path": str(chat_dir), "format": "hf"}, headers={"Authorization": f"Bearer {API_KEY}"},
+            server.url,
+            model="tiny",
+            requests=200,
+            reloads=5,
+            window_s=4.0,
+            max_tokens=4,
+            timeout_s=120,
+            reload_body={"path": str(chat_dir), "format": "hf"},
+            headers={"Authorization": f"Bearer {API_KEY}"},
         )
     )
     assert result.reload_statuses == [200] * 5
@@ -437,7 +489,9 @@ def test_command_line_server_stops_on_sigterm(chat_dir, worker):
         assert httpx.get(url + "/health").status_code == 200
         remote = httpx.get(url + "/admin/weights_checksum", headers={"Authorization": "Bearer env-token"}, timeout=60)
         assert remote.json()["checksum"] == worker.weights_checksum()["checksum"]
-        response = httpx.post(url + "/v1/completions", json={"model": chat_dir.name, "prompt": "hello", "max_tokens": 2}, timeout=60)
+        response = httpx.post(
+            url + "/v1/completions", json={"model": chat_dir.name, "prompt": "hello", "max_tokens": 2}, timeout=60
+        )
         assert response.status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
@@ -448,7 +502,9 @@ def test_close_drains_running_requests(worker, chat_dir):
     server = worker.serve(admin_token="t")
     body = {"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     result = {}
-    thread = threading.Thread(target=lambda: result.update(r=httpx.post(server.url + "/v1/completions", json=body, timeout=120)))
+    thread = threading.Thread(
+        target=lambda: result.update(r=httpx.post(server.url + "/v1/completions", json=body, timeout=120))
+    )
     thread.start()
     while worker.active_calls == 0 and thread.is_alive():  # wait until the request is running
         time.sleep(0.01)

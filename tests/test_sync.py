@@ -121,7 +121,9 @@ def test_no_recompilation_after_sync(tp_worker, hf_flat):
 def test_same_layout_other_mesh_is_relabeled_without_copy(tp_worker, hf_flat):
     """A trainer mesh with its own axis names but the engine's device layout: zero copy."""
     engine_mesh = tp_worker.engine.mesh
-    trainer_mesh = Mesh(engine_mesh.devices.reshape(engine_mesh.shape["data"], engine_mesh.shape["tensor"]), ("fsdp", "model"))
+    trainer_mesh = Mesh(
+        engine_mesh.devices.reshape(engine_mesh.shape["data"], engine_mesh.shape["tensor"]), ("fsdp", "model")
+    )
     specs = {leaf.path: leaf for leaf in tp_worker.leaves}
     rename = {"data": "fsdp", "tensor": "model", None: None}
     placed = {}
@@ -143,7 +145,9 @@ def test_same_layout_other_mesh_is_relabeled_without_copy(tp_worker, hf_flat):
 
 
 def test_mismatched_sharding_is_resharded_correctly(tp_worker, hf_flat, qwen2_dir):
-    reference = greedy_decode(QwenForCausalLM(QwenConfig.from_hf(qwen2_dir)), unflatten_params(hf_flat), PROMPTS[:4], 12)
+    reference = greedy_decode(
+        QwenForCausalLM(QwenConfig.from_hf(qwen2_dir)), unflatten_params(hf_flat), PROMPTS[:4], 12
+    )
     devices = np.array(jax.devices())
     row_mesh = Mesh(devices, ("rows",))
     # Shard every matrix by rows over 4 devices: the engine wants columns over 2 (or replication).
@@ -159,16 +163,32 @@ def test_mismatched_sharding_is_resharded_correctly(tp_worker, hf_flat, qwen2_di
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda f: {k: v for k, v in f.items() if not k.endswith("layers_1.mlp.up_proj.kernel")},
-         r"missing 1 expected path\(s\): model\.layers_1\.mlp\.up_proj\.kernel"),
-        (lambda f: {**f, "model.layers_0.mlp.extra.kernel": f["model.norm.scale"]},
-         r"unexpected path\(s\): model\.layers_0\.mlp\.extra\.kernel"),
-        (lambda f: {**f, "model.layers_0.self_attn.q_proj.kernel": f["model.layers_0.self_attn.q_proj.kernel"][:, :128]},
-         r"'model\.layers_0\.self_attn\.q_proj\.kernel' has shape \(256, 128\), expected \(256, 256\)"),
-        (lambda f: {**f, "model.norm.scale": f["model.norm.scale"].astype(np.int32)},
-         r"'model\.norm\.scale' has dtype int32, expected a floating dtype"),
-        (lambda f: {**f, "model.layers_1.input_layernorm.scale": np.full_like(f["model.layers_1.input_layernorm.scale"], np.nan)},
-         r"non-finite values \(nan/inf\) in: model\.layers_1\.input_layernorm\.scale"),
+        (
+            lambda f: {k: v for k, v in f.items() if not k.endswith("layers_1.mlp.up_proj.kernel")},
+            r"missing 1 expected path\(s\): model\.layers_1\.mlp\.up_proj\.kernel",
+        ),
+        (
+            lambda f: {**f, "model.layers_0.mlp.extra.kernel": f["model.norm.scale"]},
+            r"unexpected path\(s\): model\.layers_0\.mlp\.extra\.kernel",
+        ),
+        (
+            lambda f: {
+                **f,
+                "model.layers_0.self_attn.q_proj.kernel": f["model.layers_0.self_attn.q_proj.kernel"][:, :128],
+            },
+            r"'model\.layers_0\.self_attn\.q_proj\.kernel' has shape \(256, 128\), expected \(256, 256\)",
+        ),
+        (
+            lambda f: {**f, "model.norm.scale": f["model.norm.scale"].astype(np.int32)},
+            r"'model\.norm\.scale' has dtype int32, expected a floating dtype",
+        ),
+        (
+            lambda f: {
+                **f,
+                "model.layers_1.input_layernorm.scale": np.full_like(f["model.layers_1.input_layernorm.scale"], np.nan),
+            },
+            r"non-finite values \(nan/inf\) in: model\.layers_1\.input_layernorm\.scale",
+        ),
     ],
     ids=["missing", "extra", "shape", "dtype", "non-finite"],
 )
@@ -213,10 +233,16 @@ def test_duplicate_and_malformed_trees(tp_worker, hf_flat):
 @pytest.mark.parametrize(
     "wrap, message",
     [
-        (lambda t: {"params": {"params": t}},
-         r"its top-level keys are \['params'\], the model's are \['model'\]; the params are under 'params': pass tree\['params'\]"),
-        (lambda t: {"params": t, "opt_state": {"mu": t}},
-         r"its top-level keys are \['opt_state', 'params'\], the model's are \['model'\]; the params are under 'params': pass tree\['params'\]"),
+        (
+            lambda t: {"params": {"params": t}},
+            r"its top-level keys are \['params'\], the model's are \['model'\]; "
+            r"the params are under 'params': pass tree\['params'\]",
+        ),
+        (
+            lambda t: {"params": t, "opt_state": {"mu": t}},
+            r"its top-level keys are \['opt_state', 'params'\], the model's are \['model'\]; "
+            r"the params are under 'params': pass tree\['params'\]",
+        ),
     ],
     ids=["wrapped-twice", "train-state"],
 )
@@ -232,7 +258,10 @@ def test_wrapped_trees_name_the_keys_found_and_what_to_pass(tp_worker, hf_flat, 
     [
         (None, r"'model\.norm\.scale' is NoneType None; expected an array"),
         ("weights.bin", r"'model\.norm\.scale' is str 'weights\.bin'; expected an array"),
-        (jax.ShapeDtypeStruct((256,), jnp.float32), r"'model\.norm\.scale' is a jax\.ShapeDtypeStruct \(256,\) float32: a shape without values"),
+        (
+            jax.ShapeDtypeStruct((256,), jnp.float32),
+            r"'model\.norm\.scale' is a jax\.ShapeDtypeStruct \(256,\) float32: a shape without values",
+        ),
     ],
     ids=["none", "string", "shape-dtype-struct"],
 )
@@ -316,9 +345,7 @@ def test_zero_copy_on_a_single_device(qwen2_dir):
         print("single-device zero copy ok")
     """)
     # Run from the repository root (stdin script: its directory is on sys.path).
-    result = subprocess.run(
-        [sys.executable, "-"], input=script, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([sys.executable, "-"], input=script, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "single-device zero copy ok" in result.stdout
 

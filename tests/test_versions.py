@@ -1,8 +1,6 @@
 """The engine starts with the attention backend chosen for its platform (the choice itself, the
 supported versions and the packaging that declares them: tests/unit/)."""
 
-
-
 from rollout import RolloutWorker
 from tests.helpers import tiny_worker_config
 

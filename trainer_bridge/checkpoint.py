@@ -35,7 +35,9 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
             raise CheckpointError(f"checkpoint root {path} has no step {step}; it has steps {steps}")
         path = path / str(step)
     elif step is not None:
-        raise CheckpointError(f"{path} is a single checkpoint, not a CheckpointManager root: step={step} does not apply")
+        raise CheckpointError(
+            f"{path} is a single checkpoint, not a CheckpointManager root: step={step} does not apply"
+        )
     if (path / "default").is_dir():
         path = path / "default"
     return path
@@ -63,9 +65,7 @@ def checkpoint_tree_metadata(item_dir: Path) -> dict:
 def restore_tree(item_dir: Path, target: Any) -> Any:
     """Restore the tree at ``item_dir`` as ``target`` says (a tree of ``jax.ShapeDtypeStruct``
     with shardings, or of arrays whose shape, dtype and sharding to take)."""
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
-    )
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
     try:
         return _checkpointer().restore(item_dir, abstract)
     except Exception as exc:
@@ -84,8 +84,7 @@ def restore_params(path: str | Path, target: Mapping, *, step: int | None = None
     missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
     if missing or extra:
         raise CheckpointError(
-            f"checkpoint {item_dir} does not match the target tree: "
-            f"missing {missing[:8]}, unexpected {extra[:8]}"
+            f"checkpoint {item_dir} does not match the target tree: missing {missing[:8]}, unexpected {extra[:8]}"
         )
     for key, leaf in wanted.items():
         if tuple(saved[key].shape) != tuple(leaf.shape):

@@ -136,9 +136,7 @@ def relabel(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     """The same device buffers as ``array``, as an array carrying ``sharding`` (no copy)."""
     by_device = {s.device: s.data for s in array.addressable_shards}
     devices = sharding.addressable_devices_indices_map(tuple(array.shape))
-    return jax.make_array_from_single_device_arrays(
-        tuple(array.shape), sharding, [by_device[d] for d in devices]
-    )
+    return jax.make_array_from_single_device_arrays(tuple(array.shape), sharding, [by_device[d] for d in devices])
 
 
 def _on_engine_devices(x, engine_sharding: jax.sharding.Sharding):
@@ -203,11 +201,7 @@ def build_plan(
             parts.append(f"{len(extra)} unexpected path(s): {', '.join(extra[:8])}")
         hint = _wrapper_hint(flat, seen_trainer)
         raise SyncError("param tree does not match the model: " + hint + "; ".join(parts))
-    unmapped = [
-        leaf.path
-        for leaf in engine_leaves
-        if leaf.path not in seen_engine and not leaf.rng_state
-    ]
+    unmapped = [leaf.path for leaf in engine_leaves if leaf.path not in seen_engine and not leaf.rng_state]
     if unmapped:
         raise SyncError(f"engine leaves with no mapping entry: {', '.join(unmapped[:8])}")
 
@@ -218,7 +212,10 @@ def build_plan(
         dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else None
         expected_shape, repeat = _expected_trainer_shape(m.engine_transform, engine.shape, found_shape, head_dim)
         if found_shape != expected_shape:
-            raise SyncError(f"'{m.trainer}' has shape {found_shape}, expected {expected_shape} (engine leaf '{m.engine}' is {engine.shape})")
+            raise SyncError(
+                f"'{m.trainer}' has shape {found_shape}, expected {expected_shape} "
+                f"(engine leaf '{m.engine}' is {engine.shape})"
+            )
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             raise SyncError(f"'{m.trainer}' has dtype {dtype}, expected a floating dtype ({engine.dtype})")
         cast = dtype != engine.dtype
@@ -325,4 +322,3 @@ class SyncPlan:
             bytes_copied=sum(p.nbytes for p in self.copies),
             seconds=seconds,
         )
-

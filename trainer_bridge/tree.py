@@ -27,7 +27,9 @@ def flatten_params(tree: Mapping) -> dict[str, Any]:
             raise TypeError(f"param tree node '{prefix}' is a {type(node).__name__}; expected nested dicts of arrays")
         else:
             if prefix in flat:
-                raise ValueError(f"param tree path '{prefix}' appears twice (a key containing '.' repeats a nested path)")
+                raise ValueError(
+                    f"param tree path '{prefix}' appears twice (a key containing '.' repeats a nested path)"
+                )
             flat[prefix] = node
 
     walk(unwrap_params(tree), "")

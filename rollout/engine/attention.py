@@ -82,7 +82,9 @@ def runs_head_major_dots(platform: str, dtype: str) -> bool:
     means no; any other error is raised."""
     runs = _probe(_head_major_call_runs, jax.local_devices(backend=platform)[0], dtype)
     if not runs:
-        logger.info("%s cannot run the head-major attention's dots on %s: KV rows are gathered per slot", platform, dtype)
+        logger.info(
+            "%s cannot run the head-major attention's dots on %s: KV rows are gathered per slot", platform, dtype
+        )
     return runs
 
 
@@ -242,16 +244,16 @@ def paged_attention(
     chunk = jnp.arange(kv_chunk, dtype=jnp.int32)
 
     def step(c, carry):
-        m, l, acc = carry
+        m, denom, acc = carry
         k = lo[:, None] + c * kv_chunk + chunk  # [blocks, kv_chunk] positions in cache_loc
         loc = cache_loc[jnp.minimum(k, last_loc)]
         # A token sees the first q_end keys of its own request's span, which starts at q_start:
         # a range test, where a lookup of each key's request by bisection would be a loop
         # nested in this one (4.6x slower attention on an H200, see the README).
         key = k[:, None, :]
-        mask = (
-            (key >= start_b[:, :, None]) & (key < (start_b + end_b)[:, :, None]) & (loc > 0)[:, None, :]
-        )[:, None, :, None, :]  # [blocks, 1, q_block, 1, kv_chunk]
+        mask = ((key >= start_b[:, :, None]) & (key < (start_b + end_b)[:, :, None]) & (loc > 0)[:, None, :])[
+            :, None, :, None, :
+        ]  # [blocks, 1, q_block, 1, kv_chunk]
         slots = jnp.where(loc > 0, loc, 0)
         if head_major:
             kv_c = gather_heads(kv_rows, slots).reshape(num_blocks, num_kv_heads, kv_chunk, 2, head_dim)
@@ -262,11 +264,11 @@ def paged_attention(
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
-        l = l * correction + jnp.sum(p, axis=-1)
+        denom = denom * correction + jnp.sum(p, axis=-1)
         pv = jnp.einsum(
             f"bhqgc,{kv_dims}->bhqgd", p.astype(kv_c.dtype), kv_c[..., 1, :], preferred_element_type=jnp.float32
         )
-        return m_new, l, acc * correction[..., None] + pv
+        return m_new, denom, acc * correction[..., None] + pv
 
     stats = (num_blocks, num_kv_heads, q_block, group)
     init = (
@@ -274,7 +276,7 @@ def paged_attention(
         jnp.zeros(stats, jnp.float32),
         jnp.zeros((*stats, head_dim), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, step, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    _, denom, acc = jax.lax.fori_loop(0, num_chunks, step, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(num_blocks * q_block, num_heads * head_dim)[:num_tokens]
     return out.astype(q.dtype)

@@ -295,7 +295,9 @@ class EngineHandle:
 
         def in_flight_swap() -> inflight.SwapRecord:
             label = control.weight_version if version is None else version
-            return inflight.swap_at_boundary(model.scheduler, swap, version=label, recompute=recompute_kv, queued=queued)
+            return inflight.swap_at_boundary(
+                model.scheduler, swap, version=label, recompute=recompute_kv, queued=queued
+            )
 
         record = self.call_at_boundary(in_flight_swap) if in_flight else self.call(drained)
         control.swaps.append(record)

@@ -254,9 +254,7 @@ def _patch_start_up(engine_module) -> None:
     if workaround_enabled("engine-devices"):
         scheduler.create_device_mesh = _engine_mesh(scheduler.create_device_mesh)
     if workaround_enabled("device-memory-scope"):
-        model_runner.get_available_device_memory = _engine_device_memory(
-            model_runner.get_available_device_memory
-        )
+        model_runner.get_available_device_memory = _engine_device_memory(model_runner.get_available_device_memory)
     if workaround_enabled("failed-start-sockets"):
         for module in (engine_module, scheduler, tokenizer_manager, detokenizer_manager):
             module.get_zmq_socket = _recorded_socket(module.get_zmq_socket)
@@ -368,9 +366,7 @@ def _patch_native_attention() -> None:
             loc = forward_batch.out_cache_loc
             kv_fused = set_rows(pool, jnp.where(loc >= 0, loc, pool.shape[0]), merge_kv(k, v), True)
         else:
-            _, _, kv_fused = self._get_and_update_kv_cache(
-                k, v, forward_batch, token_to_kv_pool, layer.layer_id
-            )
+            _, _, kv_fused = self._get_and_update_kv_cache(k, v, forward_batch, token_to_kv_pool, layer.layer_id)
         mode = forward_batch.forward_mode
         # The same mode dispatch as the engine's forward_attention: EXTEND or decode-like.
         extend = mode == ForwardMode.EXTEND

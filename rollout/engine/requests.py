@@ -42,9 +42,7 @@ class RequestLoop:
         self._tokenizer_manager.no_create_loop = True
         self._tokenizer_manager.event_loop = self._loop
         self._result_task = self._loop.create_task(self._tokenizer_manager.handle_loop())
-        self._loop_thread = threading.Thread(
-            target=self._loop.run_forever, name="sglang-jax::requests", daemon=True
-        )
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sglang-jax::requests", daemon=True)
         self._loop_thread.start()
         # Futures of the calls running on the loop: close() lets each fail with the engine's
         # error before the loop stops.
@@ -71,7 +69,11 @@ class RequestLoop:
 
         async def pump():
             await self._cache_prompts(prompts, params)
-            with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._versions_collected(rids) as versions, self._aborted_if_cancelled(rids):
+            with (
+                self._logprobs_collected(rids, params.return_logprobs) as sinks,
+                self._versions_collected(rids) as versions,
+                self._aborted_if_cancelled(rids),
+            ):
                 async for result in self._tokenizer_manager.generate_request(request, None):
                     row = int(result.get("index", 0))
                     output = _to_output(result, finished_only=False)
@@ -161,7 +163,9 @@ class RequestLoop:
         distinct = [ids for ids in dict.fromkeys(tuple(map(int, ids)) for ids in prompts) if len(ids) > 1]
         if not distinct or sum(map(len, distinct)) > self._kv_pool_tokens // 2:
             return
-        request, rids = self._request(distinct, dataclasses.replace(params, n=1), np.zeros((len(distinct), 1), np.int64))
+        request, rids = self._request(
+            distinct, dataclasses.replace(params, n=1), np.zeros((len(distinct), 1), np.int64)
+        )
         for sampling in request.sampling_params:
             sampling["max_new_tokens"] = 0  # below what SamplingParams accepts from a caller
         with self._aborted_if_cancelled(rids):
@@ -170,7 +174,11 @@ class RequestLoop:
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
         await self._cache_prompts(prompts, params)
         request, rids = self._request(prompts, params, seeds)
-        with self._logprobs_collected(rids, params.return_logprobs) as sinks, self._versions_collected(rids) as versions, self._aborted_if_cancelled(rids):
+        with (
+            self._logprobs_collected(rids, params.return_logprobs) as sinks,
+            self._versions_collected(rids) as versions,
+            self._aborted_if_cancelled(rids),
+        ):
             results = await self._tokenizer_manager.generate_request(request, None).__anext__()
         if isinstance(results, dict):
             results = [results]

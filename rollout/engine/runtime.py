@@ -283,9 +283,7 @@ def _scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
     poller.register(scheduler.recv_from_tokenizer, zmq.POLLIN)
     poller.register(scheduler.recv_from_rpc, zmq.POLLIN)
     poller.register(control.wake_reader.fileno(), zmq.POLLIN)
-    scheduler.recv_requests = _idle_aware_recv(
-        scheduler, scheduler.recv_requests, control, poller
-    )
+    scheduler.recv_requests = _idle_aware_recv(scheduler, scheduler.recv_requests, control, poller)
     scheduler.run_batch = _versions_recorded(_timed(scheduler.run_batch, control), control)
     try:
         if workaround_enabled("process-kill-on-error"):
@@ -340,9 +338,7 @@ def watchdog_thread(scheduler) -> None:
         if scheduler.cur_batch is None or scheduler.forward_ct != last_count:
             last_count, last_progress = scheduler.forward_ct, now
         elif now - last_progress > scheduler.watchdog_timeout:
-            control.fail(
-                EngineError(f"no forward progress for {scheduler.watchdog_timeout:.0f} s (watchdog)")
-            )
+            control.fail(EngineError(f"no forward progress for {scheduler.watchdog_timeout:.0f} s (watchdog)"))
             return
 
 

@@ -59,9 +59,7 @@ class ModelState:
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
         leaves = self.weight_leaves()
         if len(flat) != len(leaves):
-            raise EngineError(
-                f"model state has {len(flat)} leaves but the forward reads {len(leaves)}"
-            )
+            raise EngineError(f"model state has {len(flat)} leaves but the forward reads {len(leaves)}")
         specs = []
         for index, ((path, _), leaf) in enumerate(zip(flat, leaves)):
             name = ".".join(_key_name(k) for k in path).removesuffix(".value")
@@ -179,14 +177,18 @@ class ModelState:
         batch = worker.generate_model_worker_batch(rows, num_tokens, mode, slots)
         cells = self._closure_cells()
         with jax.set_mesh(runner.mesh):
-            compiled = cells["jitted_run_model"].cell_contents.lower(
-                cells["model_def"].cell_contents,
-                cells["model_state_def"].cell_contents,
-                cells["model_state_leaves"].cell_contents,
-                ForwardBatch.init_new(batch, runner),
-                runner.token_to_kv_pool,
-                LogitsMetadata.from_model_worker_batch(batch, runner.mesh),
-            ).compile()
+            compiled = (
+                cells["jitted_run_model"]
+                .cell_contents.lower(
+                    cells["model_def"].cell_contents,
+                    cells["model_state_def"].cell_contents,
+                    cells["model_state_leaves"].cell_contents,
+                    ForwardBatch.init_new(batch, runner),
+                    runner.token_to_kv_pool,
+                    LogitsMetadata.from_model_worker_batch(batch, runner.mesh),
+                )
+                .compile()
+            )
         analysis = compiled.memory_analysis()
         return ForwardMemory(
             temp_bytes=int(analysis.temp_size_in_bytes),

@@ -61,7 +61,9 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         body = await state.read_json(request)
         in_flight, recompute_kv = swap_mode(body)
         if recompute_kv:
-            raise invalid("recompute_kv", "'recompute_kv' is for reloads: a perturbation keeps the running requests' KV")
+            raise invalid(
+                "recompute_kv", "'recompute_kv' is for reloads: a perturbation keeps the running requests' KV"
+            )
         seed, scale, num_leaves = body.get("seed", 0), body.get("scale", 1e-3), body.get("num_leaves", 1)
         seed = perturb_seed(seed)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -85,7 +87,13 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
             raise invalid("step", "'step' must be an int, and only with format 'orbax'")
         root = state.config.reload_root
         if root is not None and not _is_under(path, root):
-            raise ApiError(403, f"'path' is outside the reload root ({root}): refused", param="path", type="permission_error", code="outside_reload_root")
+            raise ApiError(
+                403,
+                f"'path' is outside the reload root ({root}): refused",
+                param="path",
+                type="permission_error",
+                code="outside_reload_root",
+            )
         in_flight, recompute_kv = swap_mode(body)
         async with admin.lock:
             report = await run(backend.reload_weights, path, fmt, step, in_flight, recompute_kv)

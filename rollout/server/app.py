@@ -73,5 +73,10 @@ class _RequestLog:
             prompt, completion = scope.get("state", {}).get("tokens", (0, 0))
             logger.info(
                 "%s %s %d tokens=%d/%d %.3fs",
-                scope["method"], scope["path"], status[0], prompt, completion, time.perf_counter() - start,
+                scope["method"],
+                scope["path"],
+                status[0],
+                prompt,
+                completion,
+                time.perf_counter() - start,
             )

@@ -44,9 +44,14 @@ _UNAVAILABLE = (
     (
         "a train step",
         "released_for_training",
-        "generation is paused: the KV cache is released for training ({reason}); retry once the trainer has synced new weights",
+        "generation is paused: the KV cache is released for training ({reason}); "
+        "retry once the trainer has synced new weights",
     ),
-    ("were freed", "weights_freed", "generation is paused: {reason} (donated by the trainer); retry once new weights are synced"),
+    (
+        "were freed",
+        "weights_freed",
+        "generation is paused: {reason} (donated by the trainer); retry once new weights are synced",
+    ),
     ("weights are being", "weights_updating", "generation is paused: {reason}; retry later"),
     ("/admin/drop_kv", "kv_cache_dropped", "generation is paused: {reason}; retry after /admin/rebuild_kv"),
     ("KV cache is being", "kv_cache_updating", "generation is paused: {reason}; retry later"),
@@ -56,7 +61,9 @@ _OTHER_UNAVAILABLE = ("unavailable", "generation is paused: {reason}; retry late
 
 def unavailable_error(reason: str) -> ApiError:
     """The 503 answering a worker that cannot generate now, for ``reason``."""
-    code, message = next(((code, message) for words, code, message in _UNAVAILABLE if words in reason), _OTHER_UNAVAILABLE)
+    code, message = next(
+        ((code, message) for words, code, message in _UNAVAILABLE if words in reason), _OTHER_UNAVAILABLE
+    )
     return ApiError(503, message.format(reason=reason), type="service_unavailable", code=code)
 
 
@@ -70,7 +77,9 @@ def api_error(exc: BaseException, *, prompt_field: str = "prompt", where: str = 
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, LimitExceeded):
-        return ApiError(413, _message(str(exc), prompt_field), param=_param(exc.field, prompt_field), code="limit_exceeded")
+        return ApiError(
+            413, _message(str(exc), prompt_field), param=_param(exc.field, prompt_field), code="limit_exceeded"
+        )
     if isinstance(exc, InvalidRequest):
         return ApiError(400, _message(str(exc), prompt_field), param=_param(exc.field, prompt_field))
     if isinstance(exc, FileNotFoundError):
@@ -84,7 +93,9 @@ def api_error(exc: BaseException, *, prompt_field: str = "prompt", where: str = 
     request_id = f"req-{uuid.uuid4().hex[:16]}"
     if isinstance(exc, EngineError):
         logger.error("%s: engine failure (request id %s): %s", where, request_id, exc)
-        return ApiError(500, f"engine failure (request id {request_id}): {exc}", type="server_error", code="engine_error")
+        return ApiError(
+            500, f"engine failure (request id {request_id}): {exc}", type="server_error", code="engine_error"
+        )
     logger.error("%s: unexpected error (request id %s)", where, request_id, exc_info=exc)
     return ApiError(500, f"internal error (request id {request_id}): {type(exc).__name__}: {exc}", type="server_error")
 

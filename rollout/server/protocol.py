@@ -32,7 +32,15 @@ _NEUTRAL = {
 class ApiError(Exception):
     """An error answered as OpenAI's ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, type: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
@@ -111,7 +119,11 @@ def _check_unicode(body: dict) -> None:
             for key in value:
                 reason = _unicode_error(key)
                 if reason is not None:
-                    raise ApiError(400, f"{path or 'the request body'} has a key that is not valid Unicode: {reason}", param=path or None)
+                    raise ApiError(
+                        400,
+                        f"{path or 'the request body'} has a key that is not valid Unicode: {reason}",
+                        param=path or None,
+                    )
             stack.extend((f"{path}.{key}" if path else key, item) for key, item in reversed(value.items()))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
@@ -163,7 +175,11 @@ def _zero_or_null(body: dict, name: str) -> int | None:
     return per token, which the engine does not compute, so 0 is the only count."""
     value = body.get(name)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value != 0):
-        raise invalid(name, f"'{name}' must be 0 or null: only the sampled token's log-prob is returned, no top alternatives (got {value!r})")
+        raise invalid(
+            name,
+            f"'{name}' must be 0 or null: only the sampled token's log-prob is returned, "
+            f"no top alternatives (got {value!r})",
+        )
     return value
 
 
@@ -178,7 +194,9 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def _common(body: dict, prompts: list, prompt_field: str, max_tokens: int | None, context_length: int) -> GenerationRequest:
+def _common(
+    body: dict, prompts: list, prompt_field: str, max_tokens: int | None, context_length: int
+) -> GenerationRequest:
     for name, neutral in _NEUTRAL.items():
         if body.get(name) not in neutral:
             raise invalid(name, f"'{name}' is not supported by this server")
@@ -198,7 +216,10 @@ def _common(body: dict, prompts: list, prompt_field: str, max_tokens: int | None
     if not isinstance(ignore_eos, bool):
         raise invalid("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
     if max_tokens is not None and max_tokens >= context_length:
-        raise invalid("max_tokens", f"'max_tokens' is {max_tokens}; the model's context length is {context_length} tokens (prompt included)")
+        raise invalid(
+            "max_tokens",
+            f"'max_tokens' is {max_tokens}; the model's context length is {context_length} tokens (prompt included)",
+        )
     return GenerationRequest(
         prompts=prompts,
         prompt_field=prompt_field,
@@ -215,7 +236,9 @@ def _common(body: dict, prompts: list, prompt_field: str, max_tokens: int | None
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def completion_request(body: dict, context_length: int) -> GenerationRequest:
@@ -227,7 +250,10 @@ def completion_request(body: dict, context_length: int) -> GenerationRequest:
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
         prompts = list(prompt)
     else:
-        raise invalid("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists (non-empty)")
+        raise invalid(
+            "prompt",
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists (non-empty)",
+        )
     if any(isinstance(p, str) and not p for p in prompts):
         raise invalid("prompt", "'prompt' has an empty string")
     max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)
@@ -247,7 +273,10 @@ def chat_messages(body: dict) -> list[dict]:
             raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with a string 'role'")
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
+            if not all(
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                for part in content
+            ):
                 raise invalid(f"messages[{i}].content", f"messages[{i}].content: only text parts are supported")
             content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
@@ -273,6 +302,11 @@ def check_bearer(request, token: str, what: str) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not given:
-        raise ApiError(401, f"missing {what}: send 'Authorization: Bearer <{what}>'", type="authentication_error", code="missing_token")
+        raise ApiError(
+            401,
+            f"missing {what}: send 'Authorization: Bearer <{what}>'",
+            type="authentication_error",
+            code="missing_token",
+        )
     if not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise ApiError(403, f"wrong {what}", type="permission_error", code="invalid_token")

@@ -74,13 +74,35 @@ class Serving:
         request.state.prompt_field = req.prompt_field
         self.state.check_available()
         config = self.state.config
-        check_limit(req.prompt_field, "prompts", len(req.prompts), "ServerConfig.max_prompts_per_request", config.max_prompts_per_request)
-        check_limit("n", "rows (prompts x n)", len(req.prompts) * req.n, "ServerConfig.max_rows_per_request", config.max_rows_per_request)
+        check_limit(
+            req.prompt_field,
+            "prompts",
+            len(req.prompts),
+            "ServerConfig.max_prompts_per_request",
+            config.max_prompts_per_request,
+        )
+        check_limit(
+            "n",
+            "rows (prompts x n)",
+            len(req.prompts) * req.n,
+            "ServerConfig.max_rows_per_request",
+            config.max_rows_per_request,
+        )
         prompts = self.prompt_ids(req)
         sampling = self.sampling(req, prompts)
         tokens = req.n * sum(len(p) + sampling["max_new_tokens"] for p in prompts)
-        check_limit("max_tokens", "tokens (prompt + max_tokens, over every row)", tokens, "ServerConfig.max_tokens_per_request", config.max_tokens_per_request)
-        base = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.state.model_name}
+        check_limit(
+            "max_tokens",
+            "tokens (prompt + max_tokens, over every row)",
+            tokens,
+            "ServerConfig.max_tokens_per_request",
+            config.max_tokens_per_request,
+        )
+        base = {
+            "id": f"{self.id_prefix}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": self.state.model_name,
+        }
         if req.stream:
             chunks = self.backend.stream(prompts, **sampling)
             first = await anext(chunks)
@@ -107,9 +129,17 @@ class Serving:
                 text, ids = row_text.text, ids[: row_text.kept]
                 finish = "stop" if row_text.stopped else finish
                 if req.logprobs:
-                    logprobs = self.logprobs_body(ids, values[: len(ids)], [row_text.start_offset(i) for i in range(len(ids))])
+                    logprobs = self.logprobs_body(
+                        ids, values[: len(ids)], [row_text.start_offset(i) for i in range(len(ids))]
+                    )
             completion_tokens += len(ids)
-            choice = {"index": row, **self.content(text), "finish_reason": finish, "logprobs": logprobs, "token_ids": ids}
+            choice = {
+                "index": row,
+                **self.content(text),
+                "finish_reason": finish,
+                "logprobs": logprobs,
+                "token_ids": ids,
+            }
             if batch.token_versions is not None:  # extension: the weight version that sampled each token
                 start = batch.prompt_width
                 choice["token_versions"] = batch.token_versions[row, start : start + len(ids)].tolist()
@@ -133,7 +163,10 @@ class Serving:
         for i, prompt in enumerate(req.prompts):
             if isinstance(prompt, str):
                 if tokenizer is None:
-                    raise invalid(req.prompt_field, f"{req.prompt_field}[{i}] is a string but the model has no tokenizer: send token ids")
+                    raise invalid(
+                        req.prompt_field,
+                        f"{req.prompt_field}[{i}] is a string but the model has no tokenizer: send token ids",
+                    )
                 prompt = encode_text(tokenizer, prompt, f"prompts[{i}]")  # named as the worker names it
                 if not prompt:
                     raise invalid(req.prompt_field, f"{req.prompt_field}[{i}] encodes to no tokens")
@@ -145,7 +178,11 @@ class Serving:
         if max_tokens is None:  # chat without a limit: as many as the engine allows the prompt
             max_tokens = self.backend.max_request_tokens - len(prompts[0])
             if max_tokens < 1:
-                raise invalid("messages", f"the rendered messages have {len(prompts[0])} tokens: no room for a completion (at most {self.backend.max_request_tokens} tokens per request)")
+                raise invalid(
+                    "messages",
+                    f"the rendered messages have {len(prompts[0])} tokens: no room for a completion "
+                    f"(at most {self.backend.max_request_tokens} tokens per request)",
+                )
         return dict(
             n=req.n,
             temperature=req.temperature,
@@ -179,7 +216,11 @@ class Serving:
         usage = {"usage": None} if req.include_usage else {}
 
         def event(choices: list[dict], **extra) -> str:
-            return "data: " + json.dumps({**base, "object": self.chunk_object_name, "choices": choices, **usage, **extra}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps({**base, "object": self.chunk_object_name, "choices": choices, **usage, **extra})
+                + "\n\n"
+            )
 
         def choice(row: int, piece: str | None, finish: str | None = None, **extra) -> dict:
             return {**self.delta(row, piece), "finish_reason": finish, "logprobs": None, **extra}
@@ -212,7 +253,9 @@ class Serving:
                         logprobs = None
                         if req.logprobs:
                             ids = text.token_ids[start:end]
-                            logprobs = self.logprobs_body(ids, values[chunk.row][start:end], [text.start_offset(i) for i in range(start, end)])
+                            logprobs = self.logprobs_body(
+                                ids, values[chunk.row][start:end], [text.start_offset(i) for i in range(start, end)]
+                            )
                             released[chunk.row] = end
                         yield event([choice(chunk.row, piece, logprobs=logprobs)])
                     if finished:
@@ -282,20 +325,32 @@ class ChatServing(Serving):
         return {"index": row, "delta": {} if piece is None else {"content": piece}}
 
     def opening_choices(self, rows: int) -> list[dict]:
-        return [{"index": row, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None} for row in range(rows)]
+        return [
+            {"index": row, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+            for row in range(rows)
+        ]
 
     def logprobs_body(self, ids: list[int], values: list[float], offsets: list[int]) -> dict:
         token_bytes = self.token_bytes
         return {
             "content": [
-                {"token": tok, "logprob": lp, "bytes": list(token_bytes(t)) if token_bytes else list(tok.encode()), "top_logprobs": []}
+                {
+                    "token": tok,
+                    "logprob": lp,
+                    "bytes": list(token_bytes(t)) if token_bytes else list(tok.encode()),
+                    "top_logprobs": [],
+                }
                 for t, tok, lp in zip(ids, self.token_texts(ids), values)
             ]
         }
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 async def _unless_disconnected(request: Request, awaitable):

@@ -49,7 +49,12 @@ class SharedState:
 
     def check_model_name(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "sglang-jax-rollout"}

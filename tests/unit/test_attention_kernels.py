@@ -33,7 +33,9 @@ def dense_reference(q, kv, cache_loc, seq_lens, prefix_lens, extend_lens, scale,
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("q_block, kv_chunk", [(4, 3), (DEFAULT_Q_BLOCK, DEFAULT_KV_CHUNK)], ids=["small-blocks", "defaults"])
+@pytest.mark.parametrize(
+    "q_block, kv_chunk", [(4, 3), (DEFAULT_Q_BLOCK, DEFAULT_KV_CHUNK)], ids=["small-blocks", "defaults"]
+)
 def test_extend_matches_dense_reference(page_size, causal, q_block, kv_chunk, head_major):
     rng = np.random.default_rng(0)
     # Fresh prompts, cached prefixes, a one-token extend, and two padded requests.
@@ -56,7 +58,14 @@ def test_decode_matches_dense_reference(page_size, head_major, integer_view):
     _, kv, cache_loc, seq_lens, _, _ = ragged_batch(rng, [6, 1, 13, 0, 0], [1, 1, 1, 0, 0], page_size)
     q = rng.standard_normal((len(seq_lens), HEADS, HEAD_DIM)).astype(np.float32)
     got = attend(
-        q, kv, cache_loc, seq_lens, scale=0.5, page_size=page_size, decode_kv_chunk=4, head_major=head_major,
+        q,
+        kv,
+        cache_loc,
+        seq_lens,
+        scale=0.5,
+        page_size=page_size,
+        decode_kv_chunk=4,
+        head_major=head_major,
         integer_view=integer_view,
     )
     # A decode token is an extend of one token after seq_len - 1 cached ones.

@@ -19,7 +19,9 @@ def test_trainer_resume_restores_onto_trainer_shardings(params, tmp_path):
     path = orbax_save(tmp_path / "resume", params)
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
     target = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("fsdp") if x.shape[0] % 4 == 0 else P())),
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, P("fsdp") if x.shape[0] % 4 == 0 else P())
+        ),
         params,
     )
     restored = restore_params(path, target)

@@ -30,7 +30,11 @@ def test_tp_size_beyond_the_devices_is_refused_before_the_engine_starts(qwen2_di
 def test_context_beyond_the_model_is_refused_unless_allowed(qwen2_dir):
     assert model_context_limit(qwen2_dir) == 1024  # TinyModelSpec.max_position_embeddings
     before = engine_threads()
-    with pytest.raises(ValueError, match=r"context_length=2048 exceeds the model's context length 1024 \(.*config\.json\); pass allow_long_context=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"context_length=2048 exceeds the model's context length 1024 \(.*config\.json\); "
+        r"pass allow_long_context=True",
+    ):
         RolloutWorker(tiny_worker_config(qwen2_dir, context_length=2048))
     assert engine_threads() == before
     tiny_worker_config(qwen2_dir, context_length=1024).validate()

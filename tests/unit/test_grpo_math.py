@@ -33,9 +33,7 @@ def test_token_logprobs_gather_the_next_token():
     logits = jax.random.normal(jax.random.key(0), (2, 5, 7))
     tokens = jnp.array([[1, 2, 3, 4, 5], [6, 0, 1, 2, 3]])
     got = token_logprobs(logits, tokens)
-    expected = np.array(
-        [[jax.nn.log_softmax(logits[b, t - 1])[tokens[b, t]] for t in range(1, 5)] for b in range(2)]
-    )
+    expected = np.array([[jax.nn.log_softmax(logits[b, t - 1])[tokens[b, t]] for t in range(1, 5)] for b in range(2)])
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
@@ -74,7 +72,9 @@ def test_truncated_importance_sampling_weights_the_policy_gradient():
     grad = jax.grad(lambda n: ppo_clip_loss(n, old, adv, mask, behaviour_logprobs=behaviour, tis_cap=1.5)[0])(old)
     np.testing.assert_allclose(grad, plain * jnp.array([[1.5, 1.0, 0.4]]), rtol=1e-5)
     assert float(loss) == pytest.approx(-(1.5 + 1.0 + 0.4) / 3, rel=1e-5)
-    assert float(stats["tis_capped"]) == pytest.approx(1 / 3) and float(stats["tis_weight"]) == pytest.approx(2.9 / 3, rel=1e-5)
+    assert float(stats["tis_capped"]) == pytest.approx(1 / 3) and float(stats["tis_weight"]) == pytest.approx(
+        2.9 / 3, rel=1e-5
+    )
 
 
 def test_clipped_surrogate_with_per_token_advantages():

@@ -17,9 +17,8 @@ from examples.ppo_math import (
 
 # Three rows of six actions: left prompt, completions of 3, 1 and 0 tokens, right padding.
 MASK = np.array(
-    [[0, 0, 1, 1, 1, 0],
-     [0, 0, 0, 1, 0, 0],
-     [0, 0, 0, 0, 0, 0]], dtype=np.float32,
+    [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0]],
+    dtype=np.float32,
 )
 
 
@@ -97,7 +96,9 @@ def test_value_loss_clipping_entropy_and_explained_variance():
     emask = jnp.array([[1.0, 1.0, 1.0, 0.0]])
     assert float(explained_variance(ret, ret, emask)) == pytest.approx(1.0)
     assert float(explained_variance(jnp.full_like(ret, 7.0), ret, emask)) == pytest.approx(0.0, abs=1e-6)
-    assert float(explained_variance(jnp.array([[3.0, 2.0, 1.0, 0.0]]), ret, emask)) == pytest.approx(1 - 8 / (2 / 3) / 3, rel=1e-5)
+    assert float(explained_variance(jnp.array([[3.0, 2.0, 1.0, 0.0]]), ret, emask)) == pytest.approx(
+        1 - 8 / (2 / 3) / 3, rel=1e-5
+    )
     white = np.asarray(masked_whiten(ret, emask))
     np.testing.assert_allclose(white[0, :3], [-np.sqrt(1.5), 0, np.sqrt(1.5)], rtol=1e-5)
     assert white[0, 3] == 0

@@ -98,21 +98,41 @@ SURROGATES = [
     ("chat streamed stop", "/v1/chat/completions", {**CHAT, "stop": [BAD], "stream": True}, "stop[0]"),
     ("prompt string", "/v1/completions", {**COMPLETION, "prompt": "1" + BAD}, "prompt"),
     ("prompt list", "/v1/completions", {**COMPLETION, "prompt": ["1+2=", BAD]}, "prompt[1]"),
-    ("message content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": BAD}]}, "messages[0].content"),
+    (
+        "message content",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": BAD}]},
+        "messages[0].content",
+    ),
     (
         "content part",
         "/v1/chat/completions",
         {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": BAD}]}]},
         "messages[0].content[0].text",
     ),
-    ("message role", "/v1/chat/completions", {**CHAT, "messages": [{"role": BAD, "content": "hi"}]}, "messages[0].role"),
+    (
+        "message role",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": BAD, "content": "hi"}]},
+        "messages[0].role",
+    ),
     ("model", "/v1/completions", {**COMPLETION, "model": BAD}, "model"),
     ("chat model", "/v1/chat/completions", {**CHAT, "model": BAD}, "model"),
     ("user", "/v1/completions", {**COMPLETION, "user": BAD}, "user"),
     ("chat user", "/v1/chat/completions", {**CHAT, "user": BAD}, "user"),
-    ("an ignored field, nested", "/v1/chat/completions", {**CHAT, "metadata": {"tags": ["ok", BAD]}}, "metadata.tags[1]"),
+    (
+        "an ignored field, nested",
+        "/v1/chat/completions",
+        {**CHAT, "metadata": {"tags": ["ok", BAD]}},
+        "metadata.tags[1]",
+    ),
     ("a key", "/v1/completions", {**COMPLETION, BAD: 1}, None),
-    ("a nested key", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi", BAD: 1}]}, "messages[0]"),
+    (
+        "a nested key",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "hi", BAD: 1}]},
+        "messages[0]",
+    ),
     # Raw UTF-8 bytes of a surrogate (ED A0 80) decode to one as well.
     ("raw bytes", "/v1/completions", b'{"model": "tiny", "prompt": "1+2=", "stop": ["=", "\xed\xa0\x80"]}', "stop[1]"),
     ("admin reload path", "/admin/reload_weights", {"path": "/tmp/" + BAD, "format": "hf"}, "path"),
@@ -158,7 +178,9 @@ def test_nesting_up_to_the_limit_is_parsed_and_brackets_in_strings_do_not_count(
     model = '[{\\"' * DEEP
     assert error(post(http, "/v1/completions", {**COMPLETION, "model": model}), 404)["code"] == "model_not_found"
     # Still malformed JSON: a 400 saying so.
-    assert "not valid JSON" in error(post(http, "/v1/completions", b'{"model": "tiny", "prompt": [1, 2'), 400)["message"]
+    assert (
+        "not valid JSON" in error(post(http, "/v1/completions", b'{"model": "tiny", "prompt": [1, 2'), 400)["message"]
+    )
 
 
 # ---- the other fields ------------------------------------------------------------------------------
@@ -172,21 +194,31 @@ def test_a_model_that_is_not_a_string_is_a_400(http):
 def test_every_refused_logprobs_gets_one_truthful_message(http, value):
     found = error(post(http, "/v1/completions", {**COMPLETION, "logprobs": value}), 400)
     assert found["param"] == "logprobs"
-    assert found["message"] == f"'logprobs' must be 0 or null: only the sampled token's log-prob is returned, no top alternatives (got {value!r})"
+    assert (
+        found["message"] == f"'logprobs' must be 0 or null: only the sampled token's log-prob is returned, "
+        f"no top alternatives (got {value!r})"
+    )
 
 
 @pytest.mark.parametrize("value", [1, 20, 21, -1, "0"])
 def test_every_refused_top_logprobs_gets_one_truthful_message(http, value):
     found = error(post(http, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": value}), 400)
     assert found["param"] == "top_logprobs"
-    assert found["message"] == f"'top_logprobs' must be 0 or null: only the sampled token's log-prob is returned, no top alternatives (got {value!r})"
+    assert (
+        found["message"] == f"'top_logprobs' must be 0 or null: only the sampled token's log-prob is returned, "
+        f"no top alternatives (got {value!r})"
+    )
 
 
 # ---- 503s ------------------------------------------------------------------------------------------
 
 # The worker's reasons (RolloutWorker.unavailable_reason, WorkerUnavailable.reason) -> code, words.
 REASONS = [
-    ("a train step is running", "released_for_training", "the KV cache is released for training (a train step is running)"),
+    (
+        "a train step is running",
+        "released_for_training",
+        "the KV cache is released for training (a train step is running)",
+    ),
     (
         "a train step ran since the last sync_params",
         "released_for_training",
@@ -237,7 +269,10 @@ def test_a_kv_cache_dropped_through_admin_is_a_503_saying_so(http, backend):
 
 
 def test_the_start_up_log_names_the_served_model_and_its_path(backend, caplog):
-    with caplog.at_level(logging.INFO, "rollout.server"), Server(backend, ServerConfig(port=0, served_model_name="qwen")) as server:
+    with (
+        caplog.at_level(logging.INFO, "rollout.server"),
+        Server(backend, ServerConfig(port=0, served_model_name="qwen")) as server,
+    ):
         url = server.url
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("serving"))
     assert line == f"serving model 'qwen' (from /models/chat) on {url}"

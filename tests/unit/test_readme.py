@@ -13,8 +13,13 @@ pytestmark = pytest.mark.one_end
 SKIPPED = {
     "start": "`make test` is this suite, and `make demo` runs the example tests/test_grpo.py runs (30 steps)",
     "serve-tpu": "needs 4 TPU chips; serve-cpu runs the same command on CPU devices",
-    "grpo-tpu": "TPU and network (downloads Qwen2.5-3B and GSM8K); tests/test_grpo.py runs the preset on a local stand-in",
-    "pods-leave": "tests/test_pods.py runs this path: a peer SIGKILLed mid-sync, the survivor handles its PodError, closes and leaves (exit 0)",
+    "grpo-tpu": (
+        "TPU and network (downloads Qwen2.5-3B and GSM8K); tests/test_grpo.py runs the preset on a local stand-in"
+    ),
+    "pods-leave": (
+        "tests/test_pods.py runs this path: a peer SIGKILLed mid-sync, the survivor handles its PodError, "
+        "closes and leaves (exit 0)"
+    ),
     "install": "installs into another environment; `make test` installs both of its venvs the same way",
     "bench": "the benchmarks take tens of minutes and print figures, not pass/fail; the suite tests what they call",
 }

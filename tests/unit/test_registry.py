@@ -55,7 +55,10 @@ def test_mapping_table_expands_router_and_experts_in_sparse_layers_only(moe_dir)
 
 
 UNSUPPORTED_MOE = [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_scaling type 'llama3' is not supported for qwen3_moe"),
+    (
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+        r"rope_scaling type 'llama3' is not supported for qwen3_moe",
+    ),
     ({"attention_bias": True}, r"attention_bias=True is not supported for qwen3_moe"),
     ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in 1\.\.num_experts=8"),
 ]

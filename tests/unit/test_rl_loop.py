@@ -19,7 +19,9 @@ def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_model_dir
     assert json.loads((tmp_path / "run.json").read_text())["seed"] == 0
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     claim_output_dir(dataclasses.replace(config, seed=0, steps=90), tmp_path)  # the same run, resumed for longer
-    with pytest.raises(ValueError, match=r"run\.json: this output dir holds checkpoints of a run with seed=0; this one has seed=2"):
+    with pytest.raises(
+        ValueError, match=r"run\.json: this output dir holds checkpoints of a run with seed=0; this one has seed=2"
+    ):
         claim_output_dir(config, tmp_path)
     # A local model dir named by another path is the same run.
     other = tmp_path / "other"

@@ -63,7 +63,8 @@ def test_gsm8k_answers_and_rewards():
 
 
 QWEN_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -89,14 +90,20 @@ def test_gsm8k_rows_from_a_local_file_become_chat_prompts(chat_model_dir, tmp_pa
     problems = gsm8k_problems(tokenizer, str(GSM8K_SAMPLE))
     assert [p.answer for p in problems] == [gsm8k_reference_answer(r["answer"]) for r in rows]
     assert problems[0].prompt == gsm8k_prompt(tokenizer, rows[0]["question"])
-    assert problems[0].prompt.startswith("<|im_start|>system\n") and problems[0].prompt.endswith("<|im_start|>assistant\n")
+    assert problems[0].prompt.startswith("<|im_start|>system\n") and problems[0].prompt.endswith(
+        "<|im_start|>assistant\n"
+    )
     # The preset's task keeps the prompts that fit max_prompt_tokens (256; these are 238-296).
-    config = dataclasses.replace(PRESETS["qwen2.5-3b"], model=str(chat_model_dir), dataset=str(GSM8K_SAMPLE), prompts_per_step=2)
+    config = dataclasses.replace(
+        PRESETS["qwen2.5-3b"], model=str(chat_model_dir), dataset=str(GSM8K_SAMPLE), prompts_per_step=2
+    )
     task = Task(config, tokenizer)
     lengths = [len(tokenizer.encode(p.prompt, add_special_tokens=False)) for p in problems]
     assert [p.prompt for p in task.pool] == [p.prompt for p, n in zip(problems, lengths) if n <= 256]
     assert 2 <= len(task.pool) < len(problems) and task.reward_fn is gsm8k_reward
-    with pytest.raises(ValueError, match=r"3 of 8 prompts fit in max_prompt_tokens=256, fewer than prompts_per_step=16"):
+    with pytest.raises(
+        ValueError, match=r"3 of 8 prompts fit in max_prompt_tokens=256, fewer than prompts_per_step=16"
+    ):
         Task(dataclasses.replace(config, prompts_per_step=16), tokenizer)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")

@@ -18,7 +18,9 @@ def test_every_workaround_has_a_pinning_test():
 
 def test_unknown_disabled_workaround_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(workarounds.DISABLE_ENV, "flush-cache, no-such-fix")
-    with pytest.raises(ValueError, match=r"ROLLOUT_DISABLE_WORKAROUNDS names unknown workaround\(s\) \['no-such-fix'\]"):
+    with pytest.raises(
+        ValueError, match=r"ROLLOUT_DISABLE_WORKAROUNDS names unknown workaround\(s\) \['no-such-fix'\]"
+    ):
         workarounds.disabled_workarounds()
     monkeypatch.setenv(workarounds.DISABLE_ENV, "flush-cache, sampler")
     assert workarounds.disabled_workarounds() == {"flush-cache", "sampler"}
