@@ -25,10 +25,6 @@ from rollout.server import Server, ServerConfig, WorkerBackend
 from tests.helpers import serve_process, tiny_worker_config
 from trainer_bridge import SyncError, load_hf_params
 
-# Typed errors, admission, signals, aborts: the worker's and server's Python, which no supported
-# jax/flax/transformers version changes, run at the oldest end (the engine calls are tested at both).
-pytestmark = pytest.mark.one_end
-
 PROMPT = [5, 17, 42, 8]
 ADMIN_TOKEN = "admin-faults"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -72,6 +68,7 @@ def complete(http, **body) -> httpx.Response:
 # ---- typed errors ------------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_worker_errors_are_typed_and_name_the_field(worker, chat_dir):
     with pytest.raises(InvalidRequest) as bad_n:
         worker.generate([PROMPT], n=1.5)
@@ -97,6 +94,7 @@ class _FailingBackend(WorkerBackend):
         raise RuntimeError("KV rebuild failed: out of memory")
 
 
+@pytest.mark.one_end
 def test_an_unknown_error_is_a_500_with_a_request_id_never_a_503(worker, caplog):
     with Server(_FailingBackend(worker), ServerConfig(port=0)) as server, caplog.at_level(logging.ERROR, "rollout"):
         response = httpx.post(server.url + "/v1/completions", json={"model": chat_dir_name(worker), "prompt": PROMPT})
@@ -111,6 +109,7 @@ def test_an_unknown_error_is_a_500_with_a_request_id_never_a_503(worker, caplog)
 # ---- API misuse ----------------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_bad_arguments_are_clear_errors(worker):
     with pytest.raises(InvalidRequest) as pad:
         worker.generate([PROMPT], pad_prompts_to="x")
@@ -127,6 +126,7 @@ def test_bad_arguments_are_clear_errors(worker):
     assert surrogate.value.field == "prompts[1]" and "Unicode" in str(surrogate.value)
 
 
+@pytest.mark.one_end
 def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everywhere(qwen2_dir):
     threads_before = set(threading.enumerate())
     worker = RolloutWorker(tiny_worker_config(qwen2_dir))
@@ -167,6 +167,7 @@ def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everyw
         server.close()
 
 
+@pytest.mark.one_end
 @pytest.mark.parametrize("in_flight", [True, False], ids=["in-flight", "drain"])
 def test_close_during_a_sync_fails_it_with_worker_closed(qwen2_dir, monkeypatch, in_flight):
     """A sync that close() overtakes (its new leaves prepared, the engines gone before the swap)
@@ -209,6 +210,7 @@ def test_close_during_a_sync_fails_it_with_worker_closed(qwen2_dir, monkeypatch,
 # ---- admission limits ----------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_admission_limits_refuse_oversized_calls(worker):
     with pytest.raises(LimitExceeded) as rows:
         worker.generate([PROMPT], n=100_000, max_new_tokens=1)
@@ -217,6 +219,7 @@ def test_admission_limits_refuse_oversized_calls(worker):
     assert (defaults.max_prompts_per_request, defaults.max_rows_per_request) == (256, 1024)
 
 
+@pytest.mark.one_end
 @pytest.mark.parametrize(
     "body,limit",
     [
@@ -268,6 +271,7 @@ def checksum(http) -> str:
     return response.json()["checksum"]
 
 
+@pytest.mark.one_end
 def test_nan_weights_are_refused_on_every_load_path(worker, http, nan_sources, chat_dir):
     ckpt, hf = nan_sources
     before, version = checksum(http), worker.weight_version
@@ -292,6 +296,7 @@ def test_nan_weights_are_refused_on_every_load_path(worker, http, nan_sources, c
 # ---- statuses --------------------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_former_500s_are_4xx(http):
     surrogate = http.post(
         "/v1/completions",
@@ -309,6 +314,7 @@ def test_former_500s_are_4xx(http):
     assert seed.status_code == 400 and seed.json()["error"]["param"] == "seed", seed.text
 
 
+@pytest.mark.one_end
 def test_reloads_outside_the_reload_root_are_refused(worker, chat_dir, tmp_path):
     with worker.serve(admin_token=ADMIN_TOKEN, reload_root=str(tmp_path)) as server:
         for path in (str(chat_dir), str(tmp_path / ".." / chat_dir.name), "/etc/nope"):
@@ -323,6 +329,7 @@ def test_reloads_outside_the_reload_root_are_refused(worker, chat_dir, tmp_path)
 # ---- OpenAI conformance ------------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_request_fields_as_openai_defines_them(http):
     assert http.get("/v1/models/tiny").json()["id"] == "tiny"
     assert http.get("/v1/models/gpt-9").status_code == 404
@@ -345,6 +352,7 @@ def sse(response: httpx.Response) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
+@pytest.mark.one_end
 def test_streamed_usage_is_null_until_the_last_chunk(http):
     body = {
         "model": "tiny",
@@ -362,6 +370,7 @@ def test_streamed_usage_is_null_until_the_last_chunk(http):
     )
 
 
+@pytest.mark.one_end
 def test_chat_logprob_bytes_are_each_tokens_own(http, worker):
     body = {
         "model": "tiny",
@@ -417,6 +426,7 @@ def streamed(http, body) -> dict:
     return result
 
 
+@pytest.mark.one_end
 def test_streamed_text_offsets_match_the_non_streamed(http):
     body = {
         "model": "tiny",
@@ -435,6 +445,7 @@ def test_streamed_text_offsets_match_the_non_streamed(http):
     assert stream["text"] == plain["text"]
 
 
+@pytest.mark.one_end
 def test_a_stop_string_cuts_every_field_alike_streamed_or_not(http, worker):
     body = {"model": "tiny", "prompt": "1+2=", "max_tokens": 32, "temperature": 0, "ignore_eos": True, "logprobs": 0}
     full = http.post("/v1/completions", json=body).json()["choices"][0]
@@ -541,6 +552,7 @@ def abandoned_forwards(worker, start: int) -> int:
     return spent
 
 
+@pytest.mark.one_end
 def test_a_cancelled_agenerate_aborts_its_rows(worker):
     engine = worker.engine
 
@@ -558,6 +570,7 @@ def test_a_cancelled_agenerate_aborts_its_rows(worker):
     assert abandoned_forwards(worker, start) < LONG // 4
 
 
+@pytest.mark.one_end
 def test_a_cancel_storm_leaves_nothing_to_compile_or_wait_for(worker, chat_dir):
     """50 agenerate calls of varied shapes cancelled at varied moments while in-flight swaps
     run: afterwards no call, request or KV slot is left, and a drain sync on the warmed worker
@@ -602,6 +615,7 @@ def test_a_cancel_storm_leaves_nothing_to_compile_or_wait_for(worker, chat_dir):
     assert report.compiles == 0 and report.seconds < 1.0, report
 
 
+@pytest.mark.one_end
 def test_leaving_an_astream_aborts_its_rows_and_logs_nothing(worker, caplog):
     engine = worker.engine
 
@@ -620,6 +634,7 @@ def test_leaving_an_astream_aborts_its_rows_and_logs_nothing(worker, caplog):
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
+@pytest.mark.one_end
 def test_a_client_leaving_a_stream_aborts_its_rows(http, worker, caplog):
     engine = worker.engine
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
@@ -633,6 +648,7 @@ def test_a_client_leaving_a_stream_aborts_its_rows(http, worker, caplog):
     assert complete(http).status_code == 200
 
 
+@pytest.mark.one_end
 def test_a_client_leaving_before_its_response_aborts_its_rows(server, worker, caplog):
     engine = worker.engine
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}).encode()

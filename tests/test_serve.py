@@ -16,10 +16,6 @@ from rollout import RolloutWorker
 from tests.helpers import serve_process, tiny_worker_config
 from trainer_bridge import load_hf_params
 
-# The HTTP server's routes and their glue to the worker: Python that no supported jax/flax/transformers
-# version changes, run at the oldest end (the worker calls behind them are tested at both).
-pytestmark = pytest.mark.one_end
-
 API_KEY = "sk-test"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PROMPT = [5, 17, 42, 8]
@@ -71,12 +67,14 @@ def complete(http, **body) -> httpx.Response:
 # ---- OpenAI routes ---------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_models_and_health(client, http):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/ready").status_code == 200
 
 
+@pytest.mark.one_end
 def test_greedy_completion_equals_worker_generate(client, worker):
     expected = worker.generate(["hello world"], temperature=0.0, max_new_tokens=8, ignore_eos=True)
     response = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
@@ -93,6 +91,7 @@ def test_greedy_completion_equals_worker_generate(client, worker):
     assert batch.choices[1].model_extra["token_ids"] == expected.completions[0]
 
 
+@pytest.mark.one_end
 def test_n_samples_and_seed(client):
     kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0, n=3, seed=7)
     first = client.completions.create(**kwargs)
@@ -104,6 +103,7 @@ def test_n_samples_and_seed(client):
     assert first.usage.completion_tokens == sum(map(len, ids))
 
 
+@pytest.mark.one_end
 def test_stop_string_cuts_the_text(client):
     full = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0).choices[0]
     stop = full.text[2:4]
@@ -114,6 +114,7 @@ def test_stop_string_cuts_the_text(client):
     assert cut.finish_reason == "stop"
 
 
+@pytest.mark.one_end
 def test_chat_completion_uses_the_chat_template(client, worker):
     messages = [{"role": "user", "content": "1+2="}]
     response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
@@ -127,6 +128,7 @@ def test_chat_completion_uses_the_chat_template(client, worker):
     assert response.usage.prompt_tokens == len(prompt_ids)
 
 
+@pytest.mark.one_end
 def test_streaming_matches_the_non_streamed_result(client):
     plain = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
     chunks = list(
@@ -159,6 +161,7 @@ def test_streaming_matches_the_non_streamed_result(client):
     assert usage.completion_tokens == 2 * chat.usage.completion_tokens
 
 
+@pytest.mark.one_end
 def test_log_probs_are_the_engines(client, worker):
     kwargs = dict(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=9, return_logprobs=True)
     expected = worker.generate([PROMPT], **kwargs)
@@ -180,6 +183,7 @@ def test_log_probs_are_the_engines(client, worker):
     assert all(entry.logprob <= 0 for entry in chat.choices[0].logprobs.content)
 
 
+@pytest.mark.one_end
 def test_streaming_cuts_at_a_stop_string(client):
     full = client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0).choices[0]
     stop = full.text[3:5]
@@ -193,6 +197,7 @@ def test_streaming_cuts_at_a_stop_string(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.one_end
 def test_a_client_leaving_a_stream_frees_its_call(http, worker):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "seed": 3, "ignore_eos": True}
     assert complete(http, **body).json()["choices"][0]["finish_reason"] == "length"
@@ -208,6 +213,7 @@ def test_a_client_leaving_a_stream_frees_its_call(http, worker):
     assert complete(http).status_code == 200
 
 
+@pytest.mark.one_end
 def test_concurrent_requests_are_batched_by_the_engine(server, worker):
     body = {"model": "tiny", "max_tokens": 24, "temperature": 1.0, "seed": 5}
     engine = worker.engine
@@ -237,6 +243,7 @@ def test_concurrent_requests_are_batched_by_the_engine(server, worker):
 # ---- admin routes over HTTP ----------------------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_admin_requires_the_admin_token(http):
     plain = httpx.get(http.base_url.join("/admin/weights_checksum"))
     assert plain.status_code == 401 and plain.json()["error"]["type"] == "authentication_error"
@@ -247,6 +254,7 @@ def test_admin_requires_the_admin_token(http):
     assert http.post("/admin/drop_kv").status_code == 403
 
 
+@pytest.mark.one_end
 def test_perturb_changes_the_checksum_and_reload_restores_it(http, original_checkpoint):
     reload = {"path": original_checkpoint, "format": "orbax"}
     assert http.post("/admin/reload_weights", json=reload, headers=ADMIN).status_code == 200
@@ -278,6 +286,7 @@ def test_perturb_changes_the_checksum_and_reload_restores_it(http, original_chec
     http.post("/admin/reload_weights", json=reload, headers=ADMIN)
 
 
+@pytest.mark.one_end
 def test_bad_reload_keeps_the_weights(http, tmp_path):
     before = checksum(http)
     missing = http.post(
@@ -293,6 +302,7 @@ def test_bad_reload_keeps_the_weights(http, tmp_path):
     assert complete(http).status_code == 200
 
 
+@pytest.mark.one_end
 def test_kv_drop_makes_generation_wait_until_rebuilt(http, worker):
     dropped = http.post("/admin/drop_kv", headers=ADMIN)
     assert dropped.status_code == 200 and dropped.json()["bytes"] > 0
@@ -306,6 +316,7 @@ def test_kv_drop_makes_generation_wait_until_rebuilt(http, worker):
     assert complete(http).status_code == 200
 
 
+@pytest.mark.one_end
 def test_train_step_context_answers_503_until_the_next_sync(http, worker, chat_dir):
     params = jax.tree_util.tree_map(jax.device_put, load_hf_params(chat_dir))
     with worker.released_for_training():
@@ -371,6 +382,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.one_end
 @pytest.mark.parametrize("body,status,param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_completion_request(http, body, status, param):
     if isinstance(body, bytes):
@@ -383,6 +395,7 @@ def test_bad_completion_request(http, body, status, param):
     assert complete(http).status_code == 200
 
 
+@pytest.mark.one_end
 def test_bad_chat_requests(http):
     base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     for body, param in [
@@ -401,6 +414,7 @@ def test_bad_chat_requests(http):
     assert http.post("/v1/chat/completions", json={**base, "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.one_end
 def test_api_key_is_required_on_v1_routes(server, http):
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sk-wrong"}).status_code == 403
@@ -411,6 +425,7 @@ def test_api_key_is_required_on_v1_routes(server, http):
 # ---- several servers, another worker ---------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_several_servers_in_one_process(worker, chat_dir, qwen2_dir, http):
     """A second server on the same worker, and a third over a second worker (two engines)."""
     with (
@@ -451,6 +466,7 @@ def test_several_servers_in_one_process(worker, chat_dir, qwen2_dir, http):
 # ---- load: requests during reloads -------------------------------------------------------------
 
 
+@pytest.mark.one_end
 def test_concurrent_requests_during_reloads_are_served_or_refused_cleanly(server, http, chat_dir):
     version = http.get("/ready").json()["weight_version"]
     result = asyncio.run(
@@ -497,6 +513,7 @@ def test_command_line_server_stops_on_sigterm(chat_dir, worker):
         assert process.wait(timeout=60) == 0
 
 
+@pytest.mark.one_end
 def test_close_drains_running_requests(worker, chat_dir):
     threads_before = set(threading.enumerate())
     server = worker.serve(admin_token="t")
