@@ -15,11 +15,9 @@ import concurrent.futures
 import json
 import logging
 import time
-from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -28,18 +26,14 @@ from examples.rl_loop import (
     Policy,
     RLConfig,
     Rollout,
-    Task,
+    Setup,
     _save,
     _summary,
-    checkpoint_manager,
-    prepare_model,
-    restore_or_init,
     rollout_metrics,
+    set_up,
     step_seed,
 )
-from models import QwenConfig, QwenForCausalLM
-from rollout import RolloutBatch, RolloutWorker, WorkerConfig
-from trainer_bridge import load_hf_params
+from rollout import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,39 +52,25 @@ def split_devices(tp_size: int) -> tuple[list, list]:
 
 
 def run_async(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
-    """:func:`examples.rl_loop.run` with rollouts generated one step ahead (see the module doc)."""
+    """:func:`examples.rl_loop.run` with rollouts generated one step ahead (see the module doc).
+    It starts as that loop does (:func:`examples.rl_loop.set_up`: the output dir's claim, every
+    preset's model family, resume), the engines and the trainer on separate devices."""
     if config.tis_cap is None:
         raise ValueError("--async-rollout trains on tokens of older weights: set --tis-cap")
-    output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_model(config, output_dir)
-    trainer_devices, engine_devices = split_devices(config.tp_size)
-    worker = RolloutWorker(
-        WorkerConfig(
-            model_path=str(model_dir), dtype=config.dtype, load_format="dummy", tp_size=config.tp_size,
-            dp_size=len(engine_devices) // config.tp_size, devices=tuple(engine_devices),
-            max_total_tokens=config.kv_tokens, context_length=config.max_prompt_tokens + config.max_new_tokens + 2,
-            max_running_requests=config.prompts_per_step * config.samples_per_prompt, seed=config.seed,
-            max_prefill_tokens=max(4096, config.max_prompt_tokens * 8), chunked_prefill_size=4096,
-        )
+    with set_up(config, make_algorithm, split_devices) as setup:
+        return _train_async(config, setup)
+
+
+def _train_async(config: RLConfig, setup: Setup) -> dict:
+    output_dir, worker, algorithm, manager, state, task = (
+        setup.output_dir,
+        setup.worker,
+        setup.algorithm,
+        setup.manager,
+        setup.state,
+        setup.task,
     )
-    try:
-        mesh = Mesh(np.array(trainer_devices), ("data",))
-        replicated = NamedSharding(mesh, PartitionSpec())
-        model = QwenForCausalLM(QwenConfig.from_hf(model_dir, dtype=config.dtype))
-        params = jax.tree_util.tree_map(
-            lambda x: jax.device_put(jnp.asarray(x, config.dtype), replicated), load_hf_params(model_dir)
-        )
-        algorithm = make_algorithm(config, Policy(model, params, model_dir))
-        return _train_async(config, output_dir, worker, algorithm, params, mesh)
-    finally:
-        worker.close()
-
-
-def _train_async(config: RLConfig, output_dir: Path, worker: RolloutWorker, algorithm: Algorithm, params, mesh) -> dict:
-    manager = checkpoint_manager(output_dir)
-    state = restore_or_init(manager, algorithm.init_trees(params))
-    task = Task(config, worker.tokenizer)
+    mesh = Mesh(np.array(setup.trainer_devices), ("data",))
     rows = config.prompts_per_step * config.samples_per_prompt
     # Rows split over the trainer's devices when they divide evenly.
     batch_sharding = NamedSharding(mesh, PartitionSpec("data" if rows % mesh.size == 0 else None))
@@ -102,8 +82,12 @@ def _train_async(config: RLConfig, output_dir: Path, worker: RolloutWorker, algo
         # The prompts and the call seed of ``step`` are the synchronous loop's (fixed by (seed, step)).
         problems = task.sample(config.prompts_per_step, step)
         return problems, worker.generate(
-            [p.prompt for p in problems], n=config.samples_per_prompt, temperature=config.temperature,
-            max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens, return_logprobs=True,
+            [p.prompt for p in problems],
+            n=config.samples_per_prompt,
+            temperature=config.temperature,
+            max_new_tokens=config.max_new_tokens,
+            pad_prompts_to=config.max_prompt_tokens,
+            return_logprobs=True,
             seed=step_seed(config.seed, step),
         )
 
@@ -121,7 +105,10 @@ def _train_async(config: RLConfig, output_dir: Path, worker: RolloutWorker, algo
             if state.step + 1 < config.steps:  # the next rollout runs during this update
                 ahead = pool.submit(generate, state.step + 1)
             rewards = np.array(
-                [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
+                [
+                    task.reward_fn(text, problems[i].answer)
+                    for text, i in zip(batch.completion_texts, batch.prompt_index)
+                ],
                 dtype=np.float32,
             )
             arrays = {

@@ -36,7 +36,18 @@ from examples.ppo_math import (
     token_entropy,
     token_rewards,
 )
-from examples.rl_loop import QWEN25_3B, Policy, RLConfig, Rollout, cli, mismatch_metrics, parse_args as parse_config, run
+from examples.rl_loop import (
+    QWEN25_3B,
+    Policy,
+    RLConfig,
+    Rollout,
+    cli,
+    mismatch_metrics,
+    run,
+)
+from examples.rl_loop import (
+    parse_args as parse_config,
+)
 from examples.rl_update import make_optimizer, make_train_step, run_updates
 
 OLD_LOGPROBS = ("trainer", "engine")
@@ -80,8 +91,10 @@ class PPOConfig(RLConfig):
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
         if self.old_logprobs == "engine" and self.tis_cap is not None:
-            raise ValueError("tis_cap needs old_logprobs='trainer': with the engine's old log-probs the "
-                             "PPO ratio is already taken against the engine's policy")
+            raise ValueError(
+                "tis_cap needs old_logprobs='trainer': with the engine's old log-probs the "
+                "PPO ratio is already taken against the engine's policy"
+            )
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma} and {self.lam}")
         for name in ("critic_learning_rate", "vf_coef", "ent_coef", "kl_coef"):
@@ -92,14 +105,32 @@ class PPOConfig(RLConfig):
         super().__post_init__()
 
 
+# The tiny task and how PPO keeps learning on it (issue 32; GRPO's tiny preset did the same).
+# On digits 0-9 at lr 3e-4 with Adam cold, the first update jumped the policy (approx KL 0.37,
+# clip fraction 0.84) and the critic often never learned (seed 0: explained variance ~0, reward
+# +0.05 in 20 steps). On digits 0-4, with the policy's Adam warmed up over 20 updates (5 steps)
+# and 128 rows a step, it learns fast but collapses within 15 steps onto one answer for every
+# prompt ("4": exact for 1 prompt in 5, close for the rest; reward ~0.53, entropy ~0.03), and a
+# deterministic policy explores no further; a per-token KL penalty of 0.02 to the initial
+# policy still collapses, 0.05 keeps it exploring and learning all run (seeds 0-3: entropy ~3.1
+# -> 1.5-2.6 nats, reward ~0.09-0.16 -> 0.40-0.48 in 40 steps, still 0.11-0.21 higher over
+# steps 31-40 than over 11-20; tests/test_ppo.py). lam 0: with completions of at most 3 tokens
+# every token's advantage bootstraps from the critic (TD(0)).
+TINY = dict(lam=0.0, max_operand=4, prompts_per_step=128, warmup_updates=20, kl_coef=0.05)
+
 PRESETS = {
-    # Completions of at most 3 tokens: lam 0 makes every token's advantage bootstrap from the
-    # critic (TD(0)), which learns these within a few steps (explained variance ~0.5 by step 10).
-    "tiny": PPOConfig(lam=0.0),
+    "tiny": PPOConfig(**TINY),
     # GRPO's 128 completions a step, one sample per prompt as PPO usually draws them.
     "qwen2.5-3b": PPOConfig(
-        **QWEN25_3B, output_dir="runs/ppo-qwen2.5-3b", prompts_per_step=128, samples_per_prompt=1,
-        critic_learning_rate=5e-6, ppo_epochs=2, minibatches=4, kl_coef=0.05, target_kl=0.1,
+        **QWEN25_3B,
+        output_dir="runs/ppo-qwen2.5-3b",
+        prompts_per_step=128,
+        samples_per_prompt=1,
+        critic_learning_rate=5e-6,
+        ppo_epochs=2,
+        minibatches=4,
+        kl_coef=0.05,
+        target_kl=0.1,
     ),
 }
 
@@ -119,7 +150,9 @@ class PPO:
         model = policy.model
         self.optimizers = {
             "params": ("opt_state", make_optimizer(config.learning_rate, config.warmup_updates)),
-            "critic": ("critic_opt_state", make_optimizer(config.critic_learning_rate, config.warmup_updates)),
+            # The warm-up keeps the policy near the one that sampled the rollout; the critic has no
+            # such tie, and a slow start of its values is a slow start of every advantage (lam 0).
+            "critic": ("critic_opt_state", make_optimizer(config.critic_learning_rate)),
         }
         self.critic, critic_model = init_critic(config.critic, model, policy.params, config.seed)
         # The reference is the initial policy, also after a resume; a copy (the train step donates).
@@ -130,17 +163,24 @@ class PPO:
                 out = critic_model.apply({"params": trained["critic"]}, tokens, attention_mask, positions)
             else:
                 if hidden is None:
-                    hidden = model.apply({"params": trained["params"]}, tokens, attention_mask, positions,
-                                         method="hidden_states")
+                    hidden = model.apply(
+                        {"params": trained["params"]}, tokens, attention_mask, positions, method="hidden_states"
+                    )
                 out = ValueHead().apply({"params": trained["critic"]["value_head"]}, hidden)
             return out[:, :-1]  # the value of each action's state, aligned with token_logprobs
 
         def forward(trained, tokens, attention_mask, positions):
             """Log-probs, entropies and values of the rollout's actions: [B, T - 1] each."""
-            hidden = model.apply({"params": trained["params"]}, tokens, attention_mask, positions, method="hidden_states")
+            hidden = model.apply(
+                {"params": trained["params"]}, tokens, attention_mask, positions, method="hidden_states"
+            )
             # The engine samples at this temperature: the policy being trained is the tempered one.
             logits = model.apply({"params": trained["params"]}, hidden, method="logits") / config.temperature
-            return token_logprobs(logits, tokens), token_entropy(logits), values(trained, tokens, attention_mask, positions, hidden)
+            return (
+                token_logprobs(logits, tokens),
+                token_entropy(logits),
+                values(trained, tokens, attention_mask, positions, hidden),
+            )
 
         def logprobs(params, tokens, attention_mask, positions):
             logits = model.apply({"params": params}, tokens, attention_mask, positions)
@@ -150,17 +190,27 @@ class PPO:
             mask = batch["completion_mask"][:, 1:]
             new, entropy, new_values = forward(trained, batch["tokens"], batch["attention_mask"], batch["positions"])
             policy_loss, stats = ppo_clip_loss(
-                new, batch["old_logprobs"], batch["advantages"], mask, config.clip_eps,
-                behaviour_logprobs=batch.get("behaviour_logprobs"), tis_cap=config.tis_cap,
+                new,
+                batch["old_logprobs"],
+                batch["advantages"],
+                mask,
+                config.clip_eps,
+                behaviour_logprobs=batch.get("behaviour_logprobs"),
+                tis_cap=config.tis_cap,
             )
-            value_loss, value_clipped = clipped_value_loss(new_values, batch["old_values"], batch["returns"], mask, config.value_clip)
+            value_loss, value_clipped = clipped_value_loss(
+                new_values, batch["old_values"], batch["returns"], mask, config.value_clip
+            )
             stats["entropy"] = masked_mean(entropy, mask)
             stats["loss"] = policy_loss + config.vf_coef * value_loss - config.ent_coef * stats["entropy"]
             delta = new - batch["old_logprobs"]
             # Before the first update these compare the trainer to the old log-probs' source.
             stats.update(
-                policy_loss=policy_loss, value_loss=value_loss, value_clip_fraction=value_clipped,
-                logprob_diff_mean=masked_mean(jnp.abs(delta), mask), logprob_diff_max=jnp.max(jnp.abs(delta) * mask),
+                policy_loss=policy_loss,
+                value_loss=value_loss,
+                value_clip_fraction=value_clipped,
+                logprob_diff_mean=masked_mean(jnp.abs(delta), mask),
+                logprob_diff_max=jnp.max(jnp.abs(delta) * mask),
                 logprob_diff_kl=masked_mean(jnp.expm1(delta) - delta, mask),
             )
             return stats["loss"], stats
@@ -203,8 +253,13 @@ class PPO:
         if config.tis_cap is not None:
             data["behaviour_logprobs"] = rollout.rows(rollout.batch.logprobs[:, 1:])
         trees, last, first = run_updates(
-            self.train_step, trees, data, epochs=config.ppo_epochs, minibatches=config.minibatches,
-            seed=config.seed, step=rollout.step,
+            self.train_step,
+            trees,
+            data,
+            epochs=config.ppo_epochs,
+            minibatches=config.minibatches,
+            seed=config.seed,
+            step=rollout.step,
         )
         stats.update({k: v for k, v in last.items() if not k.startswith("logprob_diff")})
         # The entropy logged is the rollout policy's on its sampled tokens (the old log-probs'
@@ -213,8 +268,11 @@ class PPO:
         if config.old_logprobs == "engine":
             # The first train step's log-probs are the trainer's before any update: against the
             # engine's, they are the mismatch (on the first minibatch; no extra forward).
-            stats.update(mismatch_mean=first["logprob_diff_mean"], mismatch_max=first["logprob_diff_max"],
-                         mismatch_kl=first["logprob_diff_kl"])
+            stats.update(
+                mismatch_mean=first["logprob_diff_mean"],
+                mismatch_max=first["logprob_diff_max"],
+                mismatch_kl=first["logprob_diff_kl"],
+            )
         elif config.wants_logprobs:
             stats.update(mismatch_metrics(rollout.batch, old))
         return trees, stats

@@ -21,12 +21,14 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
 from models import QwenForCausalLM, TinyModelSpec, TinyMoeSpec, flax_model_for, tiny_llama3_spec, write_tiny_model
@@ -79,7 +81,7 @@ class RLConfig:
     max_operand: int = 9  # tiny presets: the task is a+b= with digits a, b in [0, max_operand]
     temperature: float = 1.0
     learning_rate: float = 6e-4
-    warmup_updates: int = 0  # train steps over which the learning rates ramp up linearly from 0
+    warmup_updates: int = 0  # train steps over which the policy's learning rate ramps up linearly from 0
     ppo_epochs: int = 2
     minibatches: int = 1  # train steps per epoch, each on a shuffled 1/minibatches of the rows
     clip_eps: float = 0.2
@@ -212,7 +214,8 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
             raise ValueError(
                 f"{path}: this output dir holds checkpoints of a run with "
                 + ", ".join(f"{name}={recorded.get(name)!r}" for name in changed)
-                + "; this one has " + ", ".join(f"{name}={identity[name]!r}" for name in changed)
+                + "; this one has "
+                + ", ".join(f"{name}={identity[name]!r}" for name in changed)
                 + ": resume with the same settings, or use another output dir"
             )
     elif jax.process_index() == 0:
@@ -248,17 +251,23 @@ class Task:
             problems = gsm8k_problems(tokenizer, config.dataset)
             # The rollout batch pads prompts to max_prompt_tokens: longer ones cannot be used.
             self.pool = [
-                p for p in problems
+                p
+                for p in problems
                 if len(tokenizer.encode(p.prompt, add_special_tokens=False)) <= config.max_prompt_tokens
             ]
             if len(self.pool) < config.prompts_per_step:
                 raise ValueError(
                     f"{config.dataset}: {len(self.pool)} of {len(problems)} prompts fit in "
-                    f"max_prompt_tokens={config.max_prompt_tokens}, fewer than prompts_per_step={config.prompts_per_step}"
+                    f"max_prompt_tokens={config.max_prompt_tokens}, "
+                    f"fewer than prompts_per_step={config.prompts_per_step}"
                 )
             if len(self.pool) < len(problems):
-                logger.info("%d of %d prompts are longer than max_prompt_tokens=%d: skipped",
-                            len(problems) - len(self.pool), len(problems), config.max_prompt_tokens)
+                logger.info(
+                    "%d of %d prompts are longer than max_prompt_tokens=%d: skipped",
+                    len(problems) - len(self.pool),
+                    len(problems),
+                    config.max_prompt_tokens,
+                )
             self.reward_fn = gsm8k_reward
 
     def sample(self, count: int, step: int) -> list[Problem]:
@@ -270,8 +279,38 @@ class Task:
         return [self.pool[i] for i in rng.choice(len(self.pool), count, replace=False)]
 
 
-def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
-    """Train with the algorithm ``make_algorithm(config, policy)`` builds; returns a summary."""
+@dataclasses.dataclass
+class Setup:
+    """What both loops (:func:`run` and :func:`examples.async_rl.run_async`) start from."""
+
+    output_dir: Path
+    worker: RolloutWorker
+    algorithm: Algorithm
+    manager: Any  # orbax CheckpointManager of output_dir/checkpoints
+    state: TrainState  # the latest checkpoint restored, or the algorithm's initial trees at step 0
+    task: Task  # the preset's prompts and rewards (the worker's tokenizer)
+    trainer_devices: list | None  # where the trainer's params live when the engines are elsewhere
+
+
+@contextlib.contextmanager
+def set_up(
+    config: RLConfig,
+    make_algorithm: Callable[[RLConfig, Policy], Algorithm],
+    split_devices: Callable[[int], tuple[list, list]] | None = None,
+):
+    """The one start-up path of both loops: join the job, claim the output dir (a resume must be
+    the same run), write or find the model, start the rollout worker, build the trainer's model
+    of the checkpoint's family (``flax_model_for``: every preset's), load its params, build the
+    algorithm, restore the latest checkpoint, and the task with the worker's tokenizer. The
+    worker is closed on leaving.
+
+    ``split_devices`` None (the synchronous loop): the engines on every local device
+    (``config.dp_size`` of them), the trainer's params placed as the engine places its weights
+    (syncs alias them). Given (the asynchronous loop), ``split_devices(tp_size)`` -> (trainer
+    devices, engine devices), called once the job is joined: the engines on theirs (as many as
+    ``tp_size`` divides them into), the trainer's params replicated over its own (syncs copy
+    them onto the engines' devices).
+    """
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     join()
@@ -279,38 +318,69 @@ def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm
     if jax.process_count() > 1 and (config.wants_logprobs or config.check_consistency_every):
         raise ValueError("return_logprobs, tis_cap and check_consistency_every run in one process only")
     if config.prompts_per_step % jax.process_count():
-        raise ValueError(f"prompts_per_step={config.prompts_per_step} does not split over {jax.process_count()} processes")
+        raise ValueError(
+            f"prompts_per_step={config.prompts_per_step} does not split over {jax.process_count()} processes"
+        )
     # Each process writes its own copy of the tiny model (the same bytes): no shared-file race.
-    model_dir = prepare_model(config, output_dir if jax.process_count() == 1 else output_dir / f"process-{jax.process_index()}")
+    model_dir = prepare_model(
+        config, output_dir if jax.process_count() == 1 else output_dir / f"process-{jax.process_index()}"
+    )
+    trainer_devices, engine_devices = split_devices(config.tp_size) if split_devices else (None, None)
     worker = RolloutWorker(
         WorkerConfig(
-            model_path=str(model_dir), dtype=config.dtype, load_format="dummy", tp_size=config.tp_size,
-            dp_size=config.dp_size,
+            model_path=str(model_dir),
+            dtype=config.dtype,
+            load_format="dummy",
+            tp_size=config.tp_size,
+            dp_size=config.dp_size if engine_devices is None else len(engine_devices) // config.tp_size,
+            devices=None if engine_devices is None else tuple(engine_devices),
             # The engine takes prompt + completion <= context_length - 2 tokens whole.
-            max_total_tokens=config.kv_tokens, context_length=config.max_prompt_tokens + config.max_new_tokens + 2,
-            max_running_requests=config.prompts_per_step * config.samples_per_prompt, seed=config.seed,
-            max_prefill_tokens=max(4096, config.max_prompt_tokens * 8), chunked_prefill_size=4096,
+            max_total_tokens=config.kv_tokens,
+            context_length=config.max_prompt_tokens + config.max_new_tokens + 2,
+            max_running_requests=config.prompts_per_step * config.samples_per_prompt,
+            seed=config.seed,
+            max_prefill_tokens=max(4096, config.max_prompt_tokens * 8),
+            chunked_prefill_size=4096,
         )
     )
     try:
         model = flax_model_for(json.loads((model_dir / "config.json").read_text()), config.dtype)
-        # Placed as the engine places its weights: syncs alias these buffers instead of copying.
-        shardings = worker.param_shardings()
+        hf_params = load_hf_params(model_dir)
+        if trainer_devices is None:
+            # Placed as the engine places its weights: syncs alias these buffers instead of copying.
+            shardings = worker.param_shardings()
+        else:
+            replicated = NamedSharding(Mesh(np.array(trainer_devices), ("data",)), PartitionSpec())
+            shardings = jax.tree_util.tree_map(lambda _: replicated, hf_params)
         # Each process supplies its devices' slices (the shardings may span processes).
         params = jax.tree_util.tree_map(
             lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: np.asarray(x[i], config.dtype)),
-            load_hf_params(model_dir), shardings,
+            hf_params,
+            shardings,
         )
         algorithm = make_algorithm(config, Policy(model, params, model_dir))
-        return _train(config, output_dir, worker, algorithm, params)
+        manager = checkpoint_manager(output_dir)
+        state = restore_or_init(manager, algorithm.init_trees(params))
+        yield Setup(output_dir, worker, algorithm, manager, state, Task(config, worker.tokenizer), trainer_devices)
     finally:
         worker.close()
 
 
-def _train(config: RLConfig, output_dir: Path, worker: RolloutWorker, algorithm: Algorithm, params) -> dict:
-    manager = checkpoint_manager(output_dir)
-    state = restore_or_init(manager, algorithm.init_trees(params))
-    task = Task(config, worker.tokenizer)
+def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
+    """Train with the algorithm ``make_algorithm(config, policy)`` builds; returns a summary."""
+    with set_up(config, make_algorithm) as setup:
+        return _train(config, setup)
+
+
+def _train(config: RLConfig, setup: Setup) -> dict:
+    output_dir, worker, algorithm, manager, state, task = (
+        setup.output_dir,
+        setup.worker,
+        setup.algorithm,
+        setup.manager,
+        setup.state,
+        setup.task,
+    )
     # Process 0 reports for the job (every process computes the same global metrics).
     lead = jax.process_index() == 0
     metrics_file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8") if lead else None
@@ -366,9 +436,14 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
         consistency = _check_consistency(config, worker, state, problems)
     start = time.perf_counter()
     batch = worker.generate(
-        [p.prompt for p in problems], n=config.samples_per_prompt, temperature=config.temperature,
-        max_new_tokens=config.max_new_tokens, pad_prompts_to=config.max_prompt_tokens,
-        return_logprobs=config.wants_logprobs, prompt_offset=offset, seed=step_seed(config.seed, state.step),
+        [p.prompt for p in problems],
+        n=config.samples_per_prompt,
+        temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens,
+        pad_prompts_to=config.max_prompt_tokens,
+        return_logprobs=config.wants_logprobs,
+        prompt_offset=offset,
+        seed=step_seed(config.seed, state.step),
     )
     generate_s = time.perf_counter() - start
     rewards = np.array(
@@ -383,7 +458,9 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
         # The metrics are the job's: every process's rows.
         from jax.experimental import multihost_utils
 
-        rewards, completion_tokens = (np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in (rewards, completion_tokens))
+        rewards, completion_tokens = (
+            np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in (rewards, completion_tokens)
+        )
 
     start = time.perf_counter()
     # With resync the engine serves the trainer's own buffers, which the update may donate:
@@ -406,7 +483,9 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     }
 
 
-def rollout_metrics(batch: RolloutBatch, rewards: np.ndarray, completion_tokens: np.ndarray | None = None) -> dict[str, float]:
+def rollout_metrics(
+    batch: RolloutBatch, rewards: np.ndarray, completion_tokens: np.ndarray | None = None
+) -> dict[str, float]:
     """A step's rewards and completion lengths (``completion_tokens``: the batch's own unless
     given, e.g. every process's)."""
     completion_tokens = batch.completion_lengths if completion_tokens is None else completion_tokens
@@ -424,8 +503,6 @@ def _rows_over_processes(worker: RolloutWorker) -> Callable[[Any], jax.Array]:
     sharded over the worker mesh's ``replica`` axis, so the update is one data-parallel step."""
     if jax.process_count() == 1:
         return jnp.asarray
-    from jax.sharding import NamedSharding, PartitionSpec
-
     sharding = NamedSharding(worker.mesh, PartitionSpec("replica"))
     return lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
@@ -438,9 +515,7 @@ def step_seed(seed: int, step: int) -> int:
 def mismatch_metrics(batch: RolloutBatch, trainer_logprobs, rows=slice(None)) -> dict[str, float]:
     """The engine's log-probs against the trainer's ([B', T - 1], for ``batch`` rows ``rows``) on
     the same tokens, before any update."""
-    stats = mismatch_stats(
-        batch.logprobs[rows, 1:], np.asarray(trainer_logprobs), batch.completion_mask[rows, 1:]
-    )
+    stats = mismatch_stats(batch.logprobs[rows, 1:], np.asarray(trainer_logprobs), batch.completion_mask[rows, 1:])
     return {"mismatch_mean": stats["mean_abs_diff"], "mismatch_max": stats["max_abs_diff"], "mismatch_kl": stats["kl"]}
 
 
@@ -448,9 +523,13 @@ def _check_consistency(config: RLConfig, worker: RolloutWorker, state: TrainStat
     """Engine against trainer on this step's prompts; a ConsistencyError stops the run."""
     try:
         report = worker.check_consistency(
-            state.trees["params"], [p.prompt for p in problems], max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature, pad_prompts_to=config.max_prompt_tokens,
-            seed=config.seed + state.step, atol=config.consistency_atol,
+            state.trees["params"],
+            [p.prompt for p in problems],
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            pad_prompts_to=config.max_prompt_tokens,
+            seed=config.seed + state.step,
+            atol=config.consistency_atol,
         )
     except ConsistencyError as error:
         raise ConsistencyError(f"step {state.step + 1}: {error}", error.report) from None
@@ -496,9 +575,14 @@ def _save(manager, state: TrainState) -> None:
 
 def _postfix(record: dict, algorithm: Algorithm) -> dict[str, str]:
     fields = (
-        ("reward", "reward", "{:.3f}"), ("solved", "solved", "{:.2f}"), ("ent", "entropy", "{:.2f}"),
-        ("kl", "approx_kl", "{:.4f}"), ("clip", "clip_fraction", "{:.3f}"),
-        *algorithm.progress_fields, ("sync", "sync_s", "{:.2f}s"), ("gen", "generate_s", "{:.2f}s"),
+        ("reward", "reward", "{:.3f}"),
+        ("solved", "solved", "{:.2f}"),
+        ("ent", "entropy", "{:.2f}"),
+        ("kl", "approx_kl", "{:.4f}"),
+        ("clip", "clip_fraction", "{:.3f}"),
+        *algorithm.progress_fields,
+        ("sync", "sync_s", "{:.2f}s"),
+        ("gen", "generate_s", "{:.2f}s"),
         ("dlogp", "mismatch_mean", "{:.1e}"),
     )
     return {label: template.format(record[key]) for label, key, template in fields if key in record}
@@ -533,7 +617,12 @@ def _summary(config: RLConfig, output_dir: Path, history: list[dict], algorithm:
     summary = {"first_reward": first, "last_reward": last, "steps": len(history), **times}
     logger.info(
         "reward %.3f -> %.3f (mean of the first and last %d steps); time sync %.1fs, generate %.1fs, train %.1fs",
-        first, last, window, times["sync_s"], times["generate_s"], times["train_s"],
+        first,
+        last,
+        window,
+        times["sync_s"],
+        times["generate_s"],
+        times["train_s"],
     )
     if config.plot:
         _plot(output_dir / "reward.png", history, algorithm.plot_panels)
