@@ -139,7 +139,7 @@ def test_async_grpo_overlaps_generation_and_learns(tmp_path):
     assert mean_reward(records[-5:]) - mean_reward(records[:5]) > 0.1
 
 
-@pytest.mark.example_run
+@pytest.mark.example_path
 def test_consistency_check_stops_a_run_whose_engine_serves_another_policy(tmp_path):
     """The ablation never re-syncs: after a few updates the engine no longer serves the
     trainer's params, and the periodic check stops the run naming the statistic."""
@@ -163,7 +163,7 @@ def test_consistency_check_stops_a_run_whose_engine_serves_another_policy(tmp_pa
     assert "grpo stopped: step 4: train-inference mismatch: max |Δ log p|" in result.stderr, result.stderr[-3000:]
 
 
-@pytest.mark.example_run
+@pytest.mark.example_path
 def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
     """The qwen2.5-3b preset end to end with its downloads replaced by local files: chat
     template from the tokenizer, GSM8K rows and rewards, initial weights from the HF dir, the

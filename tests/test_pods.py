@@ -104,7 +104,7 @@ def test_a_process_killed_mid_sync_is_named_within_the_bound_and_the_survivor_le
     assert returned_at - survivor["leaving_at"] < LEAVE_BOUND_S, (returned_at - survivor["leaving_at"], logs)
 
 
-@pytest.mark.example_run
+@pytest.mark.example_path
 def test_grpo_over_two_processes_steps_as_one_process(tmp_path):
     """``--local-processes 2``: each process generates half of every step's prompts (one CPU
     device each) and the update is one data-parallel step over both."""

@@ -255,7 +255,7 @@ def test_resume_gives_the_step_an_uninterrupted_run_takes(trained, tmp_path):
         assert resumed[3][key] == pytest.approx(trained[3][key], rel=1e-4, abs=1e-6), key
 
 
-@pytest.mark.example_run
+@pytest.mark.example_path
 def test_engine_old_logprobs_with_a_shared_critic_match_the_trainer_in_fp32(tmp_path):
     """--old-logprobs engine takes the rollout's log-probs from the engine; in fp32 they are
     the trainer's up to float rounding (the mismatch is measured on the first minibatch, and
@@ -284,7 +284,7 @@ def chat_model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("chat-model"), TinyModelSpec(chat_template=True))
 
 
-@pytest.mark.example_run
+@pytest.mark.example_path
 def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
     """The qwen2.5-3b PPO preset end to end with its downloads replaced by local files: GSM8K
     prompts and rewards, the separate critic from the policy's backbone, the per-token KL

@@ -192,7 +192,7 @@ def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
         assert_serves(worker, params, reference)
 
 
-@pytest.mark.example_run
+@pytest.mark.example_path
 def test_grpo_example_runs_on_tiny_moe_with_an_engine_pool(tmp_path):
     """``python -m examples.grpo --preset tiny-moe --dp-size 2`` as a user runs it (2 steps, two
     engines): every sync aliases all leaves on both engines (experts and routers included)

@@ -5,12 +5,14 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from examples.async_rl import split_devices
 from examples.grpo import GRPO, PRESETS
 from examples.rl_loop import mismatch_metrics, set_up
 
 
+@pytest.mark.example_path
 def test_the_async_loop_starts_the_moe_preset_as_the_sync_loop_does(tmp_path):
     """``--async-rollout`` starts through the synchronous loop's set-up, with the trainer on the
     first half of the 4 devices and the engine on the second: the output dir is claimed, the
