@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
-from models import QwenForCausalLM, TinyModelSpec, TinyMoeSpec, flax_model_for, tiny_llama3_spec, write_tiny_model
+from models import CausalLM, TinyModelSpec, TinyMoeSpec, flax_model_for, tiny_llama3_spec, write_tiny_model
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
 from rollout.launch import PROCESS_ID_ENV, join, launch_local
 from trainer_bridge import load_hf_params
@@ -188,7 +188,7 @@ class TrainState:
 class Policy:
     """The trainer's model and its initial params, placed as the engine places its weights."""
 
-    model: QwenForCausalLM
+    model: CausalLM
     params: dict
     model_dir: Path
 

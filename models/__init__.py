@@ -1,11 +1,11 @@
 """Per-architecture model code: Flax trainer models (MLLM-JAX layout), mapping tables to HF and
 sglang-jax, and tiny random model dirs for tests and examples."""
 
+from .decoder_flax import CausalLM, DecoderConfig, Llama3RopeScaling, greedy_decode, rope_inv_freq
 from .logprobs import completion_log_probs, sampled_token_log_probs, sampling_log_probs, table_logits
 from .mapping import Condition, EngineTransform, ParamMapping, expand_mappings
 from .moe import route
 from .qwen3_moe_flax import Qwen3MoeConfig
-from .qwen_flax import Llama3RopeScaling, QwenConfig, QwenForCausalLM, greedy_decode, rope_inv_freq
 from .registry import FAMILIES, MAPPINGS, Family, family_for, flax_model_for, mappings_for
 from .tiny import TinyModelSpec, random_hf_weights, tiny_llama3_spec, tiny_random_llama_spec, write_tiny_model
 from .tiny_moe import TinyMoeSpec
@@ -19,8 +19,8 @@ __all__ = [
     "Llama3RopeScaling",
     "ParamMapping",
     "Qwen3MoeConfig",
-    "QwenConfig",
-    "QwenForCausalLM",
+    "DecoderConfig",
+    "CausalLM",
     "TinyModelSpec",
     "TinyMoeSpec",
     "completion_log_probs",

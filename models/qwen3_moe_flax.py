@@ -1,4 +1,4 @@
-"""Flax (linen) Qwen3-MoE causal LM in the MLLM-JAX layout: Qwen3's model (``qwen_flax``) with a
+"""Flax (linen) Qwen3-MoE causal LM in the MLLM-JAX layout: Qwen3's model (``decoder_flax``) with a
 routed expert block as the feed-forward of each sparse layer.
 
 A sparse layer's ``mlp`` holds ``gate`` {'kernel' [H, E]} (the router) and the stacked experts
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from . import qwen3_moe
+from .decoder_flax import MLP, DecoderConfig, read_hf_config
 from .moe import route
-from .qwen_flax import MLP, QwenConfig, read_hf_config
 
 _expert_init = nn.initializers.variance_scaling(
     1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
@@ -27,7 +27,7 @@ _expert_init = nn.initializers.variance_scaling(
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig(QwenConfig):
+class Qwen3MoeConfig(DecoderConfig):
     """``architecture`` is "qwen3_moe"; ``sparse_layers`` the layers with routed experts."""
 
     num_experts: int = 0
@@ -55,7 +55,7 @@ class Qwen3MoeConfig(QwenConfig):
         if source.get("model_type") != qwen3_moe.MODEL_TYPE:
             raise ValueError(f"model_type {source.get('model_type')!r} is not {qwen3_moe.MODEL_TYPE!r}")
         qwen3_moe.check_config(source.get)
-        base = QwenConfig.from_hf({**source, "model_type": "qwen3"}, dtype=dtype)
+        base = DecoderConfig.from_hf({**source, "model_type": "qwen3"}, dtype=dtype)
         return cls(
             **{
                 **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},

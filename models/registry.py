@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Callable
 
 from . import llama, qwen2, qwen3, qwen3_moe
+from .decoder_flax import CausalLM, DecoderConfig
 from .mapping import ParamMapping, expand_mappings
 from .qwen3_moe_flax import Qwen3MoeConfig
-from .qwen_flax import QwenConfig, QwenForCausalLM
 
 # RoPE scaling types every family's Flax model and the engine (0.0.2's get_rope, with the
 # "llama3-rope-scaling" workaround) compute alike; None/"default" is plain RoPE.
@@ -25,8 +25,8 @@ def _expand(table, get) -> list[ParamMapping]:
     return expand_mappings(table, num_layers=int(get("num_hidden_layers")), tied=bool(get("tie_word_embeddings", True)))
 
 
-def _qwen_flax(config: dict, dtype: str):
-    return QwenForCausalLM(QwenConfig.from_hf(config, dtype=dtype))
+def _decoder_flax(config: dict, dtype: str):
+    return CausalLM(DecoderConfig.from_hf(config, dtype=dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +57,13 @@ def _qwen3_moe_expand(table, get) -> list[ParamMapping]:
 
 
 def _qwen3_moe_flax(config: dict, dtype: str):
-    return QwenForCausalLM(Qwen3MoeConfig.from_hf(config, dtype=dtype))
+    return CausalLM(Qwen3MoeConfig.from_hf(config, dtype=dtype))
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen2": Family("qwen2", qwen2.MAPPING, _qwen_flax),
-    "qwen3": Family("qwen3", qwen3.MAPPING, _qwen_flax),
-    "llama": Family("llama", llama.MAPPING, _qwen_flax, unsupported_flags=("attention_bias", "mlp_bias")),
+    "qwen2": Family("qwen2", qwen2.MAPPING, _decoder_flax),
+    "qwen3": Family("qwen3", qwen3.MAPPING, _decoder_flax),
+    "llama": Family("llama", llama.MAPPING, _decoder_flax, unsupported_flags=("attention_bias", "mlp_bias")),
     # 0.0.2's Qwen3-MoE attention builds its RotaryEmbedding without the config's rope_scaling.
     qwen3_moe.MODEL_TYPE: Family(
         qwen3_moe.MODEL_TYPE,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from packaging.version import Version
 
-from models import QwenConfig, QwenForCausalLM, greedy_decode
+from models import CausalLM, DecoderConfig, greedy_decode
 from rollout import EngineError, RolloutWorker, in_place_updates
 from rollout.engine import patches, workarounds
 from tests.helpers import NOT_SWITCHABLE, PINNING_TESTS, REPO, tiny_worker_config
@@ -119,7 +119,7 @@ LONG_PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [1], [64, 6
 
 def test_untied_head_computes_in_the_model_dtype(qwen2_untied_dir):
     reference = greedy_decode(
-        QwenForCausalLM(QwenConfig.from_hf(qwen2_untied_dir)), load_hf_params(qwen2_untied_dir), LONG_PROMPTS, 24
+        CausalLM(DecoderConfig.from_hf(qwen2_untied_dir)), load_hf_params(qwen2_untied_dir), LONG_PROMPTS, 24
     )
     with RolloutWorker(tiny_worker_config(qwen2_untied_dir)) as worker:
         specs = {s.path: s for s in worker.engine.leaf_specs()}
@@ -156,7 +156,7 @@ def test_flush_prefix_cache_drops_kv_of_the_old_weights(doomed_worker, qwen2_dir
     kwargs = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     doomed_worker.generate(prompt, **kwargs)  # caches the prompt's KV under the HF weights
     scaled = jax.tree_util.tree_map(lambda x: x * 1.5, load_hf_params(qwen2_dir))
-    expected = greedy_decode(QwenForCausalLM(QwenConfig.from_hf(qwen2_dir)), scaled, prompt, 12)
+    expected = greedy_decode(CausalLM(DecoderConfig.from_hf(qwen2_dir)), scaled, prompt, 12)
     # Every weight times 1.5 (elementwise, so the engine's layout does not matter).
     new_leaves = [x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x for x in engine.weight_leaves()]
     engine.replace_weight_leaves(new_leaves, flush_prefix_cache=False)

@@ -14,7 +14,7 @@ import pytest
 
 from examples.grpo import GRPO, GRPOConfig
 from examples.rl_loop import Policy, Rollout
-from models import QwenConfig, QwenForCausalLM
+from models import CausalLM, DecoderConfig
 from tests.helpers import GSM8K_SAMPLE
 from trainer_bridge import load_hf_params
 
@@ -25,7 +25,7 @@ def test_grpo_update_logs_entropy_and_warns_when_no_group_has_a_signal(qwen2_dir
     """The update's statistics carry the rollout policy's entropy on the sampled tokens (from
     the old log-probs' forward) and frac_reward_zero_std; a step whose every group earned equal
     rewards is logged as a warning (its advantages are all 0)."""
-    model = QwenForCausalLM(QwenConfig.from_hf(qwen2_dir))
+    model = CausalLM(DecoderConfig.from_hf(qwen2_dir))
     params = jax.tree_util.tree_map(jnp.asarray, load_hf_params(qwen2_dir))
     grpo = GRPO(GRPOConfig(group_size=2, prompts_per_step=2, temperature=2.0), Policy(model, params, qwen2_dir))
     tokens = jnp.array([[0, 5, 6, 7, 8], [0, 5, 6, 9, 10], [5, 6, 7, 8, 9], [5, 6, 7, 11, 12]])

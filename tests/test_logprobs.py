@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from models import QwenConfig, QwenForCausalLM, completion_log_probs, sampling_log_probs
+from models import CausalLM, DecoderConfig, completion_log_probs, sampling_log_probs
 from models.logprobs import PRESELECT
 from rollout import ConsistencyError, RolloutWorker, SamplingParams, counting_compiles
 from tests.helpers import tiny_worker_config
@@ -41,7 +41,7 @@ def trainer_reference(model_dir, params, batch, **sampling):
     that many tokens (as a trainer given ``kept_counts`` does), after checking that the count
     is the one its own cut gives, or off only at a boundary that float rounding can move."""
     logits = np.asarray(
-        QwenForCausalLM(QwenConfig.from_hf(model_dir)).apply(
+        CausalLM(DecoderConfig.from_hf(model_dir)).apply(
             {"params": params}, batch.tokens, batch.attention_mask, batch.positions
         )
     )

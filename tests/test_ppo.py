@@ -17,7 +17,7 @@ from examples.critic import ValueHead, init_critic
 from examples.grpo_math import ppo_clip_loss
 from examples.ppo import PRESETS, PPOConfig, parse_args
 from examples.rl_update import make_train_step, run_updates
-from models import QwenConfig, QwenForCausalLM
+from models import CausalLM, DecoderConfig
 from trainer_bridge import load_hf_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,8 +26,8 @@ GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k_sample.jsonl"
 
 @pytest.fixture(scope="module")
 def tiny_policy(qwen2_untied_dir):
-    config = QwenConfig.from_hf(qwen2_untied_dir)
-    return QwenForCausalLM(config), jax.tree_util.tree_map(jnp.asarray, load_hf_params(qwen2_untied_dir))
+    config = DecoderConfig.from_hf(qwen2_untied_dir)
+    return CausalLM(config), jax.tree_util.tree_map(jnp.asarray, load_hf_params(qwen2_untied_dir))
 
 
 def test_value_head_shapes_masks_and_initialization(tiny_policy):

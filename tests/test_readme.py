@@ -220,14 +220,14 @@ def test_admin(served):
 
 POD_PLACEHOLDERS = """
 import numpy as np
-from models import QwenConfig, QwenForCausalLM
+from models import DecoderConfig, CausalLM
 
 MODEL_DIR = {model_dir!r}
 config = WorkerConfig(model_path=MODEL_DIR, tp_size=1, max_total_tokens=2048, context_length=256)  # one CPU device
 
 
 def init_params(rng):
-    return QwenForCausalLM(QwenConfig.from_hf(MODEL_DIR)).init(rng, np.zeros((1, 4), np.int32))["params"]
+    return CausalLM(DecoderConfig.from_hf(MODEL_DIR)).init(rng, np.zeros((1, 4), np.int32))["params"]
 
 
 rng, prompts, k, step = jax.random.key(0), [[5, 17, 42, 8], [100, 3], [250, 251, 7], [9, 9, 9]], 2, 0

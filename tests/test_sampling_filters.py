@@ -1,12 +1,12 @@
 """Sampled first tokens follow the truncated softmax of the model's own logits: temperature,
-top_k, top_p and min_p checked against the Flax model (models/qwen_flax.py) for one prompt."""
+top_k, top_p and min_p checked against the Flax model (models/decoder_flax.py) for one prompt."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import QwenConfig, QwenForCausalLM
+from models import CausalLM, DecoderConfig
 from rollout import RolloutWorker
 from rollout.engine import patches
 from rollout.engine.draw import draw_tokens, keyed_uniforms
@@ -34,7 +34,7 @@ def worker(qwen2_dir):
 def probs(qwen2_dir):
     """softmax(logits / TEMPERATURE) of the next token after PROMPT, from the Flax model, sorted
     by probability (descending) as (token ids, probabilities)."""
-    model = QwenForCausalLM(QwenConfig.from_hf(qwen2_dir))
+    model = CausalLM(DecoderConfig.from_hf(qwen2_dir))
     tokens = jnp.asarray([PROMPT])
     logits = model.apply({"params": load_hf_params(qwen2_dir)}, tokens, jnp.ones_like(tokens, dtype=bool))[0, -1]
     p = np.asarray(softmax(np.asarray(logits, np.float64) / TEMPERATURE))

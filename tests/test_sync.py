@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import QwenConfig, QwenForCausalLM, greedy_decode
+from models import CausalLM, DecoderConfig, greedy_decode
 from rollout import RolloutWorker
 from tests.helpers import tiny_worker_config
 from trainer_bridge import SyncError, flatten_params, load_hf_params, non_finite_leaves, unflatten_params
@@ -46,7 +46,7 @@ def expected_engine_leaf(entry, trainer, engine_shape, head_dim):
 def test_synced_engine_matches_flax_greedy_decode(request, model_fixture, tp_size):
     model_dir = request.getfixturevalue(model_fixture)
     params = load_hf_params(model_dir)
-    reference = greedy_decode(QwenForCausalLM(QwenConfig.from_hf(model_dir)), params, PROMPTS, 32)
+    reference = greedy_decode(CausalLM(DecoderConfig.from_hf(model_dir)), params, PROMPTS, 32)
     config = tiny_worker_config(model_dir, load_format="dummy", tp_size=tp_size)
     with RolloutWorker(config) as worker:
         before = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=32, ignore_eos=True)
@@ -145,9 +145,7 @@ def test_same_layout_other_mesh_is_relabeled_without_copy(tp_worker, hf_flat):
 
 
 def test_mismatched_sharding_is_resharded_correctly(tp_worker, hf_flat, qwen2_dir):
-    reference = greedy_decode(
-        QwenForCausalLM(QwenConfig.from_hf(qwen2_dir)), unflatten_params(hf_flat), PROMPTS[:4], 12
-    )
+    reference = greedy_decode(CausalLM(DecoderConfig.from_hf(qwen2_dir)), unflatten_params(hf_flat), PROMPTS[:4], 12)
     devices = np.array(jax.devices())
     row_mesh = Mesh(devices, ("rows",))
     # Shard every matrix by rows over 4 devices: the engine wants columns over 2 (or replication).

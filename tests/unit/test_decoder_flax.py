@@ -1,4 +1,4 @@
-"""models/qwen_flax.py: the trainer's RoPE frequencies are the engine's."""
+"""models/decoder_flax.py: the trainer's RoPE frequencies are the engine's."""
 
 import numpy as np
 

@@ -75,7 +75,7 @@ def rope_inv_freq(dim: int, theta: float, scaling: Llama3RopeScaling | None = No
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenConfig:
+class DecoderConfig:
     architecture: str  # "qwen2", "qwen3" or "llama"
     vocab_size: int
     hidden_size: int
@@ -103,7 +103,7 @@ class QwenConfig:
         return MLP(self, name="mlp")
 
     @classmethod
-    def from_hf(cls, source: str | Path | dict, dtype: str = "float32") -> QwenConfig:
+    def from_hf(cls, source: str | Path | dict, dtype: str = "float32") -> DecoderConfig:
         """From an HF ``config.json`` (a model dir, the file, or its parsed dict)."""
         source = read_hf_config(source)
         model_type = source.get("model_type")
@@ -164,7 +164,7 @@ def apply_rope(x, positions, theta: float, scaling: Llama3RopeScaling | None = N
 
 
 class Attention(nn.Module):
-    config: QwenConfig
+    config: DecoderConfig
 
     @nn.compact
     def __call__(self, x, positions, mask):
@@ -194,7 +194,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    config: QwenConfig
+    config: DecoderConfig
 
     @nn.compact
     def __call__(self, x):
@@ -206,7 +206,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    config: QwenConfig
+    config: DecoderConfig
     layer: int = 0
 
     @nn.compact
@@ -219,8 +219,8 @@ class DecoderLayer(nn.Module):
         return x + c.feed_forward(self.layer)(h)
 
 
-class QwenModel(nn.Module):
-    config: QwenConfig
+class Decoder(nn.Module):
+    config: DecoderConfig
 
     def setup(self):
         c = self.config
@@ -256,14 +256,14 @@ class UntiedHead(nn.Module):
         )
 
 
-class QwenForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """``apply({'params': params}, tokens, attention_mask)`` -> logits [B, T, V] (float32)."""
 
-    config: QwenConfig
+    config: DecoderConfig
 
     def setup(self):
         c = self.config
-        self.model = QwenModel(c)
+        self.model = Decoder(c)
         if not c.tie_word_embeddings:
             dtype = jnp.dtype(c.dtype)
             self.lm_head = UntiedHead(c.vocab_size, dtype)
@@ -291,7 +291,7 @@ class QwenForCausalLM(nn.Module):
         return logits.astype(jnp.float32)
 
 
-def greedy_decode(model: QwenForCausalLM, params, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def greedy_decode(model: CausalLM, params, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Reference greedy decoding (full forward each step, no KV cache): for parity tests."""
     width = max(len(p) for p in prompts)
     total = width + max_new_tokens
