@@ -1,6 +1,6 @@
 """Smallest real generation: a tiny random Qwen2 built locally, served in-process by sglang-jax.
 
-    python -m examples.generate_demo
+python -m examples.generate_demo
 """
 
 import dataclasses
@@ -26,7 +26,9 @@ def main(config: DemoConfig) -> None:
     log.setLevel(logging.INFO)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(tmp, TinyModelSpec(seed=config.seed))
-        worker_config = WorkerConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=2048, context_length=256)
+        worker_config = WorkerConfig(
+            model_path=str(model_dir), dtype="float32", max_total_tokens=2048, context_length=256
+        )
         with RolloutWorker(worker_config) as worker:
             batch = worker.generate(
                 list(config.prompts),

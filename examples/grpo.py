@@ -31,7 +31,18 @@ import jax.numpy as jnp
 from examples.async_rl import run_async
 from examples.grpo_math import frac_reward_zero_std, group_advantages, ppo_clip_loss, token_logprobs
 from examples.ppo_math import masked_mean, token_entropy
-from examples.rl_loop import QWEN25_3B, Policy, RLConfig, Rollout, cli, mismatch_metrics, parse_args as parse_config, run
+from examples.rl_loop import (
+    QWEN25_3B,
+    Policy,
+    RLConfig,
+    Rollout,
+    cli,
+    mismatch_metrics,
+    run,
+)
+from examples.rl_loop import (
+    parse_args as parse_config,
+)
 from examples.rl_update import make_optimizer, make_train_step, run_updates
 
 logger = logging.getLogger(__name__)
@@ -112,9 +123,15 @@ class GRPO:
         def loss_fn(trained, batch):
             new = logprobs(trained["params"], batch["tokens"], batch["attention_mask"], batch["positions"])
             return ppo_clip_loss(
-                new, batch["old_logprobs"], batch["advantages"], batch["completion_mask"][:, 1:], config.clip_eps,
-                ref_logprobs=batch.get("ref_logprobs"), kl_beta=config.kl_beta,
-                behaviour_logprobs=batch.get("behaviour_logprobs"), tis_cap=config.tis_cap,
+                new,
+                batch["old_logprobs"],
+                batch["advantages"],
+                batch["completion_mask"][:, 1:],
+                config.clip_eps,
+                ref_logprobs=batch.get("ref_logprobs"),
+                kl_beta=config.kl_beta,
+                behaviour_logprobs=batch.get("behaviour_logprobs"),
+                tis_cap=config.tis_cap,
             )
 
         self.logprobs = jax.jit(logprobs)
@@ -136,15 +153,22 @@ class GRPO:
             "frac_reward_zero_std": frac_reward_zero_std(rollout.rows(rollout.rewards), config.group_size),
         }
         if float(rollout_stats["frac_reward_zero_std"]) == 1.0:
-            logger.warning("step %d: every group's samples earned equal rewards: all advantages are 0, "
-                           "the update has no signal", rollout.step + 1)
+            logger.warning(
+                "step %d: every group's samples earned equal rewards: all advantages are 0, the update has no signal",
+                rollout.step + 1,
+            )
         if self.ref_params is not None:
             data["ref_logprobs"] = self.logprobs(self.ref_params, *inputs)
         if config.tis_cap is not None:
             data["behaviour_logprobs"] = rollout.rows(rollout.batch.logprobs[:, 1:])
         trees, stats, _ = run_updates(
-            self.train_step, trees, data, epochs=config.ppo_epochs, minibatches=config.minibatches,
-            seed=config.seed, step=rollout.step,
+            self.train_step,
+            trees,
+            data,
+            epochs=config.ppo_epochs,
+            minibatches=config.minibatches,
+            seed=config.seed,
+            step=rollout.step,
         )
         stats.update(rollout_stats)
         if config.wants_logprobs:

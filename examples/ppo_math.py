@@ -39,7 +39,9 @@ def token_rewards(scores: jax.Array, mask: jax.Array, kl: jax.Array | None = Non
     return rewards
 
 
-def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float, lam: float) -> tuple[jax.Array, jax.Array]:
+def gae(
+    rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float, lam: float
+) -> tuple[jax.Array, jax.Array]:
     """Generalized advantage estimation over the masked tokens of each row: (advantages, returns).
 
     ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lam * A_next``, where
@@ -97,6 +99,7 @@ def token_entropy(logits: jax.Array) -> jax.Array:
 def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
     """``1 - Var(R - V) / Var(R)`` over the mask: 1 a perfect critic, 0 no better than the mean,
     negative worse than the mean."""
+
     def var(x):
         return masked_mean(jnp.square(x - masked_mean(x, mask)), mask)
 

@@ -4,13 +4,15 @@ jitted train steps, stopped early once the policy's approx KL to the rollout's p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
 
 def make_optimizer(learning_rate: float, warmup_updates: int = 0) -> optax.GradientTransformation:
     """Adam after clipping the global gradient norm at 1, its learning rate ramped linearly from
@@ -26,8 +28,9 @@ def make_optimizer(learning_rate: float, warmup_updates: int = 0) -> optax.Gradi
 LossFn = Callable[[dict[str, Any], dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
 
-def make_train_step(loss_fn: LossFn, optimizers: dict[str, tuple[str, optax.GradientTransformation]],
-                    target_kl: float | None = None):
+def make_train_step(
+    loss_fn: LossFn, optimizers: dict[str, tuple[str, optax.GradientTransformation]], target_kl: float | None = None
+):
     """A jitted ``train_step(trees, minibatch) -> (trees, stats)``.
 
     ``optimizers`` maps each trained tree's key in ``trees`` to (the key of its optimizer state,
@@ -54,8 +57,9 @@ def make_train_step(loss_fn: LossFn, optimizers: dict[str, tuple[str, optax.Grad
     return train_step
 
 
-def run_updates(train_step, trees: dict, data: dict[str, jax.Array], *, epochs: int, minibatches: int,
-                seed: int, step: int) -> tuple[dict, dict, dict]:
+def run_updates(
+    train_step, trees: dict, data: dict[str, jax.Array], *, epochs: int, minibatches: int, seed: int, step: int
+) -> tuple[dict, dict, dict]:
     """``epochs`` shuffled passes over the rows of ``data`` in ``minibatches`` parts.
 
     Returns the trees, the statistics of the last train step (for a step made with
