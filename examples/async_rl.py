@@ -62,15 +62,8 @@ def run_async(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Alg
 
 
 def _train_async(config: RLConfig, setup: Setup) -> dict:
-    output_dir, worker, algorithm, manager, state, task = (
-        setup.output_dir,
-        setup.worker,
-        setup.algorithm,
-        setup.manager,
-        setup.state,
-        setup.task,
-    )
-    mesh = Mesh(np.array(setup.trainer_devices), ("data",))
+    output_dir, worker, algorithm, manager, state, task, trainer_devices = setup
+    mesh = Mesh(np.array(trainer_devices), ("data",))
     rows = config.prompts_per_step * config.samples_per_prompt
     # Rows split over the trainer's devices when they divide evenly.
     batch_sharding = NamedSharding(mesh, PartitionSpec("data" if rows % mesh.size == 0 else None))

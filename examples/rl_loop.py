@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -279,8 +279,7 @@ class Task:
         return [self.pool[i] for i in rng.choice(len(self.pool), count, replace=False)]
 
 
-@dataclasses.dataclass
-class Setup:
+class Setup(NamedTuple):
     """What both loops (:func:`run` and :func:`examples.async_rl.run_async`) start from."""
 
     output_dir: Path
@@ -373,14 +372,7 @@ def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm
 
 
 def _train(config: RLConfig, setup: Setup) -> dict:
-    output_dir, worker, algorithm, manager, state, task = (
-        setup.output_dir,
-        setup.worker,
-        setup.algorithm,
-        setup.manager,
-        setup.state,
-        setup.task,
-    )
+    output_dir, worker, algorithm, manager, state, task, _ = setup
     # Process 0 reports for the job (every process computes the same global metrics).
     lead = jax.process_index() == 0
     metrics_file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8") if lead else None

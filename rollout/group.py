@@ -245,7 +245,7 @@ class EngineGroup:
                 f"{call}: the cross-process reshard failed; "
                 f"{f'process(es) {list(lost)} lost' if lost else 'no process lost'} "
                 f"({type(exc).__name__}: {str(exc)[:300]}). Restart the job and resume from the last "
-                "checkpoint (README 'Pods').",
+                "checkpoint (docs/pods.md).",
                 lost,
             ) from exc
 

@@ -26,7 +26,8 @@ def qwen2_untied_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def chat_dir(tmp_path_factory):
-    """The session's tiny Qwen2 (same weights: seed 0) with a ChatML chat template."""
+    """The session's tiny Qwen2 (same weights: seed 0) with a ChatML chat template; also the
+    stand-in for Qwen2.5-3B-Instruct."""
     return write_tiny_model(tmp_path_factory.mktemp("chat"), TinyModelSpec(chat_template=True))
 
 
@@ -35,12 +36,6 @@ def qwen3_dir(tmp_path_factory):
     """Qwen3: qk-norm, no biases, multi-head (2 KV heads), no tokenizer files."""
     spec = TinyModelSpec(architecture="qwen3", num_key_value_heads=2, seed=2)
     return write_tiny_model(tmp_path_factory.mktemp("qwen3"), spec, with_tokenizer=False)
-
-
-@pytest.fixture(scope="session")
-def chat_model_dir(tmp_path_factory):
-    """The stand-in for Qwen2.5-3B-Instruct: a tiny random Qwen2 dir with a ChatML template."""
-    return write_tiny_model(tmp_path_factory.mktemp("chat-model"), TinyModelSpec(chat_template=True))
 
 
 @pytest.fixture(scope="session")

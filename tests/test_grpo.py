@@ -164,27 +164,14 @@ def test_consistency_check_stops_a_run_whose_engine_serves_another_policy(tmp_pa
 
 
 @pytest.mark.example_path
-def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
+def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_dir, tmp_path):
     """The qwen2.5-3b preset end to end with its downloads replaced by local files: chat
     template from the tokenizer, GSM8K rows and rewards, initial weights from the HF dir, the
     KL penalty to the reference model, checkpoints and resume. The other overrides only make it
     fit a CPU; a TPU user runs ``python -m examples.grpo --preset qwen2.5-3b``."""
-    local = ["--preset", "qwen2.5-3b", "--model", str(chat_model_dir), "--dataset", str(GSM8K_SAMPLE)]
-    cpu = [
-        "--prompts-per-step",
-        "2",
-        "--max-new-tokens",
-        "16",
-        "--dtype",
-        "float32",
-        "--tp-size",
-        "1",
-        "--kv-tokens",
-        "8192",
-        "--checkpoint-every",
-        "1",
-    ]
-    records = run_grpo(tmp_path / "run", *local, *cpu, "--steps", "2")
+    local = ["--preset", "qwen2.5-3b", "--model", str(chat_dir), "--dataset", str(GSM8K_SAMPLE)]
+    cpu = "--prompts-per-step 2 --max-new-tokens 16 --dtype float32 --tp-size 1 --kv-tokens 8192 --checkpoint-every 1"
+    records = run_grpo(tmp_path / "run", *local, *cpu.split(), "--steps", "2")
     assert [r["step"] for r in records] == [1, 2]
     # The KL penalty ran against a reference equal to the initial policy (a reference loaded
     # wrongly, e.g. random, would be far off). The random stand-in earns no GSM8K reward, so
@@ -192,7 +179,7 @@ def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
     assert all("ref_kl" in r for r in records)
     assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["1", "2"]
-    resumed = run_grpo(tmp_path / "run", *local, *cpu, "--steps", "3")
+    resumed = run_grpo(tmp_path / "run", *local, *cpu.split(), "--steps", "3")
     assert [r["step"] for r in resumed] == [1, 2, 3]
     # After two updates: Adam turns the float noise of zero-advantage gradients into steps of
     # about the learning rate, so the policy drifts by a hair (1.3e-6 seen on jax 0.12); a wrong

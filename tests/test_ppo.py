@@ -276,37 +276,17 @@ def test_engine_old_logprobs_with_a_shared_critic_match_the_trainer_in_fp32(tmp_
     assert all(r["consistency_max"] < 1e-4 for r in records if "consistency_max" in r)
 
 
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory):
-    """The stand-in for Qwen2.5-3B-Instruct: a tiny random Qwen2 dir with a ChatML template."""
-    from models import TinyModelSpec, write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("chat-model"), TinyModelSpec(chat_template=True))
-
-
 @pytest.mark.example_path
-def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_model_dir, tmp_path):
+def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_dir, tmp_path):
     """The qwen2.5-3b PPO preset end to end with its downloads replaced by local files: GSM8K
     prompts and rewards, the separate critic from the policy's backbone, the per-token KL
     penalty to the reference, target_kl, checkpoints of both models and resume. The other
     overrides only make it fit a CPU; a TPU user runs ``python -m examples.ppo --preset qwen2.5-3b``."""
-    local = ["--preset", "qwen2.5-3b", "--model", str(chat_model_dir), "--dataset", str(GSM8K_SAMPLE)]
-    cpu = [
-        "--prompts-per-step",
-        "2",
-        "--minibatches",
-        "2",
-        "--max-new-tokens",
-        "16",
-        "--dtype",
-        "float32",
-        "--tp-size",
-        "1",
-        "--kv-tokens",
-        "8192",
-        "--checkpoint-every",
-        "1",
-    ]
+    local = ["--preset", "qwen2.5-3b", "--model", str(chat_dir), "--dataset", str(GSM8K_SAMPLE)]
+    cpu = (
+        "--prompts-per-step 2 --minibatches 2 --max-new-tokens 16 --dtype float32 --tp-size 1 --kv-tokens 8192 "
+        "--checkpoint-every 1"
+    ).split()
     records = run_ppo(tmp_path / "run", *local, *cpu, "--steps", "2")
     assert [r["step"] for r in records] == [1, 2]
     # The reference is the initial policy: the first rollout's KL to it is 0.

@@ -9,7 +9,7 @@ from examples.grpo import PRESETS
 from examples.rl_loop import claim_output_dir
 
 
-def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_model_dir, monkeypatch):
+def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monkeypatch):
     """A resume with another seed would restore one run's weights and go on with another run's
     prompts and KL reference: refused before anything starts, naming the file and both values.
     Before a first checkpoint nothing is bound (a rerun may fix a start-up error)."""
@@ -26,7 +26,7 @@ def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_model_dir
     # A local model dir named by another path is the same run.
     other = tmp_path / "other"
     other.mkdir()
-    claim_output_dir(dataclasses.replace(config, model=str(chat_model_dir)), other)
+    claim_output_dir(dataclasses.replace(config, model=str(chat_dir)), other)
     (other / "checkpoints" / "1").mkdir(parents=True)
-    monkeypatch.chdir(chat_model_dir.parent)
-    claim_output_dir(dataclasses.replace(config, model=chat_model_dir.name), other)
+    monkeypatch.chdir(chat_dir.parent)
+    claim_output_dir(dataclasses.replace(config, model=chat_dir.name), other)

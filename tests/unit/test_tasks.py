@@ -82,10 +82,10 @@ def test_gsm8k_prompt_uses_the_chat_template(qwen2_dir):
     assert tokenizer.convert_tokens_to_ids("<|im_start|>") in ids
 
 
-def test_gsm8k_rows_from_a_local_file_become_chat_prompts(chat_model_dir, tmp_path):
+def test_gsm8k_rows_from_a_local_file_become_chat_prompts(chat_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
     rows = [json.loads(line) for line in GSM8K_SAMPLE.read_text().splitlines()]
     problems = gsm8k_problems(tokenizer, str(GSM8K_SAMPLE))
     assert [p.answer for p in problems] == [gsm8k_reference_answer(r["answer"]) for r in rows]
@@ -95,7 +95,7 @@ def test_gsm8k_rows_from_a_local_file_become_chat_prompts(chat_model_dir, tmp_pa
     )
     # The preset's task keeps the prompts that fit max_prompt_tokens (256; these are 238-296).
     config = dataclasses.replace(
-        PRESETS["qwen2.5-3b"], model=str(chat_model_dir), dataset=str(GSM8K_SAMPLE), prompts_per_step=2
+        PRESETS["qwen2.5-3b"], model=str(chat_dir), dataset=str(GSM8K_SAMPLE), prompts_per_step=2
     )
     task = Task(config, tokenizer)
     lengths = [len(tokenizer.encode(p.prompt, add_special_tokens=False)) for p in problems]
