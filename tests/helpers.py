@@ -134,6 +134,9 @@ PINNING_TESTS = {
         "tests/test_engine_workarounds.py::test_engine_thread_error_is_an_exception_not_a_dead_process"
     ),
     "idle-busy-spin": "tests/test_generate.py::test_worker_idles_quietly",
+    "whole-batch-admission": (
+        "tests/test_generate.py::test_a_calls_requests_share_one_prefill_however_slowly_they_are_sent"
+    ),
     "process-global-side-effects": "tests/test_engine_workarounds.py::test_process_global_state_is_preserved",
     "untied-head-dtype": "tests/test_engine_workarounds.py::test_untied_head_computes_in_the_model_dtype",
     "detokenizer-output-ids": "tests/test_generate.py::test_eos_stop_keeps_the_eos_token",

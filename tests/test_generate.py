@@ -244,10 +244,31 @@ def test_eos_stop_keeps_the_eos_token(worker):
         assert long[: len(short)] == short
 
 
+def test_a_calls_requests_share_one_prefill_however_slowly_they_are_sent(worker, monkeypatch):
+    """The engine's tokenizer manager sends a call's requests one at a time; made to pause
+    0.2 s after each (time the idle scheduler has to start on the first), the call still takes
+    one prefill and one forward per decode step."""
+    from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
+
+    worker.generate(PROMPTS, temperature=0.0, max_new_tokens=4, ignore_eos=True)  # the scheduler idle, waiting
+    send = TokenizerManager._send_one_request
+
+    def slow_send(self, *args, **kwargs):
+        state = send(self, *args, **kwargs)
+        time.sleep(0.2)
+        return state
+
+    monkeypatch.setattr(TokenizerManager, "_send_one_request", slow_send)
+    with profile_steps() as times:
+        batch = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    assert [len(c) for c in batch.completions] == [4] * 3
+    assert (times.count("extend"), times.count("decode")) == (1, 3)
+
+
 def test_profile_steps_splits_the_engines_steps(worker):
     with profile_steps() as times:
         worker.generate(PROMPTS, temperature=1.0, max_new_tokens=6, ignore_eos=True)
     decode = times.split("decode")
     # One extend step (the three prompts), five decode steps, the last with no wall time.
-    assert times.count("extend") >= 1 and decode.steps == times.count("decode") - 1 >= 4
+    assert times.count("extend") == 1 and decode.steps == times.count("decode") - 1 == 4
     assert 0 < decode.forward_s and 0 < decode.sample_s and decode.host_s > 0

@@ -73,6 +73,7 @@ class RequestLoop:
                 self._logprobs_collected(rids, params.return_logprobs) as sinks,
                 self._versions_collected(rids) as versions,
                 self._aborted_if_cancelled(rids),
+                self._sent_whole(rids, params),
             ):
                 async for result in self._tokenizer_manager.generate_request(request, None):
                     row = int(result.get("index", 0))
@@ -106,6 +107,17 @@ class RequestLoop:
             sampling = [dict(_sampling_dict(params, int(row[0])), n=params.n) for row in seeds]
         rids = [uuid.uuid4().hex for _ in input_ids]
         return GenerateReqInput(input_ids=input_ids, sampling_params=sampling, rid=rids, stream=stream), rids
+
+    @contextlib.contextmanager
+    def _sent_whole(self, rids: list[str], params: SamplingParams):
+        """The scheduler admits the call's requests together (``BatchArrivals``). Not with the
+        engine's own n, whose requests get ids the engine makes up."""
+        own_ids = params.n == 1 or workaround_enabled("one-request-per-sample")
+        call = self._control.arrivals.expect(rids if own_ids else [])
+        try:
+            yield
+        finally:
+            self._control.arrivals.withdraw(call)
 
     @contextlib.contextmanager
     def _logprobs_collected(self, rids: list[str], wanted: bool):
@@ -168,7 +180,7 @@ class RequestLoop:
         )
         for sampling in request.sampling_params:
             sampling["max_new_tokens"] = 0  # below what SamplingParams accepts from a caller
-        with self._aborted_if_cancelled(rids):
+        with self._aborted_if_cancelled(rids), self._sent_whole(rids, params):
             await self._tokenizer_manager.generate_request(request, None).__anext__()
 
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
@@ -178,6 +190,7 @@ class RequestLoop:
             self._logprobs_collected(rids, params.return_logprobs) as sinks,
             self._versions_collected(rids) as versions,
             self._aborted_if_cancelled(rids),
+            self._sent_whole(rids, params),
         ):
             results = await self._tokenizer_manager.generate_request(request, None).__anext__()
         if isinstance(results, dict):

@@ -32,6 +32,62 @@ BUSY_INTERVALS_KEPT = 4096
 ENGINE_THREAD_ROLES = ("scheduler", "watchdog", "detokenizer")
 
 
+# How long the scheduler waits for the rest of a call's requests once the first has arrived; a
+# backstop only (the tokenizer manager sends them within microseconds of each other).
+WHOLE_BATCH_WAIT_S = 5.0
+
+
+class BatchArrivals:
+    """The request ids of calls being sent to the scheduler, so that it admits each call whole.
+
+    0.0.2's tokenizer manager sends a call's requests one by one, and the scheduler takes what
+    has arrived when it wakes: on a loaded host a call's rows were split over several prefills
+    (extra forwards, and batch shapes a warmed engine had never compiled). The request loop
+    registers a call's ids before sending it; the scheduler, having received part of a call,
+    waits for the rest (``_idle_aware_recv``).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._call_of: dict[str, int] = {}  # rid -> call
+        self._missing: dict[int, set[str]] = {}  # call -> its rids not received yet
+        self._started: set[int] = set()  # calls with some but not all rids received
+        self._next_call = 0
+
+    def expect(self, rids: list[str]) -> int:
+        with self._lock:
+            call, self._next_call = self._next_call, self._next_call + 1
+            self._missing[call] = set(rids)
+            self._call_of.update(dict.fromkeys(rids, call))
+            return call
+
+    def withdraw(self, call: int) -> None:
+        """The call is sent, or failed before sending all (then the scheduler stops waiting)."""
+        with self._lock:
+            for rid in self._missing.pop(call, ()):
+                self._call_of.pop(rid, None)
+            self._started.discard(call)
+
+    def received(self, requests: list) -> None:
+        with self._lock:
+            for request in requests:
+                rid = getattr(request, "rid", None)
+                call = self._call_of.pop(rid, None) if isinstance(rid, str) else None
+                if call is None:
+                    continue
+                missing = self._missing[call]
+                missing.discard(request.rid)
+                if missing:
+                    self._started.add(call)
+                else:
+                    del self._missing[call]
+                    self._started.discard(call)
+
+    @property
+    def partly_received(self) -> bool:
+        return bool(self._started)
+
+
 class SchedulerControl:
     """State shared between the caller's threads and one engine's threads."""
 
@@ -47,6 +103,7 @@ class SchedulerControl:
         self.weight_version = 0
         # rid -> the weight version of each token sampled for that request (every request).
         self.version_sinks: dict[str, list[int]] = {}
+        self.arrivals = BatchArrivals()
         self.error: BaseException | None = None
         self.error_traceback = ""
         self.stop_requested = False
@@ -209,10 +266,30 @@ def _scheduler_is_idle(scheduler) -> bool:
     )
 
 
-def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller):
-    """Replacement for Scheduler.recv_requests: runs queued calls and sleeps while idle."""
+def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller, arrival_poller):
+    """Replacement for Scheduler.recv_requests: runs queued calls, sleeps while idle, and takes
+    each call's requests together."""
     # Disabled, the idle loop polls without blocking, as 0.0.2's own loop does.
     idle_wait_ms = 1000 if workaround_enabled("idle-busy-spin") else 0
+    whole_calls = workaround_enabled("whole-batch-admission")
+
+    def recv_whole_calls():
+        requests = original_recv()
+        if not whole_calls:
+            return requests
+        control.arrivals.received(requests)
+        deadline = time.monotonic() + WHOLE_BATCH_WAIT_S
+        while control.arrivals.partly_received and not control.stop_requested:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.warning("%s: a call's requests still incomplete after %.0f s", control.name, WHOLE_BATCH_WAIT_S)
+                break
+            # Short polls: a call that failed before sending all its requests is withdrawn.
+            arrival_poller.poll(max(1, int(min(left, 0.05) * 1000)))
+            more = original_recv()
+            control.arrivals.received(more)
+            requests += more
+        return requests
 
     def recv_requests():
         while True:
@@ -221,7 +298,7 @@ def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller
             # The top of a loop iteration: the previous forward's results are processed and the
             # next batch is not chosen yet.
             control.run_boundary_calls()
-            requests = original_recv()
+            requests = recv_whole_calls()
             if not _scheduler_is_idle(scheduler):
                 return requests
             control.run_pending()
@@ -283,7 +360,9 @@ def _scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
     poller.register(scheduler.recv_from_tokenizer, zmq.POLLIN)
     poller.register(scheduler.recv_from_rpc, zmq.POLLIN)
     poller.register(control.wake_reader.fileno(), zmq.POLLIN)
-    scheduler.recv_requests = _idle_aware_recv(scheduler, scheduler.recv_requests, control, poller)
+    arrival_poller = zmq.Poller()
+    arrival_poller.register(scheduler.recv_from_tokenizer, zmq.POLLIN)
+    scheduler.recv_requests = _idle_aware_recv(scheduler, scheduler.recv_requests, control, poller, arrival_poller)
     scheduler.run_batch = _versions_recorded(_timed(scheduler.run_batch, control), control)
     try:
         if workaround_enabled("process-kill-on-error"):

@@ -27,6 +27,14 @@ WORKAROUNDS: dict[str, str] = {
         "The idle scheduler loop polls its sockets without blocking: one core at 100%. The "
         "loop now blocks in a zmq poll while idle, woken by requests or queued calls."
     ),
+    "whole-batch-admission": (
+        "The tokenizer manager sends a call's requests to the scheduler one by one, and the "
+        "scheduler admits whatever has arrived when it wakes: on a loaded host one call's rows "
+        "were split over several prefills (more forwards, and batch shapes a warmed engine had "
+        "never compiled: a warmed generate compiled 4 programs). The request loop registers a "
+        "call's request ids before sending it, and the scheduler, once part of a call has "
+        "arrived, waits for the rest (runtime.BatchArrivals)."
+    ),
     "process-global-side-effects": (
         "Engine start-up forces the root logger to its level (basicConfig(force=True)), reseeds "
         "numpy and random, installs uvloop's event-loop policy, SIGCHLD/SIGQUIT/SIGTERM "
