@@ -1,10 +1,23 @@
 """Test set-up: JAX on CPU with 4 fake devices, tiny model dirs shared by the session."""
 
 import os
+import pathlib
+import sys
 
 # Before JAX is imported anywhere: several CPU devices so sharding code paths really run.
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+# Every test module and subprocess (pinning checks, servers, pod processes, example runs) compiles
+# the same tiny programs again; JAX's persistent cache keeps them on disk, one per environment.
+# Entries are keyed by the program, jax version, devices and XLA flags, so nothing stale is
+# reused. A size limit turns on the cache's file locks: processes that run at once share it.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax" / pathlib.Path(sys.prefix).name.lstrip(".")),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
 
 import pytest  # noqa: E402
 
