@@ -13,7 +13,7 @@ from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
 # Batching across threads and event loops, the sync gate: the worker's Python, which no supported
-# jax/flax/transformers version changes, run at the oldest end (the engine calls are tested at both).
+# jax/flax/transformers version changes, run at one end (the engine calls are tested at both).
 pytestmark = pytest.mark.one_end
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]

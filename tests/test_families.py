@@ -151,7 +151,7 @@ def test_flax_llama_equals_hf_transformers_flax_llama(tmp_path):
     tokens = np.asarray([PROMPTS[0]], np.int32)
     expected = np.asarray(hf_model(tokens, params=unflatten_dict(hf_params)).logits)
     config = json.loads((model_dir / "config.json").read_text())
-    logits = np.asarray(flax_model_for(config).apply({"params": load_hf_params(model_dir)}, tokens))
+    logits = np.asarray(jax.jit(flax_model_for(config).apply)({"params": load_hf_params(model_dir)}, tokens))
     np.testing.assert_allclose(logits, expected, atol=1e-4)
 
 

@@ -35,7 +35,7 @@ def test_grpo_update_logs_entropy_and_warns_when_no_group_has_a_signal(qwen2_dir
         "positions": jnp.maximum(jnp.cumsum(tokens > 0, axis=1) - 1, 0),
         "completion_mask": jnp.array([[0, 0, 0, 1, 1]] * 4),
     }
-    logits = model.apply({"params": params}, tokens, arrays["attention_mask"], arrays["positions"]) / 2.0
+    logits = jax.jit(model.apply)({"params": params}, tokens, arrays["attention_mask"], arrays["positions"]) / 2.0
     logp = jax.nn.log_softmax(logits[:, 2:4], axis=-1)  # the distributions the completion tokens were drawn from
     expected_entropy = float(-(jnp.exp(logp) * logp).sum(-1).mean())
 

@@ -41,7 +41,7 @@ def trainer_reference(model_dir, params, batch, **sampling):
     that many tokens (as a trainer given ``kept_counts`` does), after checking that the count
     is the one its own cut gives, or off only at a boundary that float rounding can move."""
     logits = np.asarray(
-        CausalLM(DecoderConfig.from_hf(model_dir)).apply(
+        jax.jit(CausalLM(DecoderConfig.from_hf(model_dir)).apply)(
             {"params": params}, batch.tokens, batch.attention_mask, batch.positions
         )
     )

@@ -32,36 +32,39 @@ def tiny_policy(qwen2_untied_dir):
 
 def test_value_head_shapes_masks_and_initialization(tiny_policy):
     model, params = tiny_policy
+    # Jitted: op-by-op, every primitive of the forward compiles on its own (half a minute).
+    apply = jax.jit(model.apply, static_argnames="method")
     tokens = jnp.array([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     mask = jnp.array([[False, False, True, True, True], [True] * 5])
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     np.testing.assert_allclose(
-        model.apply({"params": params}, tokens, mask, positions),
-        model.apply(
+        apply({"params": params}, tokens, mask, positions),
+        apply(
             {"params": params},
-            model.apply({"params": params}, tokens, mask, positions, method="hidden_states"),
+            apply({"params": params}, tokens, mask, positions, method="hidden_states"),
             method="logits",
         ),
     )
     critic_params, critic = init_critic("separate", model, params, seed=0)
+    critic_apply = jax.jit(critic.apply)
     # The policy's backbone, copied; the LM head (untied here) is no part of the critic.
     assert set(critic_params) == {"lm", "value_head"} and set(critic_params["lm"]) == {"model"}
     jax.tree_util.tree_map(np.testing.assert_array_equal, critic_params["lm"]["model"], params["model"])
     assert critic_params["lm"]["model"]["embed_tokens"]["embedding"] is not params["model"]["embed_tokens"]["embedding"]
-    values = critic.apply({"params": critic_params}, tokens, mask, positions)
+    values = critic_apply({"params": critic_params}, tokens, mask, positions)
     assert values.shape == (2, 5) and values.dtype == jnp.float32
     np.testing.assert_array_equal(values, 0.0)  # zero-initialized head
     head = {"Dense_0": {"kernel": jnp.ones((model.config.hidden_size, 1)), "bias": jnp.array([0.5])}}
     critic_params = {**critic_params, "value_head": head}
-    values = critic.apply({"params": critic_params}, tokens, mask, positions)
+    values = critic_apply({"params": critic_params}, tokens, mask, positions)
     # The left-padded row's values are those of its unpadded sequence: padding is masked out.
-    alone = critic.apply({"params": critic_params}, tokens[:1, 2:], mask[:1, 2:], positions[:1, 2:])
+    alone = critic_apply({"params": critic_params}, tokens[:1, 2:], mask[:1, 2:], positions[:1, 2:])
     np.testing.assert_allclose(values[0, 2:], alone[0], rtol=1e-5, atol=1e-5)
     assert not np.allclose(values[0], values[0, 2])
     # Shared: only a value head, reading the policy's own hidden states.
     shared, none = init_critic("shared", model, params)
     assert none is None and set(shared) == {"value_head"}
-    hidden = model.apply({"params": params}, tokens, mask, positions, method="hidden_states")
+    hidden = apply({"params": params}, tokens, mask, positions, method="hidden_states")
     np.testing.assert_allclose(ValueHead().apply({"params": head}, hidden), values, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="critic must be one of"):
         init_critic("twin", model, params)

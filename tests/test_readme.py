@@ -28,7 +28,7 @@ from models.tiny import tiny_llama3_spec
 from tests.helpers import BLOCK, DOCS, README, REPO, block_code, guide_files, source_name
 from trainer_bridge import load_hf_params
 
-# The guide's text does not change with the JAX version: the oldest end runs its blocks (the
+# The guide's text does not change with the JAX version: one end (the newest) runs its blocks (the
 # calls they make are tested at both ends by the rest of the suite).
 pytestmark = pytest.mark.one_end
 

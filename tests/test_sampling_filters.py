@@ -8,10 +8,14 @@ import pytest
 
 from models import CausalLM, DecoderConfig
 from rollout import RolloutWorker
-from rollout.engine import patches
-from rollout.engine.draw import draw_tokens, keyed_uniforms
+from rollout.engine import draw, patches
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
+
+# Jitted, as the engine's sampler runs them: op by op, their reductions dispatch (and compile)
+# hundreds of small programs.
+draw_tokens = jax.jit(draw.draw_tokens)
+keyed_uniforms = jax.jit(draw.keyed_uniforms)
 
 PROMPT = [5, 17, 42, 8, 100, 3]
 ROWS = 1000
@@ -36,7 +40,9 @@ def probs(qwen2_dir):
     by probability (descending) as (token ids, probabilities)."""
     model = CausalLM(DecoderConfig.from_hf(qwen2_dir))
     tokens = jnp.asarray([PROMPT])
-    logits = model.apply({"params": load_hf_params(qwen2_dir)}, tokens, jnp.ones_like(tokens, dtype=bool))[0, -1]
+    logits = jax.jit(model.apply)({"params": load_hf_params(qwen2_dir)}, tokens, jnp.ones_like(tokens, dtype=bool))[
+        0, -1
+    ]
     p = np.asarray(softmax(np.asarray(logits, np.float64) / TEMPERATURE))
     order = np.argsort(-p, kind="stable")
     return order, p[order]

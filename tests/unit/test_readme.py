@@ -4,7 +4,7 @@ import pytest
 
 from tests.helpers import block_code, readme_blocks, source_name
 
-# The guide's text does not change with the JAX version: the oldest end runs its blocks (the
+# The guide's text does not change with the JAX version: one end (the newest) runs its blocks (the
 # calls they make are tested at both ends by the rest of the suite).
 pytestmark = pytest.mark.one_end
 
