@@ -6,19 +6,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+REWARD_SCALES = ("group", "batch", "none")
 
-def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> np.ndarray:
-    """(r - group mean) / (group std + eps) for consecutive groups of ``group_size`` rows.
+
+def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-6) -> np.ndarray:
+    """Each reward minus its group's mean, for consecutive groups of ``group_size`` rows, divided
+    by (TRL's ``scale_rewards``): ``"group"`` the group's std (DeepSeek's GRPO), ``"batch"`` the
+    std of every reward of the step, ``"none"`` nothing (Dr. GRPO).
 
     Rows are prompt-major (the samples of one prompt are adjacent), as RolloutBatch lays them.
     A group whose samples all earned the same reward gets zero advantage: it teaches nothing.
+    A group's std also blows up small differences: samples a shaped reward pays 0.45 and 0.40
+    get advantages of +-1, as large as a right answer's; ``"batch"`` keeps them small.
     """
+    if scale not in REWARD_SCALES:
+        raise ValueError(f"scale must be one of {REWARD_SCALES}, got {scale!r}")
     rewards = np.asarray(rewards, dtype=np.float32)
     if group_size < 1 or rewards.size % group_size:
         raise ValueError(f"{rewards.size} rewards do not split into groups of {group_size}")
     groups = rewards.reshape(-1, group_size)
     centered = groups - groups.mean(axis=1, keepdims=True)
-    return (centered / (groups.std(axis=1, keepdims=True) + eps)).reshape(-1)
+    if scale == "group":
+        centered = centered / (groups.std(axis=1, keepdims=True) + eps)
+    elif scale == "batch":
+        centered = centered / (rewards.std() + eps)
+    return centered.reshape(-1)
 
 
 def frac_reward_zero_std(rewards, group_size: int) -> jax.Array:

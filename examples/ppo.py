@@ -149,7 +149,7 @@ class PPO:
         self.config = config
         model = policy.model
         self.optimizers = {
-            "params": ("opt_state", make_optimizer(config.learning_rate, config.warmup_updates)),
+            "params": ("opt_state", make_optimizer(config.learning_rate, config.warmup_updates, config.decay_updates)),
             # The warm-up keeps the policy near the one that sampled the rollout; the critic has no
             # such tie, and a slow start of its values is a slow start of every advantage (lam 0).
             "critic": ("critic_opt_state", make_optimizer(config.critic_learning_rate)),

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -79,9 +80,14 @@ class RLConfig:
     max_prompt_tokens: int = 8
     max_new_tokens: int = 3
     max_operand: int = 9  # tiny presets: the task is a+b= with digits a, b in [0, max_operand]
+    # Tiny presets: the most a wrong number earns, the closer the more (1 for the exact answer).
+    near_credit: float = 0.5
     temperature: float = 1.0
     learning_rate: float = 6e-4
     warmup_updates: int = 0  # train steps over which the policy's learning rate ramps up linearly from 0
+    # After the warm-up, the policy's learning rate falls along a cosine to 0 at the run's last
+    # train step (steps x ppo_epochs x minibatches). False: it stays at learning_rate.
+    lr_decay: bool = False
     ppo_epochs: int = 2
     minibatches: int = 1  # train steps per epoch, each on a shuffled 1/minibatches of the rows
     clip_eps: float = 0.2
@@ -111,6 +117,11 @@ class RLConfig:
     local_processes: int = 1
 
     @property
+    def decay_updates(self) -> int:
+        """Train steps after the warm-up over which the learning rate decays (0: none)."""
+        return max(1, self.steps * self.ppo_epochs * self.minibatches - self.warmup_updates) if self.lr_decay else 0
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.return_logprobs or self.tis_cap is not None
 
@@ -128,6 +139,8 @@ class RLConfig:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
         if self.learning_rate <= 0 or self.temperature <= 0:
             raise ValueError("learning_rate and temperature must be > 0")
+        if not 0 <= self.near_credit < 1:
+            raise ValueError(f"near_credit must be in [0, 1), got {self.near_credit}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0 (or unset), got {self.tis_cap}")
         if self.check_consistency_every < 0 or self.consistency_atol <= 0:
@@ -246,7 +259,7 @@ class Task:
         self.config = config
         if config.preset in TINY_MODELS:
             self.pool = None
-            self.reward_fn = addition_reward
+            self.reward_fn = partial(addition_reward, near_credit=config.near_credit)
         else:
             problems = gsm8k_problems(tokenizer, config.dataset)
             # The rollout batch pads prompts to max_prompt_tokens: longer ones cannot be used.

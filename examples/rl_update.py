@@ -14,12 +14,23 @@ import numpy as np
 import optax
 
 
-def make_optimizer(learning_rate: float, warmup_updates: int = 0) -> optax.GradientTransformation:
+def make_optimizer(
+    learning_rate: float, warmup_updates: int = 0, decay_updates: int = 0
+) -> optax.GradientTransformation:
     """Adam after clipping the global gradient norm at 1, its learning rate ramped linearly from
     0 over the first ``warmup_updates`` train steps: Adam's first steps move every parameter by
     about the full learning rate whatever its gradient's size, which on a small model jumps the
-    policy far from the one that sampled the rollout (approx KL > 1 on the first step)."""
-    schedule = optax.linear_schedule(0.0, learning_rate, warmup_updates) if warmup_updates else learning_rate
+    policy far from the one that sampled the rollout (approx KL > 1 on the first step). With
+    ``decay_updates``, it then falls along a cosine to 0 over that many more steps, so a
+    policy that has found its answers stops being pushed around by the noise of its groups."""
+    if decay_updates:
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, learning_rate, warmup_updates, warmup_updates + decay_updates
+        )
+    elif warmup_updates:
+        schedule = optax.linear_schedule(0.0, learning_rate, warmup_updates)
+    else:
+        schedule = learning_rate
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
 
 

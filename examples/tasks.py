@@ -28,17 +28,20 @@ def addition_problems(rng: np.random.Generator, count: int, max_operand: int = 9
     return [Problem(f"{x}+{y}=", str(x + y)) for x, y in zip(a, b)]
 
 
-def addition_reward(completion: str, answer: str) -> float:
-    """1 for exactly the answer; a wrong number gets up to 0.5 the closer it is; other text 0.
+def addition_reward(completion: str, answer: str, near_credit: float = 0.5) -> float:
+    """1 for exactly the answer; a wrong number gets up to ``near_credit`` the closer it is;
+    other text 0.
 
     The shaped part gives a random policy rewards it sometimes earns, so the group-relative
-    advantages have a signal from the first step, and it points at the right answer.
+    advantages have a signal from the first step, and it points at the right answer. It also
+    makes a near answer a place to stay: once a prompt's samples agree on one, nothing in the
+    group-relative advantages pushes it down (GRPO's tiny preset pays exact answers only).
     """
     text = completion.strip()
     if text == answer:
         return 1.0
     if text.isdigit():
-        return 0.5 * max(0.0, 1.0 - abs(int(text) - int(answer)) / 10)
+        return near_credit * max(0.0, 1.0 - abs(int(text) - int(answer)) / 10)
     return 0.0
 
 

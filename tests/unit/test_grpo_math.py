@@ -17,6 +17,20 @@ def test_group_advantages():
         group_advantages(rewards, 3)
 
 
+def test_group_advantages_scaled_by_the_group_the_batch_or_nothing():
+    # A group a shaped reward pays 0.45 / 0.40 and a group with a right answer (1.0).
+    rewards = np.array([0.45, 0.40, 0.45, 0.40, 1.0, 0.0, 0.0, 0.0], np.float32)
+    centered = np.array([0.025, -0.025, 0.025, -0.025, 0.75, -0.25, -0.25, -0.25])
+    np.testing.assert_allclose(group_advantages(rewards, 4, "none"), centered, atol=1e-6)
+    np.testing.assert_allclose(group_advantages(rewards, 4, "batch"), centered / rewards.std(), rtol=1e-4)
+    # Divided by its own std, the first group's 0.05 differences count as much as a right answer.
+    grouped = group_advantages(rewards, 4, "group")
+    np.testing.assert_allclose(grouped[:4], [1, -1, 1, -1], rtol=1e-3)
+    np.testing.assert_allclose(grouped[4], np.sqrt(3), rtol=1e-4)
+    with pytest.raises(ValueError, match="scale must be one of"):
+        group_advantages(rewards, 4, "std")
+
+
 def test_frac_reward_zero_std_counts_the_groups_that_teach_nothing():
     # Groups of 4: mixed, all 0.5, all 0 (also with -0.0), mixed by a hair.
     rewards = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.0, -0.0, 0.0, 0.0, 0.45, 0.45, 0.45, 0.4500001]

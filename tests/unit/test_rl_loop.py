@@ -30,3 +30,13 @@ def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monk
     (other / "checkpoints" / "1").mkdir(parents=True)
     monkeypatch.chdir(chat_dir.parent)
     claim_output_dir(dataclasses.replace(config, model=chat_dir.name), other)
+
+
+def test_lr_decay_spans_the_train_steps_after_the_warm_up():
+    config = dataclasses.replace(
+        PRESETS["tiny"], steps=10, ppo_epochs=2, minibatches=4, warmup_updates=20, lr_decay=False
+    )
+    assert config.decay_updates == 0
+    assert dataclasses.replace(config, lr_decay=True).decay_updates == 10 * 2 * 4 - 20
+    with pytest.raises(ValueError, match="scale_rewards must be one of"):
+        dataclasses.replace(config, scale_rewards="std")

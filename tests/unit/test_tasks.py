@@ -109,3 +109,9 @@ def test_gsm8k_rows_from_a_local_file_become_chat_prompts(chat_dir, tmp_path):
     bad.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: GSM8K solution has no '####' answer line"):
         gsm8k_problems(tokenizer, str(bad))
+
+
+def test_addition_reward_can_pay_exact_answers_only():
+    assert addition_reward("8", "7", near_credit=0.0) == 0.0
+    assert addition_reward("7", "7", near_credit=0.0) == 1.0
+    assert addition_reward("9", "7", near_credit=0.2) == pytest.approx(0.16)
