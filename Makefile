@@ -63,7 +63,7 @@ demo: $(VENV)/.installed
 # engine's scheduler, the test) with XLA's compiles between: on 2 cores the two ends overlap.
 # Groups that exercise the same code at both ends run at one of them, which evens out their times:
 # - the oldest end only: `pinning` (each engine workaround disabled in a process of its own,
-#   ~10 s each: the engine's bugs, the same 0.0.2 code at both ends; the flax workaround, which
+#   10-25 s each: the engine's bugs, the same 0.0.2 code at both ends; the flax workaround, which
 #   differs, has its own test that runs at both) and `example_run` (the RL examples' learning
 #   curves, minutes each: their thresholds were set at the oldest);
 # - the newest end only: `example_path` (an example's code path end to end, no threshold) and

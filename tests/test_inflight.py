@@ -150,7 +150,7 @@ def test_recompute_kv_needs_in_flight(worker, params):
 # ---- under load: the HTTP server --------------------------------------------------------------
 
 ADMIN = {"Authorization": "Bearer inflight-admin"}
-LOAD_TOKENS = 4
+LOAD_TOKENS = 12
 
 
 async def _serve_load(worker, url: str, model: str, requests: int, swaps: int, reload_dir: str):
@@ -194,11 +194,17 @@ async def _serve_load(worker, url: str, model: str, requests: int, swaps: int, r
                 choice = final["choices"][0]
                 return 200, choice["token_ids"], choice["token_versions"], final["weight_version"]
 
+        def mid_decode() -> bool:
+            # At a forward boundary: a request has sampled some of its tokens (a swap asked for
+            # now lands inside it, LOAD_TOKENS leaving it forwards to go), or none is left.
+            # Running calls alone are not enough: on a loaded host they may all be waiting for
+            # admission, or the whole load may finish before the swap's request is served.
+            return pending[0] == 0 or any(0 < n < LOAD_TOKENS for n in worker.engine.testing.output_lengths().values())
+
         async def swapper():
             statuses = []
             for k in range(swaps):
-                while worker.active_calls == 0 and pending[0]:  # a swap meets running calls
-                    await asyncio.sleep(0.001)
+                await asyncio.to_thread(worker.engine.call_at_boundary, lambda: None, mid_decode)
                 if k % 2:
                     body, route = {"path": reload_dir, "format": "hf", "recompute_kv": True}, "/admin/reload_weights"
                 else:
