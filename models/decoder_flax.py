@@ -102,6 +102,10 @@ class DecoderConfig:
         """Decoder layer ``layer``'s feed-forward block, built inside that layer as "mlp"."""
         return MLP(self, name="mlp")
 
+    def routing_index(self, layer: int) -> int | None:
+        """Where layer ``layer``'s experts sit in ``routed_experts``' layer axis (None: dense)."""
+        return None
+
     @classmethod
     def from_hf(cls, source: str | Path | dict, dtype: str = "float32") -> DecoderConfig:
         """From an HF ``config.json`` (a model dir, the file, or its parsed dict)."""
@@ -210,13 +214,16 @@ class DecoderLayer(nn.Module):
     layer: int = 0
 
     @nn.compact
-    def __call__(self, x, positions, mask):
+    def __call__(self, x, positions, mask, routed_experts=None):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h = RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x)
         x = x + Attention(c, name="self_attn")(h, positions, mask)
         h = RMSNorm(c.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
-        return x + c.feed_forward(self.layer)(h)
+        slot = c.routing_index(self.layer)
+        if routed_experts is None or slot is None:
+            return x + c.feed_forward(self.layer)(h)
+        return x + c.feed_forward(self.layer)(h, routed_experts[:, :, slot])
 
 
 class Decoder(nn.Module):
@@ -229,10 +236,10 @@ class Decoder(nn.Module):
         self.layers = [DecoderLayer(c, layer=i) for i in range(c.num_hidden_layers)]  # named layers_{i}
         self.norm = RMSNorm(c.rms_norm_eps, dtype)
 
-    def __call__(self, tokens, positions, mask):
+    def __call__(self, tokens, positions, mask, routed_experts=None):
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, positions, mask)
+            x = layer(x, positions, mask, routed_experts)
         return self.norm(x)
 
     def attend(self, hidden):
@@ -257,7 +264,12 @@ class UntiedHead(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """``apply({'params': params}, tokens, attention_mask)`` -> logits [B, T, V] (float32)."""
+    """``apply({'params': params}, tokens, attention_mask)`` -> logits [B, T, V] (float32).
+
+    Mixture-of-experts models take ``routed_experts`` [B, T, MoE layers, top_k]
+    (``RolloutBatch.routed_experts``): each token goes to those experts, not to its router's
+    top-k, where they are given (>= 0) - rollout routing replay.
+    """
 
     config: DecoderConfig
 
@@ -268,10 +280,10 @@ class CausalLM(nn.Module):
             dtype = jnp.dtype(c.dtype)
             self.lm_head = UntiedHead(c.vocab_size, dtype)
 
-    def __call__(self, tokens, attention_mask=None, positions=None):
-        return self.logits(self.hidden_states(tokens, attention_mask, positions))
+    def __call__(self, tokens, attention_mask=None, positions=None, routed_experts=None):
+        return self.logits(self.hidden_states(tokens, attention_mask, positions, routed_experts))
 
-    def hidden_states(self, tokens, attention_mask=None, positions=None):
+    def hidden_states(self, tokens, attention_mask=None, positions=None, routed_experts=None):
         """The final-norm hidden states [B, T, H] the logits are read from (a value head reads them too)."""
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, dtype=bool)
@@ -281,7 +293,7 @@ class CausalLM(nn.Module):
         length = tokens.shape[1]
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         mask = causal[None, :, :] & attention_mask[:, None, :]
-        return self.model(tokens, positions, mask)
+        return self.model(tokens, positions, mask, routed_experts)
 
     def logits(self, hidden):
         if self.config.tie_word_embeddings:

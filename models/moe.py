@@ -19,3 +19,21 @@ def route(router_logits, top_k: int, norm_topk_prob: bool):
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def replay_route(router_logits, routed, top_k: int, norm_topk_prob: bool):
+    """:func:`route` with the experts given: where ``routed`` [..., top_k] holds ids (>= 0), those
+    experts, weighted by their softmax probabilities (renormalized when ``norm_topk_prob``),
+    as the engine weighted them; where it holds -1, this side's own top-k.
+
+    Rollout routing replay (R3): the trainer routes each token to the experts that produced the
+    sampled tokens in the engine, and its gradient reaches the router through the chosen experts'
+    probabilities.
+    """
+    own_weights, own = route(router_logits, top_k, norm_topk_prob)
+    experts = jnp.where(routed >= 0, routed.astype(jnp.int32), own)
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from . import qwen3_moe
 from .decoder_flax import MLP, DecoderConfig, read_hf_config
-from .moe import route
+from .moe import replay_route, route
 
 _expert_init = nn.initializers.variance_scaling(
     1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
@@ -43,6 +43,9 @@ class Qwen3MoeConfig(DecoderConfig):
     @property
     def qk_norm(self) -> bool:
         return True
+
+    def routing_index(self, layer: int) -> int | None:
+        return self.sparse_layers.index(layer) if layer in self.sparse_layers else None
 
     def feed_forward(self, layer: int) -> nn.Module:
         if layer in self.sparse_layers:
@@ -74,12 +77,16 @@ class SparseMoeBlock(nn.Module):
     config: Qwen3MoeConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, routed=None):
+        """``routed`` [..., top_k]: experts to use instead of this router's choice (-1: its own)."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         experts, hidden, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
         logits = nn.Dense(experts, use_bias=False, dtype=dtype, param_dtype=dtype, name="gate")(x)
-        weights, chosen = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        if routed is None:
+            weights, chosen = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        else:
+            weights, chosen = replay_route(logits, routed, c.num_experts_per_tok, c.norm_topk_prob)
         # [..., E]: each expert's routing weight for each token, 0 where not chosen.
         combine = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.float32) * weights[..., None], axis=-2)
         gate_proj = self.param("gate_proj", _expert_init, (experts, hidden, inter), dtype)

@@ -45,6 +45,9 @@ class Family:
     unsupported_flags: tuple[str, ...] = ()
     # (config getter) -> None, or ValueError for values the family cannot serve.
     check: Callable | None = None
+    # Mixture of experts: the engine can record each token's experts and the Flax model replay
+    # them (``routed_experts``).
+    routes_experts: bool = False
 
 
 def _qwen3_moe_expand(table, get) -> list[ParamMapping]:
@@ -73,6 +76,7 @@ FAMILIES: dict[str, Family] = {
         expand=_qwen3_moe_expand,
         unsupported_flags=("attention_bias",),
         check=qwen3_moe.check_config,
+        routes_experts=True,
     ),
 }
 

@@ -48,6 +48,11 @@ class RolloutBatch:
     # log-probs keeps that many (``models.completion_log_probs(..., kept_counts=...)``): the same
     # tokens as the engine, whatever its own logits' last bits say about the top-p boundary.
     kept_counts: np.ndarray | None = None
+    # [B, T, MoE layers, top_k] int8/int16 aligned with ``tokens`` (generate(...,
+    # return_routing=True), MoE models): the experts the engine routed each token to, -1 where
+    # no forward took the token as input (padding, each completion's last token). A trainer
+    # replays them (``CausalLM.apply(..., routed_experts=...)``) to route as the engine did.
+    routed_experts: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -93,6 +98,7 @@ def pack_rollouts(
     logprobs: Sequence[Sequence[float]] | None = None,
     token_versions: Sequence[Sequence[int]] | None = None,
     kept_counts: Sequence[Sequence[int]] | None = None,
+    routed_experts: Sequence[np.ndarray] | None = None,
 ) -> RolloutBatch:
     """Lay out prompt-major completions as left-padded prompts followed by completions.
 
@@ -134,6 +140,16 @@ def pack_rollouts(
             array[row, prompt_width : prompt_width + len(c)] = row_values
         return array
 
+    routing = None
+    if routed_experts is not None:
+        routing = np.full((rows, width) + routed_experts[0].shape[1:], -1, routed_experts[0].dtype)
+        for row, (p, c, row_routing) in enumerate(zip((prompts[i] for i in prompt_index), completions, routed_experts)):
+            positions_routed = len(p) + len(c) - 1
+            if len(row_routing) < positions_routed:
+                raise ValueError(f"row {row}: routing for {len(row_routing)} positions, expected {positions_routed}")
+            start = prompt_width - len(p)
+            routing[row, start : start + positions_routed] = row_routing[:positions_routed]
+
     return RolloutBatch(
         prompts=[list(map(int, p)) for p in prompts],
         completions=[list(map(int, c)) for c in completions],
@@ -152,4 +168,5 @@ def pack_rollouts(
         logprobs=per_token(logprobs, "log-probs", np.float32, 0),
         token_versions=per_token(token_versions, "token versions", np.int64, -1),
         kept_counts=per_token(kept_counts, "kept counts", np.int32, 0),
+        routed_experts=routing,
     )

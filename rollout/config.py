@@ -115,6 +115,8 @@ class WorkerConfig(EngineOptions):
         id) skips the model checks."""
         self.check_model_dir()
         check_model_family(self.model_path)
+        if self.record_routing:
+            check_routing_recordable(self.model_path)
         groups = self.device_groups()
         limit = model_context_limit(self.model_path)
         if (
@@ -147,6 +149,18 @@ def check_model_family(model_path: str) -> None:
     config_file = Path(model_path) / "config.json"
     if config_file.is_file():
         family_for(json.loads(config_file.read_text()), where=str(config_file))
+
+
+def check_routing_recordable(model_path: str) -> None:
+    """ValueError unless a local model directory's family has routed experts (a hub id passes)."""
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        if not family_for(config, where=str(config_file)).routes_experts:
+            raise ValueError(
+                f"WorkerConfig.record_routing: {config_file} is a {config.get('model_type')} model, "
+                "which routes no tokens to experts"
+            )
 
 
 def model_context_limit(model_path: str) -> int | None:

@@ -80,13 +80,15 @@ def check_consistency(
     mean_atol: float | None = None,
     max_kl: float | None = None,
     worst: int = 5,
+    routing_replay: bool = False,
 ) -> ConsistencyReport:
     """Sample from ``worker`` with log-probs and recompute them with the Flax model on ``params``.
 
     ``params`` is the trainer's tree the engine should be serving (synced by the caller).
     Raises :class:`ConsistencyError` naming the statistic and its threshold when the max
     |Δ log p| exceeds ``atol``, the mean exceeds ``mean_atol`` or the KL estimate exceeds
-    ``max_kl`` (the last two only when given).
+    ``max_kl`` (the last two only when given). ``routing_replay`` (MoE models, a worker with
+    ``record_routing``): the trainer routes every token to the experts the engine chose.
     """
     start = time.perf_counter()
     batch = worker.generate(
@@ -100,6 +102,7 @@ def check_consistency(
         seed=seed,
         pad_prompts_to=pad_prompts_to,
         return_logprobs=True,
+        return_routing=routing_replay,
     )
     tree = params["params"] if set(params) == {"params"} else params
     config_file = Path(worker.config.model_path) / "config.json"
@@ -107,7 +110,15 @@ def check_consistency(
         config_file.read_text(), _float_dtype(tree), float(temperature), int(top_k), float(top_p), float(min_p)
     )
     trainer = np.asarray(
-        trainer_fn(tree, batch.tokens, batch.attention_mask, batch.positions, batch.completion_mask, batch.kept_counts)
+        trainer_fn(
+            tree,
+            batch.tokens,
+            batch.attention_mask,
+            batch.positions,
+            batch.completion_mask,
+            batch.kept_counts,
+            batch.routed_experts,
+        )
     )
     stats = mismatch_stats(batch.logprobs, trainer, batch.completion_mask)
     diff = np.where(batch.completion_mask, np.abs(trainer - batch.logprobs), -1.0)
@@ -150,8 +161,8 @@ def _trainer_log_probs(config_json: str, dtype: str, temperature: float, top_k: 
     model = flax_model_for(json.loads(config_json), dtype)
 
     @jax.jit
-    def log_probs(params, tokens, attention_mask, positions, completion_mask, kept_counts):
-        logits = model.apply({"params": params}, tokens, attention_mask, positions)
+    def log_probs(params, tokens, attention_mask, positions, completion_mask, kept_counts, routed_experts):
+        logits = model.apply({"params": params}, tokens, attention_mask, positions, routed_experts=routed_experts)
         return completion_log_probs(
             logits,
             tokens,

@@ -66,7 +66,8 @@ class SamplingParams:
     ``temperature=0`` is greedy decoding. ``top_k=-1`` keeps every token. ``seed=None`` lets
     the worker draw a fresh seed for the call. ``stop_token_ids`` end a completion (the stop
     token is kept in it); the worker adds the model's EOS ids unless ``ignore_eos``.
-    ``return_logprobs`` asks for the log-probability of every sampled token.
+    ``return_logprobs`` asks for the log-probability of every sampled token, ``return_routing``
+    (MoE models, a worker with ``record_routing``) for the experts every token was routed to.
     """
 
     n: int = 1
@@ -79,6 +80,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     return_logprobs: bool = False
+    return_routing: bool = False
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -100,7 +102,7 @@ class SamplingParams:
         if not 0 <= min_p <= 1:
             raise InvalidRequest("min_p", f"min_p must be in [0, 1], got {min_p}")
         set_(self, "min_p", min_p)
-        for flag in ("ignore_eos", "return_logprobs"):
+        for flag in ("ignore_eos", "return_logprobs", "return_routing"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise InvalidRequest(flag, f"{flag} must be a bool, got {getattr(self, flag)!r}")
             set_(self, flag, bool(getattr(self, flag)))
@@ -250,6 +252,11 @@ class RequestValidator:
             raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
         params = SamplingParams(**sampling)
         config, engine = self._config, self._engine
+        if params.return_routing and not config.record_routing:
+            raise InvalidRequest(
+                "return_routing",
+                "return_routing needs a worker that records routing: WorkerConfig(record_routing=True)",
+            )
         prompt_ids = prompt_token_ids(
             prompts, vocab_size=engine.vocab_size, tokenizer=self._tokenizer, model_path=config.model_path
         )

@@ -433,6 +433,7 @@ class RolloutWorker:
         seed: int | None = None,
         pad_prompts_to: int | None = None,
         return_logprobs: bool = False,
+        return_routing: bool = False,
         prompt_offset: int = 0,
     ) -> RolloutBatch:
         """Sample ``n`` completions for every prompt (token-id lists, or strings).
@@ -443,6 +444,8 @@ class RolloutWorker:
         draws a call seed from the worker's own random stream). Calls from several threads
         run concurrently and are batched together by the engines.
         ``return_logprobs=True`` fills ``batch.logprobs`` (see :class:`RolloutBatch`).
+        ``return_routing=True`` (MoE models, ``WorkerConfig(record_routing=True)``) fills
+        ``batch.routed_experts``: the experts each token was routed to, for routing replay.
         ``prompt_offset=k``: ``prompts[i]`` draws as global prompt ``k + i`` does, so processes
         that each generate their share of a global batch (same ``seed``) draw what one worker
         would over the whole batch.
@@ -481,10 +484,9 @@ class RolloutWorker:
         ``finish_reason``. Takes :meth:`generate`'s arguments except ``pad_prompts_to``.
         Leaving the loop early (``break``, ``aclose()``, cancellation) aborts the rows still
         generating."""
-        if "pad_prompts_to" in options:
-            raise TypeError(
-                "astream() got an unexpected keyword argument 'pad_prompts_to': streamed rows are not padded"
-            )
+        for option, why in (("pad_prompts_to", "streamed rows are not padded"), ("return_routing", "use generate")):
+            if option in options:
+                raise TypeError(f"astream() got an unexpected keyword argument {option!r}: {why}")
         self._check_open()
         request = self._requests.validate(prompts, options)
         await self._admit(blocking=False)
@@ -583,6 +585,7 @@ class RolloutWorker:
                 if any(o.token_versions is None for o in outputs)
                 else [o.token_versions[: len(c)] for o, c in zip(outputs, completions)]
             ),
+            routed_experts=[o.routed_experts for o in outputs] if params.return_routing else None,
         )
 
     # ---- weight checks (the server's admin routes) -------------------------------------------

@@ -22,11 +22,12 @@ from ..sampling import SamplingParams
 from . import inflight
 from .patches import install_workarounds, preserved_process_state, variables_sharded_lazily
 from .requests import RequestLoop
+from .routing import RoutingRecorder
 from .runtime import SchedulerControl
 from .start_up import engine_start_up
 from .state import ModelState
 from .testing import EngineTesting
-from .types import EngineOptions, ForwardMemory, GenerateOutput, engine_name
+from .types import EngineError, EngineOptions, ForwardMemory, GenerateOutput, engine_name
 from .workarounds import workaround_enabled
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class EngineHandle:
 
     def __init__(self, options: EngineOptions):
         install_workarounds()
+        if options.record_routing and not workaround_enabled("moe-forward"):
+            raise EngineError("record_routing needs workaround moe-forward: its expert block records the routing")
         from sgl_jax.srt.entrypoints.engine import Engine
 
         self.options = options
@@ -96,6 +99,8 @@ class EngineHandle:
             self._scheduler = self._engine.scheduler_info["scheduler"]
             self._control = SchedulerControl.of(self._scheduler)
             self._control.wait_for_threads(timeout=30)
+        if options.record_routing:
+            self._control.routing = RoutingRecorder()
         self._closed = False
         self._model = ModelState(self._scheduler, self._engine, options.seed)
         self._requests = RequestLoop(

@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 from models.moe import route
 from models.qwen3_moe import sparse_layers
 
+from .routing import note_routing
+
 # The mesh axes the engine shards experts over, in its order.
 EXPERT_AXES = ("data", "tensor")
 
@@ -69,7 +71,7 @@ def patch_expert_block(enabled) -> None:
     """Install the MoE workarounds that ``enabled(name)`` allows (see WORKAROUNDS)."""
     from sgl_jax.srt.layers import moe
 
-    qwen3_moe = _import_engine_qwen3_moe()
+    qwen3_moe = import_engine_qwen3_moe()
     if enabled("moe-forward"):
         moe.EPMoE.__call__ = _expert_block_call
     if enabled("moe-expert-shapes"):
@@ -78,7 +80,7 @@ def patch_expert_block(enabled) -> None:
         qwen3_moe.Qwen3MoeForCausalLM.__init__ = _dense_layers_listed(qwen3_moe.Qwen3MoeForCausalLM.__init__)
 
 
-def _import_engine_qwen3_moe():
+def import_engine_qwen3_moe():
     """WORKAROUNDS "moe-jax-import": the engine's Qwen3-MoE module, imported with ``jax.jax``
     present for the duration (it does ``from jax import jax``), and registered as the engine's
     model registry would have."""
@@ -102,6 +104,8 @@ def _expert_block_call(self, inputs, router_logits=None):
     """``EPMoE.__call__`` replacement."""
     if router_logits is None:
         raise ValueError("router_logits is required for EPMoE")
+    # The ids routed_experts picks (its route() of the same logits; XLA computes them once).
+    note_routing(route(router_logits, self.num_experts_per_tok, _norm_topk_prob(self))[1], router_logits.shape[-1])
     return routed_experts(
         inputs,
         router_logits,
@@ -109,11 +113,15 @@ def _expert_block_call(self, inputs, router_logits=None):
         self.wi_1.value,
         self.wo.value,
         top_k=self.num_experts_per_tok,
-        # transformers' Qwen3MoeConfig default.
-        norm_topk_prob=bool(getattr(self.config, "norm_topk_prob", False)),
+        norm_topk_prob=_norm_topk_prob(self),
         mesh=self.mesh,
         dtype=self.dtype,
     )
+
+
+def _norm_topk_prob(block) -> bool:
+    # transformers' Qwen3MoeConfig default.
+    return bool(getattr(block.config, "norm_topk_prob", False))
 
 
 def _with_every_expert(init):

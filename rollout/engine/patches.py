@@ -23,6 +23,7 @@ from ..versions import ENGINE, UnsupportedVersionError
 from .attention import converts_16bit_rows, paged_attention, runs_head_major_dots, set_rows
 from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms, row_argmax_and_max
 from .moe import patch_expert_block
+from .routing import patch_routing_output
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
 from .workarounds import DISABLE_ENV, disabled_workarounds, workaround_enabled
@@ -71,6 +72,8 @@ def install_workarounds() -> None:
         _patch_start_up(engine_module)
         _patch_native_attention()
         patch_expert_block(workaround_enabled)
+        if workaround_enabled("moe-forward"):  # routing is recorded by this project's expert block
+            patch_routing_output()
         _patch_model_loading()
         _installed = True
 

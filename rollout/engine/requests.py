@@ -17,6 +17,7 @@ import numpy as np
 
 from ..sampling import SamplingParams
 from .patches import LOGPROB_SINKS
+from .routing import RoutingSink
 from .runtime import SchedulerControl
 from .types import EngineError, GenerateOutput, TokenLogprobSink
 from .workarounds import workaround_enabled
@@ -135,6 +136,24 @@ class RequestLoop:
                 self._logprob_sinks.pop(rid, None)
 
     @contextlib.contextmanager
+    def _routing_collected(self, rids: list[str], wanted: bool):
+        """Per row, the sink the scheduler copies the request's MoE routing into (None when
+        not wanted)."""
+        if not wanted:
+            yield None
+            return
+        recorder = self._control.routing
+        if recorder is None:
+            raise EngineError("routing was asked for but this engine does not record it (EngineOptions.record_routing)")
+        sinks = [RoutingSink() for _ in rids]
+        recorder.sinks.update(zip(rids, sinks))
+        try:
+            yield sinks
+        finally:
+            for rid in rids:
+                recorder.sinks.pop(rid, None)
+
+    @contextlib.contextmanager
     def _aborted_if_cancelled(self, rids: list[str]):
         """A call cancelled by its caller (a client gone, a timeout) aborts its requests in the
         scheduler: they leave the running batch after at most one more forward and free their
@@ -189,6 +208,7 @@ class RequestLoop:
         with (
             self._logprobs_collected(rids, params.return_logprobs) as sinks,
             self._versions_collected(rids) as versions,
+            self._routing_collected(rids, params.return_routing) as routing,
             self._aborted_if_cancelled(rids),
             self._sent_whole(rids, params),
         ):
@@ -204,6 +224,11 @@ class RequestLoop:
                     f"request {i}: recorded {len(tokens)} weight versions for {out.completion_tokens} completion tokens"
                 )
         outputs = [dataclasses.replace(out, token_versions=tokens) for out, tokens in zip(outputs, versions)]
+        if routing is not None:
+            outputs = [
+                dataclasses.replace(out, routed_experts=_routed_positions(i, sink, len(ids), out))
+                for i, (out, sink, ids) in enumerate(zip(outputs, routing, request.input_ids))
+            ]
         if sinks is None:
             return outputs
         for i, (out, sink) in enumerate(zip(outputs, sinks)):
@@ -281,6 +306,15 @@ def _sampling_dict(params: SamplingParams, seed: int) -> dict:
     if params.stop_token_ids:
         sampling["stop_token_ids"] = list(params.stop_token_ids)
     return sampling
+
+
+def _routed_positions(row: int, sink: RoutingSink, prompt_tokens: int, output: GenerateOutput) -> np.ndarray:
+    """The routing of every position the engine took as input: the prompt and every completion
+    token but the last."""
+    expected = prompt_tokens + output.completion_tokens - 1
+    if sink.prefilled is None or len(sink) != expected:
+        raise EngineError(f"request {row}: recorded routing for {len(sink)} positions, expected {expected}")
+    return sink.rows()[:expected]
 
 
 def _to_output(result: dict, finished_only: bool = True) -> GenerateOutput:

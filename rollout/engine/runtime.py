@@ -14,6 +14,7 @@ import traceback
 import jax
 from jax._src import config as jax_config
 
+from .routing import RoutingRecorder
 from .start_up import current_start_up, default_device
 from .types import EngineError
 from .workarounds import workaround_enabled
@@ -104,6 +105,8 @@ class SchedulerControl:
         # rid -> the weight version of each token sampled for that request (every request).
         self.version_sinks: dict[str, list[int]] = {}
         self.arrivals = BatchArrivals()
+        # Set when the engine records MoE routing (EngineOptions.record_routing).
+        self.routing: RoutingRecorder | None = None
         self.error: BaseException | None = None
         self.error_traceback = ""
         self.stop_requested = False
@@ -343,6 +346,20 @@ def _versions_recorded(run_batch, control: SchedulerControl):
     return versioned_run_batch
 
 
+def _routing_recorded(run_batch, scheduler, control: SchedulerControl):
+    """Files each forward's MoE routing with the engine's ``RoutingRecorder`` (when it has one)."""
+
+    def routing_run_batch(batch):
+        result = run_batch(batch)
+        runner = scheduler.tp_worker.worker.model_runner
+        routing = runner.__dict__.pop("_rollout_routing", None)
+        if control.routing is not None and routing is not None:
+            control.routing.record(batch, routing, scheduler.req_to_token_pool.req_to_token)
+        return result
+
+    return routing_run_batch
+
+
 def _run_scheduler_loop(scheduler, control: SchedulerControl, server_args, devices, matmul_precision) -> None:
     # The engine's default device, and the matmul precision its start-up left set: 0.0.2 sets
     # 'highest' process-wide on GPU; preserved_process_state puts the process-wide value back,
@@ -363,7 +380,9 @@ def _scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
     arrival_poller = zmq.Poller()
     arrival_poller.register(scheduler.recv_from_tokenizer, zmq.POLLIN)
     scheduler.recv_requests = _idle_aware_recv(scheduler, scheduler.recv_requests, control, poller, arrival_poller)
-    scheduler.run_batch = _versions_recorded(_timed(scheduler.run_batch, control), control)
+    scheduler.run_batch = _routing_recorded(
+        _versions_recorded(_timed(scheduler.run_batch, control), control), scheduler, control
+    )
     try:
         if workaround_enabled("process-kill-on-error"):
             scheduler.event_loop_normal()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 # Seconds without progress on a running forward after which the watchdog fails the engine.
 DEFAULT_WATCHDOG_TIMEOUT_S = 1800.0
@@ -39,6 +40,10 @@ class EngineOptions:
     devices: tuple[jax.Device, ...] | None = None
     # Names the engine in its thread names, logs and errors ("engine 1" -> "engine 1 (devices 2,3)").
     name: str = "engine"
+    # MoE models: record the experts every token is routed to, so that generate(...,
+    # return_routing=True) can return them (routing replay, rollout/engine/routing.py). Costs a
+    # small fetch per forward and a host table of (KV slots x MoE layers x top-k) ids.
+    record_routing: bool = False
 
     def __post_init__(self):
         if self.devices is None:
@@ -73,6 +78,9 @@ class GenerateOutput:
     # With logprobs: how many tokens the distribution of each output token kept after top-k,
     # top-p and min-p (the vocabulary size where nothing was filtered).
     kept_counts: list[int] | None = None
+    # With routing asked for: [prompt + completion tokens - 1, MoE layers, top_k] expert ids of
+    # every position the engine took as input (routing.RoutingSink).
+    routed_experts: np.ndarray | None = None
 
 
 class TokenLogprobSink:
