@@ -29,6 +29,7 @@ from examples.rl_loop import (
     Setup,
     _save,
     _summary,
+    rollout_arrays,
     rollout_metrics,
     set_up,
     step_seed,
@@ -81,6 +82,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
             max_new_tokens=config.max_new_tokens,
             pad_prompts_to=config.max_prompt_tokens,
             return_logprobs=True,
+            return_routing=config.routing_replay,
             seed=step_seed(config.seed, step),
         )
 
@@ -104,10 +106,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
                 ],
                 dtype=np.float32,
             )
-            arrays = {
-                name: jax.device_put(getattr(batch, name), batch_sharding)
-                for name in ("tokens", "attention_mask", "positions", "completion_mask")
-            }
+            arrays = {name: jax.device_put(getattr(batch, name), batch_sharding) for name in rollout_arrays(config)}
             start_train = time.perf_counter()
             state.trees, stats = algorithm.update(state.trees, Rollout(problems, batch, rewards, arrays, state.step))
             stats = {k: float(v) for k, v in stats.items()}

@@ -38,6 +38,8 @@ from examples.rl_loop import (
     Rollout,
     cli,
     mismatch_metrics,
+    model_inputs,
+    routing_probe,
     run,
 )
 from examples.rl_loop import (
@@ -116,21 +118,22 @@ class GRPO:
         self.ref_params = jax.tree_util.tree_map(jnp.copy, policy.params) if config.kl_beta > 0 else None
         model = policy.model
 
-        def tempered_logits(params, tokens, attention_mask, positions):
+        def tempered_logits(params, tokens, attention_mask, positions, routed_experts):
             # The engine samples at this temperature: the policy being trained is the tempered one.
-            return model.apply({"params": params}, tokens, attention_mask, positions) / config.temperature
+            logits = model.apply({"params": params}, tokens, attention_mask, positions, routed_experts=routed_experts)
+            return logits / config.temperature
 
-        def logprobs(params, tokens, attention_mask, positions):
-            return token_logprobs(tempered_logits(params, tokens, attention_mask, positions), tokens)
+        def logprobs(params, tokens, attention_mask, positions, routed_experts):
+            return token_logprobs(tempered_logits(params, tokens, attention_mask, positions, routed_experts), tokens)
 
-        def logprobs_and_entropy(params, tokens, attention_mask, positions):
+        def logprobs_and_entropy(params, tokens, attention_mask, positions, routed_experts):
             """The rollout's old log-probs and, from the same forward, each sampled token's
             full-distribution entropy (the policy's exploration, logged per step)."""
-            logits = tempered_logits(params, tokens, attention_mask, positions)
+            logits = tempered_logits(params, tokens, attention_mask, positions, routed_experts)
             return token_logprobs(logits, tokens), token_entropy(logits)
 
         def loss_fn(trained, batch):
-            new = logprobs(trained["params"], batch["tokens"], batch["attention_mask"], batch["positions"])
+            new = logprobs(trained["params"], *model_inputs(batch))
             return ppo_clip_loss(
                 new,
                 batch["old_logprobs"],
@@ -144,6 +147,7 @@ class GRPO:
             )
 
         self.logprobs = jax.jit(logprobs)
+        self.routing_probe = routing_probe(model) if config.routing_replay else None
         self.logprobs_and_entropy = jax.jit(logprobs_and_entropy)
         self.train_step = make_train_step(loss_fn, {"params": ("opt_state", self.optimizer)}, config.target_kl)
 
@@ -152,7 +156,7 @@ class GRPO:
 
     def update(self, trees: dict, rollout: Rollout) -> tuple[dict, dict]:
         config, data = self.config, dict(rollout.arrays)
-        inputs = (data["tokens"], data["attention_mask"], data["positions"])
+        inputs = model_inputs(data)
         old, entropy = self.logprobs_and_entropy(trees["params"], *inputs)
         data["old_logprobs"] = old
         # Per prompt group: this process's rows hold whole groups.
@@ -166,6 +170,8 @@ class GRPO:
                 "step %d: every group's samples earned equal rewards: all advantages are 0, the update has no signal",
                 rollout.step + 1,
             )
+        if self.routing_probe is not None:  # the rollout's policy, before the update donates it
+            rollout_stats.update(self.routing_probe(trees["params"], data))
         if self.ref_params is not None:
             data["ref_logprobs"] = self.logprobs(self.ref_params, *inputs)
         if config.tis_cap is not None:

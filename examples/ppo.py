@@ -43,6 +43,8 @@ from examples.rl_loop import (
     Rollout,
     cli,
     mismatch_metrics,
+    model_inputs,
+    routing_probe,
     run,
 )
 from examples.rl_loop import (
@@ -158,37 +160,39 @@ class PPO:
         # The reference is the initial policy, also after a resume; a copy (the train step donates).
         self.ref_params = jax.tree_util.tree_map(jnp.copy, policy.params) if config.kl_coef > 0 else None
 
-        def values(trained, tokens, attention_mask, positions, hidden=None):
+        def policy_hidden(params, tokens, attention_mask, positions, routed_experts):
+            return model.apply(
+                {"params": params}, tokens, attention_mask, positions, routed_experts, method="hidden_states"
+            )
+
+        def values(trained, tokens, attention_mask, positions, routed_experts, hidden=None):
             if critic_model is not None:
+                # A critic of its own routes its tokens itself: replay is for the policy's gradient.
                 out = critic_model.apply({"params": trained["critic"]}, tokens, attention_mask, positions)
             else:
                 if hidden is None:
-                    hidden = model.apply(
-                        {"params": trained["params"]}, tokens, attention_mask, positions, method="hidden_states"
-                    )
+                    hidden = policy_hidden(trained["params"], tokens, attention_mask, positions, routed_experts)
                 out = ValueHead().apply({"params": trained["critic"]["value_head"]}, hidden)
             return out[:, :-1]  # the value of each action's state, aligned with token_logprobs
 
-        def forward(trained, tokens, attention_mask, positions):
+        def forward(trained, tokens, attention_mask, positions, routed_experts):
             """Log-probs, entropies and values of the rollout's actions: [B, T - 1] each."""
-            hidden = model.apply(
-                {"params": trained["params"]}, tokens, attention_mask, positions, method="hidden_states"
-            )
+            hidden = policy_hidden(trained["params"], tokens, attention_mask, positions, routed_experts)
             # The engine samples at this temperature: the policy being trained is the tempered one.
             logits = model.apply({"params": trained["params"]}, hidden, method="logits") / config.temperature
             return (
                 token_logprobs(logits, tokens),
                 token_entropy(logits),
-                values(trained, tokens, attention_mask, positions, hidden),
+                values(trained, tokens, attention_mask, positions, routed_experts, hidden),
             )
 
-        def logprobs(params, tokens, attention_mask, positions):
-            logits = model.apply({"params": params}, tokens, attention_mask, positions)
+        def logprobs(params, tokens, attention_mask, positions, routed_experts):
+            logits = model.apply({"params": params}, tokens, attention_mask, positions, routed_experts=routed_experts)
             return token_logprobs(logits / config.temperature, tokens)
 
         def loss_fn(trained, batch):
             mask = batch["completion_mask"][:, 1:]
-            new, entropy, new_values = forward(trained, batch["tokens"], batch["attention_mask"], batch["positions"])
+            new, entropy, new_values = forward(trained, *model_inputs(batch))
             policy_loss, stats = ppo_clip_loss(
                 new,
                 batch["old_logprobs"],
@@ -218,6 +222,7 @@ class PPO:
         self.values = jax.jit(values)
         self.forward = jax.jit(forward)
         self.logprobs = jax.jit(logprobs)
+        self.routing_probe = routing_probe(model) if config.routing_replay else None
         self.train_step = make_train_step(loss_fn, self.optimizers, config.target_kl)
 
     def init_trees(self, params) -> dict:
@@ -230,7 +235,7 @@ class PPO:
 
     def update(self, trees: dict, rollout: Rollout) -> tuple[dict, dict]:
         config, data = self.config, dict(rollout.arrays)
-        inputs = (data["tokens"], data["attention_mask"], data["positions"])
+        inputs = model_inputs(data)
         mask = data["completion_mask"][:, 1:]
         if config.old_logprobs == "engine":
             old = rollout.rows(rollout.batch.logprobs[:, 1:])
@@ -239,6 +244,8 @@ class PPO:
         else:
             old, entropy, old_values = self.forward(trees, *inputs)
         stats = {}
+        if self.routing_probe is not None:  # the rollout's policy, before the update donates it
+            stats.update(self.routing_probe(trees["params"], data))
         kl = None
         if self.ref_params is not None:
             kl = kl_penalty(old, self.logprobs(self.ref_params, *inputs), config.kl_estimator)

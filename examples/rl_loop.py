@@ -32,7 +32,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
-from models import CausalLM, TinyModelSpec, TinyMoeSpec, flax_model_for, tiny_llama3_spec, write_tiny_model
+from models import (
+    CausalLM,
+    TinyModelSpec,
+    TinyMoeSpec,
+    flax_model_for,
+    router_choices,
+    tiny_llama3_spec,
+    write_tiny_model,
+)
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
 from rollout.launch import PROCESS_ID_ENV, join, launch_local
 from trainer_bridge import load_hf_params
@@ -108,6 +116,10 @@ class RLConfig:
     # Truncated importance sampling: weight each token by min(p_trainer / p_engine, tis_cap),
     # the engine's log-probs being the behaviour policy (turns return_logprobs on). None: off.
     tis_cap: float | None = None
+    # MoE presets: the engine records the experts each token was routed to and the trainer's
+    # forwards route to them (rollout routing replay, R3), so that the gradient is taken through
+    # the experts that produced the samples.
+    routing_replay: bool = False
     # Every N steps run RolloutWorker.check_consistency and stop on a ConsistencyError. 0: off.
     check_consistency_every: int = 0
     consistency_atol: float = 1e-3
@@ -168,7 +180,7 @@ class Rollout:
     problems: list[Problem]
     batch: RolloutBatch
     rewards: np.ndarray  # [B] float32, one per completion
-    arrays: dict[str, jax.Array]  # tokens, attention_mask, positions, completion_mask: [B, T]
+    arrays: dict[str, jax.Array]  # rollout_arrays(config): [B, T] (routed_experts [B, T, L, k])
     step: int  # 0-based index of the step that produced it
     # This process's rows (numpy, [B, ...]) as an array of every process's rows, for the update.
     rows: Callable[[Any], jax.Array] = jnp.asarray
@@ -353,6 +365,7 @@ def set_up(
             seed=config.seed,
             max_prefill_tokens=max(4096, config.max_prompt_tokens * 8),
             chunked_prefill_size=4096,
+            record_routing=config.routing_replay,
         )
     )
     try:
@@ -447,6 +460,7 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
         max_new_tokens=config.max_new_tokens,
         pad_prompts_to=config.max_prompt_tokens,
         return_logprobs=config.wants_logprobs,
+        return_routing=config.routing_replay,
         prompt_offset=offset,
         seed=step_seed(config.seed, state.step),
     )
@@ -456,7 +470,7 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
         dtype=np.float32,
     )
     rows = _rows_over_processes(worker)
-    arrays = {name: rows(getattr(batch, name)) for name in ("tokens", "attention_mask", "positions", "completion_mask")}
+    arrays = {name: rows(getattr(batch, name)) for name in rollout_arrays(config)}
     rollout = Rollout(problems, batch, rewards, arrays, state.step, rows)
     completion_tokens = batch.completion_lengths
     if jax.process_count() > 1:
@@ -510,6 +524,34 @@ def _rows_over_processes(worker: RolloutWorker) -> Callable[[Any], jax.Array]:
         return jnp.asarray
     sharding = NamedSharding(worker.mesh, PartitionSpec("replica"))
     return lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+
+def rollout_arrays(config: RLConfig) -> tuple[str, ...]:
+    """The RolloutBatch fields the update reads, on device."""
+    names = ("tokens", "attention_mask", "positions", "completion_mask")
+    return names + ("routed_experts",) if config.routing_replay else names
+
+
+def model_inputs(data: dict) -> tuple:
+    """The policy model's inputs from a rollout's arrays: tokens, attention_mask, positions and
+    routed_experts (None without routing replay)."""
+    return data["tokens"], data["attention_mask"], data["positions"], data.get("routed_experts")
+
+
+def routing_probe(model) -> Callable[[Any, dict], dict[str, jax.Array]]:
+    """``probe(params, arrays)``: how often the policy's own routers pick other experts than the
+    engine recorded (``arrays["routed_experts"]``), over the tokens the engine routed
+    (``routing_differs``; a token differs when any MoE layer's top-k set does)."""
+
+    @jax.jit
+    def probe(params, arrays):
+        own = router_choices(model, params, arrays["tokens"], arrays["attention_mask"], arrays["positions"])
+        engine = jnp.sort(arrays["routed_experts"].astype(jnp.int32), axis=-1)
+        routed = (engine[..., 0, 0] >= 0) & arrays["attention_mask"].astype(bool)
+        differs = jnp.any(engine != jnp.sort(own, axis=-1), axis=(-2, -1)) & routed
+        return {"routing_differs": differs.sum() / jnp.maximum(routed.sum(), 1)}
+
+    return probe
 
 
 def step_seed(seed: int, step: int) -> int:

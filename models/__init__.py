@@ -4,8 +4,8 @@ sglang-jax, and tiny random model dirs for tests and examples."""
 from .decoder_flax import CausalLM, DecoderConfig, Llama3RopeScaling, greedy_decode, rope_inv_freq
 from .logprobs import completion_log_probs, sampled_token_log_probs, sampling_log_probs, table_logits
 from .mapping import Condition, EngineTransform, ParamMapping, expand_mappings
-from .moe import route
-from .qwen3_moe_flax import Qwen3MoeConfig
+from .moe import replay_route, route
+from .qwen3_moe_flax import Qwen3MoeConfig, router_choices
 from .registry import FAMILIES, MAPPINGS, Family, family_for, flax_model_for, mappings_for
 from .tiny import TinyModelSpec, random_hf_weights, tiny_llama3_spec, tiny_random_llama_spec, write_tiny_model
 from .tiny_moe import TinyMoeSpec
@@ -31,7 +31,9 @@ __all__ = [
     "mappings_for",
     "random_hf_weights",
     "rope_inv_freq",
+    "replay_route",
     "route",
+    "router_choices",
     "sampled_token_log_probs",
     "sampling_log_probs",
     "table_logits",

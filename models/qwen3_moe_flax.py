@@ -83,9 +83,10 @@ class SparseMoeBlock(nn.Module):
         dtype = jnp.dtype(c.dtype)
         experts, hidden, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
         logits = nn.Dense(experts, use_bias=False, dtype=dtype, param_dtype=dtype, name="gate")(x)
-        if routed is None:
-            weights, chosen = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
-        else:
+        weights, chosen = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        # This router's own choice, replayed or not (router_choices reads it).
+        self.sow("intermediates", "router_choice", chosen)
+        if routed is not None:
             weights, chosen = replay_route(logits, routed, c.num_experts_per_tok, c.norm_topk_prob)
         # [..., E]: each expert's routing weight for each token, 0 where not chosen.
         combine = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.float32) * weights[..., None], axis=-2)
@@ -97,3 +98,15 @@ class SparseMoeBlock(nn.Module):
         up = jnp.einsum("...h,ehi->...ei", x, up_proj)
         out = jnp.einsum("...ei,eih->...eh", nn.silu(gate) * up, down_proj)
         return jnp.einsum("...eh,...e->...h", out.astype(jnp.float32), combine).astype(dtype)
+
+
+def router_choices(model, params, tokens, attention_mask=None, positions=None, routed_experts=None):
+    """The experts the model's own routers pick for each token, [B, T, MoE layers, top_k] int32
+    (as ``RolloutBatch.routed_experts`` lays them out), from a forward over ``tokens``; with
+    ``routed_experts`` that forward replays them (later layers see the replayed experts' output)."""
+    _, state = model.apply(
+        {"params": params}, tokens, attention_mask, positions, routed_experts=routed_experts, mutable=["intermediates"]
+    )
+    layers = state["intermediates"]["model"]
+    sparse = model.config.sparse_layers
+    return jnp.stack([layers[f"layers_{i}"]["mlp"]["router_choice"][0] for i in sparse], axis=2)
