@@ -18,9 +18,10 @@ import pytest
 from models import (
     TinyMoeSpec,
     greedy_decode,
+    router_choices,
     write_tiny_model,
 )
-from rollout import ConsistencyError, RolloutWorker
+from rollout import ConsistencyError, InvalidRequest, RolloutWorker
 from tests.helpers import flax_model, tiny_worker_config
 from trainer_bridge import flatten_params, load_hf_params, unflatten_params
 
@@ -49,8 +50,8 @@ def tp1_worker(moe_dir):
 
 @pytest.fixture(scope="module")
 def tp2_worker(moe_dir):
-    """Dummy weights at start-up; the experts sharded over 2 devices."""
-    with RolloutWorker(tiny_worker_config(moe_dir, tp_size=2, load_format="dummy")) as worker:
+    """Dummy weights at start-up; the experts sharded over 2 devices; routing recorded."""
+    with RolloutWorker(tiny_worker_config(moe_dir, tp_size=2, load_format="dummy", record_routing=True)) as worker:
         yield worker
 
 
@@ -192,11 +193,81 @@ def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
         assert_serves(worker, params, reference)
 
 
+# ---- routing replay ------------------------------------------------------------------------
+
+
+def test_recorded_routing_is_the_flax_models_float32_routing(tp2_worker, moe_dir, params):
+    """Every position a forward took as input carries the experts the fp32 Flax model picks
+    there (tp 2: the experts sharded, the routing replicated); the rest -1."""
+    tp2_worker.sync_params(params)
+    batch = tp2_worker.generate(PROMPTS, n=2, max_new_tokens=NEW_TOKENS, seed=3, return_routing=True)
+    routed = batch.routed_experts
+    assert routed.shape == batch.tokens.shape + (1, 2) and routed.dtype == np.int8
+    own = np.asarray(router_choices(flax_model(moe_dir), params, batch.tokens, batch.attention_mask, batch.positions))
+    recorded = routed[..., 0, 0] >= 0
+    last = batch.prompt_width + batch.completion_lengths - 1
+    expected = batch.attention_mask.copy()
+    expected[np.arange(batch.size), last] = False  # a completion's last token is never an input
+    np.testing.assert_array_equal(recorded, expected)
+    np.testing.assert_array_equal(routed[recorded], own[recorded])
+    assert np.all(routed[~recorded] == -1)
+
+
+def test_a_cached_prompts_routing_is_the_one_its_prefill_recorded(tp2_worker, params):
+    """The first call after a sync prefills the prompts; the second finds them in the prefix
+    cache and still returns their routing, the same."""
+    tp2_worker.sync_params(params)  # flushes the prefix cache
+    first = tp2_worker.generate(PROMPTS, max_new_tokens=2, seed=1, return_routing=True)
+    second = tp2_worker.generate(PROMPTS, n=3, max_new_tokens=2, seed=2, return_routing=True)
+    width = first.prompt_width
+    for row in range(second.size):
+        np.testing.assert_array_equal(
+            second.routed_experts[row, :width], first.routed_experts[second.prompt_index[row], :width]
+        )
+
+
+def test_routing_is_asked_of_a_worker_that_records_it(tp1_worker, qwen3_dir):
+    with pytest.raises(InvalidRequest, match=r"record_routing=True"):
+        tp1_worker.generate(PROMPTS, max_new_tokens=2, return_routing=True)
+    with pytest.raises(ValueError, match=r"record_routing: .* is a qwen3 model, which routes no tokens to experts"):
+        RolloutWorker(tiny_worker_config(qwen3_dir, record_routing=True))
+
+
+@pytest.fixture(scope="module")
+def near_tie_dir(tmp_path_factory):
+    """Router logits 3x narrower than moe_dir's: bf16 rounding flips many tokens' top-k."""
+    return write_tiny_model(
+        tmp_path_factory.mktemp("moe_near_ties"), TinyMoeSpec(router_scale=1.0), with_tokenizer=False
+    )
+
+
+# The dense families' bf16 bound (tests/test_logprobs.py: BF16_MAX_ABS_DIFF).
+BF16_MAX_ABS_DIFF = 0.25
+REPLAY_PROMPTS = PROMPTS + [[1], [64, 65, 66], [300, 2, 4], [9] * 7, [12, 34]]
+
+
+def test_replay_brings_a_bf16_moe_within_the_dense_bf16_tolerance(near_tie_dir):
+    """bf16 engine, fp32 trainer: routed by its own top-k the trainer is far off on the tokens
+    whose experts flipped; routed as the engine recorded, within the dense models' bound."""
+    params = load_hf_params(near_tie_dir)
+    config = tiny_worker_config(near_tie_dir, dtype="bfloat16", load_format="dummy", record_routing=True)
+    with RolloutWorker(config) as worker:
+        worker.sync_params(params)
+        check = dict(n=4, max_new_tokens=16, seed=0, atol=BF16_MAX_ABS_DIFF)
+        with pytest.raises(ConsistencyError) as without:
+            worker.check_consistency(params, REPLAY_PROMPTS, **check)
+        replayed = worker.check_consistency(params, REPLAY_PROMPTS, routing_replay=True, **check)
+    assert without.value.report.tokens == replayed.tokens
+    assert replayed.max_abs_diff < BF16_MAX_ABS_DIFF < without.value.report.max_abs_diff
+    assert replayed.kl < without.value.report.kl / 3
+
+
 @pytest.mark.example_path
 def test_grpo_example_runs_on_tiny_moe_with_an_engine_pool(tmp_path):
     """``python -m examples.grpo --preset tiny-moe --dp-size 2`` as a user runs it (2 steps, two
-    engines): every sync aliases all leaves on both engines (experts and routers included)
-    and the engines serve the trainer's policy (checked every step)."""
+    engines, routing replayed): every sync aliases all leaves on both engines (experts and routers
+    included) and the engines serve the trainer's policy (checked every step); in float32 the
+    trainer's routers pick what the engines recorded."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     command = [
         sys.executable,
@@ -216,6 +287,7 @@ def test_grpo_example_runs_on_tiny_moe_with_an_engine_pool(tmp_path):
         "4",
         "--dp-size",
         "2",
+        "--routing-replay",
     ]
     result = subprocess.run(
         command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900
@@ -225,3 +297,4 @@ def test_grpo_example_runs_on_tiny_moe_with_an_engine_pool(tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["bytes_copied"] == 0 for r in records)
     assert all(r["consistency_max"] < FP32_ATOL for r in records)
+    assert all(r["routing_differs"] == 0.0 for r in records)
