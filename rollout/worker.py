@@ -45,7 +45,7 @@ from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineHandle, GenerateOutput
-from .errors import WorkerClosed, WorkerUnavailable
+from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
 from .gate import EngineGate
 from .group import EngineGroup
 from .in_place_updates import check_in_place_updates
@@ -484,9 +484,12 @@ class RolloutWorker:
         ``finish_reason``. Takes :meth:`generate`'s arguments except ``pad_prompts_to``.
         Leaving the loop early (``break``, ``aclose()``, cancellation) aborts the rows still
         generating."""
-        for option, why in (("pad_prompts_to", "streamed rows are not padded"), ("return_routing", "use generate")):
-            if option in options:
-                raise TypeError(f"astream() got an unexpected keyword argument {option!r}: {why}")
+        if "pad_prompts_to" in options:
+            raise TypeError(
+                "astream() got an unexpected keyword argument 'pad_prompts_to': streamed rows are not padded"
+            )
+        if options.get("return_routing"):
+            raise InvalidRequest("return_routing", "astream() does not return routing: use generate or agenerate")
         self._check_open()
         request = self._requests.validate(prompts, options)
         await self._admit(blocking=False)

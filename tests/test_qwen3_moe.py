@@ -226,6 +226,29 @@ def test_a_cached_prompts_routing_is_the_one_its_prefill_recorded(tp2_worker, pa
         )
 
 
+def test_the_completions_route_returns_routing_on_request(tp2_worker, params):
+    import httpx
+
+    tp2_worker.sync_params(params)
+    sampling = dict(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=5, ignore_eos=True)
+    batch = tp2_worker.generate(PROMPTS[:1], return_routing=True, **sampling)
+    body = {"model": "moe", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "seed": 5, "ignore_eos": True}
+    body["return_routing"] = True
+    with tp2_worker.serve(served_model_name="moe") as server, httpx.Client(base_url=server.url, timeout=120) as http:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert (
+            "routed_experts"
+            not in http.post("/v1/completions", json={**body, "return_routing": False}).json()["choices"][0]
+        )
+        streamed = http.post("/v1/completions", json={**body, "stream": True})
+    assert choice["token_ids"] == batch.completions[0]
+    # One entry per prompt and completion token, the last -1.
+    start = batch.prompt_width - len(PROMPTS[0])
+    assert choice["routed_experts"] == batch.routed_experts[0, start : start + len(PROMPTS[0]) + NEW_TOKENS].tolist()
+    assert choice["routed_experts"][-1] == [[-1, -1]]
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_routing"
+
+
 def test_routing_is_asked_of_a_worker_that_records_it(tp1_worker, qwen3_dir):
     with pytest.raises(InvalidRequest, match=r"record_routing=True"):
         tp1_worker.generate(PROMPTS, max_new_tokens=2, return_routing=True)

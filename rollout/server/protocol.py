@@ -145,6 +145,8 @@ class GenerationRequest:
     include_usage: bool
     logprobs: bool = False  # each sampled token's log-prob (no top alternatives)
     ignore_eos: bool = False  # an extension (as in vLLM and sglang): generate past EOS
+    # An extension: each choice's routed_experts (MoE, a worker with record_routing), for replay.
+    return_routing: bool = False
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
@@ -215,6 +217,11 @@ def _common(
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise invalid("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
+    return_routing = body.get("return_routing", False)
+    if not isinstance(return_routing, bool):
+        raise invalid("return_routing", f"'return_routing' must be a boolean, got {return_routing!r}")
+    if return_routing and stream:
+        raise invalid("return_routing", "'return_routing' is not supported with 'stream': true")
     if max_tokens is not None and max_tokens >= context_length:
         raise invalid(
             "max_tokens",
@@ -232,6 +239,7 @@ def _common(
         stream=stream,
         include_usage=include_usage,
         ignore_eos=ignore_eos,
+        return_routing=return_routing,
     )
 
 

@@ -143,6 +143,9 @@ class Serving:
             if batch.token_versions is not None:  # extension: the weight version that sampled each token
                 start = batch.prompt_width
                 choice["token_versions"] = batch.token_versions[row, start : start + len(ids)].tolist()
+            if req.return_routing:  # extension: [prompt + completion tokens][MoE layers][top_k], -1 for none
+                first = batch.prompt_width - len(batch.prompts[batch.prompt_index[row]])
+                choice["routed_experts"] = batch.routed_experts[row, first : batch.prompt_width + len(ids)].tolist()
             choices.append(choice)
         request.state.tokens = (sum(map(len, batch.prompts)), completion_tokens)
         body = {
@@ -192,6 +195,7 @@ class Serving:
             seed=req.seed,
             return_logprobs=req.logprobs,
             ignore_eos=req.ignore_eos,
+            return_routing=req.return_routing,
         )
 
     def single_token_stops(self, stop: list[str]) -> list[int] | None:
