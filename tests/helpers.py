@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -265,3 +266,41 @@ def block_code(block: str) -> str:
 
 def source_name(block: str) -> str:
     return f"{readme_blocks()[block].path.relative_to(REPO)}:{block}"
+
+
+def swap_at_token(worker, new_params, position, generate: Callable, **swap):
+    """Run ``generate()`` (one request) while an in-flight sync lands exactly when the request has
+    ``position`` tokens: a boundary call holds the scheduler there (its condition is checked at
+    every forward boundary) until the sync has queued its swap, which then runs at that same
+    boundary. Returns (batch, sync report)."""
+    engine = worker.engine
+    held, release, results, errors = threading.Event(), threading.Event(), {}, []
+
+    def hold():
+        held.set()
+        release.wait()
+
+    def reached():
+        return any(n >= position for n in engine.testing.output_lengths().values())
+
+    def run(name, fn):
+        try:
+            results[name] = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            held.set()
+
+    threads = [threading.Thread(target=run, args=("hold", lambda: engine.call_at_boundary(hold, when=reached)))]
+    threads.append(threading.Thread(target=run, args=("batch", generate)))
+    for t in threads:
+        t.start()
+    assert held.wait(300) and not errors, errors
+    sync = threading.Thread(target=run, args=("report", lambda: worker.sync_params(new_params, in_flight=True, **swap)))
+    sync.start()
+    while engine.testing.boundary_calls_queued == 0 and sync.is_alive():  # the swap is queued behind the hold
+        time.sleep(0.001)
+    release.set()
+    for t in [*threads, sync]:
+        t.join(300)
+    assert not errors, errors
+    return results["batch"], results["report"]

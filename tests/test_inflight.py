@@ -2,15 +2,13 @@
 
 import asyncio
 import json
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 
 from rollout import RolloutWorker, compile_count
-from tests.helpers import tiny_worker_config
+from tests.helpers import swap_at_token, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 PROMPT = [5, 17, 42, 8]
@@ -48,44 +46,6 @@ def _greedy(worker, prompt, n):
     return worker.generate([prompt], temperature=0.0, max_new_tokens=n, ignore_eos=True, return_logprobs=True)
 
 
-def _swap_at_token(worker, new_params, position, **swap):
-    """Generate PROMPT greedily while an in-flight sync lands exactly when the request has
-    ``position`` tokens: a boundary call holds the scheduler there (its condition is checked at
-    every forward boundary) until the sync has queued its swap, which then runs at that same
-    boundary. Returns (batch, sync report)."""
-    engine = worker.engine
-    held, release, results, errors = threading.Event(), threading.Event(), {}, []
-
-    def hold():
-        held.set()
-        release.wait()
-
-    def reached():
-        return any(n >= position for n in engine.testing.output_lengths().values())
-
-    def run(name, fn):
-        try:
-            results[name] = fn()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            held.set()
-
-    threads = [threading.Thread(target=run, args=("hold", lambda: engine.call_at_boundary(hold, when=reached)))]
-    threads.append(threading.Thread(target=run, args=("batch", lambda: _greedy(worker, PROMPT, NEW_TOKENS))))
-    for t in threads:
-        t.start()
-    assert held.wait(300) and not errors, errors
-    sync = threading.Thread(target=run, args=("report", lambda: worker.sync_params(new_params, in_flight=True, **swap)))
-    sync.start()
-    while engine.testing.boundary_calls_queued == 0 and sync.is_alive():  # the swap is queued behind the hold
-        time.sleep(0.001)
-    release.set()
-    for t in [*threads, sync]:
-        t.join(300)
-    assert not errors, errors
-    return results["batch"], results["report"]
-
-
 def _row(batch, array):
     start = batch.prompt_width
     return array[0, start : start + len(batch.completions[0])]
@@ -95,7 +55,9 @@ def test_recompute_kv_swap_is_exact_at_the_swap_position(worker, params, new_par
     worker.sync_params(params)
     old_version = worker.weight_version
     old = _greedy(worker, PROMPT, NEW_TOKENS)
-    batch, report = _swap_at_token(worker, new_params, SWAP_AT, recompute_kv=True)
+    batch, report = swap_at_token(
+        worker, new_params, SWAP_AT, lambda: _greedy(worker, PROMPT, NEW_TOKENS), recompute_kv=True
+    )
     tokens = batch.completions[0]
     assert report.version == old_version + 1 and batch.weight_version == old_version
     versions = _row(batch, batch.token_versions)
@@ -115,7 +77,7 @@ def test_keeping_kv_labels_versions_exactly_and_measures_the_divergence(worker, 
     worker.sync_params(params)
     old_version = worker.weight_version
     old = _greedy(worker, PROMPT, NEW_TOKENS)
-    batch, _ = _swap_at_token(worker, new_params, SWAP_AT)
+    batch, _ = swap_at_token(worker, new_params, SWAP_AT, lambda: _greedy(worker, PROMPT, NEW_TOKENS))
     tokens = batch.completions[0]
     versions = _row(batch, batch.token_versions)
     assert versions.tolist() == [old_version] * SWAP_AT + [old_version + 1] * (NEW_TOKENS - SWAP_AT)
@@ -134,7 +96,8 @@ def test_prefix_cache_is_flushed_for_new_requests_while_old_kv_keeps_running(wor
     """A request that starts after an in-flight swap, with the same prompt as the one still
     running on old KV, computes its prefix under the new weights (nothing cached is reused)."""
     worker.sync_params(params)
-    _swap_at_token(worker, new_params, SWAP_AT)  # PROMPT's old-weight prefix was cached
+    # PROMPT's old-weight prefix was cached.
+    swap_at_token(worker, new_params, SWAP_AT, lambda: _greedy(worker, PROMPT, NEW_TOKENS))
     fresh = _greedy(worker, PROMPT, 8)
     worker.sync_params(new_params)  # a drain swap: a full flush
     reference = _greedy(worker, PROMPT, 8)

@@ -22,7 +22,7 @@ from models import (
     write_tiny_model,
 )
 from rollout import ConsistencyError, InvalidRequest, RolloutWorker
-from tests.helpers import flax_model, tiny_worker_config
+from tests.helpers import flax_model, swap_at_token, tiny_worker_config
 from trainer_bridge import flatten_params, load_hf_params, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
@@ -224,6 +224,32 @@ def test_a_cached_prompts_routing_is_the_one_its_prefill_recorded(tp2_worker, pa
         np.testing.assert_array_equal(
             second.routed_experts[row, :width], first.routed_experts[second.prompt_index[row], :width]
         )
+
+
+def test_across_an_in_flight_swap_a_position_is_routed_by_the_weights_of_its_forward(tp2_worker, moe_dir, params):
+    """Only the router changes (negated): every position's router input is the same under both
+    versions (attention and KV do not depend on it, and the sparse layer is the last). A position
+    is routed by the version whose forward took it as input: the one that sampled the next token."""
+    tp2_worker.sync_params(params)
+    flat = dict(flatten_params(params))
+    flat["model.layers_1.mlp.gate.kernel"] = -flat["model.layers_1.mlp.gate.kernel"]
+    new_params = unflatten_params(flat)
+    prompt = PROMPTS[2]
+
+    def generate():
+        return tp2_worker.generate([prompt], temperature=0.0, max_new_tokens=10, ignore_eos=True, return_routing=True)
+
+    batch, report = swap_at_token(tp2_worker, new_params, 4, generate)
+    model, inputs = flax_model(moe_dir), (batch.tokens, batch.attention_mask, batch.positions)
+    by_version = {
+        report.version - 1: np.asarray(router_choices(model, params, *inputs))[0],
+        report.version: np.asarray(router_choices(model, new_params, *inputs))[0],
+    }
+    width, versions = batch.prompt_width, batch.token_versions[0]
+    assert set(versions[width:]) == set(by_version)  # the swap landed inside the request
+    for column in range(width - len(prompt), width + len(batch.completions[0]) - 1):
+        version = versions[max(column + 1, width)]  # the prompt's prefill sampled the first token
+        np.testing.assert_array_equal(batch.routed_experts[0, column], by_version[version][column], str(column))
 
 
 def test_the_completions_route_returns_routing_on_request(tp2_worker, params):

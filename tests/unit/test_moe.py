@@ -39,9 +39,7 @@ def test_replayed_routes_use_the_given_experts_with_this_routers_weights(norm):
     expected = np.where(given >= 0, given, np.asarray(own))
     np.testing.assert_array_equal(np.asarray(experts), expected)
     # The weights are this router's probabilities of those experts (renormalized with norm).
-    expected_weights = np.take_along_axis(
-        np.asarray(jax.nn.softmax(logits.astype(np.float64), -1)), expected, -1
-    )
+    expected_weights = np.take_along_axis(np.asarray(jax.nn.softmax(logits.astype(np.float64), -1)), expected, -1)
     if norm:
         expected_weights /= expected_weights.sum(-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(weights), expected_weights, rtol=1e-6)
