@@ -1,61 +1,114 @@
 """Engine against trainer on the tiny Qwen3-MoE (8 experts, top-2, one dense layer): greedy
-tokens and the log-prob mismatch of sampled tokens, float32 and bfloat16 engines, tp 1 and 2.
+tokens and the log-prob mismatch of sampled tokens, float32 and bfloat16 engines, tp 1 and 2,
+with the trainer routing by its own top-k and replaying the engine's (rollout routing replay);
+then what recording the routing costs.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python -m bench.moe_parity_bench
 
 The trainer is the float32 Flax model (``models/qwen3_moe_flax.py``) on the HF weights; each
 engine starts with dummy weights and gets them by ``sync_params``. Mismatch over 8 prompts x
 n=4 x 6 tokens sampled at temperature 1 (192 tokens), as docs/benchmarks.md's table for Qwen2/Qwen3.
+Two routers: the tiny model's (logits spread 3 / sqrt(hidden)) and one 10x narrower, whose
+near-ties bfloat16 rounding flips. "routing differs": the fraction of routed tokens whose
+trainer top-k (float32, own routing) is not the engine's recorded one.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
-from models import TinyMoeSpec, flax_model_for, greedy_decode, write_tiny_model
+from models import TinyMoeSpec, flax_model_for, greedy_decode, router_choices, write_tiny_model
 from rollout import RolloutWorker, WorkerConfig
 from trainer_bridge import load_hf_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [1], [64, 65, 66], [300, 2, 4], [9] * 7, [12, 34]]
+ROUTERS = {"wide": 3.0, "near-tie": 0.3}
+
+
+def worker_config(model_dir: Path, dtype: str, tp: int, **overrides) -> WorkerConfig:
+    settings = dict(
+        model_path=str(model_dir),
+        dtype=dtype,
+        load_format="dummy",
+        tp_size=tp,
+        devices=tuple(jax.devices()[:tp]),
+        max_total_tokens=4096,
+        context_length=256,
+        max_running_requests=64,
+        max_prefill_tokens=1024,
+        chunked_prefill_size=1024,
+    )
+    return WorkerConfig(**{**settings, **overrides})
+
+
+def parity(router: str, model_dir: Path) -> None:
+    params = load_hf_params(model_dir)
+    model = flax_model_for(json.loads((model_dir / "config.json").read_text()))
+    reference = greedy_decode(model, params, PROMPTS, 16)
+    for dtype in ("float32", "bfloat16"):
+        for tp in (1, 2):
+            with RolloutWorker(worker_config(model_dir, dtype, tp, record_routing=True)) as worker:
+                worker.sync_params(params)
+                greedy = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=16, ignore_eos=True).completions
+                equal = sum(a == b for g, r in zip(greedy, reference) for a, b in zip(g, r))
+                check = dict(n=4, max_new_tokens=6, atol=10.0, seed=0)
+                own = worker.check_consistency(params, PROMPTS, **check)
+                replayed = worker.check_consistency(params, PROMPTS, routing_replay=True, **check)
+                batch = worker.generate(PROMPTS, n=4, max_new_tokens=6, seed=0, return_routing=True)
+            trainer = np.sort(np.asarray(router_choices(model, params, batch.tokens, batch.attention_mask)), -1)
+            engine = np.sort(batch.routed_experts, -1)
+            routed = engine[..., 0, 0] >= 0
+            differs = np.any(engine != trainer, axis=(-2, -1))[routed].mean()
+            print(
+                f"{router:9s} {dtype + ' tp=' + str(tp):15s} {f'{equal}/{16 * len(PROMPTS)}':>8s} "
+                f"{differs:9.3f} {own.mean_abs_diff:10.2e} {own.max_abs_diff:9.2e} {own.kl:9.1e} "
+                f"{replayed.mean_abs_diff:10.2e} {replayed.max_abs_diff:9.2e} {replayed.kl:9.1e}"
+            )
+
+
+def recording_cost(model_dir: Path) -> None:
+    """Generate time with and without recording (same engine settings, 32 rows x 64 tokens),
+    the bytes each routed token costs, and the host table's size after the run."""
+    params = load_hf_params(model_dir)
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(32)]
+    sampling = dict(max_new_tokens=64, ignore_eos=True, seed=0)
+    for record in (False, True):
+        with RolloutWorker(worker_config(model_dir, "float32", 1, record_routing=record)) as worker:
+            worker.sync_params(params)
+            times = []
+            for _ in range(4):  # the first compiles
+                start = time.perf_counter()
+                batch = worker.generate(prompts, return_routing=record, **sampling)
+                times.append(time.perf_counter() - start)
+            table = worker.engine.routing_table_bytes
+        tokens = int(batch.completion_mask.sum())
+        per_token = "-" if not record else f"{batch.routed_experts[0, 0].nbytes} B"
+        print(
+            f"record_routing={record!s:5s} {statistics.median(times[1:]):8.3f} s  "
+            f"{tokens / statistics.median(times[1:]):9.0f} tokens/s  per token {per_token:>5s}  "
+            f"host table {table / 1024:.0f} KiB"
+        )
 
 
 def main() -> None:
+    print(
+        f"{'router':9s} {'engine':15s} {'greedy':>8s} {'routing':>9s} "
+        f"{'own: mean':>10s} {'max':>9s} {'KL':>9s} {'replay: mean':>10s} {'max':>9s} {'KL':>9s}"
+    )
+    print(f"{'':9s} {'':15s} {'equal':>8s} {'differs':>9s} {'|Δ log p|':>10s} {'':>9s} {'':>9s} {'|Δ log p|':>10s}")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp), TinyMoeSpec(), with_tokenizer=False)
-        params = load_hf_params(model_dir)
-        model = flax_model_for(json.loads((model_dir / "config.json").read_text()))
-        reference = greedy_decode(model, params, PROMPTS, 16)
-        print(
-            f"{'engine':18s} {'greedy tokens equal':>20s} {'mean |Δ log p|':>15s} "
-            f"{'max |Δ log p|':>14s} {'KL estimate':>12s}"
-        )
-        for dtype in ("float32", "bfloat16"):
-            for tp in (1, 2):
-                config = WorkerConfig(
-                    model_path=str(model_dir),
-                    dtype=dtype,
-                    load_format="dummy",
-                    tp_size=tp,
-                    devices=tuple(jax.devices()[:tp]),
-                    max_total_tokens=2048,
-                    context_length=256,
-                    max_running_requests=32,
-                    max_prefill_tokens=512,
-                    chunked_prefill_size=512,
-                )
-                with RolloutWorker(config) as worker:
-                    worker.sync_params(params)
-                    greedy = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=16, ignore_eos=True).completions
-                    equal = sum(a == b for g, r in zip(greedy, reference) for a, b in zip(g, r))
-                    report = worker.check_consistency(params, PROMPTS, n=4, max_new_tokens=6, atol=10.0)
-                print(
-                    f"{dtype + ' tp=' + str(tp):18s} {f'{equal}/{16 * len(PROMPTS)}':>20s} "
-                    f"{report.mean_abs_diff:15.2e} {report.max_abs_diff:14.2e} {report.kl:12.1e}"
-                )
+        for router, scale in ROUTERS.items():
+            model_dir = write_tiny_model(Path(tmp) / router, TinyMoeSpec(router_scale=scale), with_tokenizer=False)
+            parity(router, model_dir)
+        print()
+        recording_cost(Path(tmp) / "wide")
 
 
 if __name__ == "__main__":

@@ -166,6 +166,12 @@ class EngineHandle:
     def hf_config(self):
         return self._model.runner.model_config.hf_config
 
+    @property
+    def routing_table_bytes(self) -> int:
+        """Host bytes of the routing recorder's table by KV slot (0 when not recording)."""
+        routing = self._control.routing
+        return 0 if routing is None else routing.host_bytes
+
     def busy_intervals(self) -> list[tuple[float, float]]:
         """(start, end) ``time.perf_counter()`` of this engine's latest forward passes."""
         return list(self._control.busy)
