@@ -12,10 +12,33 @@ the prefix cache before every call, so the probe's prompt KV is always computed 
 call's batch. A second table splits the difference into its sources by changing one shape at
 a time: the decode batch (rows, padded to 1, 2, 4, ... 64) and the prefill token bucket (64,
 128, ... tokens).
+
+A third table runs the same probe on a second worker per configuration in a fixed-shape mode,
+which makes the log-probs batch-invariant: every forward is padded to one shape. The engine
+pads each decode batch to the smallest entry of ``precompile_bs_paddings`` that holds its rows,
+and each prefill to the smallest entry of ``precompile_token_paddings`` that holds its tokens
+(its batch dimension always to the largest bs entry), whether or not it precompiles (this
+project starts engines with precompile off unless ``precompile=True``). It keeps the bs entries
+up to ``max_running_requests`` and the token entries from there up to ``min(max_prefill_tokens,
+chunked_prefill_size)``, and adds each bound when the list stops short of it. So one entry at
+each bound leaves one decode shape and one prefill shape:
+
+    WorkerConfig(..., max_running_requests=64, max_prefill_tokens=1024, chunked_prefill_size=1024,
+                 precompile_bs_paddings=(64,), precompile_token_paddings=(1024,))
+
+(``precompile=True`` compiles the two shapes at start-up instead of on the first call.) A row's
+arithmetic then does not depend on the other rows: XLA CPU's dots give a row the same bits at any
+row index of a fixed shape, and the MoE block's ``jax.lax.ragged_dot`` is, on CPU, a dense dot
+over a group-masked copy of the rows (other rows' routing only moves the probe's rows and
+changes which entries are exact zeros). The table checks the probe as row 0 and as row 31 of the
+batch (alone with ``prompt_offset=31``: the same row seed); its cost is that every call, one
+row or 64, pays for 64 decode rows and 1024 prefill tokens. Measured on CPU: GPU/TPU ragged_dot
+kernels tile by group sizes and are not covered.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -33,6 +56,11 @@ NEW_TOKENS = 16
 ROWS = 64
 SEED = 1234
 REPEATS = 3
+# The fixed-shape mode's one prefill token count: the 64-row batch's prompts (838 tokens) fit
+# one prefill forward.
+FIXED_TOKENS = 1024
+# Where the probe also goes in the fixed-shape mode's batch.
+MIDDLE = 31
 
 _rng = np.random.default_rng(0)
 # Varied lengths (2..24 tokens): what a real rollout batch looks like.
@@ -46,7 +74,7 @@ MODELS = {"dense": TinyModelSpec(), "moe": TinyMoeSpec()}
 class Probe:
     """The probe row's tokens and log-probs from ``REPEATS`` calls on the same prompts."""
 
-    def __init__(self, worker: RolloutWorker, params, prompts: list[list[int]]):
+    def __init__(self, worker: RolloutWorker, params, prompts: list[list[int]], row: int = 0, offset: int = 0):
         times, rows = [], []
         for _ in range(REPEATS):
             worker.sync_params(params)  # flushes the prefix cache: no KV from another batch
@@ -59,10 +87,11 @@ class Probe:
                 return_logprobs=True,
                 ignore_eos=True,
                 max_new_tokens=NEW_TOKENS,
+                prompt_offset=offset,  # alone with offset k: the row seed of prompt k in a batch
             )
             times.append(time.perf_counter() - start)
-            mask = batch.completion_mask[0]
-            rows.append((int(batch.seeds[0]), batch.tokens[0][mask], batch.logprobs[0][mask]))
+            mask = batch.completion_mask[row]
+            rows.append((int(batch.seeds[row]), batch.tokens[row][mask], batch.logprobs[row][mask]))
         self.seed, self.tokens, self.logprobs = rows[-1]
         # The first call compiles the call's shapes: the median of the others is the run time.
         self.seconds = statistics.median(times[1:])
@@ -82,7 +111,7 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"CPU: {cpu}; jax {jax.__version__}, {jax.default_backend()} backend, {jax.device_count()} devices")
     print(f"probe: {len(PROBE)}-token prompt, {NEW_TOKENS} tokens at temperature 1, seed {SEED}; prefix cache flushed")
-    main_rows, split_rows, unrepeatable = [], [], []
+    main_rows, split_rows, fixed_rows, unrepeatable = [], [], [], []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in MODELS.items():
@@ -103,6 +132,23 @@ def main() -> None:
                         max_prefill_tokens=2048,
                         chunked_prefill_size=2048,
                     )
+                    # The fixed-shape mode: one decode batch size, one prefill token count.
+                    fixed_config = dataclasses.replace(
+                        config,
+                        max_prefill_tokens=FIXED_TOKENS,
+                        chunked_prefill_size=FIXED_TOKENS,
+                        precompile_bs_paddings=(ROWS,),
+                        precompile_token_paddings=(FIXED_TOKENS,),
+                    )
+                    with RolloutWorker(fixed_config) as worker:
+                        worker.sync_params(params)
+                        middle = [*VARIED[:MIDDLE], PROBE, *VARIED[MIDDLE:]]
+                        fixed = {
+                            "alone": Probe(worker, params, [PROBE]),
+                            "batch": Probe(worker, params, [PROBE] + VARIED),
+                            "alone 31": Probe(worker, params, [PROBE], offset=MIDDLE),
+                            "batch 31": Probe(worker, params, middle, row=MIDDLE),
+                        }
                     with RolloutWorker(config) as worker:
                         worker.sync_params(params)
                         runs = {
@@ -114,6 +160,16 @@ def main() -> None:
                         }
                     label = (name, dtype, tp)
                     unrepeatable += [(*label, run) for run, probe in runs.items() if not probe.repeatable]
+                    unrepeatable += [(*label, f"fixed {run}") for run, probe in fixed.items() if not probe.repeatable]
+                    fixed_rows.append(
+                        (
+                            *label,
+                            compare(fixed["alone"], fixed["batch"]),
+                            compare(fixed["alone 31"], fixed["batch 31"]),
+                            runs,
+                            fixed,
+                        )
+                    )
                     main_rows.append((*label, *compare(runs["alone"], runs["batch"]), runs))
                     split_rows.append(
                         (
@@ -147,6 +203,19 @@ def main() -> None:
     for name, dtype, tp, *cells in split_rows:
         text = " ".join(f"{f'{equal:2d}/{NEW_TOKENS} {delta:8.1e}':>18s}" for equal, delta, _ in cells)
         print(f"{name:6s} {dtype:9s} {tp:2d} {text}")
+    print(
+        f"\nfixed shapes (precompile_bs_paddings=({ROWS},), precompile_token_paddings=({FIXED_TOKENS},), "
+        f"max_prefill_tokens=chunked_prefill_size={FIXED_TOKENS}): alone vs in the {ROWS}-row batch, "
+        f"the probe as row 0 and as row {MIDDLE}; seconds default -> fixed"
+    )
+    print(
+        f"{'model':6s} {'dtype':9s} {'tp':>2s} {'row 0: equal, max |Δ|':>22s} {f'row {MIDDLE}: equal, max |Δ|':>23s} "
+        f"{'alone s':>14s} {'batch s':>14s}"
+    )
+    for name, dtype, tp, first, middle, runs, fixed in fixed_rows:
+        cells = [f"{f'{equal:2d}/{NEW_TOKENS} {delta:8.1e}':>22s}" for equal, delta, _ in (first, middle)]
+        times = [f"{f'{runs[k].seconds:.3f} -> {fixed[k].seconds:.3f}':>14s}" for k in ("alone", "batch")]
+        print(f"{name:6s} {dtype:9s} {tp:2d} {cells[0]} {cells[1]:>23s} {times[0]} {times[1]}")
     if unrepeatable:
         print("not bitwise repeatable across calls on the same prompts:", unrepeatable)
     else:

@@ -3,7 +3,7 @@ tokens and the log-prob mismatch of sampled tokens, float32 and bfloat16 engines
 with the trainer routing by its own top-k and replaying the engine's (rollout routing replay);
 then what recording the routing costs.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python -m bench.moe_parity_bench
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python -m bench.moe_parity_bench [--part cost]
 
 The trainer is the float32 Flax model (``models/qwen3_moe_flax.py``) on the HF weights; each
 engine starts with dummy weights and gets them by ``sync_params``. Mismatch over 8 prompts x
@@ -15,6 +15,7 @@ trainer top-k (float32, own routing) is not the engine's recorded one.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
@@ -73,42 +74,61 @@ def parity(router: str, model_dir: Path) -> None:
             )
 
 
-def recording_cost(model_dir: Path) -> None:
-    """Generate time with and without recording (same engine settings, 32 rows x 64 tokens),
-    the bytes each routed token costs, and the host table's size after the run."""
+def recording_cost(model_dir: Path, repeats: int = 7) -> None:
+    """Generate time with and without recording: two engines with the same settings (devices 0
+    and 1), called in turn so that both see the same machine load; 32 rows x 64 tokens. Also the
+    bytes each routed token costs, and the host table's size after the runs."""
     params = load_hf_params(model_dir)
     prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(32)]
     sampling = dict(max_new_tokens=64, ignore_eos=True, seed=0)
-    for record in (False, True):
-        with RolloutWorker(worker_config(model_dir, "float32", 1, record_routing=record)) as worker:
+    configs = {
+        record: worker_config(model_dir, "float32", 1, record_routing=record, devices=(jax.devices()[int(record)],))
+        for record in (False, True)
+    }
+    with RolloutWorker(configs[False]) as off, RolloutWorker(configs[True]) as on:
+        workers = {False: off, True: on}
+        times = {False: [], True: []}
+        for worker in workers.values():
             worker.sync_params(params)
-            times = []
-            for _ in range(4):  # the first compiles
+        for repeat in range(repeats + 1):  # the first compiles
+            for record, worker in workers.items():
                 start = time.perf_counter()
                 batch = worker.generate(prompts, return_routing=record, **sampling)
-                times.append(time.perf_counter() - start)
-            table = worker.engine.routing_table_bytes
+                if repeat:
+                    times[record].append(time.perf_counter() - start)
         tokens = int(batch.completion_mask.sum())
-        per_token = "-" if not record else f"{batch.routed_experts[0, 0].nbytes} B"
-        print(
-            f"record_routing={record!s:5s} {statistics.median(times[1:]):8.3f} s  "
-            f"{tokens / statistics.median(times[1:]):9.0f} tokens/s  per token {per_token:>5s}  "
-            f"host table {table / 1024:.0f} KiB"
-        )
+        for record, worker in workers.items():
+            seconds = statistics.median(times[record])
+            per_token = f"{batch.routed_experts[0, 0].nbytes} B" if record else "-"
+            print(
+                f"record_routing={record!s:5s} {seconds:8.3f} s  {tokens / seconds:7.0f} tokens/s  "
+                f"per token {per_token:>4s}  host table {worker.engine.routing_table_bytes / 1024:.0f} KiB"
+            )
+        ratio = statistics.median(times[True]) / statistics.median(times[False])
+        print(f"recording costs {ratio - 1:+.1%} of the generate time")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("all", "parity", "cost"), default="all")
+    part = parser.parse_args().part
+    with tempfile.TemporaryDirectory() as tmp:
+        if part in ("all", "parity"):
+            print_parity(Path(tmp))
+        if part in ("all", "cost"):
+            wide = write_tiny_model(Path(tmp) / "cost", TinyMoeSpec(router_scale=ROUTERS["wide"]), with_tokenizer=False)
+            recording_cost(wide)
+
+
+def print_parity(tmp: Path) -> None:
     print(
         f"{'router':9s} {'engine':15s} {'greedy':>8s} {'routing':>9s} "
         f"{'own: mean':>10s} {'max':>9s} {'KL':>9s} {'replay: mean':>10s} {'max':>9s} {'KL':>9s}"
     )
     print(f"{'':9s} {'':15s} {'equal':>8s} {'differs':>9s} {'|Δ log p|':>10s} {'':>9s} {'':>9s} {'|Δ log p|':>10s}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for router, scale in ROUTERS.items():
-            model_dir = write_tiny_model(Path(tmp) / router, TinyMoeSpec(router_scale=scale), with_tokenizer=False)
-            parity(router, model_dir)
-        print()
-        recording_cost(Path(tmp) / "wide")
+    for router, scale in ROUTERS.items():
+        parity(router, write_tiny_model(tmp / router, TinyMoeSpec(router_scale=scale), with_tokenizer=False))
+    print()
 
 
 if __name__ == "__main__":

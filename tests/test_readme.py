@@ -10,6 +10,7 @@ and the README stays a guide: at most 300 lines, the details in docs/.
 """
 
 import functools
+import json
 import os
 import re
 import socket
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from models import write_tiny_model
+from models import flax_model_for, write_tiny_model
 from models.tiny import tiny_llama3_spec
 from tests.helpers import BLOCK, DOCS, README, REPO, block_code, guide_files, source_name
 from trainer_bridge import load_hf_params
@@ -158,6 +159,17 @@ def test_logprobs(qwen2_dir):
     assert (
         namespace["report"].max_abs_diff < 1e-3 and namespace["batch"].logprobs.shape == namespace["batch"].tokens.shape
     )
+
+
+def test_routing_replay(moe_dir):
+    params = load_hf_params(moe_dir)
+    model = flax_model_for(json.loads((moe_dir / "config.json").read_text()))
+    supplied = dict(moe_dir=str(moe_dir), model=model, params=params, prompts=[[5, 17, 42], [100, 3]])
+    namespace = run_python("routing-replay", supplied)
+    batch = namespace["batch"]
+    assert batch.routed_experts.shape == batch.tokens.shape + (1, 2)
+    assert namespace["logits"].shape == batch.tokens.shape + (model.config.vocab_size,)
+    assert namespace["report"].max_abs_diff < 0.25  # a bfloat16 engine (the default), replayed
 
 
 # ---- the server, its client and its admin routes --------------------------------------------
