@@ -122,6 +122,8 @@ TINY = dict(lam=0.0, max_operand=4, prompts_per_step=128, warmup_updates=20, kl_
 
 PRESETS = {
     "tiny": PPOConfig(**TINY),
+    # The tiny task on the tiny Qwen3-MoE (with --routing-replay: R3).
+    "tiny-moe": PPOConfig(**TINY, preset="tiny-moe", output_dir="runs/ppo-tiny-moe"),
     # GRPO's 128 completions a step, one sample per prompt as PPO usually draws them.
     "qwen2.5-3b": PPOConfig(
         **QWEN25_3B,

@@ -262,9 +262,13 @@ def test_resume_gives_the_step_an_uninterrupted_run_takes(trained, tmp_path):
 def test_engine_old_logprobs_with_a_shared_critic_match_the_trainer_in_fp32(tmp_path):
     """--old-logprobs engine takes the rollout's log-probs from the engine; in fp32 they are
     the trainer's up to float rounding (the mismatch is measured on the first minibatch, and
-    the periodic consistency check passes)."""
+    the periodic consistency check passes). On the tiny MoE with routing replay: the policy's
+    forwards (its hidden states shared with the critic) route as the engine did."""
     records = run_ppo(
         tmp_path / "engine",
+        "--preset",
+        "tiny-moe",
+        "--routing-replay",
         "--steps",
         "3",
         "--old-logprobs",
@@ -277,6 +281,7 @@ def test_engine_old_logprobs_with_a_shared_critic_match_the_trainer_in_fp32(tmp_
     assert [r["step"] for r in records if "consistency_max" in r] == [1, 3]
     assert all(r["mismatch_max"] < 1e-4 and abs(r["mismatch_kl"]) < 1e-8 for r in records)
     assert all(r["consistency_max"] < 1e-4 for r in records if "consistency_max" in r)
+    assert all(r["routing_differs"] == 0.0 for r in records)
 
 
 @pytest.mark.example_path
