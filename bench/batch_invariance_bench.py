@@ -26,14 +26,14 @@ each bound leaves one decode shape and one prefill shape:
     WorkerConfig(..., max_running_requests=64, max_prefill_tokens=1024, chunked_prefill_size=1024,
                  precompile_bs_paddings=(64,), precompile_token_paddings=(1024,))
 
-(``precompile=True`` compiles the two shapes at start-up instead of on the first call.) A row's
-arithmetic then does not depend on the other rows: XLA CPU's dots give a row the same bits at any
-row index of a fixed shape, and the MoE block's ``jax.lax.ragged_dot`` is, on CPU, a dense dot
-over a group-masked copy of the rows (other rows' routing only moves the probe's rows and
-changes which entries are exact zeros). The table checks the probe as row 0 and as row 31 of the
-batch (alone with ``prompt_offset=31``: the same row seed); its cost is that every call, one
-row or 64, pays for 64 decode rows and 1024 prefill tokens. Measured on CPU: GPU/TPU ragged_dot
-kernels tile by group sizes and are not covered.
+(``precompile=True`` compiles the two shapes at start-up instead of on the first call.) The
+other rows then only change the values in the padded arrays, not the arithmetic done on the
+probe's row: the dots run at one shape, and the MoE block's ``jax.lax.ragged_dot`` lowers on CPU
+to a dense dot over a group-masked copy of the rows, where other rows' routing only moves the
+probe's rows and changes which products are exact zeros. The table checks the probe as row 0
+and as row 31 of the batch (alone with ``prompt_offset=31``: the same row seed). Its cost: every
+call, one row or 64, runs 64 decode rows and 1024 prefill tokens. Measured on XLA CPU only: the
+TPU/GPU ragged_dot kernels tile by group sizes and are not covered here.
 """
 
 from __future__ import annotations
@@ -204,10 +204,10 @@ def main() -> None:
         text = " ".join(f"{f'{equal:2d}/{NEW_TOKENS} {delta:8.1e}':>18s}" for equal, delta, _ in cells)
         print(f"{name:6s} {dtype:9s} {tp:2d} {text}")
     print(
-        f"\nfixed shapes (precompile_bs_paddings=({ROWS},), precompile_token_paddings=({FIXED_TOKENS},), "
-        f"max_prefill_tokens=chunked_prefill_size={FIXED_TOKENS}): alone vs in the {ROWS}-row batch, "
-        f"the probe as row 0 and as row {MIDDLE}; seconds default -> fixed"
+        f"\nfixed shapes: precompile_bs_paddings=({ROWS},), precompile_token_paddings=({FIXED_TOKENS},), "
+        f"max_prefill_tokens=chunked_prefill_size={FIXED_TOKENS}"
     )
+    print(f"alone vs in the {ROWS}-row batch, the probe as row 0 and as row {MIDDLE}; seconds default -> fixed")
     print(
         f"{'model':6s} {'dtype':9s} {'tp':>2s} {'row 0: equal, max |Δ|':>22s} {f'row {MIDDLE}: equal, max |Δ|':>23s} "
         f"{'alone s':>14s} {'batch s':>14s}"
