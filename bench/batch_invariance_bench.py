@@ -47,8 +47,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from bench.common import tiny_worker_config
 from models import TinyModelSpec, TinyMoeSpec, write_tiny_model
-from rollout import RolloutWorker, WorkerConfig
+from rollout import RolloutWorker
 from trainer_bridge import load_hf_params
 
 PROBE = [250, 251, 252, 7, 9, 11]
@@ -119,16 +120,12 @@ def main() -> None:
             params = load_hf_params(model_dir)
             for dtype in ("float32", "bfloat16"):
                 for tp in (1, 2):
-                    config = WorkerConfig(
-                        model_path=str(model_dir),
-                        dtype=dtype,
-                        load_format="dummy",
-                        tp_size=tp,
-                        devices=tuple(jax.devices()[:tp]),
-                        max_total_tokens=4096,
-                        context_length=256,
+                    # One prefill forward for the whole batch (about 850 prompt tokens).
+                    config = tiny_worker_config(
+                        model_dir,
+                        dtype,
+                        tp,
                         max_running_requests=ROWS,
-                        # One prefill forward for the whole batch (about 850 prompt tokens).
                         max_prefill_tokens=2048,
                         chunked_prefill_size=2048,
                     )

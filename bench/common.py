@@ -9,9 +9,11 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import psutil
 
 from models import TinyModelSpec, write_tiny_model
+from rollout import WorkerConfig
 
 # Qwen2.5-1.5B: hidden 1536, intermediate 8960, 12 heads, 2 KV heads, head_dim 128, vocab 151936,
 # tied embeddings. Layers are reduced (28 in the real model) to fit the 24 GiB CI machine.
@@ -112,3 +114,21 @@ class PeakRss:
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB"
+
+
+def tiny_worker_config(model_dir: Path, dtype: str, tp: int, **overrides) -> WorkerConfig:
+    """A worker on the first ``tp`` devices, dummy weights (the bench syncs its own), limits that
+    hold a 64-row batch of a tiny model's short prompts."""
+    settings = dict(
+        model_path=str(model_dir),
+        dtype=dtype,
+        load_format="dummy",
+        tp_size=tp,
+        devices=tuple(jax.devices()[:tp]),
+        max_total_tokens=4096,
+        context_length=256,
+        max_running_requests=64,
+        max_prefill_tokens=1024,
+        chunked_prefill_size=1024,
+    )
+    return WorkerConfig(**{**settings, **overrides})

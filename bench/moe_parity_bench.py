@@ -25,28 +25,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from bench.common import tiny_worker_config
 from models import TinyMoeSpec, flax_model_for, greedy_decode, router_choices, write_tiny_model
-from rollout import RolloutWorker, WorkerConfig
+from rollout import RolloutWorker
 from trainer_bridge import load_hf_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [1], [64, 65, 66], [300, 2, 4], [9] * 7, [12, 34]]
 ROUTERS = {"wide": 3.0, "near-tie": 0.3}
-
-
-def worker_config(model_dir: Path, dtype: str, tp: int, **overrides) -> WorkerConfig:
-    settings = dict(
-        model_path=str(model_dir),
-        dtype=dtype,
-        load_format="dummy",
-        tp_size=tp,
-        devices=tuple(jax.devices()[:tp]),
-        max_total_tokens=4096,
-        context_length=256,
-        max_running_requests=64,
-        max_prefill_tokens=1024,
-        chunked_prefill_size=1024,
-    )
-    return WorkerConfig(**{**settings, **overrides})
 
 
 def parity(router: str, model_dir: Path) -> None:
@@ -55,7 +40,7 @@ def parity(router: str, model_dir: Path) -> None:
     reference = greedy_decode(model, params, PROMPTS, 16)
     for dtype in ("float32", "bfloat16"):
         for tp in (1, 2):
-            with RolloutWorker(worker_config(model_dir, dtype, tp, record_routing=True)) as worker:
+            with RolloutWorker(tiny_worker_config(model_dir, dtype, tp, record_routing=True)) as worker:
                 worker.sync_params(params)
                 greedy = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=16, ignore_eos=True).completions
                 equal = sum(a == b for g, r in zip(greedy, reference) for a, b in zip(g, r))
@@ -82,7 +67,9 @@ def recording_cost(model_dir: Path, repeats: int = 7) -> None:
     prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(32)]
     sampling = dict(max_new_tokens=64, ignore_eos=True, seed=0)
     configs = {
-        record: worker_config(model_dir, "float32", 1, record_routing=record, devices=(jax.devices()[int(record)],))
+        record: tiny_worker_config(
+            model_dir, "float32", 1, record_routing=record, devices=(jax.devices()[int(record)],)
+        )
         for record in (False, True)
     }
     with RolloutWorker(configs[False]) as off, RolloutWorker(configs[True]) as on:

@@ -127,13 +127,8 @@ class RequestLoop:
         if not wanted:
             yield None
             return
-        sinks = [TokenLogprobSink() for _ in rids]
-        self._logprob_sinks.update(zip(rids, sinks))
-        try:
+        with _registered(self._logprob_sinks, rids, TokenLogprobSink) as sinks:
             yield sinks
-        finally:
-            for rid in rids:
-                self._logprob_sinks.pop(rid, None)
 
     @contextlib.contextmanager
     def _routing_collected(self, rids: list[str], wanted: bool):
@@ -145,13 +140,8 @@ class RequestLoop:
         recorder = self._control.routing
         if recorder is None:
             raise EngineError("routing was asked for but this engine does not record it (EngineOptions.record_routing)")
-        sinks = [RoutingSink() for _ in rids]
-        recorder.sinks.update(zip(rids, sinks))
-        try:
+        with _registered(recorder.sinks, rids, RoutingSink) as sinks:
             yield sinks
-        finally:
-            for rid in rids:
-                recorder.sinks.pop(rid, None)
 
     @contextlib.contextmanager
     def _aborted_if_cancelled(self, rids: list[str]):
@@ -169,14 +159,8 @@ class RequestLoop:
     @contextlib.contextmanager
     def _versions_collected(self, rids: list[str]):
         """Per row, the list the scheduler appends each sampled token's weight version to."""
-        sinks = [[] for _ in rids]
-        versions = self._control.version_sinks
-        versions.update(zip(rids, sinks))
-        try:
+        with _registered(self._control.version_sinks, rids, list) as sinks:
             yield sinks
-        finally:
-            for rid in rids:
-                versions.pop(rid, None)
 
     async def _cache_prompts(self, prompts, params: SamplingParams) -> None:
         """Prefill every prompt once, before its ``n`` samples are sent, so they find it in the
@@ -288,6 +272,19 @@ class RequestLoop:
         if not self._loop_thread.is_alive():
             self._loop.close()
         self._tokenizer_manager = None
+
+
+@contextlib.contextmanager
+def _registered(registry: dict, rids: list[str], make: Callable):
+    """A new sink per request, in ``registry`` under its request id while the call runs (the
+    scheduler thread fills the sinks of the requests it finds there)."""
+    sinks = [make() for _ in rids]
+    registry.update(zip(rids, sinks))
+    try:
+        yield sinks
+    finally:
+        for rid in rids:
+            registry.pop(rid, None)
 
 
 def _sampling_dict(params: SamplingParams, seed: int) -> dict:

@@ -75,33 +75,14 @@ def test_batch_layout_aligns_routing_with_tokens():
     ]
     for row in rows:
         row[:, 0, 0] = np.arange(len(row))
-    batch = pack_rollouts(
-        prompts,
-        completions,
-        n=1,
-        completion_width=4,
-        pad_token_id=0,
-        finish_reasons=["length"] * 2,
-        weight_version=0,
-        seeds=np.zeros(2),
-        routed_experts=rows,
-    )
+    layout = dict(n=1, completion_width=4, pad_token_id=0, finish_reasons=["length"] * 2, weight_version=0)
+    batch = pack_rollouts(prompts, completions, seeds=np.zeros(2), routed_experts=rows, **layout)
     assert batch.routed_experts.shape == (2, 7, LAYERS, TOP_K) and batch.routed_experts.dtype == np.int8
     # Row 1: the prompt sits in column 2, its 3 completion tokens in 3..5; the last one has none.
     np.testing.assert_array_equal(batch.routed_experts[1, :, 0, 0], [-1, -1, 0, 1, 2, -1, -1])
     np.testing.assert_array_equal(batch.routed_experts[0, :, 0, 0], [0, 1, 2, 3, -1, -1, -1])
     with pytest.raises(ValueError, match="row 0: routing for 2 positions, expected 4"):
-        pack_rollouts(
-            prompts,
-            completions,
-            n=1,
-            completion_width=4,
-            pad_token_id=0,
-            finish_reasons=["length"] * 2,
-            weight_version=0,
-            seeds=np.zeros(2),
-            routed_experts=[rows[0][:2], rows[1]],
-        )
+        pack_rollouts(prompts, completions, seeds=np.zeros(2), routed_experts=[rows[0][:2], rows[1]], **layout)
 
 
 @pytest.fixture(scope="module")
