@@ -166,6 +166,10 @@ PINNING_TESTS = {
     "moe-jax-import": "tests/unit/test_engine_moe.py::test_the_engine_knows_qwen3_moe",
     "moe-expert-shapes": "tests/test_qwen3_moe.py::test_tensor_parallel_dummy_engine_holds_every_expert",
     "moe-sparse-step": "tests/test_qwen3_moe.py::test_decoder_sparse_step_and_unnormalized_routing",
+    "tpu-kernel-jax-names": (
+        "tests/unit/test_tpu_kernels.py::"
+        "test_the_engines_kv_write_kernel_in_tpu_interpret_mode_writes_what_a_scatter_writes"
+    ),
     "xla-stale-packed-weights": (
         "tests/test_in_place_updates.py::test_the_engine_serves_the_trainers_params_after_donated_updates[qwen2-tp1]"
     ),
@@ -176,6 +180,7 @@ NOT_SWITCHABLE = {
     "concurrent-start-up": "the start-up lock also tells each engine's threads which engine they serve",
     "gpu-matmul-precision": "GPU only; its test simulates the engine's GPU branch on CPU",
     "moe-jax-import": "only jax >= 0.12 needs it; it is always on",
+    "tpu-kernel-jax-names": "only jax >= 0.12 needs it; it is always on",
 }
 
 

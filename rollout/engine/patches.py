@@ -26,6 +26,7 @@ from .moe import patch_expert_block
 from .routing import patch_routing_output
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
+from .tpu_kernels import patch_kernel_jax_names
 from .workarounds import DISABLE_ENV, disabled_workarounds, workaround_enabled
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
@@ -72,6 +73,7 @@ def install_workarounds() -> None:
         _patch_start_up(engine_module)
         _patch_native_attention()
         patch_expert_block(workaround_enabled)
+        patch_kernel_jax_names()
         if workaround_enabled("moe-forward"):  # routing is recorded by this project's expert block
             patch_routing_output()
         _patch_model_loading()

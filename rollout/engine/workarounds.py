@@ -215,6 +215,14 @@ WORKAROUNDS: dict[str, str] = {
         "(attention.set_rows / take_rows): bit-identical, no f32 copy (one integer copy of the "
         "pool remains: XLA 0.8 copies for the view)."
     ),
+    "tpu-kernel-jax-names": (
+        "The TPU kernels (flash_attn_kernel's ragged paged attention, memory_pool's fused KV "
+        "write) use pltpu.ANY, pltpu.TPUMemorySpace and jax._src.dtypes.bit_width, which jax "
+        "0.12 no longer has: on a TPU at jax 0.12 the 'fa' attention backend and the KV write "
+        "raise AttributeError as they are traced. The kernel modules get namespaces adding the "
+        "old names (pl.ANY, pltpu.MemorySpace, dtypes.itemsize_bits); JAX is left as it is. "
+        "Always on (at jax 0.8 it changes nothing)."
+    ),
     "xla-stale-packed-weights": (
         "Not sglang-jax's: XLA's CPU backend in jaxlib 0.8 packs the weight operand of an f32 "
         "dot for XNNPACK once and reuses it while the buffer's address stays the same, so a "
