@@ -577,6 +577,7 @@ def _check_consistency(config: RLConfig, worker: RolloutWorker, state: TrainStat
             pad_prompts_to=config.max_prompt_tokens,
             seed=config.seed + state.step,
             atol=config.consistency_atol,
+            routing_replay=config.routing_replay,
         )
     except ConsistencyError as error:
         raise ConsistencyError(f"step {state.step + 1}: {error}", error.report) from None

@@ -293,6 +293,14 @@ class CausalLM(nn.Module):
         length = tokens.shape[1]
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         mask = causal[None, :, :] & attention_mask[:, None, :]
+        if routed_experts is not None:
+            c = self.config
+            moe_layers = sum(c.routing_index(i) is not None for i in range(c.num_hidden_layers))
+            if routed_experts.ndim != 4 or routed_experts.shape[:3] != (*tokens.shape, moe_layers):
+                raise ValueError(
+                    f"routed_experts has shape {routed_experts.shape}; this model takes "
+                    f"[{tokens.shape[0]}, {tokens.shape[1]}, {moe_layers} MoE layers, top_k] for tokens {tokens.shape}"
+                )
         return self.model(tokens, positions, mask, routed_experts)
 
     def logits(self, hidden):

@@ -30,7 +30,7 @@ def replay_route(router_logits, routed, top_k: int, norm_topk_prob: bool):
     sampled tokens in the engine, and its gradient reaches the router through the chosen experts'
     probabilities.
     """
-    own_weights, own = route(router_logits, top_k, norm_topk_prob)
+    _, own = route(router_logits, top_k, norm_topk_prob)
     experts = jnp.where(routed >= 0, routed.astype(jnp.int32), own)
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     weights = jnp.take_along_axis(probs, experts, axis=-1)

@@ -98,7 +98,7 @@ def pack_rollouts(
     logprobs: Sequence[Sequence[float]] | None = None,
     token_versions: Sequence[Sequence[int]] | None = None,
     kept_counts: Sequence[Sequence[int]] | None = None,
-    routed_experts: Sequence[np.ndarray] | None = None,
+    routed_experts: Sequence[np.ndarray | None] | None = None,
 ) -> RolloutBatch:
     """Lay out prompt-major completions as left-padded prompts followed by completions.
 
@@ -141,9 +141,12 @@ def pack_rollouts(
         return array
 
     routing = None
-    if routed_experts is not None:
-        routing = np.full((rows, width) + routed_experts[0].shape[1:], -1, routed_experts[0].dtype)
+    recorded = [r for r in routed_experts or () if r is not None]
+    if recorded:
+        routing = np.full((rows, width) + recorded[0].shape[1:], -1, recorded[0].dtype)
         for row, (p, c, row_routing) in enumerate(zip((prompts[i] for i in prompt_index), completions, routed_experts)):
+            if row_routing is None:  # an aborted row: none
+                continue
             positions_routed = len(p) + len(c) - 1
             if len(row_routing) < positions_routed:
                 raise ValueError(f"row {row}: routing for {len(row_routing)} positions, expected {positions_routed}")

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from .engine.workarounds import workaround_enabled
 from .errors import InvalidRequest, check_limit
 
 # Seeds travel to the engine as int32; a call's seed may be any int64 (row seeds derive from it).
@@ -256,6 +257,12 @@ class RequestValidator:
             raise InvalidRequest(
                 "return_routing",
                 "return_routing needs a worker that records routing: WorkerConfig(record_routing=True)",
+            )
+        if params.return_routing and params.n > 1 and not workaround_enabled("one-request-per-sample"):
+            raise InvalidRequest(
+                "return_routing",
+                "return_routing with n > 1 needs workaround one-request-per-sample (the engine's own n "
+                "gives the samples request ids of its own, whose routing cannot be followed)",
             )
         prompt_ids = prompt_token_ids(
             prompts, vocab_size=engine.vocab_size, tokenizer=self._tokenizer, model_path=config.model_path

@@ -22,7 +22,8 @@ from models import (
     write_tiny_model,
 )
 from rollout import ConsistencyError, InvalidRequest, RolloutWorker
-from tests.helpers import flax_model, swap_at_token, tiny_worker_config
+from rollout.engine import EngineHandle
+from tests.helpers import flax_model, swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import flatten_params, load_hf_params, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
@@ -213,6 +214,23 @@ def test_recorded_routing_is_the_flax_models_float32_routing(tp2_worker, moe_dir
     assert np.all(routed[~recorded] == -1)
 
 
+def test_routing_through_chunked_prefills_and_pages(moe_dir, params):
+    """Prompts longer than a prefill chunk (computed over several forwards), KV pages of 4
+    tokens, samples whose prompts were cached: every routed position is still the fp32 Flax
+    model's routing."""
+    config = tiny_worker_config(
+        moe_dir, load_format="dummy", record_routing=True, chunked_prefill_size=16, max_prefill_tokens=16, page_size=4
+    )
+    prompts = [list(range(7, 47)), list(range(100, 121)), PROMPTS[0]]
+    with RolloutWorker(config) as worker:
+        worker.sync_params(params)
+        batch = worker.generate(prompts, n=2, max_new_tokens=NEW_TOKENS, seed=4, return_routing=True)
+    own = np.asarray(router_choices(flax_model(moe_dir), params, batch.tokens, batch.attention_mask, batch.positions))
+    recorded = batch.routed_experts[..., 0, 0] >= 0
+    assert recorded.sum() == batch.attention_mask.sum() - batch.size
+    np.testing.assert_array_equal(batch.routed_experts[recorded], own[recorded])
+
+
 def test_a_cached_prompts_routing_is_the_one_its_prefill_recorded(tp2_worker, params):
     """The first call after a sync prefills the prompts; the second finds them in the prefix
     cache and still returns their routing, the same."""
@@ -280,6 +298,9 @@ def test_routing_is_asked_of_a_worker_that_records_it(tp1_worker, qwen3_dir):
         tp1_worker.generate(PROMPTS, max_new_tokens=2, return_routing=True)
     with pytest.raises(ValueError, match=r"record_routing: .* is a qwen3 model, which routes no tokens to experts"):
         RolloutWorker(tiny_worker_config(qwen3_dir, record_routing=True))
+    # An engine started directly (or on a hub id, which the worker cannot check first) refuses too.
+    with pytest.raises(ValueError, match=r"record_routing: .* is not a mixture-of-experts model"):
+        EngineHandle(tiny_options(qwen3_dir, record_routing=True))
 
 
 @pytest.fixture(scope="module")

@@ -99,8 +99,6 @@ class EngineHandle:
             self._scheduler = self._engine.scheduler_info["scheduler"]
             self._control = SchedulerControl.of(self._scheduler)
             self._control.wait_for_threads(timeout=30)
-        if options.record_routing:
-            self._control.routing = RoutingRecorder()
         self._closed = False
         self._model = ModelState(self._scheduler, self._engine, options.seed)
         self._requests = RequestLoop(
@@ -110,6 +108,11 @@ class EngineHandle:
         _open_handles.add(self)
         if workaround_enabled("untied-head-dtype"):
             self.call(self._model.align_lm_head_dtype)
+        if options.record_routing:
+            if not getattr(self._model.runner.model_config.hf_config, "num_experts", 0):
+                self.close()
+                raise ValueError(f"record_routing: {options.model_path} is not a mixture-of-experts model")
+            self._control.routing = RoutingRecorder()
 
     # ---- engine facts ----------------------------------------------------------------------
 

@@ -305,13 +305,16 @@ def _sampling_dict(params: SamplingParams, seed: int) -> dict:
     return sampling
 
 
-def _routed_positions(row: int, sink: RoutingSink, prompt_tokens: int, output: GenerateOutput) -> np.ndarray:
+def _routed_positions(row: int, sink: RoutingSink, prompt_tokens: int, output: GenerateOutput) -> np.ndarray | None:
     """The routing of every position the engine took as input: the prompt and every completion
-    token but the last."""
+    token but the last. None for a request the engine aborted (it may stop between recording
+    and sampling); the other rows keep theirs."""
     expected = prompt_tokens + output.completion_tokens - 1
+    if output.finish_reason == "abort":
+        return None
     if sink.prefilled is None or len(sink) != expected:
         raise EngineError(f"request {row}: recorded routing for {len(sink)} positions, expected {expected}")
-    return sink.rows()[:expected]
+    return sink.rows()
 
 
 def _to_output(result: dict, finished_only: bool = True) -> GenerateOutput:

@@ -30,8 +30,8 @@ _trace = threading.local()
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
-    """The narrowest signed integer holding expert ids and ``NOT_ROUTED``."""
-    return np.dtype(np.int8 if num_experts <= np.iinfo(np.int8).max else np.int16)
+    """The narrowest signed integer holding expert ids (0 to ``num_experts - 1``) and ``NOT_ROUTED``."""
+    return np.dtype(np.int8 if num_experts - 1 <= np.iinfo(np.int8).max else np.int16)
 
 
 def note_routing(experts, num_experts: int) -> None:
@@ -81,7 +81,8 @@ def _forward_keeping_routing(self, forward_batch, logits_metadata):
         output, layers_kv_fused, extra = self.jitted_run_model(forward_batch, logits_metadata)
         cache_miss_count = count()
     self._set_kv_cache_after_forward(layers_kv_fused, forward_batch)
-    self._rollout_routing = extra if isinstance(extra, jax.Array) else None
+    # Dense models return the engine's True (a 0-d array once jitted): no routing.
+    self._rollout_routing = extra if getattr(extra, "ndim", 0) == 3 else None
     return output, cache_miss_count
 
 
@@ -107,7 +108,8 @@ class RoutingSink:
 
 class RoutingRecorder:
     """One engine's routing by KV slot, and the sinks of the requests that asked for theirs.
-    Used on the scheduler thread only (sinks are added and removed by the request loop)."""
+    Filled on the scheduler thread; the request loop adds and removes sinks and other threads
+    read ``host_bytes`` (single dict and attribute operations, atomic under the GIL)."""
 
     def __init__(self):
         self.sinks: dict[str, RoutingSink] = {}
@@ -130,7 +132,7 @@ class RoutingRecorder:
                 sink.prefilled = self._by_slot[req_to_token[req.req_pool_idx, : len(req.fill_ids)]]
                 sink.decoded = []
             else:
-                sink.decoded.append(rows[i])
+                sink.decoded.append(rows[i].copy())  # not a view keeping the step's padded rows
 
     def _file(self, slots: np.ndarray, rows: np.ndarray) -> None:
         needed = int(slots.max(initial=-1)) + 1

@@ -79,7 +79,7 @@ class GenerateOutput:
     # top-p and min-p (the vocabulary size where nothing was filtered).
     kept_counts: list[int] | None = None
     # With routing asked for: [prompt + completion tokens - 1, MoE layers, top_k] expert ids of
-    # every position the engine took as input (routing.RoutingSink).
+    # every position the engine took as input (routing.RoutingSink); None if the engine aborted it.
     routed_experts: np.ndarray | None = None
 
 

@@ -63,8 +63,9 @@ def test_a_second_prefill_of_a_request_starts_its_rows_over():
 
 
 def test_routing_ids_are_narrow_integers():
-    assert routing_dtype(8) == np.int8 and routing_dtype(127) == np.int8
-    assert routing_dtype(128) == np.int16
+    """Ids run from 0 to num_experts - 1, and -1 marks no routing."""
+    assert routing_dtype(8) == np.int8 and routing_dtype(128) == np.int8  # Qwen3-30B-A3B, 235B-A22B
+    assert routing_dtype(129) == np.int16
 
 
 def test_batch_layout_aligns_routing_with_tokens():
@@ -108,5 +109,7 @@ def test_the_flax_model_routes_to_replayed_experts(moe):
     changed = np.abs(np.asarray(replayed - logits))[0].max(-1)
     assert changed[3] > 1e-2
     np.testing.assert_array_equal(np.delete(changed, 3), 0)
+    with pytest.raises(ValueError, match=r"routed_experts has shape \(1, 6, 2, 2\); this model takes \[1, 6, 1 MoE"):
+        model.apply({"params": params}, tokens, routed_experts=jnp.concatenate([own, own], axis=2))
     # The forward's own routers still report their own choice under replay.
     np.testing.assert_array_equal(router_choices(model, params, tokens, routed_experts=other)[0, :4], own[0, :4])
