@@ -118,15 +118,15 @@ class GRPO:
         self.ref_params = jax.tree_util.tree_map(jnp.copy, policy.params) if config.kl_beta > 0 else None
         model = policy.model
 
-        def tempered_logits(params, tokens, attention_mask, positions, routed_experts):
+        def tempered_logits(params, tokens, attention_mask, positions, routed_experts=None):
             # The engine samples at this temperature: the policy being trained is the tempered one.
             logits = model.apply({"params": params}, tokens, attention_mask, positions, routed_experts=routed_experts)
             return logits / config.temperature
 
-        def logprobs(params, tokens, attention_mask, positions, routed_experts):
+        def logprobs(params, tokens, attention_mask, positions, routed_experts=None):
             return token_logprobs(tempered_logits(params, tokens, attention_mask, positions, routed_experts), tokens)
 
-        def logprobs_and_entropy(params, tokens, attention_mask, positions, routed_experts):
+        def logprobs_and_entropy(params, tokens, attention_mask, positions, routed_experts=None):
             """The rollout's old log-probs and, from the same forward, each sampled token's
             full-distribution entropy (the policy's exploration, logged per step)."""
             logits = tempered_logits(params, tokens, attention_mask, positions, routed_experts)

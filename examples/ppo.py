@@ -162,12 +162,12 @@ class PPO:
         # The reference is the initial policy, also after a resume; a copy (the train step donates).
         self.ref_params = jax.tree_util.tree_map(jnp.copy, policy.params) if config.kl_coef > 0 else None
 
-        def policy_hidden(params, tokens, attention_mask, positions, routed_experts):
+        def policy_hidden(params, tokens, attention_mask, positions, routed_experts=None):
             return model.apply(
                 {"params": params}, tokens, attention_mask, positions, routed_experts, method="hidden_states"
             )
 
-        def values(trained, tokens, attention_mask, positions, routed_experts, hidden=None):
+        def values(trained, tokens, attention_mask, positions, routed_experts=None, hidden=None):
             if critic_model is not None:
                 # A critic of its own routes its tokens itself: replay is for the policy's gradient.
                 out = critic_model.apply({"params": trained["critic"]}, tokens, attention_mask, positions)
@@ -177,7 +177,7 @@ class PPO:
                 out = ValueHead().apply({"params": trained["critic"]["value_head"]}, hidden)
             return out[:, :-1]  # the value of each action's state, aligned with token_logprobs
 
-        def forward(trained, tokens, attention_mask, positions, routed_experts):
+        def forward(trained, tokens, attention_mask, positions, routed_experts=None):
             """Log-probs, entropies and values of the rollout's actions: [B, T - 1] each."""
             hidden = policy_hidden(trained["params"], tokens, attention_mask, positions, routed_experts)
             # The engine samples at this temperature: the policy being trained is the tempered one.
@@ -188,7 +188,7 @@ class PPO:
                 values(trained, tokens, attention_mask, positions, routed_experts, hidden),
             )
 
-        def logprobs(params, tokens, attention_mask, positions, routed_experts):
+        def logprobs(params, tokens, attention_mask, positions, routed_experts=None):
             logits = model.apply({"params": params}, tokens, attention_mask, positions, routed_experts=routed_experts)
             return token_logprobs(logits / config.temperature, tokens)
 

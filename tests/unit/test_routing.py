@@ -4,6 +4,7 @@
 import json
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,22 +95,24 @@ def moe(tmp_path_factory):
 
 def test_the_flax_model_routes_to_replayed_experts(moe):
     model, params = moe
+    # Jitted: op by op, the forward's every primitive compiles on its own.
+    apply = jax.jit(lambda tokens, routed=None: model.apply({"params": params}, tokens, routed_experts=routed))
+    choices = jax.jit(lambda tokens, routed=None: router_choices(model, params, tokens, routed_experts=routed))
     tokens = jnp.asarray([[5, 17, 42, 8, 100, 3]])
-    own = router_choices(model, params, tokens)
+    own = choices(tokens)
     assert own.shape == (1, 6, len(model.config.sparse_layers), model.config.num_experts_per_tok)
-    logits = model.apply({"params": params}, tokens)
+    logits = apply(tokens)
     # Replaying its own choice, or nothing (-1), changes nothing.
-    np.testing.assert_array_equal(model.apply({"params": params}, tokens, routed_experts=own), logits)
-    none = jnp.full_like(own, -1)
-    np.testing.assert_array_equal(model.apply({"params": params}, tokens, routed_experts=none), logits)
+    np.testing.assert_array_equal(apply(tokens, own), logits)
+    np.testing.assert_array_equal(apply(tokens, jnp.full_like(own, -1)), logits)
     # Other experts for token 3 change its logits alone (the sparse layer is the last: its
     # output reaches no other token).
     other = own.at[0, 3].set((own[0, 3] + 3) % model.config.num_experts)
-    replayed = model.apply({"params": params}, tokens, routed_experts=other)
+    replayed = apply(tokens, other)
     changed = np.abs(np.asarray(replayed - logits))[0].max(-1)
     assert changed[3] > 1e-2
     np.testing.assert_array_equal(np.delete(changed, 3), 0)
     with pytest.raises(ValueError, match=r"routed_experts has shape \(1, 6, 2, 2\); this model takes \[1, 6, 1 MoE"):
         model.apply({"params": params}, tokens, routed_experts=jnp.concatenate([own, own], axis=2))
     # The forward's own routers still report their own choice under replay.
-    np.testing.assert_array_equal(router_choices(model, params, tokens, routed_experts=other)[0, :4], own[0, :4])
+    np.testing.assert_array_equal(choices(tokens, other)[0, :4], own[0, :4])
