@@ -541,11 +541,13 @@ def model_inputs(data: dict) -> tuple:
 def routing_probe(model) -> Callable[[Any, dict], dict[str, jax.Array]]:
     """``probe(params, arrays)``: how often the policy's own routers pick other experts than the
     engine recorded (``arrays["routed_experts"]``), over the tokens the engine routed
-    (``routing_differs``; a token differs when any MoE layer's top-k set does)."""
+    (``routing_differs``; a token differs when any MoE layer's top-k set does). Each router
+    sees what the engine's saw: the forward replays the engine's experts in every layer."""
 
     @jax.jit
     def probe(params, arrays):
-        own = router_choices(model, params, arrays["tokens"], arrays["attention_mask"], arrays["positions"])
+        inputs = (arrays["tokens"], arrays["attention_mask"], arrays["positions"])
+        own = router_choices(model, params, *inputs, routed_experts=arrays["routed_experts"])
         engine = jnp.sort(arrays["routed_experts"].astype(jnp.int32), axis=-1)
         routed = (engine[..., 0, 0] >= 0) & arrays["attention_mask"].astype(bool)
         differs = jnp.any(engine != jnp.sort(own, axis=-1), axis=(-2, -1)) & routed

@@ -32,6 +32,7 @@ Modules: ``workarounds`` (the registry ``WORKAROUNDS`` and its switches; imports
 engine is being built), ``runtime`` (the engine's threads), ``handle`` (``EngineHandle``:
 start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
 loop), ``testing`` (its test hooks), ``inflight`` (weight swaps with requests running),
+``routing`` (MoE routing recorded for replay), ``tpu_kernels`` (the TPU kernels' JAX names),
 ``profile`` (where steps spend their time), ``types`` (options, outputs, errors; no sgl_jax
 import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 """

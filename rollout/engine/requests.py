@@ -309,9 +309,9 @@ def _routed_positions(row: int, sink: RoutingSink, prompt_tokens: int, output: G
     """The routing of every position the engine took as input: the prompt and every completion
     token but the last. None for a request the engine aborted (it may stop between recording
     and sampling); the other rows keep theirs."""
-    expected = prompt_tokens + output.completion_tokens - 1
     if output.finish_reason == "abort":
         return None
+    expected = prompt_tokens + output.completion_tokens - 1
     if sink.prefilled is None or len(sink) != expected:
         raise EngineError(f"request {row}: recorded routing for {len(sink)} positions, expected {expected}")
     return sink.rows()

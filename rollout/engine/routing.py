@@ -1,6 +1,6 @@
 """Rollout routing replay (R3): the experts the engine routed each token to, for the trainer.
 
-The engine's expert block (``moe.routed_experts``) notes each sparse layer's top-k expert ids
+The engine's expert block (``moe._expert_block_call``) notes each sparse layer's top-k expert ids
 while the forward is traced, and the patched Qwen3-MoE model returns them stacked, [tokens, MoE
 layers, k], as the third output the engine's runner discards (``_forward`` keeps it). With
 ``EngineOptions.record_routing`` the scheduler thread fetches them after every forward and files
