@@ -196,12 +196,14 @@ def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
 
 # ---- routing replay ------------------------------------------------------------------------
 
-# Where a token's routing is filed and found (KV slots, chunks, pages, swaps, the server) is the
-# worker's bookkeeping, the same at every JAX release: the newest end runs it. The numerics
-# (ids against the fp32 model, bf16 replay) run at both.
+# Routing replay runs at the newest end (the oldest is the longer): where a token's routing is
+# filed and found (KV slots, chunks, pages, swaps, the server) is the worker's bookkeeping, the
+# same at every JAX release, and the expert block and router it records are tested at both ends
+# by the rest of this file. The GRPO learning test with replay runs at the oldest (example_run).
 ONE_END = pytest.mark.one_end
 
 
+@ONE_END
 def test_recorded_routing_is_the_flax_models_float32_routing(tp2_worker, moe_dir, params):
     """Every position a forward took as input carries the experts the fp32 Flax model picks
     there (tp 2: the experts sharded, the routing replicated); the rest -1."""
@@ -326,6 +328,7 @@ BF16_MAX_ABS_DIFF = 0.25
 REPLAY_PROMPTS = PROMPTS + [[1], [64, 65, 66], [300, 2, 4], [9] * 7, [12, 34]]
 
 
+@ONE_END
 def test_replay_brings_a_bf16_moe_within_the_dense_bf16_tolerance(near_tie_dir):
     """bf16 engine, fp32 trainer: routed by its own top-k the trainer is far off on the tokens
     whose experts flipped; routed as the engine recorded, within the dense models' bound."""
