@@ -103,6 +103,9 @@ BATCHES = {
     "decode": Batch(16, 64, 4, 64, "decode-heavy"),
     "prefill": Batch(8, 512, 1, 1, "prefill-heavy"),
     "padded": Batch(15, 64, 4, 64, "decode-heavy, padded"),
+    # Batch scaling: the decode-heavy batch at 16 and 256 rows.
+    "decode16": Batch(4, 64, 4, 64, "decode-heavy, 16 rows"),
+    "decode256": Batch(64, 64, 4, 64, "decode-heavy, 256 rows"),
 }
 
 
@@ -116,6 +119,9 @@ class GenerateBenchConfig:
     max_total_tokens: int = 16384
     chunked_prefill_size: int = 2048
     torch_python: str | None = None
+    # "eager": generate with its dynamic cache; "compiled": a static cache and torch.compile
+    # (CUDA graphs on a GPU), the fastest PyTorch path.
+    torch_modes: tuple[str, ...] = ("eager", "compiled")
     dummy_weights: bool = False
 
 
@@ -128,6 +134,14 @@ def model_dir(root: Path, shape: str, layers: int, weights: bool = True) -> Path
     if weights:
         save_file(random_hf_weights(spec), str(root / "model.safetensors"), metadata={"format": "pt"})
     return root
+
+
+def kv_bytes_per_step(shape: str, layers: int, batch: Batch) -> int:
+    """The KV a decode step reads (keys and values of every row's context, bf16), at the
+    batch's mean context over its decode steps."""
+    hf, head_dim = SHAPES[shape]
+    mean_context = batch.prompt_tokens + batch.new_tokens / 2
+    return int(batch.rows * mean_context * layers * 2 * hf["num_key_value_heads"] * head_dim * 2)
 
 
 _calls = itertools.count()
@@ -354,21 +368,26 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     result: dict = {"uptime": os.getloadavg()}
     weights, head = layer_weights(shape, layers, jax.random.key(0))
     reps = max(3, config.repeats)
+    batches = [BATCHES[name] for name in config.batches]
+    rows = max(b.rows for b in batches)
     with tempfile.TemporaryDirectory() as tmp:
         directory = model_dir(Path(tmp), shape, layers, weights=not config.dummy_weights)
         worker_config = WorkerConfig(
             model_path=str(directory),
             dtype="bfloat16",
             load_format="dummy",
-            max_total_tokens=config.max_total_tokens,
+            # Room for the widest batch twice over (its prompts stay in the prefix cache).
+            max_total_tokens=max(
+                config.max_total_tokens, 2 * max(b.rows * (b.prompt_tokens + b.new_tokens) for b in batches)
+            ),
             chunked_prefill_size=config.chunked_prefill_size,
             max_prefill_tokens=config.chunked_prefill_size,
-            max_running_requests=64,
+            max_running_requests=max(64, rows),
             # Every extend token bucket and the decode batch compiled at start-up, as a long RL
             # run has them after its first steps: the first extend of a call packs a varying
             # number of tokens, and one bucket compiled inside the timed call cost it ~2 s.
             precompile=True,
-            precompile_bs_paddings=(64,),
+            precompile_bs_paddings=tuple(sorted({64} | {b.rows for b in batches if b.decodes})),
         )
         with PeakRss() as rss, RolloutWorker(worker_config) as worker:
             if not config.dummy_weights:
@@ -409,11 +428,22 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                 result[name] = entry
         result["peak_rss"] = rss.peak
     print(json.dumps(result), flush=True)  # the generate figures, should the split's part fail
-    if "decode" in config.batches:
-        arrays = [w for layer in weights for w in layer.values()] + [head]
+    arrays = [w for layer in weights for w in layer.values()] + [head]
+    if any(b.decodes for b in batches):
         bandwidth = read_bandwidth(arrays, reps)
         result["bandwidth"] = bandwidth
-        result["decode"]["bytes_step"] = sum(x.nbytes for x in arrays) / bandwidth
+        for name in config.batches:
+            if BATCHES[name].decodes:
+                result[name]["bytes_step"] = sum(x.nbytes for x in arrays) / bandwidth
+                result[name]["floor_step"] = (
+                    sum(x.nbytes for x in arrays) + kv_bytes_per_step(shape, layers, BATCHES[name])
+                ) / bandwidth
+    if "decode" in config.batches:
+        # 0.0.2 runs its forward under 'highest' on GPU (workaround bf16-matmul-precision): the
+        # same matmuls under it, to see what that precision costs.
+        with jax.default_matmul_precision("highest"):
+            rows = BATCHES["decode"].rows
+            result["decode"]["decode_matmuls_highest"] = matmul_seconds(weights, head, rows, rows, reps)
         result["decode"]["split"] = decode_split(
             shape, weights, head, BATCHES["decode"], config.max_total_tokens + 1, config.repeats
         )
@@ -447,7 +477,7 @@ def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def torch_decode(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
+def torch_decode(shape: str, layers: int, config: GenerateBenchConfig, mode: str) -> dict:
     batch = BATCHES["decode"]
     with tempfile.TemporaryDirectory() as tmp:
         directory = model_dir(Path(tmp), shape, layers, weights=not config.dummy_weights)
@@ -466,9 +496,10 @@ def torch_decode(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
             "--repeats",
             str(config.repeats),
         ]
+        args += ["--compile"] if mode == "compiled" else []
         done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"PyTorch reference failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"PyTorch reference ({mode}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -502,13 +533,20 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
             f"forward {forward * 1e3:.1f} ms ({forward / step:.0%}), "
             f"sampler {sampler * 1e3:.1f} ms ({sampler / step:.0%}), host {host * 1e3:.1f} ms ({host / step:.0%})"
         )
-        if name == "decode":
+        if b.decodes:
             print(
-                f"    decode step matmuls {e['decode_matmuls'] * 1e3:.1f} ms "
+                f"    decode step matmuls {e['decode_matmuls'] * 1e3:.2f} ms "
                 f"(measured step x{step / e['decode_matmuls']:.2f}), "
-                f"weights' bytes / bandwidth ({r['bandwidth'] / 1e9:.1f} GB/s) {e['bytes_step'] * 1e3:.1f} ms "
-                f"(x{step / e['bytes_step']:.2f})"
+                f"weights' bytes / read bandwidth ({r['bandwidth'] / 1e9:.0f} GB/s) {e['bytes_step'] * 1e3:.2f} ms "
+                f"(x{step / e['bytes_step']:.2f}); floor (weights + the step's mean KV) "
+                f"{e['floor_step'] * 1e3:.2f} ms (x{step / e['floor_step']:.2f})"
             )
+        if "decode_matmuls_highest" in e:
+            print(
+                f"    the decode step's matmuls under 'highest' precision {e['decode_matmuls_highest'] * 1e3:.2f} ms "
+                f"(x{e['decode_matmuls_highest'] / e['decode_matmuls']:.2f} the default's)"
+            )
+        if name == "decode":
             split = e["split"]
             pieces = {k: v for k, v in split.items() if k != "sampler top-p 0.9"}
             glue = forward - sum(pieces.values())
@@ -530,12 +568,16 @@ def main(config: GenerateBenchConfig) -> None:
         for variant in config.variants:
             results[variant] = run_child(shape, layers, variant, config)
             report(shape, layers, variant, results[variant])
-        if config.torch_python and "decode" in config.batches:
-            reference = torch_decode(shape, layers, config)
+        for mode in config.torch_modes if config.torch_python and "decode" in config.batches else ():
+            try:
+                reference = torch_decode(shape, layers, config, mode)
+            except RuntimeError as exc:  # one mode failing leaves the other's figure
+                print(f"  {exc}")
+                continue
             torch_seconds, batch = reference["seconds"], BATCHES["decode"]
             print(
-                f"  PyTorch {reference['torch']} on {reference['device']} (transformers generate, bf16), decode-heavy: "
-                f"{torch_seconds:.2f} s, "
+                f"  PyTorch {reference['torch']} on {reference['device']} (transformers {reference['transformers']} "
+                f"generate, {reference['mode']}, bf16), decode-heavy: {torch_seconds:.2f} s, "
                 f"{batch.rows * batch.new_tokens / torch_seconds:.1f} new tokens/s"
                 + "".join(f"; {v} x{torch_seconds / r['decode']['seconds']:.2f} as fast" for v, r in results.items())
             )
@@ -555,6 +597,11 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=d.repeats)
     parser.add_argument("--torch-python", help="a Python with torch and transformers: adds the PyTorch reference")
     parser.add_argument(
+        "--torch-modes",
+        default=",".join(d.torch_modes),
+        help="eager (dynamic cache), compiled (static cache, torch.compile)",
+    )
+    parser.add_argument(
         "--dummy-weights",
         action="store_true",
         help="serve the engine's dummy initialisation instead of written random weights",
@@ -568,6 +615,7 @@ def parse_args():
         batches=tuple(args.batches.split(",")),
         repeats=args.repeats,
         torch_python=args.torch_python,
+        torch_modes=tuple(args.torch_modes.split(",")),
         dummy_weights=args.dummy_weights,
     )
     return config, args.child

@@ -152,6 +152,9 @@ PINNING_TESTS = {
     "gpu-matmul-precision": (
         "tests/test_multi_engine.py::test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine"
     ),
+    "bf16-matmul-precision": (
+        "tests/unit/test_patches.py::test_a_16_bit_engine_runs_its_matmuls_under_the_default_precision"
+    ),
     "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
     "native-attention-memory": "tests/test_attention.py::test_engine_forward_memory_does_not_follow_padding_limits",
     "kv-pool-conversions": "tests/test_attention.py::test_bf16_kv_pool_is_not_converted_per_forward",

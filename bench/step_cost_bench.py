@@ -1,0 +1,124 @@
+"""The fixed cost of a decode step: what a step costs when the model's math is nearly free.
+
+    python -m bench.step_cost_bench [--rows 64] [--new-tokens 256] [--repeats 3]
+
+A model of hidden 64, 2 layers, 2 heads, 1 KV head, head_dim 16, float32 (its forward is a few
+microseconds of arithmetic), ``rows`` rows of 14-token prompts (16 prompts x n=4 at 64 rows),
+temperature 1, ``ignore_eos``. The fixed cost of a step is the time of a ``new_tokens + 1``-token
+call minus that of a 1-token call (the prefill, the call's own overhead), over ``new_tokens``
+steps: the host's scheduling, the forward's dispatch and the sampler's, which no faster chip
+removes. Median of ``repeats`` pairs after a warm-up pair; then the engine's own split of the
+steps of one more long call (``rollout.engine.profile_steps``: forward, sampler, host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from models import TinyModelSpec, write_tiny_model
+from rollout import RolloutWorker, WorkerConfig
+from rollout.engine import profile_steps
+
+NEARLY_FREE = TinyModelSpec(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
+PROMPT_TOKENS = 14
+N = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCostConfig:
+    rows: int = 64
+    new_tokens: int = 256
+    repeats: int = 3
+
+
+def timed_call(worker: RolloutWorker, rows: int, new_tokens: int, seed: int) -> float:
+    prompts = np.random.default_rng(seed).integers(1, NEARLY_FREE.vocab_size, (rows // N, PROMPT_TOKENS)).tolist()
+    start = time.perf_counter()
+    out = worker.generate(prompts, n=N, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
+    seconds = time.perf_counter() - start
+    assert int(out.completion_mask.sum()) == rows * new_tokens
+    return seconds
+
+
+def measure(config: StepCostConfig) -> dict:
+    if config.rows % N:
+        raise ValueError(f"--rows must be a multiple of n={N}, got {config.rows}")
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = write_tiny_model(Path(tmp), NEARLY_FREE, with_tokenizer=False)
+        worker_config = WorkerConfig(
+            model_path=str(directory),
+            dtype="float32",
+            max_total_tokens=4 * config.rows * (PROMPT_TOKENS + config.new_tokens + 1),
+            context_length=PROMPT_TOKENS + config.new_tokens + 8,
+            max_running_requests=config.rows,
+            precompile=True,
+            precompile_bs_paddings=(config.rows,),
+        )
+        with RolloutWorker(worker_config) as worker:
+            seeds = iter(range(10**6))
+            long_calls, short_calls = [], []
+            for i in range(config.repeats + 1):  # the first pair warms up
+                long_s = timed_call(worker, config.rows, config.new_tokens + 1, next(seeds))
+                short_s = timed_call(worker, config.rows, 1, next(seeds))
+                if i:
+                    long_calls.append(long_s)
+                    short_calls.append(short_s)
+            with profile_steps() as times:
+                timed_call(worker, config.rows, config.new_tokens + 1, next(seeds))
+    steps = [(lo - sh) / config.new_tokens for lo, sh in zip(long_calls, short_calls)]
+    split = times.split("decode")
+    return {
+        "step_s": statistics.median(steps),
+        "steps_s": steps,
+        "long_s": statistics.median(long_calls),
+        "short_s": statistics.median(short_calls),
+        "split": None if split is None else dataclasses.asdict(split) | {"host_s": split.host_s},
+    }
+
+
+def main(config: StepCostConfig) -> None:
+    print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; load average {os.getloadavg()}")
+    r = measure(config)
+    print(json.dumps(r))
+    print(
+        f"{config.rows} rows, a nearly free model: fixed cost of a decode step {r['step_s'] * 1e3:.2f} ms "
+        f"(each pair: {', '.join(f'{s * 1e3:.2f}' for s in r['steps_s'])} ms; "
+        f"{config.new_tokens + 1}-token call {r['long_s']:.3f} s, 1-token call {r['short_s']:.3f} s)"
+    )
+    if r["split"]:
+        s = r["split"]
+        print(
+            f"  engine profile per decode step ({s['steps']} steps): {s['wall_s'] * 1e3:.2f} ms = forward "
+            f"{s['forward_s'] * 1e3:.2f} + sampler {s['sample_s'] * 1e3:.2f} + host {s['host_s'] * 1e3:.2f} ms"
+        )
+
+
+def parse_args() -> StepCostConfig:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = StepCostConfig()
+    parser.add_argument("--rows", type=int, default=d.rows)
+    parser.add_argument("--new-tokens", type=int, default=d.new_tokens)
+    parser.add_argument("--repeats", type=int, default=d.repeats)
+    args = parser.parse_args()
+    return StepCostConfig(rows=args.rows, new_tokens=args.new_tokens, repeats=args.repeats)
+
+
+if __name__ == "__main__":
+    main(parse_args())
