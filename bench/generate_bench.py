@@ -14,14 +14,17 @@ for in the time at hand: the speed is the same, the tokens are not comparable):
    the same shapes, on an engine that precompiled its extend and decode shapes at start-up
    (XLA compilations inside the timed calls, if any, are printed). ``--batches padded``: the
    decode-heavy batch with 15 prompts (60 rows, which the engine pads to its 64-row decode
-   batch, as it pads every decode batch once some rows have stopped).
+   batch, as it pads every decode batch once some rows have stopped); ``decode16`` and
+   ``decode256``: the decode-heavy batch at 16 and 256 rows (batch scaling).
 2. The bound, measured in the same process on the same device: the batch's matmuls (every
    linear layer, the tied LM head on the rows that get logits) as plain jitted bfloat16 matmuls
    of the same shapes, step by step as the engine runs them (prefill chunks of
    ``chunked_prefill_size`` tokens, each prompt once and, for n > 1, one token per sample,
    then one decode step per new token after the first), the
    faster of bfloat16 and float32 output for the head; for decode also the weights' bytes over
-   the memory bandwidth of a jitted read of as many float32 bytes. The bound is measured right
+   the memory bandwidth of a jitted read of as many float32 bytes, and the floor: those bytes
+   plus the KV the step reads (every row's mean context) over the same bandwidth; and the
+   step's matmuls under 'highest' precision, the one 0.0.2 sets on GPU. The bound is measured right
    after each timed call; printed: the median of the per-call ratios measured time / bound.
    The matmuls of a step run in the forward's order (a layer's after the layer before, the
    head after the last layer); the same matmuls each on its own input, which XLA may run side
@@ -37,7 +40,8 @@ for in the time at hand: the speed is the same, the tokens are not comparable):
 ``--torch-python PYTHON`` also runs the decode-heavy batch through Hugging Face transformers'
 ``generate`` on PyTorch (``bench/torch_generate.py`` under that interpreter, which needs torch
 and transformers; same model dir, bfloat16, on the GPU when torch sees one), the comparison a
-user makes first.
+user makes first: ``--torch-modes`` eager (its dynamic cache) and compiled (a static cache and
+``torch.compile``, CUDA graphs on a GPU).
 
 ``--variants baseline`` runs the same figures with ``ROLLOUT_DISABLE_WORKAROUNDS`` naming the
 speed workarounds (``SPEED_WORKAROUNDS``), ``--variants without:NAME`` with that one workaround
