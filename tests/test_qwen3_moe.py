@@ -199,11 +199,10 @@ def test_decoder_sparse_step_and_unnormalized_routing(tmp_path):
 # Routing replay runs at the newest end (the oldest is the longer): where a token's routing is
 # filed and found (KV slots, chunks, pages, swaps, the server) is the worker's bookkeeping, the
 # same at every JAX release, and the expert block and router it records are tested at both ends
-# by the rest of this file. The GRPO learning test with replay runs at the oldest (example_run).
+# by the rest of this file. The first test below, the recording itself, runs at both ends.
 ONE_END = pytest.mark.one_end
 
 
-@ONE_END
 def test_recorded_routing_is_the_flax_models_float32_routing(tp2_worker, moe_dir, params):
     """Every position a forward took as input carries the experts the fp32 Flax model picks
     there (tp 2: the experts sharded, the routing replicated); the rest -1."""
