@@ -28,10 +28,13 @@ import jax
 from models import ParamMapping
 from trainer_bridge import (
     EngineLeaf,
+    LoraConfig,
     SyncError,
     SyncReport,
+    collect_adapters,
     flatten_params,
     load_hf_params,
+    merge_adapters,
     resolve_checkpoint,
     restore_tree,
     saved_layout,
@@ -183,12 +186,22 @@ class RolloutWorker:
         self,
         params: Mapping,
         *,
+        adapters: Mapping | None = None,
+        lora: LoraConfig | None = None,
         allow_cast: bool = True,
         check_finite: bool = True,
         in_flight: bool = False,
         recompute_kv: bool = False,
     ) -> SyncReport:
         """Make the engines generate with ``params`` (MLLM-JAX layout; ``{'params': ...}`` too).
+
+        With ``adapters`` (a LoRA tree in the same layout: ``<module>.lora_a`` [in, r] and
+        ``<module>.lora_b`` [r, out] beside each adapted ``<module>.kernel``, or qwix's
+        ``kernel_lora_a`` / ``kernel_lora_b``) and ``lora`` (:class:`LoraConfig`), ``params`` is
+        the frozen base: each adapted kernel is served as ``kernel + (alpha / r) * A @ B``,
+        merged on device in one jitted program into new buffers the engines then own, and every
+        other leaf is synced as below (zero copy where it can be). Missing, extra or misshapen
+        adapters, and target modules the model lacks, are a SyncError naming the path.
 
         Leaves whose shape, dtype and placement already match an engine's are used as they
         are (zero copy); the rest are cast / transposed / resharded on device in one jitted
@@ -209,6 +222,10 @@ class RolloutWorker:
         (``batch.token_versions``) and its log-prob is that version's, so importance weights
         stay exact.
         """
+        if (adapters is None) != (lora is None):
+            raise ValueError("sync_params: adapters and lora (a LoraConfig) go together")
+        if adapters is not None:
+            params = self._merged_with_adapters(params, adapters, lora)
         return self._sync(
             params,
             "sync_params",
@@ -217,6 +234,15 @@ class RolloutWorker:
             in_flight=in_flight,
             recompute_kv=recompute_kv,
         )
+
+    def _merged_with_adapters(self, params: Mapping, adapters: Mapping, lora: LoraConfig) -> dict:
+        try:
+            flat, adapter_flat = flatten_params(params), flatten_params(adapters)
+        except (TypeError, ValueError) as exc:
+            raise SyncError(str(exc)) from None
+        kernels = [m.trainer for m in self.mappings if m.trainer.endswith(".kernel")]
+        found = collect_adapters(adapter_flat, flat, kernels, lora)
+        return unflatten_params(merge_adapters(flat, found, lora))
 
     def _sync(
         self,

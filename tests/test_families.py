@@ -28,7 +28,14 @@ from models import (
 )
 from rollout import RolloutWorker
 from tests.helpers import CASES, Case, tiny_worker_config
-from trainer_bridge import SyncError, flatten_params, load_hf_params
+from trainer_bridge import (
+    DEFAULT_TARGET_MODULES,
+    LoraConfig,
+    SyncError,
+    flatten_params,
+    load_hf_params,
+    unflatten_params,
+)
 
 PROMPTS = [[5, 17, 42, 8, 100, 3, 250, 251, 252, 7, 9, 11, 64, 65, 66, 300], [100, 3], [12, 34, 56]]
 NEW_TOKENS = 8
@@ -126,6 +133,44 @@ def test_another_familys_tree_is_refused_naming_the_first_mismatching_path(serve
     with pytest.raises(SyncError, match=re.escape(first_mismatching_path(worker.mappings, flat))):
         worker.sync_params(flat)
     assert greedy(worker) == served.reference
+
+
+def random_adapters(served, rank=4, alpha=8.0):
+    """Adapters on every projection kernel the family has (rank 4, B non-zero, so that they change
+    the policy), the same tree merged on the host, and their LoraConfig."""
+    flat = flatten_params(served.params)
+    kernels = [m.trainer for m in served.worker.mappings if m.trainer.endswith(".kernel")]
+    targets = tuple(sorted({k.rsplit(".", 2)[-2] for k in kernels} & set(DEFAULT_TARGET_MODULES)))
+    config = LoraConfig(rank=rank, alpha=alpha, target_modules=targets)
+    rng = np.random.default_rng(served.case.tp_size)
+    adapters, merged = {}, dict(flat)
+    for kernel in kernels:
+        if kernel.rsplit(".", 2)[-2] in targets:
+            module, (in_dim, out_dim) = kernel.removesuffix(".kernel"), flat[kernel].shape
+            a = (rng.normal(size=(in_dim, rank)) * 0.1).astype(np.float32)
+            b = (rng.normal(size=(rank, out_dim)) * 0.1).astype(np.float32)
+            adapters |= {f"{module}.lora_a": a, f"{module}.lora_b": b}
+            merged[kernel] = flat[kernel] + config.scale * a @ b
+    return unflatten_params(adapters), unflatten_params(merged), config
+
+
+def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(served):
+    """sync_params(base, adapters=..., lora=...): greedy tokens and log-probs of the Flax model
+    with the adapters merged; a broken adapter tree is refused and the merged policy serves on."""
+    worker = served.worker
+    adapters, merged, config = random_adapters(served)
+    reference = greedy_decode(flax_model_for(served.config), merged, PROMPTS, NEW_TOKENS)
+    assert reference != served.reference, "the adapters must change the policy"
+    base = jax.device_put(served.params, worker.param_shardings())
+    worker.sync_params(base, adapters=adapters, lora=config)
+    assert greedy(worker) == reference
+    worker.check_consistency(merged, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)
+    broken = flatten_params(adapters)
+    dropped = next(path for path in broken if path.endswith(".lora_b"))
+    del broken[dropped]
+    with pytest.raises(SyncError, match=re.escape(f"'{dropped.removesuffix('_b')}_a' has no lora_b beside it")):
+        worker.sync_params(base, adapters=unflatten_params(broken), lora=config)
+    assert greedy(worker) == reference
 
 
 def test_flax_llama_equals_hf_transformers_flax_llama(tmp_path):

@@ -10,6 +10,7 @@ from .checkpoint import (
     wrap_like,
 )
 from .hf import load_hf_params, safetensors_files
+from .lora import DEFAULT_TARGET_MODULES, FACTOR_NAMES, Adapter, LoraConfig, collect_adapters, merge_adapters
 from .sync import (
     EngineLeaf,
     LeafAction,
@@ -25,6 +26,12 @@ from .sync import (
 from .tree import flatten_params, unflatten_params, unwrap_params
 
 __all__ = [
+    "Adapter",
+    "DEFAULT_TARGET_MODULES",
+    "FACTOR_NAMES",
+    "LoraConfig",
+    "collect_adapters",
+    "merge_adapters",
     "CheckpointError",
     "checkpoint_tree_metadata",
     "resolve_checkpoint",

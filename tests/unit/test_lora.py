@@ -1,0 +1,139 @@
+"""trainer_bridge/lora.py without an engine: adapter trees checked against a base tree, merged."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rollout import counting_compiles
+from trainer_bridge import LoraConfig, SyncError, collect_adapters, merge_adapters
+
+HIDDEN, KV, INTER, RANK = 8, 4, 12, 2
+SHAPES = {
+    "self_attn.q_proj": (HIDDEN, HIDDEN),
+    "self_attn.k_proj": (HIDDEN, KV),
+    "self_attn.o_proj": (HIDDEN, HIDDEN),
+    "mlp.down_proj": (INTER, HIDDEN),
+}
+TARGETS = ("q_proj", "k_proj", "o_proj", "down_proj")
+
+
+def base_tree(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    flat = {"model.norm.scale": np.ones(HIDDEN, dtype)}
+    for layer in range(2):
+        for module, shape in SHAPES.items():
+            flat[f"model.layers_{layer}.{module}.kernel"] = rng.normal(size=shape).astype(dtype)
+    return flat
+
+
+KERNELS = [path for path in base_tree() if path.endswith(".kernel")]
+
+
+def adapter_tree(names=("lora_a", "lora_b"), rank=RANK):
+    rng = np.random.default_rng(1)
+    flat = {}
+    for path in KERNELS:
+        module = path.removesuffix(".kernel")
+        in_dim, out_dim = base_tree()[path].shape
+        flat[f"{module}.{names[0]}"] = rng.normal(size=(in_dim, rank)).astype(np.float32)
+        flat[f"{module}.{names[1]}"] = rng.normal(size=(rank, out_dim)).astype(np.float32)
+    return flat
+
+
+CONFIG = LoraConfig(rank=RANK, alpha=4.0, target_modules=TARGETS)
+
+
+def merged(adapters, base=None, config=CONFIG):
+    base = base_tree() if base is None else base
+    return merge_adapters(base, collect_adapters(adapters, base, KERNELS, config), config)
+
+
+@pytest.mark.parametrize("names", [("lora_a", "lora_b"), ("kernel_lora_a", "kernel_lora_b")], ids=["ours", "qwix"])
+def test_each_adapted_kernel_is_served_as_kernel_plus_scaled_a_b(names):
+    base, adapters = base_tree(), adapter_tree(names)
+    out = merged(adapters, base)
+    assert set(out) == set(base)
+    assert out["model.norm.scale"] is base["model.norm.scale"], "an unadapted leaf is passed as it is"
+    for path in KERNELS:
+        module = path.removesuffix(".kernel")
+        a, b = adapters[f"{module}.{names[0]}"], adapters[f"{module}.{names[1]}"]
+        np.testing.assert_allclose(np.asarray(out[path]), base[path] + 2.0 * a @ b, rtol=1e-6, atol=1e-5)
+
+
+def test_the_merge_keeps_each_kernels_dtype_and_sharding_and_compiles_once():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    sharding = NamedSharding(mesh, PartitionSpec(None, "tp"))
+    base = {path: jnp.asarray(leaf, jnp.bfloat16) for path, leaf in base_tree().items()}
+    base |= {path: jax.device_put(base[path], sharding) for path in KERNELS}
+    out = merged(adapter_tree(), base)
+    for path in KERNELS:
+        assert out[path].dtype == jnp.bfloat16 and out[path].sharding == sharding
+        assert out[path] is not base[path]
+    with counting_compiles() as compiles:
+        merged(adapter_tree(), base)
+    assert compiles.value == 0
+
+
+def drop(flat, suffix):
+    return {path: leaf for path, leaf in flat.items() if not path.endswith(suffix)}
+
+
+@pytest.mark.parametrize(
+    "adapters, config, message",
+    [
+        (
+            adapter_tree() | {"model.layers_0.self_attn.q_proj.lora_c": np.zeros((HIDDEN, RANK))},
+            CONFIG,
+            "'model.layers_0.self_attn.q_proj.lora_c' is not a LoRA factor",
+        ),
+        (
+            drop(adapter_tree(), "layers_1.self_attn.k_proj.lora_b"),
+            CONFIG,
+            "'model.layers_1.self_attn.k_proj.lora_a' has no lora_b beside it",
+        ),
+        (
+            adapter_tree()
+            | {
+                "model.layers_0.self_attn.v_proj.lora_a": np.zeros((HIDDEN, RANK)),
+                "model.layers_0.self_attn.v_proj.lora_b": np.zeros((RANK, KV)),
+            },
+            CONFIG,
+            "adapts 'model.layers_0.self_attn.v_proj.kernel', which the base tree does not have",
+        ),
+        (
+            adapter_tree(),
+            LoraConfig(rank=RANK, alpha=4.0, target_modules=("q_proj", "k_proj", "o_proj")),
+            "'model.layers_0.mlp.down_proj.lora_a' adapts 'model.layers_0.mlp.down_proj', which is not in "
+            "LoraConfig.target_modules",
+        ),
+        (
+            adapter_tree(rank=3),
+            CONFIG,
+            "'model.layers_0.mlp.down_proj.lora_a' has shape (12, 3); the kernel 'model.layers_0.mlp.down_proj.kernel' "
+            "(12, 8) at rank 2 needs (12, 2)",
+        ),
+        (
+            drop(drop(adapter_tree(), "layers_1.mlp.down_proj.lora_a"), "layers_1.mlp.down_proj.lora_b"),
+            CONFIG,
+            "no adapter for 'model.layers_1.mlp.down_proj.kernel'",
+        ),
+        (
+            adapter_tree(),
+            LoraConfig(rank=RANK, alpha=4.0, target_modules=TARGETS + ("gate_proj",)),
+            "LoraConfig.target_modules: 'gate_proj' is not a projection this model has as a kernel",
+        ),
+    ],
+    ids=["unknown-leaf", "a-without-b", "no-base-kernel", "not-targeted", "wrong-rank", "missing", "no-such-module"],
+)
+def test_a_bad_adapter_tree_is_a_sync_error_naming_the_path(adapters, config, message):
+    with pytest.raises(SyncError) as error:
+        merged(adapters, config=config)
+    assert message in str(error.value)
+
+
+def test_lora_config_checks_its_rank():
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        LoraConfig(rank=0, alpha=1.0)
+    assert LoraConfig(rank=16, alpha=32.0).scale == 2.0

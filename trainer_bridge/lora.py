@@ -1,0 +1,135 @@
+"""LoRA adapters beside a frozen base tree, merged on device into the weights an engine serves.
+
+An adapted kernel ``<module>.kernel`` [in, out] has two factors beside it: A [in, r] and B
+[r, out]; the served weight is ``kernel + (alpha / r) * A @ B``. The factors' leaf names are
+data (:data:`FACTOR_NAMES`): this project's (``<module>.lora_a`` / ``<module>.lora_b``) and
+qwix's, which Tunix's LoRA uses (``<module>.kernel_lora_a`` / ``<module>.kernel_lora_b``: qwix
+names them after the weight they adapt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .sync import SyncError
+
+# Every linear projection of the dense families (attention and MLP).
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# factor -> the leaf names it goes by, one per accepted layout (ours, qwix's).
+FACTOR_NAMES: dict[str, tuple[str, ...]] = {
+    "a": ("lora_a", "kernel_lora_a"),
+    "b": ("lora_b", "kernel_lora_b"),
+}
+_FACTOR_OF_NAME = {name: factor for factor, names in FACTOR_NAMES.items() for name in names}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """``rank`` r and ``alpha`` (the update is scaled by alpha / r, as PEFT and qwix scale it);
+    ``target_modules``: the projections (last module name: ``q_proj``, ...) that carry adapters,
+    every layer's."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoraConfig.rank must be a positive int, got {self.rank!r}")
+        if not self.target_modules:
+            raise ValueError("LoraConfig.target_modules is empty")
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    kernel: str  # the base tree path it adapts: "model.layers_0.self_attn.q_proj.kernel"
+    a: jax.Array
+    b: jax.Array
+
+
+def collect_adapters(
+    adapters: Mapping[str, object], base: Mapping[str, object], kernels: Sequence[str], config: LoraConfig
+) -> list[Adapter]:
+    """The adapters of a flat adapter tree, checked against the flat ``base`` tree and the
+    ``kernels`` (trainer paths) the family's table has: every error is a SyncError naming the
+    path."""
+    modules = {path.rsplit(".", 2)[-2] for path in kernels}
+    for name in config.target_modules:
+        if name not in modules:
+            raise SyncError(
+                f"LoraConfig.target_modules: '{name}' is not a projection this model has as a kernel "
+                f"(its kernels' modules: {sorted(modules)})"
+            )
+    factors: dict[str, dict[str, tuple[str, object]]] = {}
+    for path, leaf in adapters.items():
+        module, _, name = path.rpartition(".")
+        if name not in _FACTOR_OF_NAME:
+            raise SyncError(f"adapters: '{path}' is not a LoRA factor (leaf names: {sorted(_FACTOR_OF_NAME)})")
+        factors.setdefault(module, {})[_FACTOR_OF_NAME[name]] = (path, leaf)
+    found = []
+    for module, pair in sorted(factors.items()):
+        for factor, other in (("a", "b"), ("b", "a")):
+            if factor in pair and other not in pair:
+                raise SyncError(f"adapters: '{pair[factor][0]}' has no {FACTOR_NAMES[other][0]} beside it")
+        kernel = f"{module}.kernel"
+        if kernel not in base:
+            raise SyncError(f"adapters: '{pair['a'][0]}' adapts '{kernel}', which the base tree does not have")
+        if module.rpartition(".")[2] not in config.target_modules:
+            raise SyncError(
+                f"adapters: '{pair['a'][0]}' adapts '{module}', which is not in LoraConfig.target_modules "
+                f"{list(config.target_modules)}"
+            )
+        (in_dim, out_dim), (a_path, a), (b_path, b) = jnp.shape(base[kernel]), pair["a"], pair["b"]
+        for path, leaf, expected in ((a_path, a, (in_dim, config.rank)), (b_path, b, (config.rank, out_dim))):
+            if tuple(jnp.shape(leaf)) != expected:
+                raise SyncError(
+                    f"adapters: '{path}' has shape {tuple(jnp.shape(leaf))}; the kernel '{kernel}' "
+                    f"{(in_dim, out_dim)} at rank {config.rank} needs {expected}"
+                )
+        found.append(Adapter(kernel, a, b))
+    adapted = {adapter.kernel for adapter in found}
+    for kernel in kernels:
+        if kernel.rsplit(".", 2)[-2] in config.target_modules and kernel not in adapted:
+            raise SyncError(f"adapters: no adapter for '{kernel}' (its module is in LoraConfig.target_modules)")
+    return found
+
+
+def merge_adapters(base: Mapping[str, object], adapters: Sequence[Adapter], config: LoraConfig) -> dict:
+    """``base`` (flat) with each adapted kernel replaced by ``kernel + scale * A @ B``: one jitted
+    program for all of them, in float32, each result in its kernel's dtype and sharding. The
+    base arrays are read, not changed; the results are new buffers."""
+    merged = dict(base)
+    if not adapters:
+        return merged
+    kernels = [base[adapter.kernel] for adapter in adapters]
+    shardings = tuple(getattr(k, "sharding", None) for k in kernels)
+    program = _merge_program(config.scale, shardings if all(s is not None for s in shardings) else None)
+    results = program(kernels, [adapter.a for adapter in adapters], [adapter.b for adapter in adapters])
+    merged.update({adapter.kernel: result for adapter, result in zip(adapters, results)})
+    return merged
+
+
+@functools.lru_cache(maxsize=16)
+def _merge_program(scale: float, shardings):
+    def merge(kernels, a_factors, b_factors):
+        return [
+            (
+                w.astype(jnp.float32)
+                # HIGHEST: TPUs would otherwise multiply float32 in one bfloat16 pass.
+                + scale * jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+            ).astype(w.dtype)
+            for w, a, b in zip(kernels, a_factors, b_factors)
+        ]
+
+    return jax.jit(merge, out_shardings=list(shardings) if shardings is not None else None)
