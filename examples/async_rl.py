@@ -33,6 +33,7 @@ from examples.rl_loop import (
     rollout_metrics,
     set_up,
     step_seed,
+    sync_policy,
 )
 from rollout import RolloutBatch
 
@@ -69,7 +70,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
     # Rows split over the trainer's devices when they divide evenly.
     batch_sharding = NamedSharding(mesh, PartitionSpec("data" if rows % mesh.size == 0 else None))
     # The engines hold copies on their own devices: the update may donate the trainer's params.
-    worker.sync_params(state.trees["params"])
+    sync_policy(worker, algorithm, state.trees)
     trainer_version = worker.weight_version
 
     def generate(step):
@@ -112,7 +113,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
             stats = {k: float(v) for k, v in stats.items()}
             train_s = time.perf_counter() - start_train
             start_sync = time.perf_counter()
-            report = worker.sync_params(state.trees["params"], in_flight=True)
+            report = sync_policy(worker, algorithm, state.trees, in_flight=True)
             sync_s = time.perf_counter() - start_sync
             record = {
                 "step": state.step + 1,

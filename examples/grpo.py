@@ -15,6 +15,9 @@ with the KV cache dropped and the params donated to the train step. Metrics go t
 ``<output_dir>/metrics.jsonl``, a reward plot to ``reward.png``; orbax checkpoints of the trainer
 state let a rerun with the same output dir resume.
 
+``--lora-rank 8`` trains LoRA adapters on every projection instead of the whole model: the base
+stays frozen and is what the engine aliases, and each sync merges the adapters on device.
+
 ``--async-rollout --tis-cap 2`` overlaps generation with the update instead (trainer on the first
 half of the devices, engines on the second; on CPU ``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
 """
@@ -46,6 +49,7 @@ from examples.rl_loop import (
     parse_args as parse_config,
 )
 from examples.rl_update import make_optimizer, make_train_step, run_updates
+from trainer_bridge import LoraConfig, apply_adapters, init_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,18 @@ class GRPOConfig(RLConfig):
     # Generate step k+1 during the update of step k, trainer and engines on separate devices,
     # weights pushed in flight (examples/async_rl.py). Needs tis_cap.
     async_rollout: bool = False
+    # > 0: train LoRA adapters of this rank on every attention and MLP projection instead of the
+    # whole model (the base stays frozen; Adam's state is adapter-sized); the engine serves the
+    # base with the adapters merged at each sync. lora_alpha: the update's scale is alpha / rank
+    # (None: 2 x rank).
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        if not self.lora_rank:
+            return None
+        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha or 2.0 * self.lora_rank)
 
     @property
     def samples_per_prompt(self) -> int:
@@ -74,6 +90,10 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}")
         if self.scale_rewards not in REWARD_SCALES:
             raise ValueError(f"scale_rewards must be one of {REWARD_SCALES}, got {self.scale_rewards!r}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: train the whole model), got {self.lora_rank}")
+        if self.lora_rank and self.routing_replay:
+            raise ValueError("lora_rank with routing_replay is not supported: the routing probe needs the whole tree")
         super().__post_init__()
 
 
@@ -113,12 +133,22 @@ class GRPO:
     def __init__(self, config: GRPOConfig, policy: Policy):
         self.config = config
         self.optimizer = make_optimizer(config.learning_rate, config.warmup_updates, config.decay_updates)
+        # LoRA: the trained tree is the adapters; the base (placed as the engine's weights) is
+        # frozen, never donated, and the policy functions below take {"base", "adapters"}.
+        self.lora = config.lora
+        self.base = policy.params if self.lora else None
         # The reference policy for the KL penalty is the initial model, also after a resume; a
-        # copy, since the train step donates the policy's buffers.
-        self.ref_params = jax.tree_util.tree_map(jnp.copy, policy.params) if config.kl_beta > 0 else None
-        model = policy.model
+        # copy, since the train step donates the policy's buffers (with LoRA: the base alone).
+        self.ref_params = None
+        if config.kl_beta > 0:
+            self.ref_params = (
+                {"base": self.base, "adapters": {}} if self.lora else jax.tree_util.tree_map(jnp.copy, policy.params)
+            )
+        model, lora = policy.model, self.lora
 
         def tempered_logits(params, tokens, attention_mask, positions, routed_experts=None):
+            if lora is not None:
+                params = apply_adapters(params["base"], params["adapters"], lora)
             # The engine samples at this temperature: the policy being trained is the tempered one.
             logits = model.apply({"params": params}, tokens, attention_mask, positions, routed_experts=routed_experts)
             return logits / config.temperature
@@ -132,8 +162,9 @@ class GRPO:
             logits = tempered_logits(params, tokens, attention_mask, positions, routed_experts)
             return token_logprobs(logits, tokens), token_entropy(logits)
 
-        def loss_fn(trained, batch):
-            new = logprobs(trained["params"], *model_inputs(batch))
+        def loss_fn(trained, batch, frozen=None):
+            params = trained["params"] if frozen is None else {"base": frozen, "adapters": trained["params"]}
+            new = logprobs(params, *model_inputs(batch))
             return ppo_clip_loss(
                 new,
                 batch["old_logprobs"],
@@ -152,12 +183,18 @@ class GRPO:
         self.train_step = make_train_step(loss_fn, {"params": ("opt_state", self.optimizer)}, config.target_kl)
 
     def init_trees(self, params) -> dict:
+        if self.lora:
+            params = init_adapters(params, self.lora, jax.random.key(self.config.seed))
         return {"params": params, "opt_state": self.optimizer.init(params)}
+
+    def policy(self, trees: dict):
+        """What the policy functions take: the params, or with LoRA the base and the adapters."""
+        return {"base": self.base, "adapters": trees["params"]} if self.lora else trees["params"]
 
     def update(self, trees: dict, rollout: Rollout) -> tuple[dict, dict]:
         config, data = self.config, dict(rollout.arrays)
         inputs = model_inputs(data)
-        old, entropy = self.logprobs_and_entropy(trees["params"], *inputs)
+        old, entropy = self.logprobs_and_entropy(self.policy(trees), *inputs)
         data["old_logprobs"] = old
         # Per prompt group: this process's rows hold whole groups.
         data["advantages"] = rollout.rows(group_advantages(rollout.rewards, config.group_size, config.scale_rewards))
@@ -177,7 +214,7 @@ class GRPO:
         if config.tis_cap is not None:
             data["behaviour_logprobs"] = rollout.rows(rollout.batch.logprobs[:, 1:])
         trees, stats, _ = run_updates(
-            self.train_step,
+            partial(self.train_step, frozen=self.base) if self.lora else self.train_step,
             trees,
             data,
             epochs=config.ppo_epochs,

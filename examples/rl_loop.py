@@ -43,7 +43,7 @@ from models import (
 )
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
 from rollout.launch import PROCESS_ID_ENV, join, launch_local
-from trainer_bridge import load_hf_params
+from trainer_bridge import SyncReport, apply_adapters, load_hf_params
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,21 @@ class Algorithm(Protocol):
     def update(self, trees: dict[str, Any], rollout: Rollout) -> tuple[dict[str, Any], dict[str, jax.Array]]:
         """The new trees and the step's statistics. Runs with the engine released: it may donate
         ``trees``."""
+
+
+def sync_policy(worker: RolloutWorker, algorithm: Algorithm, trees: dict, **kwargs) -> SyncReport:
+    """Serve the policy of ``trees``: its params, or with LoRA (an algorithm whose ``lora`` is a
+    LoraConfig) its frozen base with the adapters merged at sync."""
+    lora = getattr(algorithm, "lora", None)
+    if lora is None:
+        return worker.sync_params(trees["params"], **kwargs)
+    return worker.sync_params(algorithm.base, adapters=trees["params"], lora=lora, **kwargs)
+
+
+def policy_params(algorithm: Algorithm, trees: dict) -> dict:
+    """The policy's whole param tree (with LoRA, the base with the adapters applied)."""
+    lora = getattr(algorithm, "lora", None)
+    return trees["params"] if lora is None else apply_adapters(algorithm.base, trees["params"], lora)
 
 
 @dataclasses.dataclass
@@ -406,7 +421,7 @@ def _train(config: RLConfig, setup: Setup) -> dict:
     progress = _progress(config, algorithm.name, state.step) if lead else None
     if not config.resync:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
-        worker.sync_params(jax.tree_util.tree_map(jnp.copy, state.trees["params"]))
+        sync_policy(worker, algorithm, {"params": jax.tree_util.tree_map(jnp.copy, state.trees["params"])})
     history = []
     start = time.perf_counter()
     try:
@@ -439,7 +454,7 @@ def _train(config: RLConfig, setup: Setup) -> dict:
 def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: TrainState, task: Task) -> dict:
     start = time.perf_counter()
     # check_finite: NaN weights would otherwise serve silently (the model then emits only EOS).
-    report = worker.sync_params(state.trees["params"], check_finite=True) if config.resync else None
+    report = sync_policy(worker, algorithm, state.trees, check_finite=True) if config.resync else None
     sync_s = time.perf_counter() - start
 
     # Every process draws the same global prompts (fixed by (seed, step)) and generates its
@@ -451,7 +466,7 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     problems = problems[offset : offset + share]
     consistency = {}
     if config.check_consistency_every and state.step % config.check_consistency_every == 0:
-        consistency = _check_consistency(config, worker, state, problems)
+        consistency = _check_consistency(config, worker, policy_params(algorithm, state.trees), state, problems)
     start = time.perf_counter()
     batch = worker.generate(
         [p.prompt for p in problems],
@@ -568,11 +583,11 @@ def mismatch_metrics(batch: RolloutBatch, trainer_logprobs, rows=slice(None)) ->
     return {"mismatch_mean": stats["mean_abs_diff"], "mismatch_max": stats["max_abs_diff"], "mismatch_kl": stats["kl"]}
 
 
-def _check_consistency(config: RLConfig, worker: RolloutWorker, state: TrainState, problems) -> dict:
-    """Engine against trainer on this step's prompts; a ConsistencyError stops the run."""
+def _check_consistency(config: RLConfig, worker: RolloutWorker, params, state: TrainState, problems) -> dict:
+    """Engine against trainer (``params``) on this step's prompts; a ConsistencyError stops the run."""
     try:
         report = worker.check_consistency(
-            state.trees["params"],
+            params,
             [p.prompt for p in problems],
             max_new_tokens=config.max_new_tokens,
             temperature=config.temperature,

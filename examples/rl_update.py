@@ -42,18 +42,21 @@ LossFn = Callable[[dict[str, Any], dict[str, jax.Array]], tuple[jax.Array, dict[
 def make_train_step(
     loss_fn: LossFn, optimizers: dict[str, tuple[str, optax.GradientTransformation]], target_kl: float | None = None
 ):
-    """A jitted ``train_step(trees, minibatch) -> (trees, stats)``.
+    """A jitted ``train_step(trees, minibatch, frozen=None) -> (trees, stats)``.
 
     ``optimizers`` maps each trained tree's key in ``trees`` to (the key of its optimizer state,
-    the optimizer). ``trees`` is donated: the step overwrites it in place. With ``target_kl``,
+    the optimizer). ``trees`` is donated: the step overwrites it in place. ``frozen`` (a LoRA
+    run's base params), when given, reaches ``loss_fn`` as ``frozen=``: not donated, and no
+    gradient is taken with respect to it. With ``target_kl``,
     a step whose starting policy is already further than ``target_kl`` from the rollout's
     applies nothing (``stats["kl_stop"]`` is 1): the caller then stops.
     """
 
     @partial(jax.jit, donate_argnums=0)
-    def train_step(trees, minibatch):
+    def train_step(trees, minibatch, frozen=None):
         trained = {name: trees[name] for name in optimizers}
-        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, minibatch)
+        loss = loss_fn if frozen is None else partial(loss_fn, frozen=frozen)
+        (_, stats), grads = jax.value_and_grad(loss, has_aux=True)(trained, minibatch)
         new = dict(trees)
         for name, (state_key, optimizer) in optimizers.items():
             updates, new[state_key] = optimizer.update(grads[name], trees[state_key], trees[name])

@@ -16,7 +16,7 @@ from examples.grpo import GRPO, GRPOConfig
 from examples.rl_loop import Policy, Rollout
 from models import CausalLM, DecoderConfig
 from tests.helpers import GSM8K_SAMPLE
-from trainer_bridge import load_hf_params
+from trainer_bridge import checkpoint_tree_metadata, flatten_params, load_hf_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,3 +224,23 @@ def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_dir, tmp_path):
     # reference would be off by orders of magnitude more.
     assert resumed[2]["ref_kl"] == pytest.approx(0.0, abs=1e-4)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "3"]
+
+
+@pytest.mark.example_path
+def test_lora_rank_trains_and_checkpoints_only_the_adapters(tmp_path):
+    """--lora-rank: the trainer's tree and its checkpoints are the adapters (Adam's state adapter
+    sized), the policy starts as the base (fresh B = 0: no KL to the reference at step 1), each
+    sync merges them into buffers the engine takes (nothing copied after the merge), and a run
+    resumes from its checkpoint. Its learning curve: docs/rl-examples.md."""
+    args = ("--lora-rank", "4", "--learning-rate", "3e-3", "--checkpoint-every", "1")
+    records = run_grpo(tmp_path / "run", *SHAPED, *args, "--steps", "2")
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(r["bytes_copied"] == 0 for r in records)
+    saved = checkpoint_tree_metadata(tmp_path / "run" / "checkpoints" / "2" / "default")
+    names = {path.rpartition(".")[2] for path in flatten_params(saved["params"])}
+    assert names == {"lora_a", "lora_b"}
+    moments = [leaf for leaf in jax.tree_util.tree_leaves(saved["opt_state"]) if len(getattr(leaf, "shape", ())) == 2]
+    assert moments and all(4 in tuple(leaf.shape) for leaf in moments), "Adam's moments are adapter-sized"
+    resumed = run_grpo(tmp_path / "run", *SHAPED, *args, "--steps", "3")
+    assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[2]["ref_kl"] > 0

@@ -10,7 +10,16 @@ from .checkpoint import (
     wrap_like,
 )
 from .hf import load_hf_params, safetensors_files
-from .lora import DEFAULT_TARGET_MODULES, FACTOR_NAMES, Adapter, LoraConfig, collect_adapters, merge_adapters
+from .lora import (
+    DEFAULT_TARGET_MODULES,
+    FACTOR_NAMES,
+    Adapter,
+    LoraConfig,
+    apply_adapters,
+    collect_adapters,
+    init_adapters,
+    merge_adapters,
+)
 from .sync import (
     EngineLeaf,
     LeafAction,
@@ -30,7 +39,9 @@ __all__ = [
     "DEFAULT_TARGET_MODULES",
     "FACTOR_NAMES",
     "LoraConfig",
+    "apply_adapters",
     "collect_adapters",
+    "init_adapters",
     "merge_adapters",
     "CheckpointError",
     "checkpoint_tree_metadata",

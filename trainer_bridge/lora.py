@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .sync import SyncError
+from .tree import flatten_params, unflatten_params
 
 # Every linear projection of the dense families (attention and MLP).
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -133,3 +134,40 @@ def _merge_program(scale: float, shardings):
         ]
 
     return jax.jit(merge, out_shardings=list(shardings) if shardings is not None else None)
+
+
+def apply_adapters(base: Mapping, adapters: Mapping, config: LoraConfig) -> dict:
+    """The trainer's side of :func:`merge_adapters`: the nested ``base`` tree with each adapted
+    kernel replaced by ``kernel + scale * A @ B``, in jnp (differentiable with respect to the
+    adapters, for a train step that updates only them; no checks: :func:`collect_adapters`
+    checks a tree once at sync)."""
+    flat, factors = flatten_params(base), flatten_params(adapters)
+    for path, a in factors.items():
+        module, _, name = path.rpartition(".")
+        if _FACTOR_OF_NAME.get(name) != "a":
+            continue
+        kernel = flat[f"{module}.kernel"]
+        b = factors[f"{module}.{FACTOR_NAMES['b'][FACTOR_NAMES['a'].index(name)]}"]  # the same layout's B
+        delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+        flat[f"{module}.kernel"] = (kernel + config.scale * delta).astype(kernel.dtype)
+    return unflatten_params(flat)
+
+
+def init_adapters(base: Mapping, config: LoraConfig, key: jax.Array) -> dict:
+    """Fresh float32 adapters for every kernel of ``base`` whose module is targeted: A drawn from
+    N(0, 1 / in) and B zero (PEFT's and qwix's scheme), so that the adapted policy starts as the
+    base. Each factor is placed replicated on its kernel's mesh."""
+    adapters = {}
+    for i, (path, kernel) in enumerate(sorted(flatten_params(base).items())):
+        module = path.removesuffix(".kernel")
+        if not path.endswith(".kernel") or module.rpartition(".")[2] not in config.target_modules:
+            continue
+        in_dim, out_dim = kernel.shape
+        a = jax.random.normal(jax.random.fold_in(key, i), (in_dim, config.rank), jnp.float32) / in_dim**0.5
+        b = jnp.zeros((config.rank, out_dim), jnp.float32)
+        sharding = getattr(kernel, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            a, b = jax.device_put(a, replicated), jax.device_put(b, replicated)
+        adapters[f"{module}.lora_a"], adapters[f"{module}.lora_b"] = a, b
+    return unflatten_params(adapters)

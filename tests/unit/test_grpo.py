@@ -16,6 +16,12 @@ def test_config_validation_and_presets():
         GRPOConfig(kv_tokens=100)
     with pytest.raises(ValueError, match="max_operand must be a digit"):
         GRPOConfig(max_operand=10)
+    with pytest.raises(ValueError, match="lora_rank must be >= 0"):
+        GRPOConfig(lora_rank=-1)
+    with pytest.raises(ValueError, match="lora_rank with routing_replay is not supported"):
+        GRPOConfig(preset="tiny-moe", lora_rank=4, routing_replay=True)
+    assert GRPOConfig().lora is None
+    assert GRPOConfig(lora_rank=8).lora.scale == 2.0 and GRPOConfig(lora_rank=8, lora_alpha=4.0).lora.scale == 0.5
     with pytest.raises(ValueError, match="needs a model and a dataset"):
         dataclasses.replace(PRESETS["qwen2.5-3b"], model=None)
     with pytest.raises(ValueError, match="needs a model and a dataset"):
