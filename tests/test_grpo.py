@@ -226,21 +226,26 @@ def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_dir, tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "3"]
 
 
-@pytest.mark.example_path
-def test_lora_rank_trains_and_checkpoints_only_the_adapters(tmp_path):
-    """--lora-rank: the trainer's tree and its checkpoints are the adapters (Adam's state adapter
-    sized), the policy starts as the base (fresh B = 0: no KL to the reference at step 1), each
-    sync merges them into buffers the engine takes (nothing copied after the merge), and a run
-    resumes from its checkpoint. Its learning curve: docs/rl-examples.md."""
-    args = ("--lora-rank", "4", "--learning-rate", "3e-3", "--checkpoint-every", "1")
-    records = run_grpo(tmp_path / "run", *SHAPED, *args, "--steps", "2")
-    assert [r["step"] for r in records] == [1, 2]
+@pytest.mark.example_run_newest
+def test_lora_grpo_keeps_learning_and_trains_and_checkpoints_only_the_adapters(tmp_path):
+    """--lora-rank 8 on the shaped tiny task: it learns as the full-parameter run does (GAIN; at
+    jax 0.12 seeds 0-1 gained 0.386 / 0.390 in ~22 s, full-parameter runs 0.3-0.4) and is still
+    learning in the second half. The trainer's tree and its checkpoints are the adapters (Adam's
+    state adapter-sized), the policy starts as the base (fresh B = 0: no KL to the reference at
+    step 1), each sync merges them into buffers the engine takes (nothing copied after the
+    merge), and the run resumes from its checkpoint."""
+    args = ("--lora-rank", "8", "--learning-rate", "3e-3", "--checkpoint-every", "10")
+    records = run_grpo(tmp_path / "run", *SHAPED, *args, "--steps", str(STEPS))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    first, middle, last = (mean_reward(records[i : i + 5]) for i in (0, 12, STEPS - 5))
+    assert last - first > GAIN and first < middle < last
+    assert max(r["frac_reward_zero_std"] for r in records[10:]) < 0.5
+    assert np.mean([r["entropy"] for r in records[-5:]]) < records[0]["entropy"] - 0.8
     assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
     assert all(r["bytes_copied"] == 0 for r in records)
-    saved = checkpoint_tree_metadata(tmp_path / "run" / "checkpoints" / "2" / "default")
-    names = {path.rpartition(".")[2] for path in flatten_params(saved["params"])}
-    assert names == {"lora_a", "lora_b"}
+    saved = checkpoint_tree_metadata(tmp_path / "run" / "checkpoints" / str(STEPS) / "default")
+    assert {path.rpartition(".")[2] for path in flatten_params(saved["params"])} == {"lora_a", "lora_b"}
     moments = [leaf for leaf in jax.tree_util.tree_leaves(saved["opt_state"]) if len(getattr(leaf, "shape", ())) == 2]
-    assert moments and all(4 in tuple(leaf.shape) for leaf in moments), "Adam's moments are adapter-sized"
-    resumed = run_grpo(tmp_path / "run", *SHAPED, *args, "--steps", "3")
-    assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[2]["ref_kl"] > 0
+    assert moments and all(8 in tuple(leaf.shape) for leaf in moments), "Adam's moments are adapter-sized"
+    resumed = run_grpo(tmp_path / "run", *SHAPED, *args, "--steps", str(STEPS + 1))
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 2))
