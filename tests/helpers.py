@@ -153,7 +153,7 @@ PINNING_TESTS = {
         "tests/test_multi_engine.py::test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine"
     ),
     "bf16-matmul-precision": (
-        "tests/unit/test_patches.py::test_a_16_bit_engine_runs_its_matmuls_under_the_default_precision"
+        "tests/test_multi_engine.py::test_a_bf16_engine_precompiles_and_runs_under_the_default_matmul_precision"
     ),
     "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
     "native-attention-memory": "tests/test_attention.py::test_engine_forward_memory_does_not_follow_padding_limits",

@@ -151,6 +151,37 @@ def test_four_single_device_engines(quad, reference):
             assert device_ids(leaf) == {device.id}
 
 
+def test_a_bf16_engine_precompiles_and_runs_under_the_default_matmul_precision(qwen2_dir, monkeypatch):
+    """0.0.2's GPU start-up sets 'highest' (simulated on CPU inside ModelRunner.initialize, where
+    0.0.2 does it); for bf16 weights the precompile and the scheduler thread run under the
+    precision the process had, so nothing compiled at start-up is compiled again."""
+    from sgl_jax.srt.managers.tp_worker import ModelWorker
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+
+    load_model, run_precompile, seen = ModelRunner.load_model, ModelWorker.run_precompile, []
+
+    def load_model_like_on_gpu(self):
+        jax.config.update("jax_default_matmul_precision", "highest")
+        load_model(self)
+
+    def recorded_precompile(self, *args, **kwargs):
+        seen.append(jax.config.jax_default_matmul_precision)
+        return run_precompile(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "load_model", load_model_like_on_gpu)
+    monkeypatch.setattr(ModelWorker, "run_precompile", recorded_precompile)
+    options = tiny_options(
+        qwen2_dir, (jax.devices()[2],), dtype="bfloat16", precompile=True, precompile_bs_paddings=(4,)
+    )
+    engine = EngineHandle(options)
+    try:
+        assert seen == [None]
+        assert engine.call(lambda: jax.config.jax_default_matmul_precision) is None
+    finally:
+        engine.close()
+        jax.config.update("jax_default_matmul_precision", None)
+
+
 def test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine(qwen2_dir, monkeypatch):
     """On GPU, 0.0.2's ModelRunner sets 'highest' matmul precision process-wide during start-up;
     simulated here on CPU by a start-up hook that does what that branch does."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import random
 import signal
@@ -77,6 +78,7 @@ def install_workarounds() -> None:
         if workaround_enabled("moe-forward"):  # routing is recorded by this project's expert block
             patch_routing_output()
         _patch_model_loading()
+        _patch_model_precision()
         _installed = True
 
 
@@ -393,6 +395,28 @@ def _patch_native_attention() -> None:
         return output, kv_fused
 
     native_backend.NativeAttention.__call__ = paged_call
+
+
+def _initialize_keeping_16_bit_precision(initialize):
+    """``ModelRunner.initialize`` wrapper: for 16-bit weights, the matmul precision it set
+    ('highest' on GPU) is put back to what it was before, ahead of the precompile and of the
+    value the scheduler thread takes (workaround ``bf16-matmul-precision``)."""
+
+    @functools.wraps(initialize)
+    def initialize_keeping_precision(self):
+        before = jax_config.default_matmul_precision.get_global()
+        initialize(self)
+        if jnp.dtype(self.dtype).itemsize == 2 and jax_config.default_matmul_precision.get_global() != before:
+            jax.config.update("jax_default_matmul_precision", before)
+
+    return initialize_keeping_precision
+
+
+def _patch_model_precision() -> None:
+    from sgl_jax.srt.model_executor import model_runner
+
+    if workaround_enabled("bf16-matmul-precision"):
+        model_runner.ModelRunner.initialize = _initialize_keeping_16_bit_precision(model_runner.ModelRunner.initialize)
 
 
 def _patch_model_loading() -> None:

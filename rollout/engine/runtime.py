@@ -12,7 +12,6 @@ import time
 import traceback
 
 import jax
-import jax.numpy as jnp
 from jax._src import config as jax_config
 
 from .routing import RoutingRecorder
@@ -361,16 +360,6 @@ def _routing_recorded(run_batch, scheduler, control: SchedulerControl):
     return routing_run_batch
 
 
-def _engine_matmul_precision(scheduler) -> str | None:
-    """The precision the engine's matmuls run under: what its start-up left set (0.0.2 sets
-    'highest' on GPU), except for 16-bit weights (workaround ``bf16-matmul-precision``)."""
-    precision = jax_config.default_matmul_precision.get_global()
-    dtype = jnp.dtype(scheduler.tp_worker.worker.model_runner.dtype)
-    if workaround_enabled("bf16-matmul-precision") and dtype.itemsize == 2:
-        return None
-    return precision
-
-
 def _run_scheduler_loop(scheduler, control: SchedulerControl, server_args, devices, matmul_precision) -> None:
     # The engine's default device, and the matmul precision its start-up left set: 0.0.2 sets
     # 'highest' process-wide on GPU; preserved_process_state puts the process-wide value back,
@@ -423,7 +412,7 @@ def start_scheduler_thread(server_args, port_args) -> dict:
             control,
             server_args,
             start_up.devices if start_up else None,
-            _engine_matmul_precision(scheduler),
+            jax_config.default_matmul_precision.get_global(),
         ),
         daemon=True,
     )

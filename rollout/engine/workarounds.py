@@ -110,8 +110,10 @@ WORKAROUNDS: dict[str, str] = {
         "0.0.2 sets 'highest' matmul precision on GPU for every model, where it keeps float32 "
         "weights' dots out of TF32; with bfloat16 weights it buys no accuracy (a bf16 product is "
         "exact in float32) and costs time: on an H200 a Qwen2.5-1.5B decode step's bf16 matmuls "
-        "took x1.14-1.15 as long under it (jax 0.11.2). An engine whose weights are 16-bit runs "
-        "its thread under the default precision; a float32 engine keeps 'highest'."
+        "took x1.14-1.15 as long under it (jax 0.11.2). For 16-bit weights, ModelRunner.initialize "
+        "puts back the precision the process had, before the precompile and the scheduler "
+        "thread (which would otherwise compile every shape again); a float32 engine keeps "
+        "'highest'."
     ),
     "sampler": (
         "0.0.2's sampler is wrong in four ways. Off TPU, _apply_min_p_filter receives 3 operands "

@@ -57,22 +57,3 @@ def test_device_memory_is_measured_on_the_engines_devices_without_clearing_cache
     monkeypatch.setattr(start_up, "_start_up", start_up.StartUp("engine 1", (FakeGpu(3000), FakeGpu(5000))))
     assert model_runner.get_available_device_memory("gpu") == 3000
     assert cleared == []
-
-
-def test_a_16_bit_engine_runs_its_matmuls_under_the_default_precision():
-    """0.0.2's GPU start-up leaves 'highest' set process-wide (simulated here); the engine thread
-    of a bf16 model runs under JAX's default, a float32 model's keeps 'highest'."""
-    from types import SimpleNamespace
-
-    from rollout.engine import runtime
-
-    def scheduler_of(dtype):
-        runner = SimpleNamespace(dtype=dtype)
-        return SimpleNamespace(tp_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))
-
-    jax.config.update("jax_default_matmul_precision", "highest")
-    try:
-        assert runtime._engine_matmul_precision(scheduler_of(jnp.bfloat16)) is None
-        assert runtime._engine_matmul_precision(scheduler_of(jnp.float32)) == "highest"
-    finally:
-        jax.config.update("jax_default_matmul_precision", None)
