@@ -392,7 +392,9 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
             # number of tokens, and one bucket compiled inside the timed call cost it ~2 s.
             precompile=True,
             # Each decode batch's width, but the padded batch's 60 rows, which pad to 64.
-            precompile_bs_paddings=tuple(sorted({64} | {b.rows for b in batches if b.decodes and b.rows % 16 == 0})),
+            precompile_bs_paddings=tuple(
+                sorted({64} | {BATCHES[n].rows for n in config.batches if BATCHES[n].decodes and n != "padded"})
+            ),
         )
         with PeakRss() as rss, RolloutWorker(worker_config) as worker:
             if not config.dummy_weights:
