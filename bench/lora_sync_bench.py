@@ -43,7 +43,7 @@ def adapters_for(flat: dict, rank: int, shardings: dict) -> dict:
             module, (in_dim, out_dim) = path.removesuffix(".kernel"), leaf.shape
             adapters[f"{module}.lora_a"] = rng.normal(size=(in_dim, rank)).astype(np.float32) * 0.01
             adapters[f"{module}.lora_b"] = rng.normal(size=(rank, out_dim)).astype(np.float32) * 0.01
-    # Where the trainer keeps them: on its devices, replicated (the kernels are placed as the engine's).
+    # On one device of the trainer's; the merge puts them beside their kernels.
     device = next(iter(shardings.values())).mesh.devices.flat[0]
     return {path: jax.device_put(leaf, device) for path, leaf in adapters.items()}
 

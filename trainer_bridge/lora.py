@@ -43,8 +43,12 @@ class LoraConfig:
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LoraConfig.rank must be a positive int, got {self.rank!r}")
-        if not self.target_modules:
-            raise ValueError("LoraConfig.target_modules is empty")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha!r}")
+        if isinstance(self.target_modules, str) or not self.target_modules:
+            raise ValueError(
+                f"LoraConfig.target_modules must be a non-empty sequence of names, got {self.target_modules!r}"
+            )
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
     @property
@@ -77,12 +81,19 @@ def collect_adapters(
         module, _, name = path.rpartition(".")
         if name not in _FACTOR_OF_NAME:
             raise SyncError(f"adapters: '{path}' is not a LoRA factor (leaf names: {sorted(_FACTOR_OF_NAME)})")
-        factors.setdefault(module, {})[_FACTOR_OF_NAME[name]] = (path, leaf)
+        pair, factor = factors.setdefault(module, {}), _FACTOR_OF_NAME[name]
+        if factor in pair:
+            raise SyncError(f"adapters: '{path}' and '{pair[factor][0]}' are both the {factor.upper()} of '{module}'")
+        pair[factor] = (path, leaf)
     found = []
     for module, pair in sorted(factors.items()):
         for factor, other in (("a", "b"), ("b", "a")):
             if factor in pair and other not in pair:
-                raise SyncError(f"adapters: '{pair[factor][0]}' has no {FACTOR_NAMES[other][0]} beside it")
+                layout = FACTOR_NAMES[factor].index(pair[factor][0].rpartition(".")[2])
+                raise SyncError(f"adapters: '{pair[factor][0]}' has no {FACTOR_NAMES[other][layout]} beside it")
+        a_name, b_name = (pair[f][0].rpartition(".")[2] for f in ("a", "b"))
+        if FACTOR_NAMES["a"].index(a_name) != FACTOR_NAMES["b"].index(b_name):
+            raise SyncError(f"adapters: '{pair['a'][0]}' and '{pair['b'][0]}' are named in two layouts")
         kernel = f"{module}.kernel"
         if kernel not in base:
             raise SyncError(f"adapters: '{pair['a'][0]}' adapts '{kernel}', which the base tree does not have")
@@ -91,6 +102,8 @@ def collect_adapters(
                 f"adapters: '{pair['a'][0]}' adapts '{module}', which is not in LoraConfig.target_modules "
                 f"{list(config.target_modules)}"
             )
+        if len(jnp.shape(base[kernel])) != 2:
+            raise SyncError(f"adapters: '{pair['a'][0]}' adapts '{kernel}' of shape {jnp.shape(base[kernel])}, not 2-D")
         (in_dim, out_dim), (a_path, a), (b_path, b) = jnp.shape(base[kernel]), pair["a"], pair["b"]
         for path, leaf, expected in ((a_path, a, (in_dim, config.rank)), (b_path, b, (config.rank, out_dim))):
             if tuple(jnp.shape(leaf)) != expected:
@@ -115,10 +128,27 @@ def merge_adapters(base: Mapping[str, object], adapters: Sequence[Adapter], conf
         return merged
     kernels = [base[adapter.kernel] for adapter in adapters]
     shardings = tuple(getattr(k, "sharding", None) for k in kernels)
-    program = _merge_program(config.scale, shardings if all(s is not None for s in shardings) else None)
-    results = program(kernels, [adapter.a for adapter in adapters], [adapter.b for adapter in adapters])
+    placed = all(isinstance(s, jax.sharding.Sharding) for s in shardings)
+    a_factors = [_beside(adapter.a, kernel) for adapter, kernel in zip(adapters, kernels)]
+    b_factors = [_beside(adapter.b, kernel) for adapter, kernel in zip(adapters, kernels)]
+    program = _merge_program(config.scale, shardings if placed else None)
+    try:
+        results = program(kernels, a_factors, b_factors)
+    except (ValueError, TypeError) as exc:  # e.g. kernels on devices no one program spans
+        raise SyncError(f"adapters: merging them into their kernels failed: {exc}") from exc
     merged.update({adapter.kernel: result for adapter, result in zip(adapters, results)})
     return merged
+
+
+def _beside(factor, kernel):
+    """The factor replicated on its kernel's devices: the trainer may keep adapters elsewhere
+    than the base (they are small)."""
+    sharding = getattr(kernel, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.device_put(factor, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.device_put(factor, sharding)
+    return factor
 
 
 @functools.lru_cache(maxsize=16)

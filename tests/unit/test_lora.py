@@ -142,9 +142,53 @@ def test_a_bad_adapter_tree_is_a_sync_error_naming_the_path(adapters, config, me
     assert message in str(error.value)
 
 
-def test_lora_config_checks_its_rank():
+QWIX = ("kernel_lora_a", "kernel_lora_b")
+
+
+@pytest.mark.parametrize(
+    "adapters, message",
+    [
+        (
+            drop(adapter_tree(QWIX), "layers_0.self_attn.q_proj.kernel_lora_b"),
+            "'model.layers_0.self_attn.q_proj.kernel_lora_a' has no kernel_lora_b beside it",
+        ),
+        (
+            adapter_tree() | {"model.layers_0.self_attn.q_proj.kernel_lora_a": np.zeros((HIDDEN, RANK))},
+            "are both the A of 'model.layers_0.self_attn.q_proj'",
+        ),
+        (
+            drop(adapter_tree(), "layers_0.self_attn.q_proj.lora_b")
+            | {"model.layers_0.self_attn.q_proj.kernel_lora_b": np.zeros((RANK, HIDDEN))},
+            "'model.layers_0.self_attn.q_proj.lora_a' and 'model.layers_0.self_attn.q_proj.kernel_lora_b' are named "
+            "in two layouts",
+        ),
+    ],
+    ids=["qwix-a-without-b", "two-names-for-a", "mixed-layouts"],
+)
+def test_the_layouts_are_not_mixed_within_a_module(adapters, message):
+    with pytest.raises(SyncError) as error:
+        merged(adapters)
+    assert message in str(error.value)
+
+
+def test_adapters_on_other_devices_than_their_kernels_are_merged_where_the_kernels_are():
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("tp",)), PartitionSpec(None, "tp"))
+    base = {path: jax.device_put(leaf, sharding) if path in KERNELS else leaf for path, leaf in base_tree().items()}
+    elsewhere = {path: jax.device_put(leaf, jax.devices()[3]) for path, leaf in adapter_tree().items()}
+    out = merged(elsewhere, base)
+    expected = merged(adapter_tree())
+    for path in KERNELS:
+        assert out[path].sharding == sharding
+        np.testing.assert_allclose(np.asarray(out[path]), np.asarray(expected[path]), rtol=1e-6, atol=1e-6)
+
+
+def test_lora_config_checks_its_fields():
     with pytest.raises(ValueError, match="rank must be a positive int"):
         LoraConfig(rank=0, alpha=1.0)
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        LoraConfig(rank=4, alpha=0.0)
+    with pytest.raises(ValueError, match="target_modules must be a non-empty sequence of names"):
+        LoraConfig(rank=4, alpha=8.0, target_modules="q_proj")
     assert LoraConfig(rank=16, alpha=32.0).scale == 2.0
 
 
