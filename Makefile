@@ -66,8 +66,9 @@ demo: $(VENV)/.installed
 #   10-25 s each: the engine's bugs, the same 0.0.2 code at both ends; the flax workaround, which
 #   differs, has its own test that runs at both) and `example_run` (the RL examples' learning
 #   curves, minutes each: their thresholds were set at the oldest);
-# - the newest end only: `example_path` (an example's code path end to end, no threshold) and
-#   `one_end` (the HTTP server, typed errors, admission limits, aborts, batching across threads,
+# - the newest end only: `example_path` (an example's code path end to end, no threshold),
+#   `example_run_newest` (learning curves whose thresholds were set there: the MoE preset in bf16,
+#   LoRA) and `one_end` (the HTTP server, typed errors, admission limits, aborts, batching across threads,
 #   the sync gate and the docs' code blocks: Python that no version in the range changes; what
 #   they call in the worker is tested at both ends).
 test: cpu

@@ -15,8 +15,9 @@ with the KV cache dropped and the params donated to the train step. Metrics go t
 ``<output_dir>/metrics.jsonl``, a reward plot to ``reward.png``; orbax checkpoints of the trainer
 state let a rerun with the same output dir resume.
 
-``--lora-rank 8`` trains LoRA adapters on every projection instead of the whole model: the base
-stays frozen and is what the engine aliases, and each sync merges the adapters on device.
+``--lora-rank 8 --learning-rate 3e-3`` trains LoRA adapters on every projection instead of the
+whole model: the base stays frozen, and each sync merges the adapters into the kernels the
+engine serves (its other leaves are aliased).
 
 ``--async-rollout --tis-cap 2`` overlaps generation with the update instead (trainer on the first
 half of the devices, engines on the second; on CPU ``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
@@ -49,7 +50,7 @@ from examples.rl_loop import (
     parse_args as parse_config,
 )
 from examples.rl_update import make_optimizer, make_train_step, run_updates
-from trainer_bridge import LoraConfig, apply_adapters, init_adapters
+from trainer_bridge import LoraConfig, apply_adapters, flatten_params, init_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,10 @@ class GRPOConfig(RLConfig):
     # Generate step k+1 during the update of step k, trainer and engines on separate devices,
     # weights pushed in flight (examples/async_rl.py). Needs tis_cap.
     async_rollout: bool = False
-    # > 0: train LoRA adapters of this rank on every attention and MLP projection instead of the
-    # whole model (the base stays frozen; Adam's state is adapter-sized); the engine serves the
-    # base with the adapters merged at each sync. lora_alpha: the update's scale is alpha / rank
+    # > 0: train LoRA adapters of this rank on every attention and MLP projection the model has
+    # as a kernel (not an MoE's experts) instead of the whole model (the base stays frozen;
+    # Adam's state is adapter-sized); the engine serves the base with the adapters merged at
+    # each sync. lora_alpha: the update's scale is alpha / rank
     # (None: 2 x rank).
     lora_rank: int = 0
     lora_alpha: float | None = None
@@ -133,10 +135,14 @@ class GRPO:
     def __init__(self, config: GRPOConfig, policy: Policy):
         self.config = config
         self.optimizer = make_optimizer(config.learning_rate, config.warmup_updates, config.decay_updates)
-        # LoRA: the trained tree is the adapters; the base (placed as the engine's weights) is
-        # frozen, never donated, and the policy functions below take {"base", "adapters"}.
-        self.lora = config.lora
-        self.base = policy.params if self.lora else None
+        # LoRA: the trained tree is the adapters, on the projections this model has as kernels
+        # (an MoE's experts are stacked, not kernels); the base is frozen, never donated, and the
+        # policy functions below take {"base", "adapters"}.
+        self.lora, self.base = None, None
+        if config.lora:
+            modules = {path.rsplit(".", 2)[-2] for path in flatten_params(policy.params) if path.endswith(".kernel")}
+            targets = tuple(name for name in config.lora.target_modules if name in modules)
+            self.lora, self.base = dataclasses.replace(config.lora, target_modules=targets), policy.params
         # The reference policy for the KL penalty is the initial model, also after a resume; a
         # copy, since the train step donates the policy's buffers (with LoRA: the base alone).
         self.ref_params = None

@@ -236,7 +236,9 @@ class Policy:
 # What a resume in the same output dir must share with the run that wrote its checkpoints: the
 # initial model (the tiny presets build theirs from the seed), the prompts (drawn from (seed,
 # step)) and the task (the tiny presets' operand range).
-RUN_IDENTITY = ("preset", "model", "dataset", "seed", "max_operand")
+RUN_IDENTITY = ("preset", "model", "dataset", "seed", "max_operand", "lora_rank", "lora_alpha")
+# What a run that did not record a name (or whose algorithm has no such field) had.
+_IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None}
 
 
 def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
@@ -245,11 +247,13 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
     one run's weights and go on with another run's prompts, KL reference and metrics file. (A
     run that failed before its first checkpoint binds nothing: its rerun may fix any setting.)"""
     path = output_dir / "run.json"
-    identity = {name: _local_path_resolved(getattr(config, name)) for name in RUN_IDENTITY}
+    identity = {
+        name: _local_path_resolved(getattr(config, name, _IDENTITY_DEFAULTS.get(name))) for name in RUN_IDENTITY
+    }
     checkpoints = output_dir / "checkpoints"
     if path.exists() and checkpoints.is_dir() and any(checkpoints.iterdir()):
         recorded = json.loads(path.read_text())
-        changed = [name for name in RUN_IDENTITY if recorded.get(name) != identity[name]]
+        changed = [name for name in RUN_IDENTITY if recorded.get(name, _IDENTITY_DEFAULTS.get(name)) != identity[name]]
         if changed:
             raise ValueError(
                 f"{path}: this output dir holds checkpoints of a run with "

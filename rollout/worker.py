@@ -224,25 +224,15 @@ class RolloutWorker:
         """
         if (adapters is None) != (lora is None):
             raise ValueError("sync_params: adapters and lora (a LoraConfig) go together")
-        if adapters is not None:
-            params = self._merged_with_adapters(params, adapters, lora)
         return self._sync(
             params,
             "sync_params",
+            lora=None if adapters is None else (adapters, lora),
             allow_cast=allow_cast,
             check_finite=check_finite,
             in_flight=in_flight,
             recompute_kv=recompute_kv,
         )
-
-    def _merged_with_adapters(self, params: Mapping, adapters: Mapping, lora: LoraConfig) -> dict:
-        try:
-            flat, adapter_flat = flatten_params(params), flatten_params(adapters)
-        except (TypeError, ValueError) as exc:
-            raise SyncError(str(exc)) from None
-        kernels = [m.trainer for m in self.mappings if m.trainer.endswith(".kernel")]
-        found = collect_adapters(adapter_flat, flat, kernels, lora)
-        return unflatten_params(merge_adapters(flat, found, lora))
 
     def _sync(
         self,
@@ -254,12 +244,15 @@ class RolloutWorker:
         in_flight: bool = False,
         recompute_kv: bool = False,
         reason: str = "weights are being swapped",
+        lora: tuple[Mapping, LoraConfig] | None = None,
     ) -> SyncReport:
+        """``lora``: (adapters, LoraConfig), merged into ``params`` first (see ``sync_params``)."""
         start = time.perf_counter()
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
         try:
             flat = flatten_params(params)
+            adapter_flat = flatten_params(lora[0]) if lora else {}
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
         with self._closed_is_clear(), self._sync_lock, counting_compiles() as compiles:
@@ -267,8 +260,12 @@ class RolloutWorker:
             self._group.pod.agree(
                 call,
                 f"{tree_fingerprint(flat)} allow_cast={allow_cast} check_finite={check_finite} "
-                f"in_flight={in_flight} recompute_kv={recompute_kv}",
+                f"in_flight={in_flight} recompute_kv={recompute_kv} "
+                f"lora={lora and (tree_fingerprint(adapter_flat), lora[1])}",
             )
+            if lora:
+                kernels = [m.trainer for m in self.mappings if m.trainer.endswith(".kernel")]
+                flat = merge_adapters(flat, collect_adapters(adapter_flat, flat, kernels, lora[1]), lora[1])
             trees, gathered = self._group.localize(flat, call)
             prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
             with self._swapping(reason, in_flight):

@@ -241,7 +241,8 @@ def test_lora_grpo_keeps_learning_and_trains_and_checkpoints_only_the_adapters(t
     assert last - first > GAIN and first < middle < last
     assert max(r["frac_reward_zero_std"] for r in records[10:]) < 0.5
     assert np.mean([r["entropy"] for r in records[-5:]]) < records[0]["entropy"] - 0.8
-    assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    # The reference is the base: no KL at the start, some once the adapters have moved.
+    assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6) and records[-1]["ref_kl"] > 1e-3
     assert all(r["bytes_copied"] == 0 for r in records)
     saved = checkpoint_tree_metadata(tmp_path / "run" / "checkpoints" / str(STEPS) / "default")
     assert {path.rpartition(".")[2] for path in flatten_params(saved["params"])} == {"lora_a", "lora_b"}
@@ -249,3 +250,6 @@ def test_lora_grpo_keeps_learning_and_trains_and_checkpoints_only_the_adapters(t
     assert moments and all(8 in tuple(leaf.shape) for leaf in moments), "Adam's moments are adapter-sized"
     resumed = run_grpo(tmp_path / "run", *SHAPED, *args, "--steps", str(STEPS + 1))
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 2))
+    assert resumed[-1]["ref_kl"] > 1e-3, "the trained adapters were restored, not fresh ones"
+    with pytest.raises(AssertionError, match="lora_rank"):
+        run_grpo(tmp_path / "run", *SHAPED, "--lora-rank", "4", "--steps", str(STEPS + 2))
