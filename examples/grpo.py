@@ -70,8 +70,7 @@ class GRPOConfig(RLConfig):
     # > 0: train LoRA adapters of this rank on every attention and MLP projection the model has
     # as a kernel (not an MoE's experts) instead of the whole model (the base stays frozen;
     # Adam's state is adapter-sized); the engine serves the base with the adapters merged at
-    # each sync. lora_alpha: the update's scale is alpha / rank
-    # (None: 2 x rank).
+    # each sync. lora_alpha: the update's scale is alpha / rank (None: 2 x rank).
     lora_rank: int = 0
     lora_alpha: float | None = None
 
@@ -79,7 +78,9 @@ class GRPOConfig(RLConfig):
     def lora(self) -> LoraConfig | None:
         if not self.lora_rank:
             return None
-        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha or 2.0 * self.lora_rank)
+        return LoraConfig(
+            rank=self.lora_rank, alpha=2.0 * self.lora_rank if self.lora_alpha is None else self.lora_alpha
+        )
 
     @property
     def samples_per_prompt(self) -> int:
@@ -144,7 +145,8 @@ class GRPO:
             targets = tuple(name for name in config.lora.target_modules if name in modules)
             self.lora, self.base = dataclasses.replace(config.lora, target_modules=targets), policy.params
         # The reference policy for the KL penalty is the initial model, also after a resume; a
-        # copy, since the train step donates the policy's buffers (with LoRA: the base alone).
+        # copy, since the train step donates the policy's buffers (with LoRA: the base itself,
+        # which no step donates).
         self.ref_params = None
         if config.kl_beta > 0:
             self.ref_params = (

@@ -184,9 +184,10 @@ def apply_adapters(base: Mapping, adapters: Mapping, config: LoraConfig) -> dict
 
 
 def init_adapters(base: Mapping, config: LoraConfig, key: jax.Array) -> dict:
-    """Fresh float32 adapters for every kernel of ``base`` whose module is targeted: A drawn from
-    N(0, 1 / in) and B zero (PEFT's and qwix's scheme), so that the adapted policy starts as the
-    base. Each factor is placed replicated on its kernel's mesh."""
+    """Fresh float32 adapters for every kernel of ``base`` whose module is targeted: A random
+    (normal, variance 1 / in) and B zero, so that the adapted policy starts as the base (PEFT and
+    qwix also start B at zero; they draw A from a uniform). Each factor is placed replicated on
+    its kernel's mesh."""
     adapters = {}
     for i, (path, kernel) in enumerate(sorted(flatten_params(base).items())):
         module = path.removesuffix(".kernel")
