@@ -95,6 +95,8 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"scale_rewards must be one of {REWARD_SCALES}, got {self.scale_rewards!r}")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: train the whole model), got {self.lora_rank}")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise ValueError(f"lora_alpha must be > 0 (None: 2 x lora_rank), got {self.lora_alpha}")
         if self.lora_rank and self.routing_replay:
             raise ValueError("lora_rank with routing_replay is not supported: the routing probe needs the whole tree")
         super().__post_init__()

@@ -22,8 +22,8 @@ def test_config_validation_and_presets():
     with pytest.raises(ValueError, match="lora_rank with routing_replay is not supported"):
         GRPOConfig(preset="tiny-moe", lora_rank=4, routing_replay=True)
     assert GRPOConfig().lora is None
-    with pytest.raises(ValueError, match="alpha must be > 0"):
-        GRPOConfig(lora_rank=8, lora_alpha=0.0).lora
+    with pytest.raises(ValueError, match="lora_alpha must be > 0"):
+        GRPOConfig(lora_rank=8, lora_alpha=0.0)
     assert parse_args(["--preset", "qwen2.5-3b", "--lora-rank", "16"]).lora == LoraConfig(rank=16, alpha=32.0)
     assert GRPOConfig(lora_rank=8).lora.scale == 2.0 and GRPOConfig(lora_rank=8, lora_alpha=4.0).lora.scale == 0.5
     with pytest.raises(ValueError, match="needs a model and a dataset"):
