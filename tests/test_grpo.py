@@ -253,3 +253,16 @@ def test_lora_grpo_keeps_learning_and_trains_and_checkpoints_only_the_adapters(t
     assert resumed[-1]["ref_kl"] > 1e-3, "the trained adapters were restored, not fresh ones"
     with pytest.raises(AssertionError, match="lora_rank"):
         run_grpo(tmp_path / "run", *SHAPED, "--lora-rank", "4", "--steps", str(STEPS + 2))
+
+
+@pytest.mark.example_path
+def test_async_grpo_with_lora_pushes_merged_adapters_to_the_engines_devices(tmp_path):
+    """--async-rollout with --lora-rank: the trainer (2 devices) keeps the base and trains the
+    adapters; each in-flight push merges them beside the base and copies the result to the
+    engine's own devices, and the rollouts after the first are one version behind."""
+    args = ("--async-rollout", "--tis-cap", "2", "--lora-rank", "4", "--learning-rate", "3e-3", "--steps", "3")
+    records = run_grpo(tmp_path / "async", *SHAPED, *args, devices=4)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["bytes_copied"] > 0 for r in records), "the engine's devices hold their own copy"
+    assert [r["version_lag"] for r in records][0] == 0 and all(0 <= r["version_lag"] <= 1 for r in records)
+    assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
