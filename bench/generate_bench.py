@@ -439,11 +439,12 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     if any(b.decodes for b in batches):
         bandwidth = read_bandwidth(arrays, reps)
         result["bandwidth"] = bandwidth
+        weight_bytes = sum(x.nbytes for x in arrays)
         for name in config.batches:
             if BATCHES[name].decodes:
-                result[name]["bytes_step"] = sum(x.nbytes for x in arrays) / bandwidth
+                result[name]["bytes_step"] = weight_bytes / bandwidth
                 result[name]["floor_step"] = (
-                    sum(x.nbytes for x in arrays) + kv_bytes_per_step(shape, layers, BATCHES[name])
+                    weight_bytes + kv_bytes_per_step(shape, layers, BATCHES[name])
                 ) / bandwidth
     if "decode" in config.batches:
         # 0.0.2 runs its forward under 'highest' on GPU (workaround bf16-matmul-precision): the

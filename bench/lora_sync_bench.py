@@ -64,6 +64,7 @@ def main(config: LoraSyncBenchConfig) -> None:
             worker.sync_params(tree, check_finite=False)
             full_s = median_seconds(lambda: worker.sync_params(tree, check_finite=False), config.repeats)
             print(f"  full sync of the base (every leaf aliased): {full_s * 1e3:.1f} ms")
+            bump = jax.jit(lambda xs: [x + 1 for x in xs])
             for rank in config.ranks:
                 lora = LoraConfig(rank=rank, alpha=2.0 * rank)
                 adapters = adapters_for(flat, rank, shardings)
@@ -76,7 +77,6 @@ def main(config: LoraSyncBenchConfig) -> None:
                 lora_sync()
                 with PeakRss() as rss:
                     lora_s = median_seconds(lora_sync, config.repeats)
-                bump = jax.jit(lambda xs: [x + 1 for x in xs])
                 jax.block_until_ready(bump(adapted))
                 pass_s = median_seconds(lambda: jax.block_until_ready(bump(adapted)), config.repeats)
                 adapter_bytes = sum(x.nbytes for x in adapters.values())

@@ -30,6 +30,13 @@ FACTOR_NAMES: dict[str, tuple[str, ...]] = {
 _FACTOR_OF_NAME = {name: factor for factor, names in FACTOR_NAMES.items() for name in names}
 
 
+def _partner(name: str) -> str:
+    """The other factor's leaf name in ``name``'s layout (``lora_a`` -> ``lora_b``)."""
+    factor = _FACTOR_OF_NAME[name]
+    other = "b" if factor == "a" else "a"
+    return FACTOR_NAMES[other][FACTOR_NAMES[factor].index(name)]
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """``rank`` r and ``alpha`` (the update is scaled by alpha / r, as PEFT and qwix scale it);
@@ -89,10 +96,11 @@ def collect_adapters(
     for module, pair in sorted(factors.items()):
         for factor, other in (("a", "b"), ("b", "a")):
             if factor in pair and other not in pair:
-                layout = FACTOR_NAMES[factor].index(pair[factor][0].rpartition(".")[2])
-                raise SyncError(f"adapters: '{pair[factor][0]}' has no {FACTOR_NAMES[other][layout]} beside it")
+                raise SyncError(
+                    f"adapters: '{pair[factor][0]}' has no {_partner(pair[factor][0].rpartition('.')[2])} beside it"
+                )
         a_name, b_name = (pair[f][0].rpartition(".")[2] for f in ("a", "b"))
-        if FACTOR_NAMES["a"].index(a_name) != FACTOR_NAMES["b"].index(b_name):
+        if _partner(a_name) != b_name:
             raise SyncError(f"adapters: '{pair['a'][0]}' and '{pair['b'][0]}' are named in two layouts")
         kernel = f"{module}.kernel"
         if kernel not in base:
@@ -177,7 +185,7 @@ def apply_adapters(base: Mapping, adapters: Mapping, config: LoraConfig) -> dict
         if _FACTOR_OF_NAME.get(name) != "a":
             continue
         kernel = flat[f"{module}.kernel"]
-        b = factors[f"{module}.{FACTOR_NAMES['b'][FACTOR_NAMES['a'].index(name)]}"]  # the same layout's B
+        b = factors[f"{module}.{_partner(name)}"]
         delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
         flat[f"{module}.kernel"] = (kernel + config.scale * delta).astype(kernel.dtype)
     return unflatten_params(flat)
@@ -196,9 +204,5 @@ def init_adapters(base: Mapping, config: LoraConfig, key: jax.Array) -> dict:
         in_dim, out_dim = kernel.shape
         a = jax.random.normal(jax.random.fold_in(key, i), (in_dim, config.rank), jnp.float32) / in_dim**0.5
         b = jnp.zeros((config.rank, out_dim), jnp.float32)
-        sharding = getattr(kernel, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-            a, b = jax.device_put(a, replicated), jax.device_put(b, replicated)
-        adapters[f"{module}.lora_a"], adapters[f"{module}.lora_b"] = a, b
+        adapters[f"{module}.lora_a"], adapters[f"{module}.lora_b"] = _beside(a, kernel), _beside(b, kernel)
     return unflatten_params(adapters)
