@@ -53,6 +53,9 @@ class RolloutBatch:
     # no forward took the token as input (padding, each completion's last token). A trainer
     # replays them (``CausalLM.apply(..., routed_experts=...)``) to route as the engine did.
     routed_experts: np.ndarray | None = None
+    # [B] int32: the prompt tokens of each row the engine found in its prefix cache (not
+    # prefilled for that row); 0 where a row shared nothing with the cache.
+    cached_tokens: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -80,6 +83,8 @@ class StreamChunk:
     weight_version: int
     logprobs: list[float] | None = None  # of token_ids, with return_logprobs=True
     token_versions: list[int] | None = None  # the weight version that sampled each of token_ids
+    # Set on the row's last chunk: the prompt tokens the engine found in its prefix cache.
+    cached_tokens: int | None = None
 
 
 def pack_rollouts(
@@ -99,6 +104,7 @@ def pack_rollouts(
     token_versions: Sequence[Sequence[int]] | None = None,
     kept_counts: Sequence[Sequence[int]] | None = None,
     routed_experts: Sequence[np.ndarray | None] | None = None,
+    cached_tokens: Sequence[int] | None = None,
 ) -> RolloutBatch:
     """Lay out prompt-major completions as left-padded prompts followed by completions.
 
@@ -172,4 +178,5 @@ def pack_rollouts(
         token_versions=per_token(token_versions, "token versions", np.int64, -1),
         kept_counts=per_token(kept_counts, "kept counts", np.int32, 0),
         routed_experts=routing,
+        cached_tokens=None if cached_tokens is None else np.asarray(cached_tokens, dtype=np.int32),
     )

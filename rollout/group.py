@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import threading
+import zlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import jax
@@ -272,6 +273,8 @@ class EngineGroup:
         whole prompts (their n samples together), balanced by tokens."""
         n = params.n
         live = list(self.live().values())
+        if params.session is not None:  # one prompt: on the session's engine, where its prefix is
+            return [(self.session_engine(params.session), list(range(n)), (prompts, params, seeds))]
         load = [0] * len(live)
         assigned: list[list[int]] = [[] for _ in live]
         cost = [len(p) + params.max_new_tokens for p in prompts]
@@ -286,6 +289,11 @@ class EngineGroup:
                 rows = [i * n + j for i in indices for j in range(n)]
                 parts.append((weights, rows, ([prompts[i] for i in indices], params, seeds[indices])))
         return parts
+
+    def session_engine(self, session: str) -> EngineWeights:
+        """The live engine that runs a session's calls (the same while the same engines live)."""
+        live = list(self.live().values())
+        return live[zlib.crc32(session.encode()) % len(live)]
 
 
 def _on_group_mesh(x, mesh: Mesh) -> bool:

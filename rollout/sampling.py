@@ -82,6 +82,9 @@ class SamplingParams:
     seed: int | None = None
     return_logprobs: bool = False
     return_routing: bool = False
+    # A conversation's key: its calls run on one engine, which keeps each call's tokens pinned
+    # in its prefix cache for the next (rollout/engine/sessions.py). One prompt, n=1.
+    session: str | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -113,6 +116,8 @@ class SamplingParams:
             if not low <= seed <= high:
                 raise InvalidRequest("seed", f"seed must be an int64 (in [{low}, {high}]), got {seed}")
             set_(self, "seed", seed)
+        if self.session is not None and (not isinstance(self.session, str) or not self.session):
+            raise InvalidRequest("session", f"session must be a non-empty string or None, got {self.session!r}")
         stop = self.stop_token_ids
         if stop is None:
             stop = ()
@@ -268,6 +273,12 @@ class RequestValidator:
             prompts, vocab_size=engine.vocab_size, tokenizer=self._tokenizer, model_path=config.model_path
         )
         rows = len(prompt_ids) * params.n
+        if params.session is not None and rows != 1:
+            raise InvalidRequest(
+                "session",
+                f"a session's call continues one conversation: one prompt and n=1, got {len(prompt_ids)} "
+                f"prompt(s) x n={params.n}",
+            )
         check_limit("n", "rows (prompts x n)", rows, "WorkerConfig.max_rows_per_call", config.max_rows_per_call)
         tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
         check_limit(

@@ -61,4 +61,5 @@ async def chunks(
             sent[row] = end
             if new or output.finish_reason:
                 reason = output.finish_reason or None
-                yield StreamChunk(row, row // n, row % n, new, reason, version, logprobs, versions)
+                cached = output.cached_tokens if reason else None
+                yield StreamChunk(row, row // n, row % n, new, reason, version, logprobs, versions, cached)

@@ -47,7 +47,7 @@ from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
-from .engine import EngineHandle, GenerateOutput
+from .engine import EngineHandle, GenerateOutput, SessionStats
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
 from .gate import EngineGate
 from .group import EngineGroup
@@ -457,6 +457,7 @@ class RolloutWorker:
         pad_prompts_to: int | None = None,
         return_logprobs: bool = False,
         return_routing: bool = False,
+        session: str | None = None,
         prompt_offset: int = 0,
     ) -> RolloutBatch:
         """Sample ``n`` completions for every prompt (token-id lists, or strings).
@@ -469,6 +470,10 @@ class RolloutWorker:
         ``return_logprobs=True`` fills ``batch.logprobs`` (see :class:`RolloutBatch`).
         ``return_routing=True`` (MoE models, ``WorkerConfig(record_routing=True)``) fills
         ``batch.routed_experts``: the experts each token was routed to, for routing replay.
+        ``session="key"`` (one prompt, ``n=1``): a conversation's calls. They run on one engine,
+        which keeps each call's tokens pinned in its prefix cache until the session's next call
+        finishes, so that call prefills only what was appended (``batch.cached_tokens`` says
+        how much it found); :meth:`release_session` ends the pin.
         ``prompt_offset=k``: ``prompts[i]`` draws as global prompt ``k + i`` does, so processes
         that each generate their share of a global batch (same ``seed``) draw what one worker
         would over the whole batch.
@@ -526,6 +531,18 @@ class RolloutWorker:
                         yield chunk
         finally:
             self._gate.leave()
+
+    def release_session(self, session: str) -> bool:
+        """Unlock what ``session`` pinned in its engine's prefix cache (it stays cached, now
+        evictable). False if it held nothing (never pinned, released, or flushed by a weight
+        change or a KV drop)."""
+        self._check_open()
+        return self._group.session_engine(session).engine.release_session(session)
+
+    def session_stats(self) -> list[SessionStats]:
+        """Per engine: the sessions holding pinned prefixes and the tokens they hold."""
+        self._check_open()
+        return [w.engine.session_stats() for w in self._group.live().values()]
 
     @contextlib.contextmanager
     def _closed_is_clear(self) -> Iterator[None]:
@@ -612,6 +629,7 @@ class RolloutWorker:
                 else [o.token_versions[: len(c)] for o, c in zip(outputs, completions)]
             ),
             routed_experts=[o.routed_experts for o in outputs] if params.return_routing else None,
+            cached_tokens=[o.cached_tokens for o in outputs],
         )
 
     # ---- weight checks (the server's admin routes) -------------------------------------------

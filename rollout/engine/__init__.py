@@ -32,7 +32,8 @@ Modules: ``workarounds`` (the registry ``WORKAROUNDS`` and its switches; imports
 engine is being built), ``runtime`` (the engine's threads), ``handle`` (``EngineHandle``:
 start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
 loop), ``testing`` (its test hooks), ``inflight`` (weight swaps with requests running),
-``routing`` (MoE routing recorded for replay), ``tpu_kernels`` (the TPU kernels' JAX names),
+``routing`` (MoE routing recorded for replay), ``sessions`` (a conversation's prefix kept
+cached between its calls), ``tpu_kernels`` (the TPU kernels' JAX names),
 ``profile`` (where steps spend their time), ``types`` (options, outputs, errors; no sgl_jax
 import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 """
@@ -41,6 +42,7 @@ from .handle import EngineHandle
 from .inflight import SwapRecord
 from .patches import engine_version, install_workarounds
 from .profile import Step, StepSplit, StepTimes, profile_steps
+from .sessions import SessionStats
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
     EngineError,
@@ -58,6 +60,7 @@ __all__ = [
     "WORKAROUNDS",
     "EngineError",
     "EngineHandle",
+    "SessionStats",
     "EngineOptions",
     "ForwardMemory",
     "GenerateOutput",

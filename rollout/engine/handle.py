@@ -19,11 +19,12 @@ import numpy as np
 from trainer_bridge import EngineLeaf
 
 from ..sampling import SamplingParams
-from . import inflight
+from . import inflight, sessions
 from .patches import install_workarounds, preserved_process_state, variables_sharded_lazily
 from .requests import RequestLoop
 from .routing import RoutingRecorder
 from .runtime import SchedulerControl
+from .sessions import SessionStats
 from .start_up import engine_start_up
 from .state import ModelState
 from .testing import EngineTesting
@@ -101,8 +102,10 @@ class EngineHandle:
             self._control.wait_for_threads(timeout=30)
         self._closed = False
         self._model = ModelState(self._scheduler, self._engine, options.seed)
+        budget = options.session_budget_tokens or self.kv_pool_tokens // 2
+        self._sessions = self.call(lambda: sessions.install(self._scheduler, budget, options.max_session_tokens))
         self._requests = RequestLoop(
-            self._engine, self._scheduler, self._control, self.check_alive, self.kv_pool_tokens
+            self._engine, self._scheduler, self._control, self.check_alive, self.kv_pool_tokens, self._sessions
         )
         self.testing = EngineTesting(self.call, self._control, self._model)
         _open_handles.add(self)
@@ -252,6 +255,16 @@ class EngineHandle:
         """Yield ``(row, output so far)`` as tokens arrive; a row is done when its
         ``finish_reason`` is set. Rows are prompt-major as in :meth:`generate`."""
         return self._requests.astream(prompts, params, seeds)
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    def release_session(self, session: str) -> bool:
+        """Unlock a session's pinned prefix (it stays cached, evictable); False if it held none.
+        Runs at the next forward boundary."""
+        return self.call_at_boundary(lambda: self._sessions.release(session))
+
+    def session_stats(self) -> SessionStats:
+        return self.call_at_boundary(self._sessions.stats)
 
     # ---- weights, KV pool, compiled forward (the model state) --------------------------------
 

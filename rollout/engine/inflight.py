@@ -23,6 +23,8 @@ import dataclasses
 import itertools
 import time
 
+from . import sessions
+
 # The per-scheduler bookkeeping of requests continuing from KV of earlier weights.
 _STALE = "_rollout_stale_kv"
 
@@ -69,6 +71,9 @@ def output_lengths(scheduler) -> dict[str, int]:
 
 def reset_kv_state(scheduler) -> None:
     """Forget every cached prefix and KV allocation (no request may hold KV)."""
+    pins = sessions.pins_of(scheduler)
+    if pins is not None:
+        pins.forget_all()
     scheduler.tree_cache.reset()
     scheduler.req_to_token_pool.clear()
     scheduler.token_to_kv_pool_allocator.clear()
@@ -104,6 +109,9 @@ def keep_running(scheduler) -> int:
         _restart_chunked(scheduler, chunked)
     if getattr(tree, "disable", True):
         return len(decoding_requests(scheduler))
+    pins = sessions.pins_of(scheduler)
+    if pins is not None:  # their prefixes hold the old weights' KV: evicted with the rest
+        pins.release_all()
     tree.evict(tree.evictable_size())
     # What is left is held by running requests: out of reach of every lookup and insert, still
     # reached by eviction once they let go.

@@ -19,6 +19,7 @@ from ..sampling import SamplingParams
 from .patches import LOGPROB_SINKS
 from .routing import RoutingSink
 from .runtime import SchedulerControl
+from .sessions import SessionPins
 from .types import EngineError, GenerateOutput, TokenLogprobSink
 from .workarounds import workaround_enabled
 
@@ -30,9 +31,16 @@ class RequestLoop:
     engine's error once it failed or was closed; ``kv_pool_tokens`` is its KV pool's size."""
 
     def __init__(
-        self, engine, scheduler, control: SchedulerControl, check_alive: Callable[[], None], kv_pool_tokens: int
+        self,
+        engine,
+        scheduler,
+        control: SchedulerControl,
+        check_alive: Callable[[], None],
+        kv_pool_tokens: int,
+        sessions: SessionPins,
     ):
         self._control = control
+        self._sessions = sessions
         self._check_alive = check_alive
         self._kv_pool_tokens = kv_pool_tokens
         self._tokenizer_manager = engine.tokenizer_manager
@@ -73,6 +81,7 @@ class RequestLoop:
             with (
                 self._logprobs_collected(rids, params.return_logprobs) as sinks,
                 self._versions_collected(rids) as versions,
+                self._session_pinned(rids, params.session),
                 self._aborted_if_cancelled(rids),
                 self._sent_whole(rids, params),
             ):
@@ -144,6 +153,20 @@ class RequestLoop:
             yield sinks
 
     @contextlib.contextmanager
+    def _session_pinned(self, rids: list[str], session: str | None):
+        """A session's request pins its prefix in the cache as it finishes (``sessions``)."""
+        if session is None:
+            yield
+            return
+        for rid in rids:
+            self._sessions.expect(rid, session)
+        try:
+            yield
+        finally:
+            for rid in rids:
+                self._sessions.withdraw(rid)
+
+    @contextlib.contextmanager
     def _aborted_if_cancelled(self, rids: list[str]):
         """A call cancelled by its caller (a client gone, a timeout) aborts its requests in the
         scheduler: they leave the running batch after at most one more forward and free their
@@ -193,6 +216,7 @@ class RequestLoop:
             self._logprobs_collected(rids, params.return_logprobs) as sinks,
             self._versions_collected(rids) as versions,
             self._routing_collected(rids, params.return_routing) as routing,
+            self._session_pinned(rids, params.session),
             self._aborted_if_cancelled(rids),
             self._sent_whole(rids, params),
         ):

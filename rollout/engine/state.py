@@ -13,7 +13,7 @@ import numpy as np
 
 from trainer_bridge import EngineLeaf
 
-from . import inflight
+from . import inflight, sessions
 from .patches import variables_sharded_lazily
 from .types import EngineError, ForwardMemory, device_nbytes
 from .workarounds import workaround_enabled
@@ -117,6 +117,9 @@ class ModelState:
 
     def flush_prefix_cache(self) -> None:
         if not workaround_enabled("flush-cache"):
+            pins = sessions.pins_of(self.scheduler)
+            if pins is not None:
+                pins.forget_all()
             self._engine.flush_cache()
             return
         inflight.reset_kv_state(self.scheduler)

@@ -44,6 +44,11 @@ class EngineOptions:
     # return_routing=True) can return them (routing replay, rollout/engine/routing.py). Costs a
     # small fetch per forward and a host table of (KV slots x MoE layers x top-k) ids.
     record_routing: bool = False
+    # Sessions (multi-turn conversations, rollout/engine/sessions.py): the tokens all their
+    # pinned prefixes may hold together (None: half the KV pool), and one session's (None: no
+    # bound but the total).
+    session_budget_tokens: int | None = None
+    max_session_tokens: int | None = None
 
     def __post_init__(self):
         if self.devices is None:
