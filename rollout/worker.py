@@ -42,12 +42,13 @@ from trainer_bridge import (
     wrap_like,
 )
 
-from . import kv, stream, weight_tools
+from . import episodes, kv, stream, weight_tools
 from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineHandle, GenerateOutput, SessionStats
+from .episodes import EpisodeBatch, EpisodeLimits
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
 from .gate import EngineGate
 from .group import EngineGroup
@@ -531,6 +532,45 @@ class RolloutWorker:
                         yield chunk
         finally:
             self._gate.leave()
+
+    def run_episodes(self, prompts, make_env, **options) -> EpisodeBatch:
+        """:meth:`arun_episodes` for callers without a running event loop (it runs one)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.arun_episodes(prompts, make_env, **options))
+        raise RuntimeError("run_episodes() was called inside a running event loop: await arun_episodes() there")
+
+    async def arun_episodes(
+        self,
+        prompts,
+        make_env,
+        *,
+        n: int = 1,
+        limits: EpisodeLimits = EpisodeLimits(),
+        tools=None,
+        seed: int | None = None,
+        pad_prompts_to: int | None = None,
+        **sampling,
+    ) -> EpisodeBatch:
+        """Multi-turn episodes (``rollout.episodes``): ``n`` per prompt (a list of chat messages,
+        rendered with the chat template and ``tools``, or token ids), all at once. Each turn
+        samples with ``sampling`` (:meth:`generate`'s options: temperature, top_p,
+        return_logprobs, ...) up to ``limits.max_new_tokens``; ``make_env(i, j)`` gives sample
+        ``j`` of prompt ``i`` its environment, whose ``step(turn)`` answers each turn with a
+        :class:`rollout.episodes.StepResult`. Returns the episodes and their
+        :class:`RolloutBatch` (``completion_mask``: the tokens the model sampled)."""
+        return await episodes.run_episodes(
+            self,
+            prompts,
+            make_env,
+            n=n,
+            limits=limits,
+            tools=tools,
+            seed=seed,
+            pad_prompts_to=pad_prompts_to,
+            **sampling,
+        )
 
     def release_session(self, session: str) -> bool:
         """Unlock what ``session`` pinned in its engine's prefix cache (it stays cached, now

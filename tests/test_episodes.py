@@ -1,10 +1,13 @@
 """Sessions (a conversation's prefix pinned between its calls) and multi-turn episodes."""
 
+import asyncio
+
 import jax
 import numpy as np
 import pytest
 
 from rollout import InvalidRequest, RolloutWorker
+from rollout.episodes import EpisodeLimits, StepResult, Turn, run_episode
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -88,3 +91,209 @@ def test_a_session_key_is_a_string(worker):
     with pytest.raises(InvalidRequest, match="session must be a non-empty string"):
         worker.generate([[1, 2]], session=3)
     assert np.array_equal(worker.generate([[1, 2]], max_new_tokens=1).cached_tokens.shape, (1,))
+
+
+# ---- episodes -------------------------------------------------------------------------------------
+
+LIMITS = EpisodeLimits(max_turns=5, max_new_tokens=12)
+IM_END = 2  # models/tiny.py's SPECIAL_TOKENS
+
+
+@pytest.fixture(scope="module")
+def episode_worker(chat_dir):
+    config = tiny_worker_config(chat_dir, max_total_tokens=8192, context_length=512, max_running_requests=64)
+    with RolloutWorker(config) as w:
+        yield w
+
+
+class Talk:
+    """Answers every turn with a user message, done after ``turns`` turns (reward 1 then);
+    ``delay``: an async step that sleeps that long first."""
+
+    def __init__(self, turns: int = 5, delay: float = 0.0):
+        self.turns, self.delay, self.seen = turns, delay, []
+
+    async def step(self, turn: Turn) -> StepResult:
+        self.seen.append(turn)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if len(self.seen) == self.turns:
+            return StepResult(reward=1.0, done=True)
+        return StepResult(observation=f"now {len(self.seen)}+{len(self.seen)}=", reward=0.25)
+
+
+def sampled_spans(episode):
+    return [(t.start, t.end) for t in episode.turns]
+
+
+def test_the_trainer_gets_exactly_the_sampled_tokens_across_five_turns(episode_worker):
+    worker, envs = episode_worker, []
+    prompt = [{"role": "user", "content": "what is 12+30? then 7+7?"}]
+
+    def make_env(i, j):
+        envs.append(Talk())
+        return envs[-1]
+
+    out = worker.run_episodes([prompt], make_env, limits=LIMITS, temperature=0.0, return_logprobs=True, seed=5)
+    (episode,) = out.episodes
+    assert episode.status == "done" and len(episode.turns) == 5 and episode.reward == pytest.approx(2.0)
+    tokens = episode.token_ids
+    mask = np.zeros(len(tokens), bool)
+    drifted = 0
+    for turn, seen in zip(episode.turns, envs[0].seen):
+        sampled = tokens[turn.start : turn.end]
+        assert sampled == seen.token_ids  # what the environment was shown
+        mask[turn.start : turn.end] = True
+        # The model's own tokens for this conversation, sampled again from scratch (greedy).
+        again = worker.generate(
+            [tokens[: turn.start]], temperature=0.0, max_new_tokens=turn.end - turn.start, stop_token_ids=[IM_END]
+        )
+        assert again.completions[0] == sampled
+        # Decoding and encoding again would have handed the trainer other tokens.
+        drifted += worker.tokenizer.encode(seen.text, add_special_tokens=False) != sampled
+    assert drifted >= 1
+    assert np.array_equal(episode.loss_mask, mask)
+    assert np.all(episode.logprobs[mask] < 0) and np.all(episode.logprobs[~mask] == 0)
+    assert np.all(episode.token_versions[mask] == worker.weight_version) and np.all(episode.token_versions[~mask] == -1)
+    # Each observation is framed as a ChatML user turn, once, after the model's turn is closed.
+    text = worker.tokenizer.decode(tokens[episode.turns[0].end : episode.turns[0].observation_end])
+    assert text.endswith("<|im_end|>\n<|im_start|>user\nnow 1+1=<|im_end|>\n<|im_start|>assistant\n")
+    # The batch the RL loop trains on: the same tokens, the loss mask as completion_mask.
+    batch = out.batch
+    width = batch.prompt_width
+    assert width == episode.prompt_length
+    rest = len(tokens) - width
+    assert batch.tokens[0, : width + rest].tolist() == tokens
+    assert np.array_equal(batch.completion_mask[0, : width + rest], mask)
+    assert np.array_equal(batch.logprobs[0, : width + rest], episode.logprobs)
+    assert batch.attention_mask[0, : width + rest].all() and batch.finish_reasons == ["done"]
+
+
+def test_each_turn_prefills_only_what_was_appended(episode_worker):
+    out = episode_worker.run_episodes(
+        [[{"role": "user", "content": "count 1 2 3 4 5 6 7 8 9"}]], lambda i, j: Talk(4), n=2, limits=LIMITS, seed=8
+    )
+    for episode in out.episodes:
+        first, *later = episode.turns
+        assert first.prompt_tokens == episode.prompt_length
+        for before, turn in zip(episode.turns, later):
+            # The previous turn's last sampled token (no forward took it yet) and what followed it.
+            assert turn.prefill_tokens == before.observation_end - before.end + 1
+        assert episode.prefill_tokens < sum(t.prompt_tokens for t in episode.turns) / 2
+
+
+def test_64_concurrent_episodes_with_environments_that_sleep_at_random_lose_nothing(episode_worker):
+    rng = np.random.default_rng(0)
+    envs = {}
+
+    def make_env(i, j):
+        envs[i, j] = Talk(4, delay=float(rng.uniform(0, 0.05)))
+        return envs[i, j]
+
+    prompts = [[{"role": "user", "content": f"{a}+{a}="}] for a in range(16)]
+    limits = EpisodeLimits(max_turns=6, max_new_tokens=8)
+    out = episode_worker.run_episodes(prompts, make_env, n=4, limits=limits, temperature=1.0, seed=1)
+    assert len(out.episodes) == 64 and out.batch.size == 64
+    for row, episode in enumerate(out.episodes):
+        env = envs[row // 4, row % 4]
+        assert episode.status == "done" and len(episode.turns) == 4 == len(env.seen)
+        assert [t.index for t in env.seen] == [0, 1, 2, 3]
+        assert [episode.token_ids[t.start : t.end] for t in episode.turns] == [t.token_ids for t in env.seen]
+        assert episode.reward == pytest.approx(1.75)
+    assert out.rewards.tolist() == [1.75] * 64
+    # Every pin was released, every KV slot given back.
+    assert episode_worker.session_stats()[0].sessions == 0
+    assert episode_worker.engine.testing.kv_tokens_held() == 0
+
+
+class Failing:
+    def __init__(self, how: str):
+        self.how = how
+
+    async def step(self, turn: Turn):
+        if turn.index == 0:
+            return StepResult(observation="go on")
+        if self.how == "raise":
+            raise RuntimeError("the tool server is down")
+        if self.how == "hang":
+            await asyncio.Event().wait()
+        return 42
+
+
+class SyncTalk:
+    def step(self, turn: Turn) -> StepResult:  # a plain function: run in a thread
+        return StepResult(observation=[5, 6, 7], done=turn.index == 2, reward=1.0)
+
+
+def test_a_failing_environment_ends_its_own_episode_only(episode_worker):
+    envs = [Failing("raise"), Failing("hang"), Failing("return"), SyncTalk(), Talk(2)]
+    limits = EpisodeLimits(max_turns=4, max_new_tokens=6, env_timeout_s=1.0)
+    out = episode_worker.run_episodes(
+        [[{"role": "user", "content": "hi"}]] * len(envs), lambda i, j: envs[i], limits=limits, seed=2
+    )
+    statuses = [(e.status, e.error) for e in out.episodes]
+    assert statuses[0] == ("env_error", "turn 1: RuntimeError: the tool server is down")
+    assert statuses[1][0] == "env_error" and "more than 1.0 s (EpisodeLimits.env_timeout_s)" in statuses[1][1]
+    assert statuses[2] == ("env_error", "turn 1: TypeError: the environment's step returned int, not a StepResult")
+    assert statuses[3:] == [("done", None), ("done", None)]
+    # Each failed episode keeps what happened before the failure, for inspection or training.
+    assert all(len(e.turns) == 2 for e in out.episodes[:3])
+    # Token observations are framed as the template frames text.
+    framed = out.episodes[3]
+    observation = framed.token_ids[framed.turns[0].end : framed.turns[0].observation_end]
+    content = episode_worker.tokenizer.decode([5, 6, 7])
+    assert episode_worker.tokenizer.decode(observation) == (
+        f"<|im_end|>\n<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert any(observation[k : k + 3] == [5, 6, 7] for k in range(len(observation)))
+
+
+def test_a_cancelled_episode_frees_its_turn_and_the_others_finish(episode_worker):
+    started = asyncio.Event()
+
+    class Announcing:
+        """The worker, saying when the cancelled episode's second turn starts generating."""
+
+        def __getattr__(self, name):
+            return getattr(episode_worker, name)
+
+        async def agenerate(self, prompts, **options):
+            if len(prompts[0]) > 20:
+                started.set()
+            return await episode_worker.agenerate(prompts, **options)
+
+    async def main():
+        limits = EpisodeLimits(max_turns=3, max_new_tokens=200)
+        long_turns = dict(limits=limits, ignore_eos=True, seed=3)
+        cancelled = asyncio.ensure_future(
+            run_episode(Announcing(), [{"role": "user", "content": "a long one"}], Talk(3), **long_turns)
+        )
+        others = [
+            asyncio.ensure_future(run_episode(episode_worker, [{"role": "user", "content": f"{k}"}], Talk(2), seed=k))
+            for k in range(3)
+        ]
+        await started.wait()
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        return await asyncio.gather(*others)
+
+    results = asyncio.run(main())
+    assert [r.status for r in results] == ["done"] * 3
+    assert episode_worker.session_stats()[0].sessions == 0
+    assert episode_worker.engine.testing.kv_tokens_held() == 0
+
+
+@pytest.mark.parametrize("overflow, status", [("truncate", "length"), ("error", "context_exceeded")])
+def test_a_conversation_past_its_limit_ends_as_the_caller_chose(episode_worker, overflow, status):
+    limits = EpisodeLimits(max_turns=10, max_new_tokens=10, max_total_tokens=60, overflow=overflow)
+    out = episode_worker.run_episodes(
+        [[{"role": "user", "content": "go"}]], lambda i, j: Talk(10), limits=limits, ignore_eos=True, seed=4
+    )
+    (episode,) = out.episodes
+    assert episode.status == status
+    assert len(episode.token_ids) <= 60
+    if overflow == "error":
+        assert "10 more would pass the limit of 60" in episode.error
+    else:  # the last turn sampled what fitted, then nothing fitted
+        assert episode.turns[-1].end - episode.turns[-1].start < 10

@@ -1,0 +1,504 @@
+"""Multi-turn episodes: the model and an environment take turns, many episodes at once.
+
+Each episode is a loop: generate a turn -> the environment's ``step`` (user code, sync or async)
+answers with an observation, a reward and whether it is done -> the observation is appended ->
+the next turn, until the environment is done or a limit ends it (:class:`EpisodeLimits`).
+
+What the trainer gets is exact:
+
+- the tokens the model sampled are kept as sampled: never decoded and encoded again (that
+  round trip can change them, and the trainer would score tokens the model never produced);
+- an observation's text is encoded once, inside the chat template's delimiters for its role
+  (:class:`TurnFrames`: the API adds them, not the environment); token observations are framed
+  the same way;
+- the loss mask is 1 exactly on sampled tokens, with their log-probs and weight versions;
+- every turn is one call of the episode's session (``RolloutWorker.agenerate(session=...)``):
+  its engine keeps the conversation pinned in the prefix cache while the environment works, so a
+  turn prefills only what was appended since the last one (``EpisodeTurn.prefill_tokens``).
+
+:func:`pack_episodes` lays episodes out as the :class:`~rollout.RolloutBatch` the RL examples
+train on: the first prompt in the prompt region, the rest of the conversation in the completion
+region, ``completion_mask`` the loss mask.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from .batch import RolloutBatch, pack_rollouts
+from .chat import ParsedTurn, parse_tool_calls, render_chat
+from .errors import InvalidRequest
+from .sampling import MAX_SAMPLING_SEED, row_seeds
+
+logger = logging.getLogger(__name__)
+
+# How an episode ended (EpisodeResult.status).
+DONE = "done"  # the environment said so
+MAX_TURNS = "max_turns"
+LENGTH = "length"  # no room for another turn (EpisodeLimits.max_total_tokens or the context)
+ENV_ERROR = "env_error"  # the environment raised, timed out or answered something else than a StepResult
+CONTEXT_EXCEEDED = "context_exceeded"  # overflow="error": the next turn would not fit
+STATUSES = (DONE, MAX_TURNS, LENGTH, ENV_ERROR, CONTEXT_EXCEEDED)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    """When an episode ends, besides its environment saying so.
+
+    ``max_new_tokens``: one turn's sampled tokens. ``max_total_tokens``: the whole conversation
+    (prompt, every turn, every observation); None: as much as one request may hold
+    (``RolloutWorker.max_request_tokens``). ``overflow``: what a turn does when the
+    conversation leaves less than ``max_new_tokens`` of room: ``"truncate"`` samples what fits
+    (and the episode ends with status ``"length"`` once nothing fits, without the observation
+    that left no room), ``"error"`` ends the episode with status ``"context_exceeded"`` and a
+    message saying by how much, before the turn (or the observation) that would not fit.
+    ``env_timeout_s``: one ``step`` of the environment (None: no limit); a step that takes
+    longer ends its episode with status ``"env_error"`` (a thread running a synchronous step
+    cannot be stopped: it finishes in the background, its result unused).
+    ``pin_prefix``: keep each conversation pinned in the prefix cache between turns.
+    """
+
+    max_turns: int = 8
+    max_new_tokens: int = 256
+    max_total_tokens: int | None = None
+    overflow: str = "truncate"
+    env_timeout_s: float | None = 60.0
+    pin_prefix: bool = True
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EpisodeLimits.{name} must be a positive int, got {value!r}")
+        total = self.max_total_tokens
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 2):
+            raise ValueError(f"EpisodeLimits.max_total_tokens must be an int >= 2 or None, got {total!r}")
+        if self.overflow not in ("truncate", "error"):
+            raise ValueError(f"EpisodeLimits.overflow must be 'truncate' or 'error', got {self.overflow!r}")
+        timeout = self.env_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"EpisodeLimits.env_timeout_s must be a positive number or None, got {timeout!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One turn of the model, as the environment's ``step`` receives it."""
+
+    index: int  # 0 for the first turn
+    token_ids: list[int]  # as sampled, the stop token included
+    text: str  # the tokens' text (special tokens skipped); "" without a tokenizer
+    finish_reason: str  # "stop" (a stop token), "length" (the turn's token budget)
+    parsed: ParsedTurn  # the text's tool calls (rollout.chat.parse_tool_calls)
+
+    @property
+    def tool_calls(self):
+        return self.parsed.tool_calls
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """The environment's answer to a turn.
+
+    ``observation``: text (framed by the chat template as a ``role`` message), token ids (the
+    content's tokens, framed the same way), a list of messages (``{"role", "content"}`` dicts,
+    e.g. one ``tool`` message per tool call, rendered together), or None (nothing to append:
+    only with ``done``). ``reward`` adds to the episode's reward.
+    """
+
+    observation: str | Sequence[int] | Sequence[Mapping[str, Any]] | None = None
+    reward: float = 0.0
+    done: bool = False
+    role: str = "user"
+
+
+class Environment(Protocol):
+    """What an episode's environment provides: ``step`` may be a plain or an async function."""
+
+    def step(self, turn: Turn) -> StepResult | Awaitable[StepResult]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeTurn:
+    """Where one turn sits in its episode's tokens, and what its prefill cost."""
+
+    start: int  # the turn's first sampled token
+    end: int  # one past its last sampled token
+    observation_end: int  # one past the framing and observation that followed (== end if none)
+    finish_reason: str
+    prompt_tokens: int  # the conversation the turn was generated from
+    cached_tokens: int  # of those, found in the prefix cache (not prefilled again)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeResult:
+    """A finished episode: the whole conversation and what the trainer needs of it."""
+
+    token_ids: list[int]
+    prompt_length: int  # the first prompt's tokens (token_ids[:prompt_length])
+    loss_mask: np.ndarray  # [len(token_ids)] bool: True exactly on sampled tokens
+    logprobs: np.ndarray | None  # [len(token_ids)] float32, 0 where not sampled (return_logprobs)
+    token_versions: np.ndarray  # [len(token_ids)] int64, the weight version of each sampled token, -1 elsewhere
+    kept_counts: np.ndarray | None  # [len(token_ids)] int32 (return_logprobs), 0 where not sampled
+    turns: list[EpisodeTurn]
+    reward: float
+    status: str  # one of STATUSES
+    error: str | None = None  # why, for env_error and context_exceeded
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(t.prefill_tokens for t in self.turns)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeBatch:
+    """Episodes of ``n`` samples per prompt, prompt-major, and their :class:`RolloutBatch`."""
+
+    episodes: list[EpisodeResult]
+    batch: RolloutBatch  # completion_mask = loss mask; completions = everything after the prompt
+    n: int
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([e.reward for e in self.episodes], dtype=np.float32)
+
+
+class TurnFrames:
+    """The chat template's delimiters around a turn, rendered once per role: what closes the
+    model's turn and what opens and closes an observation of each role (up to the next turn's
+    generation prompt), as the template renders them between two messages. Without a chat
+    template, nothing: observations are appended as they are."""
+
+    _MARK = "\x00observation\x00"
+
+    def __init__(self, tokenizer, tools: Sequence[Mapping] | None = None):
+        self._tokenizer = tokenizer
+        self._tools = list(tools) if tools else None
+        self.templated = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+        self._frames: dict[str, tuple[str, str]] = {}
+        self.turn_end: list[int] = []
+        self.turn_stop: list[int] = []
+        if self.templated:
+            opened = self._render([{"role": "user", "content": "Q"}], True)
+            closed = self._render([*self._history()], False)
+            if not closed.startswith(opened + "A"):
+                raise ValueError(
+                    f"the chat template does not render an assistant message as its generation prompt followed "
+                    f"by its content: {closed!r} does not start with {opened + 'A'!r}"
+                )
+            self.turn_end = self._encode(closed[len(opened) + 1 :])
+        # A turn ends where the template ends an assistant message, when that is a special token
+        # (ChatML's <|im_end|>): sampling stops there, whatever the model's EOS tokens are.
+        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self.turn_stop = self.turn_end[:1] if self.turn_end and self.turn_end[0] in special else []
+
+    def _history(self) -> list[dict]:
+        return [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return render_chat(self._tokenizer, messages, tools=self._tools, add_generation_prompt=generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt(self, messages: Sequence[Mapping]) -> list[int]:
+        """The first prompt's tokens: the messages rendered with the generation prompt."""
+        if not self.templated:
+            raise InvalidRequest("prompts", "message prompts need a tokenizer with a chat template: pass token ids")
+        return self._encode(self._render(list(messages), True))
+
+    def close_turn(self, sampled: Sequence[int]) -> list[int]:
+        """Tokens that end the model's turn after ``sampled``: the template's end of an assistant
+        message, less what the model already wrote of it (its stop token)."""
+        end = self.turn_end
+        if end and sampled and sampled[-1] == end[0]:
+            return end[1:]
+        return list(end)
+
+    def observation(self, result: StepResult) -> list[int]:
+        """An observation's tokens, with the template's delimiters and the next generation prompt."""
+        content = result.observation
+        if not self.templated:
+            if isinstance(content, str):
+                if self._tokenizer is None:
+                    raise TypeError("a text observation needs a model with a tokenizer: return token ids")
+                return self._encode(content)
+            return [int(t) for t in content]
+        if isinstance(content, str):
+            return self._encode(self._between([{"role": result.role, "content": content}]))
+        if content and isinstance(content[0], Mapping):
+            return self._encode(self._between([dict(m) for m in content]))
+        before, after = self._frame(result.role)
+        return self._encode(before) + [int(t) for t in content] + self._encode(after)
+
+    def _frame(self, role: str) -> tuple[str, str]:
+        if role not in self._frames:
+            text = self._between([{"role": role, "content": self._MARK}])
+            before, mark, after = text.partition(self._MARK)
+            if not mark:
+                raise ValueError(f"the chat template drops the content of a {role!r} message")
+            self._frames[role] = (before, after)
+        return self._frames[role]
+
+    def _between(self, messages: list[dict]) -> str:
+        """What the template adds for ``messages`` after a closed assistant turn."""
+        history = self._history()
+        before = self._render(history, False)
+        after = self._render(history + messages, True)
+        if not after.startswith(before):
+            raise ValueError(
+                f"the chat template renders the earlier messages differently once {[m['role'] for m in messages]} "
+                f"follow: cannot append them without re-rendering the conversation"
+            )
+        return after[len(before) :]
+
+
+async def run_episode(
+    worker,
+    prompt: Sequence[int] | Sequence[Mapping],
+    env: Environment,
+    *,
+    limits: EpisodeLimits = EpisodeLimits(),
+    tools: Sequence[Mapping] | None = None,
+    frames: TurnFrames | None = None,
+    seed: int | None = None,
+    **sampling,
+) -> EpisodeResult:
+    """One episode on ``worker`` (see :meth:`rollout.RolloutWorker.arun_episodes`). Cancelling
+    it aborts its turn in the engine (the turn's KV is freed) and releases its pinned prefix."""
+    frames = frames or TurnFrames(worker.tokenizer, tools)
+    if seed is None:
+        seed = int(np.random.default_rng().integers(MAX_SAMPLING_SEED))
+    stop = list(sampling.pop("stop_token_ids", None) or ()) + frames.turn_stop
+    episode = _Episode(worker, frames, limits, dict(sampling, stop_token_ids=stop), seed)
+    return await episode.run(frames.prompt(prompt) if _is_messages(prompt) else _token_ids(prompt), env)
+
+
+async def run_episodes(
+    worker,
+    prompts: Sequence[Sequence[int] | Sequence[Mapping]],
+    make_env: Callable[[int, int], Environment],
+    *,
+    n: int = 1,
+    limits: EpisodeLimits = EpisodeLimits(),
+    tools: Sequence[Mapping] | None = None,
+    seed: int | None = None,
+    pad_prompts_to: int | None = None,
+    **sampling,
+) -> EpisodeBatch:
+    """``n`` episodes of every prompt, all at once; ``make_env(i, j)`` is the environment of
+    sample ``j`` of prompt ``i``. Episode ``(i, j)`` draws from a seed derived from ``(seed,
+    i, j)`` (``seed=None``: a fresh one)."""
+    if not prompts:
+        raise InvalidRequest("prompts", "prompts is empty")
+    frames = TurnFrames(worker.tokenizer, tools)
+    if seed is None:
+        seed = int(np.random.default_rng().integers(MAX_SAMPLING_SEED))
+    seeds = row_seeds(seed, len(prompts), n)
+    episodes = [
+        run_episode(worker, prompt, make_env(i, j), limits=limits, frames=frames, seed=int(seeds[i, j]), **sampling)
+        for i, prompt in enumerate(prompts)
+        for j in range(n)
+    ]
+    results = await asyncio.gather(*episodes)
+    batch = pack_episodes(results, n=n, pad_token_id=worker.pad_token_id, prompt_width=pad_prompts_to)
+    return EpisodeBatch(results, batch, n)
+
+
+def pack_episodes(
+    episodes: Sequence[EpisodeResult],
+    *,
+    n: int,
+    pad_token_id: int,
+    prompt_width: int | None = None,
+    completion_width: int | None = None,
+) -> RolloutBatch:
+    """Episodes (prompt-major, ``n`` per prompt) as a :class:`RolloutBatch`: the first prompt
+    left-padded in the prompt region, the rest of the conversation after it, ``completion_mask``
+    True exactly where the model sampled (the loss mask), ``finish_reasons`` the episodes'
+    statuses, ``weight_version`` the oldest version that sampled a token of the batch."""
+    prompts = [e.token_ids[: e.prompt_length] for e in episodes[::n]]
+
+    def after_prompt(values):
+        return [list(v[e.prompt_length :]) for v, e in zip(values, episodes)]
+
+    rests = after_prompt([e.token_ids for e in episodes])
+    sampled_versions = [int(v) for e in episodes for v in e.token_versions[e.loss_mask]]
+    with_logprobs = all(e.logprobs is not None for e in episodes)
+    batch = pack_rollouts(
+        prompts,
+        rests,
+        n=n,
+        completion_width=max(map(len, rests)) if completion_width is None else completion_width,
+        pad_token_id=pad_token_id,
+        finish_reasons=[e.status for e in episodes],
+        weight_version=min(sampled_versions, default=-1),
+        seeds=np.zeros(len(episodes), np.int64),
+        prompt_width=prompt_width,
+        logprobs=after_prompt([e.logprobs for e in episodes]) if with_logprobs else None,
+        token_versions=after_prompt([e.token_versions for e in episodes]),
+        kept_counts=after_prompt([e.kept_counts for e in episodes]) if with_logprobs else None,
+    )
+    mask = np.zeros_like(batch.completion_mask)
+    for row, episode in enumerate(episodes):
+        rest = episode.loss_mask[episode.prompt_length :]
+        mask[row, batch.prompt_width : batch.prompt_width + len(rest)] = rest
+    return dataclasses.replace(batch, completion_mask=mask)
+
+
+class _Episode:
+    def __init__(self, worker, frames: TurnFrames, limits: EpisodeLimits, sampling: dict, seed: int):
+        self.worker, self.frames, self.limits, self.sampling, self.seed = worker, frames, limits, sampling, seed
+        self.session = f"episode-{uuid.uuid4().hex}" if limits.pin_prefix else None
+        self.tokens: list[int] = []
+        self.sampled: list[bool] = []
+        self.logprobs: list[float] = []
+        self.kept: list[int] = []
+        self.versions: list[int] = []
+        self.turns: list[EpisodeTurn] = []
+        self.reward = 0.0
+
+    async def run(self, prompt: list[int], env: Environment) -> EpisodeResult:
+        self._append(prompt)
+        try:
+            status, error = await self._loop(env)
+        finally:
+            if self.session is not None and self.turns:
+                await asyncio.to_thread(_release, self.worker, self.session)
+        return EpisodeResult(
+            token_ids=self.tokens,
+            prompt_length=len(prompt),
+            loss_mask=np.array(self.sampled, dtype=bool),
+            logprobs=np.array(self.logprobs, np.float32) if self.sampling.get("return_logprobs") else None,
+            token_versions=np.array(self.versions, np.int64),
+            kept_counts=np.array(self.kept, np.int32) if self.sampling.get("return_logprobs") else None,
+            turns=self.turns,
+            reward=self.reward,
+            status=status,
+            error=error,
+        )
+
+    async def _loop(self, env: Environment) -> tuple[str, str | None]:
+        cap = min(self.limits.max_total_tokens or self.worker.max_request_tokens, self.worker.max_request_tokens)
+        for index in range(self.limits.max_turns):
+            ended = self._no_room(index, cap, [])
+            if ended is not None:
+                return ended
+            turn = await self._generate(index, min(self.limits.max_new_tokens, cap - len(self.tokens)))
+            try:
+                result = await self._step(env, turn)
+            except Exception as exc:  # the environment's fault ends its episode only
+                logger.warning("episode environment failed at turn %d: %s", index, exc)
+                return ENV_ERROR, f"turn {index}: {type(exc).__name__}: {exc}"
+            self.reward += float(result.reward)
+            if result.done:
+                return DONE, None
+            if result.observation is None:
+                return ENV_ERROR, f"turn {index}: the environment returned no observation and did not say done"
+            try:
+                appended = self.frames.close_turn(turn.token_ids) + self.frames.observation(result)
+            except (TypeError, ValueError) as exc:
+                return ENV_ERROR, f"turn {index}: cannot append the observation: {exc}"
+            ended = self._no_room(index + 1, cap, appended)
+            if ended is not None:  # the observation is left out: the episode ends before it
+                return ended
+            self._append(appended)
+            self.turns[-1] = dataclasses.replace(self.turns[-1], observation_end=len(self.tokens))
+        return MAX_TURNS, None
+
+    def _no_room(self, index: int, cap: int, appended: list[int]) -> tuple[str, str | None] | None:
+        """How the episode ends if turn ``index`` has no room after ``appended`` (None: it has)."""
+        length = len(self.tokens) + len(appended)
+        wanted = self.limits.max_new_tokens
+        if self.limits.overflow == "error" and length + wanted > cap:
+            return CONTEXT_EXCEEDED, (
+                f"turn {index}: the conversation would have {length} tokens; {wanted} more would pass the "
+                f"limit of {cap} (EpisodeLimits.max_total_tokens or the worker's max_request_tokens)"
+            )
+        if length + 1 > cap:
+            return LENGTH, None
+        return None
+
+    async def _generate(self, index: int, budget: int) -> Turn:
+        turn_seed = int(row_seeds(self.seed, 1, 1, first_prompt=index)[0, 0])
+        batch = await self.worker.agenerate(
+            [self.tokens],
+            n=1,
+            max_new_tokens=budget,
+            seed=turn_seed,
+            session=self.session,
+            **self.sampling,
+        )
+        sampled = batch.completions[0]
+        start, width = len(self.tokens), batch.prompt_width
+        span = slice(width, width + len(sampled))
+        self.tokens.extend(sampled)
+        self.sampled.extend([True] * len(sampled))
+        self.versions.extend(int(v) for v in batch.token_versions[0, span])
+        if batch.logprobs is not None:
+            self.logprobs.extend(float(v) for v in batch.logprobs[0, span])
+            self.kept.extend(int(v) for v in batch.kept_counts[0, span])
+        self.turns.append(
+            EpisodeTurn(
+                start=start,
+                end=len(self.tokens),
+                observation_end=len(self.tokens),
+                finish_reason=batch.finish_reasons[0],
+                prompt_tokens=start,
+                cached_tokens=int(batch.cached_tokens[0]),
+            )
+        )
+        text = batch.completion_texts[0] if batch.completion_texts is not None else ""
+        return Turn(index, list(sampled), text, batch.finish_reasons[0], parse_tool_calls(text))
+
+    async def _step(self, env: Environment, turn: Turn) -> StepResult:
+        timeout = self.limits.env_timeout_s
+        if inspect.iscoroutinefunction(env.step):
+            call = env.step(turn)
+        else:
+            call = asyncio.to_thread(env.step, turn)
+        try:
+            result = await asyncio.wait_for(call, timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the environment's step took more than {timeout} s (EpisodeLimits.env_timeout_s)"
+            ) from None
+        if inspect.isawaitable(result):
+            result = await asyncio.wait_for(result, timeout)
+        if not isinstance(result, StepResult):
+            raise TypeError(f"the environment's step returned {type(result).__name__}, not a StepResult")
+        return result
+
+    def _append(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+        self.sampled.extend([False] * len(tokens))
+        self.versions.extend([-1] * len(tokens))
+        if self.sampling.get("return_logprobs"):
+            self.logprobs.extend([0.0] * len(tokens))
+            self.kept.extend([0] * len(tokens))
+
+
+def _release(worker, session: str) -> None:
+    if not worker.closed:
+        worker.release_session(session)
+
+
+def _is_messages(prompt) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def _token_ids(prompt) -> list[int]:
+    if isinstance(prompt, str):
+        raise InvalidRequest("prompts", "an episode's prompt is a list of messages or of token ids, not a string")
+    return [int(t) for t in prompt]
