@@ -70,6 +70,7 @@ class EngineHandle:
             disable_overlap_schedule=True,
             enable_deterministic_sampling=True,
             disable_jax_precompile=not options.precompile,
+            disable_radix_cache=not options.prefix_cache,
             watchdog_timeout=options.watchdog_timeout_s,
             log_level="error",
         )

@@ -51,6 +51,11 @@ class SessionPins:
         self._pins_made = 0
         self._released_for_budget = 0
 
+    @property
+    def caching(self) -> bool:
+        """False when the engine keeps no prefix cache (``EngineOptions.prefix_cache=False``)."""
+        return hasattr(self._tree, "root_node") and not getattr(self._tree, "disable", False)
+
     def expect(self, rid: str, session: Hashable) -> None:
         self.wanted[rid] = session
 
@@ -60,7 +65,7 @@ class SessionPins:
     def finished(self, req) -> None:
         """After ``cache_finished_req`` put ``req``'s tokens in the cache: pin them for its session."""
         session = self.wanted.get(req.rid)
-        if session is None or getattr(self._tree, "disable", False):
+        if session is None or not self.caching:
             return
         key = (list(req.origin_input_ids) + list(req.output_ids))[:-1]
         if self.max_session_tokens is not None:

@@ -49,6 +49,9 @@ class EngineOptions:
     # bound but the total).
     session_budget_tokens: int | None = None
     max_session_tokens: int | None = None
+    # False: no prefix cache; every request prefills its whole prompt (a baseline for what the
+    # cache saves; sessions then pin nothing).
+    prefix_cache: bool = True
 
     def __post_init__(self):
         if self.devices is None:
