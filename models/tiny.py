@@ -23,12 +23,44 @@ _HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAR_VOCAB = "0123456789+-*=() "
 
-# Qwen2.5's ChatML layout, without tool calls.
+# Qwen2.5's ChatML layout with its tool calls (rollout/chat.py parses them back), in few words:
+# the tiny tokenizer spends about a token per character and the tests' context is 256 tokens.
+# - With ``tools``: a system turn (the system message's text first, if any) listing each tool as
+#   JSON inside <tools></tools> and showing the <tool_call> block that calls one.
+# - An assistant message with ``tool_calls`` (``function.arguments`` an object): its text, then one
+#   <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> block per call.
+# - ``tool`` messages: <tool_response> blocks, consecutive ones in one user turn.
+# Other messages render as plain ChatML: without tools and tool messages, exactly as before.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nTo call a tool, answer <tool_call>\\n"
+    '{"name": <name>, "arguments": <args>}'
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set function = call['function'] if call['function'] is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": ' + (function['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{- (function['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 # Text the tiny tokenizer is trained on: digits, arithmetic and a few words, enough for toy tasks.
@@ -63,12 +95,19 @@ class TinyModelSpec:
     tokenizer: str = "bpe"
     # Write Qwen's ChatML template into tokenizer_config.json (chat prompts, the OpenAI chat route).
     chat_template: bool = False
+    # "chars" only: characters beyond CHAR_VOCAB ("\n" for the chat template), and strings that
+    # are one token each (a chat template's role names, tool-call markup), after them.
+    extra_chars: str = ""
+    added_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.architecture not in _HF_ARCHITECTURES:
             raise ValueError(f"architecture must be one of {sorted(_HF_ARCHITECTURES)}, got {self.architecture!r}")
         if self.tokenizer not in ("bpe", "chars"):
             raise ValueError(f"tokenizer must be 'bpe' or 'chars', got {self.tokenizer!r}")
+        if (self.extra_chars or self.added_tokens) and self.tokenizer != "chars":
+            raise ValueError("extra_chars and added_tokens extend the 'chars' tokenizer only")
+        object.__setattr__(self, "added_tokens", tuple(self.added_tokens))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -185,20 +224,26 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec(), *,
     return path
 
 
-def char_tokenizer():
-    """One token per character of CHAR_VOCAB, after the special tokens."""
+def char_tokenizer(extra_chars: str = "", added_tokens: tuple[str, ...] = ()):
+    """One token per character of CHAR_VOCAB (and ``extra_chars``), after the special tokens;
+    then each of ``added_tokens`` as one token (found in text before it is split into
+    characters, and decoded as written)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHAR_VOCAB))}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHAR_VOCAB + extra_chars))}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.add_tokens(list(added_tokens))
     return tokenizer
 
 
 def write_tiny_tokenizer(path: Path, spec: TinyModelSpec) -> None:
-    tokenizer = train_tiny_tokenizer(spec.vocab_size) if spec.tokenizer == "bpe" else char_tokenizer()
+    if spec.tokenizer == "bpe":
+        tokenizer = train_tiny_tokenizer(spec.vocab_size)
+    else:
+        tokenizer = char_tokenizer(spec.extra_chars, spec.added_tokens)
     if tokenizer.get_vocab_size() > spec.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={spec.vocab_size}")
     tokenizer.save(str(path / "tokenizer.json"))

@@ -83,7 +83,7 @@ class StreamChunk:
     weight_version: int
     logprobs: list[float] | None = None  # of token_ids, with return_logprobs=True
     token_versions: list[int] | None = None  # the weight version that sampled each of token_ids
-    # Set on the row's last chunk: the prompt tokens the engine found in its prefix cache.
+    # The prompt tokens the engine found in its prefix cache for this row (known once prefilled).
     cached_tokens: int | None = None
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -247,7 +248,7 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
 
 
 def _message(message: Any, where: str) -> dict:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise ChatError(where, f"{where} must be an object with a string 'role'")
     role = message["role"]
     calls = message.get("tool_calls")
@@ -275,7 +276,7 @@ def _message(message: Any, where: str) -> dict:
 def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         if not all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
             for part in content
         ):
             raise ChatError(where, f"{where}: only text parts are supported")
@@ -289,7 +290,7 @@ def _tool_call_message(call: Any, where: str) -> dict:
     """An assistant message's tool call with its arguments as an object."""
     if isinstance(call, ToolCall):
         call = call.openai()
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
         raise ChatError(where, f"{where} must be an object with a 'function' object")
     if call.get("type", "function") != "function":
         raise ChatError(f"{where}.type", f"{where}.type must be 'function', got {call['type']!r}")
@@ -304,9 +305,9 @@ def _tool_call_message(call: Any, where: str) -> dict:
         arguments, error = _loads(arguments)
         if error is not None:
             raise ChatError(f"{where}.function.arguments", f"{where}.function.arguments is not JSON: {error}")
-    if not isinstance(arguments, dict):
+    if not isinstance(arguments, Mapping):
         raise ChatError(f"{where}.function.arguments", f"{where}.function.arguments must be a JSON object")
-    plain: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    plain: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
     call_id = call.get("id")
     if call_id is not None:
         if not isinstance(call_id, str):
@@ -327,16 +328,16 @@ def normalize_tools(tools: list[dict] | None) -> list[dict] | None:
 
 
 def _tool(tool: Any, where: str) -> dict:
-    if not isinstance(tool, dict):
+    if not isinstance(tool, Mapping):
         raise ChatError(where, f"{where} must be an object")
     if tool.get("type") != "function":
         raise ChatError(f"{where}.type", f"{where}.type must be 'function', got {tool.get('type')!r}")
     function = tool.get("function")
-    if not isinstance(function, dict):
+    if not isinstance(function, Mapping):
         raise ChatError(f"{where}.function", f"{where}.function must be an object")
     if not isinstance(function.get("name"), str) or not function["name"]:
         raise ChatError(f"{where}.function.name", f"{where}.function.name must be a non-empty string")
-    for key, kind, what in (("description", str, "a string"), ("parameters", dict, "a JSON Schema object")):
+    for key, kind, what in (("description", str, "a string"), ("parameters", Mapping, "a JSON Schema object")):
         if function.get(key) is not None and not isinstance(function[key], kind):
             raise ChatError(f"{where}.function.{key}", f"{where}.function.{key} must be {what}")
-    return {**tool, "function": dict(function)}
+    return {**tool, "function": dict(function)}  # copies: the template gets plain dicts

@@ -61,5 +61,4 @@ async def chunks(
             sent[row] = end
             if new or output.finish_reason:
                 reason = output.finish_reason or None
-                cached = output.cached_tokens if reason else None
-                yield StreamChunk(row, row // n, row % n, new, reason, version, logprobs, versions, cached)
+                yield StreamChunk(row, row // n, row % n, new, reason, version, logprobs, versions, output.cached_tokens)

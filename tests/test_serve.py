@@ -13,6 +13,7 @@ import pytest
 
 from bench.serve_load import ADMIN_TOKEN, run_load
 from rollout import RolloutWorker
+from rollout.chat import parse_tool_calls, render_chat
 from tests.helpers import serve_process, tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -238,6 +239,67 @@ def test_concurrent_requests_are_batched_by_the_engine(server, worker):
     # Serialized requests would take about six times the forwards of one.
     assert six < 2 * one, (six, one)
     assert together[0] == alone[0]
+
+
+# ---- tools and the prefix cache --------------------------------------------------------------------
+
+# One tool, few words: the template's tool turn, a user turn and a tool turn fill most of the
+# 256-token context (the tiny tokenizer spends about a token per character).
+ADD_TOOL = [{"type": "function", "function": {"name": "add"}}]
+
+
+@pytest.mark.one_end
+def test_chat_with_tools_reports_the_prompt_tokens_the_engine_found_cached(client, worker):
+    """Tools and a tool message are rendered with the model's template and answered; a request
+    extending an earlier conversation reports in usage the prompt tokens the engine found in its
+    prefix cache, streamed and not. (The tool-call replies themselves: tests/unit/test_chat.py.)"""
+    tokenizer = worker.tokenizer
+
+    def prompt_ids(messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = render_chat(tokenizer, messages, tools=ADD_TOOL, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    request = dict(model="tiny", tools=ADD_TOOL, max_tokens=4, temperature=0)
+    asked = [{"role": "user", "content": "1+2="}]
+    answered = asked + [{"role": "tool", "tool_call_id": "call_0", "content": "3"}]
+    first = client.chat.completions.create(messages=asked, **request)
+    second = client.chat.completions.create(messages=answered, **request)
+    first_ids, second_ids = prompt_ids(asked), prompt_ids(answered)
+    assert (first.usage.prompt_tokens, second.usage.prompt_tokens) == (len(first_ids), len(second_ids))
+    # The second prompt is the first's up to the turn after the user's (the tool's response,
+    # where the first prompt opened the assistant's): the engine found that much cached.
+    shared = next(i for i, (a, b) in enumerate(zip(first_ids, second_ids)) if a != b)
+    assert shared == len(prompt_ids(asked, add_generation_prompt=False)) + 1  # and the next turn's <|im_start|>
+    assert first.usage.prompt_tokens_details.cached_tokens < shared
+    assert second.usage.prompt_tokens_details.cached_tokens == shared
+
+    # Again, streamed: all of it is cached but the last token, which the engine computes.
+    chunks = list(
+        client.chat.completions.create(
+            messages=answered, stream=True, stream_options={"include_usage": True}, **request
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(second_ids) - 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == second.choices[0].message.content
+    expected = worker.generate([second_ids], temperature=0.0, max_new_tokens=4)
+    assert expected.cached_tokens.tolist() == [len(second_ids) - 1]
+    assert second.choices[0].message.content == parse_tool_calls(expected.completion_texts[0]).content
+    assert second.choices[0].message.tool_calls is None
+
+
+@pytest.mark.one_end
+def test_bad_tool_requests(http):
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for body, param in [
+        ({**base, "tools": {"type": "function", "function": {"name": "add"}}}, "tools"),
+        ({**base, "tools": ADD_TOOL + [{"type": "function", "function": {}}]}, "tools[1].function.name"),
+        ({**base, "tools": ADD_TOOL, "tool_choice": "required"}, "tool_choice"),
+        ({**base, "tools": ADD_TOOL, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
+        ({**base, "messages": base["messages"] + [{"role": "tool", "tool_call_id": "call_0"}]}, "messages[1].content"),
+    ]:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert http.post("/v1/chat/completions", json={**base, "tools": ADD_TOOL}).status_code == 200
 
 
 # ---- admin routes over HTTP ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import math
 import re
 from typing import Any
 
+from ..chat import ChatError, normalize_messages, normalize_tools
 from ..sampling import CALL_SEED_RANGE
 
 MAX_N = 128
@@ -24,7 +25,6 @@ _NEUTRAL = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
     "functions": (None, []),
 }
 
@@ -147,6 +147,8 @@ class GenerationRequest:
     ignore_eos: bool = False  # an extension (as in vLLM and sglang): generate past EOS
     # An extension: each choice's routed_experts (MoE, a worker with record_routing), for replay.
     return_routing: bool = False
+    # Chat with tools (tool_choice not "none"): the reply's <tool_call> blocks are its tool_calls.
+    tool_calls: bool = False
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
@@ -271,30 +273,43 @@ def completion_request(body: dict, context_length: int) -> GenerationRequest:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """``messages`` as plain ``{role, content: str}`` dicts (text content parts are joined)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "'messages' must be a non-empty list")
-    plain = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with a string 'role'")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                for part in content
-            ):
-                raise invalid(f"messages[{i}].content", f"messages[{i}].content: only text parts are supported")
-            content = "".join(part["text"] for part in content)
-        if not isinstance(content, str):
-            raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
-        plain.append({"role": message["role"], "content": content})
-    return plain
+    """``messages`` as chat templates take them (``rollout.chat.normalize_messages``: text parts
+    joined, tool-call arguments as objects)."""
+    try:
+        return normalize_messages(body.get("messages"))
+    except ChatError as exc:
+        raise invalid(exc.field, str(exc)) from None
 
 
-def chat_request(body: dict, prompt_ids: list[int], context_length: int) -> GenerationRequest:
-    """``POST /v1/chat/completions`` once the messages are rendered to ``prompt_ids``."""
+TOOL_CHOICES = ("auto", "none")
+
+
+def chat_tools(body: dict) -> tuple[list[dict] | None, bool]:
+    """The request's function tools (None: none) and whether the reply is read for tool calls.
+
+    ``tool_choice`` "none" keeps the tools in the prompt (as OpenAI does: the model knows them)
+    and returns the text as written; "required" and a named function are refused: this server
+    cannot make the model call a tool.
+    """
+    try:
+        tools = normalize_tools(body.get("tools"))
+    except ChatError as exc:
+        raise invalid(exc.field, str(exc)) from None
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in TOOL_CHOICES:
+        raise invalid(
+            "tool_choice",
+            f"'tool_choice' must be 'auto' or 'none', got {choice!r}: this server cannot make the model "
+            "call a tool ('required' or a named function)",
+        )
+    return tools, tools is not None and choice != "none"
+
+
+def chat_request(
+    body: dict, prompt_ids: list[int], context_length: int, *, tool_calls: bool = False
+) -> GenerationRequest:
+    """``POST /v1/chat/completions`` once the messages are rendered to ``prompt_ids``
+    (``tool_calls``: from :func:`chat_tools`)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None, 1, 2**31 - 1)
     logprobs = body.get("logprobs")
@@ -302,7 +317,7 @@ def chat_request(body: dict, prompt_ids: list[int], context_length: int) -> Gene
         raise invalid("logprobs", f"'logprobs' must be a boolean, got {logprobs!r}")
     _zero_or_null(body, "top_logprobs")
     request = _common(body, [prompt_ids], "messages", max_tokens, context_length)
-    return dataclasses.replace(request, logprobs=bool(logprobs))
+    return dataclasses.replace(request, logprobs=bool(logprobs), tool_calls=tool_calls)
 
 
 def check_bearer(request, token: str, what: str) -> None:

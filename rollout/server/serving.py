@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..chat import ChatError, ToolCallStream, parse_tool_calls, render_chat
 from ..errors import check_limit
 from ..sampling import encode_text
 from .errors import api_error
-from .protocol import GenerationRequest, chat_messages, chat_request, completion_request, invalid
+from .protocol import GenerationRequest, chat_messages, chat_request, chat_tools, completion_request, invalid
 from .state import SharedState
 from .text import IncrementalText, TokenBytes
+from .tools import call_id_prefix, reply_message, split_piece
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ class Serving:
     id_prefix: str
     object_name: str
     chunk_object_name: str
+    # usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the prefix cache.
+    reports_cached_tokens = False
 
     def __init__(self, state: SharedState):
         self.state = state
@@ -50,8 +54,18 @@ class Serving:
         """A whole choice's text."""
         raise NotImplementedError
 
-    def delta(self, row: int, piece: str | None) -> dict:
-        """A streamed choice's new text (None: no text, the last event of the choice)."""
+    def reply(self, req: GenerationRequest, text: str, call_ids: str) -> tuple[dict, bool]:
+        """A whole choice's fields for its text, and whether it called tools (its tool calls'
+        ids start with ``call_ids``)."""
+        return self.content(text), False
+
+    def splitter(self, req: GenerationRequest, call_ids: str) -> ToolCallStream | None:
+        """What splits a streamed choice's text into content and tool calls (None: no tools)."""
+        return None
+
+    def delta(self, row: int, piece: str | None, tool_calls: list[dict] | None = None) -> dict:
+        """A streamed choice's new text (None: no text, the last event of the choice) and the
+        tool calls it completed."""
         raise NotImplementedError
 
     def opening_choices(self, rows: int) -> list[dict]:
@@ -133,10 +147,11 @@ class Serving:
                         ids, values[: len(ids)], [row_text.start_offset(i) for i in range(len(ids))]
                     )
             completion_tokens += len(ids)
+            fields, called = self.reply(req, text, call_id_prefix(base["id"], row))
             choice = {
                 "index": row,
-                **self.content(text),
-                "finish_reason": finish,
+                **fields,
+                "finish_reason": "tool_calls" if called else finish,
                 "logprobs": logprobs,
                 "token_ids": ids,
             }
@@ -148,12 +163,13 @@ class Serving:
                 choice["routed_experts"] = batch.routed_experts[row, first : batch.prompt_width + len(ids)].tolist()
             choices.append(choice)
         request.state.tokens = (sum(map(len, batch.prompts)), completion_tokens)
+        cached = _cached_prompt_tokens(batch) if self.reports_cached_tokens else None
         body = {
             **base,
             "weight_version": batch.weight_version,
             "object": self.object_name,
             "choices": choices,
-            "usage": _usage(sum(map(len, batch.prompts)), completion_tokens),
+            "usage": _usage(sum(map(len, batch.prompts)), completion_tokens, cached),
         }
         return JSONResponse(body, headers={WEIGHT_VERSION_HEADER: str(batch.weight_version)})
 
@@ -214,9 +230,10 @@ class Serving:
 
     async def events(self, request, req, prompts, base, first, chunks) -> AsyncIterator[str]:
         """Server-sent events as the engine's tokens arrive: per choice, text increments (with
-        the log-probs of the tokens that make them), then a last event with its finish reason
-        and token ids; optionally usage; then [DONE]. Once every choice has stopped (a stop
-        string) the rest of the generation is abandoned."""
+        the log-probs of the tokens that make them; chat with tools: content and each tool call
+        once its block closed), then a last event with its finish reason and token ids;
+        optionally usage; then [DONE]. Once every choice has stopped (a stop string) the rest of
+        the generation is abandoned."""
         usage = {"usage": None} if req.include_usage else {}
 
         def event(choices: list[dict], **extra) -> str:
@@ -226,11 +243,15 @@ class Serving:
                 + "\n\n"
             )
 
-        def choice(row: int, piece: str | None, finish: str | None = None, **extra) -> dict:
-            return {**self.delta(row, piece), "finish_reason": finish, "logprobs": None, **extra}
+        def choice(row: int, piece: str | None, finish: str | None = None, tool_calls=None, **extra) -> dict:
+            return {**self.delta(row, piece, tool_calls), "finish_reason": finish, "logprobs": None, **extra}
 
         rows = len(prompts) * req.n
         texts = [IncrementalText(self.backend.tokenizer, req.stop) for _ in range(rows)]
+        splitters = [self.splitter(req, call_id_prefix(base["id"], row)) for row in range(rows)]
+        # Per prompt, the prompt tokens the engine found cached (on each chunk; its first
+        # choice's, as usage counts each prompt once); None until one of its rows reports it.
+        cached: list[int | None] = [None] * len(prompts)
         values: list[list[float]] = [[] for _ in range(rows)]  # log-probs so far
         versions: list[list[int] | None] = [[] for _ in range(rows)]  # weight version per token so far
         released = [0] * rows  # tokens whose log-probs were sent
@@ -241,6 +262,8 @@ class Serving:
             chunk = first
             while chunk is not None and not all(done):
                 text = texts[chunk.row]
+                if chunk.cached_tokens is not None and (cached[chunk.prompt_index] is None or chunk.sample_index == 0):
+                    cached[chunk.prompt_index] = chunk.cached_tokens
                 if not done[chunk.row]:
                     if req.logprobs:
                         values[chunk.row].extend(chunk.logprobs)
@@ -252,8 +275,9 @@ class Serving:
                     finished = chunk.finish_reason is not None or text.stopped
                     if finished:
                         piece += text.finish()
+                    piece, calls = split_piece(splitters[chunk.row], piece, finished)
                     start, end = released[chunk.row], text.kept
-                    if piece or (req.logprobs and end > start):
+                    if piece or calls or (req.logprobs and end > start):
                         logprobs = None
                         if req.logprobs:
                             ids = text.token_ids[start:end]
@@ -261,10 +285,13 @@ class Serving:
                                 ids, values[chunk.row][start:end], [text.start_offset(i) for i in range(start, end)]
                             )
                             released[chunk.row] = end
-                        yield event([choice(chunk.row, piece, logprobs=logprobs)])
+                        yield event([choice(chunk.row, piece, tool_calls=calls, logprobs=logprobs)])
                     if finished:
                         done[chunk.row] = True
                         reason = "stop" if text.stopped else _FINISH_REASONS.get(chunk.finish_reason, "stop")
+                        splitter = splitters[chunk.row]
+                        if splitter is not None and splitter.tool_calls:
+                            reason = "tool_calls"
                         extra = {"token_ids": text.token_ids[: text.kept]}
                         if versions[chunk.row] is not None:
                             extra["token_versions"] = versions[chunk.row][: text.kept]
@@ -279,7 +306,8 @@ class Serving:
             request.state.tokens = (sum(map(len, prompts)), sum(t.kept for t in texts))
             await chunks.aclose()  # abandons rows still generating
         if req.include_usage:
-            yield event([], usage=_usage(sum(map(len, prompts)), sum(t.kept for t in texts)))
+            known = sum(c or 0 for c in cached) if self.reports_cached_tokens else None
+            yield event([], usage=_usage(sum(map(len, prompts)), sum(t.kept for t in texts), known))
         yield "data: [DONE]\n\n"
 
 
@@ -295,7 +323,7 @@ class CompletionServing(Serving):
     def content(self, text: str) -> dict:
         return {"text": text}
 
-    def delta(self, row: int, piece: str | None) -> dict:
+    def delta(self, row: int, piece: str | None, tool_calls: list[dict] | None = None) -> dict:
         return {"index": row, "text": piece or ""}
 
     def logprobs_body(self, ids: list[int], values: list[float], offsets: list[int]) -> dict:
@@ -303,30 +331,48 @@ class CompletionServing(Serving):
 
 
 class ChatServing(Serving):
-    """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
+    """``POST /v1/chat/completions``: messages (and tools) rendered with the tokenizer's chat
+    template; with tools, the reply's tool calls read back (``rollout.chat``)."""
 
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    reports_cached_tokens = True
 
     def parse(self, body: dict) -> GenerationRequest:
-        return chat_request(body, self.render(chat_messages(body)), self.backend.context_length)
+        messages = chat_messages(body)
+        tools, tool_calls = chat_tools(body)
+        return chat_request(body, self.render(messages, tools), self.backend.context_length, tool_calls=tool_calls)
 
-    def render(self, messages: list[dict]) -> list[int]:
+    def render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         tokenizer = self.backend.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise invalid("messages", "the model directory's tokenizer has no chat template: use /v1/completions")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # a Jinja template error names what the messages lack
-            raise invalid("messages", f"cannot render messages with the chat template: {exc}") from None
+            text = render_chat(tokenizer, messages, tools=tools)
+        except ChatError as exc:  # the field, or the template's own error (what the messages lack)
+            raise invalid(exc.field, str(exc)) from None
         return encode_text(tokenizer, text, "messages")
 
     def content(self, text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}
 
-    def delta(self, row: int, piece: str | None) -> dict:
-        return {"index": row, "delta": {} if piece is None else {"content": piece}}
+    def reply(self, req: GenerationRequest, text: str, call_ids: str) -> tuple[dict, bool]:
+        if not req.tool_calls:
+            return self.content(text), False
+        turn = parse_tool_calls(text, id_prefix=call_ids)
+        return {"message": reply_message(turn)}, bool(turn.tool_calls)
+
+    def splitter(self, req: GenerationRequest, call_ids: str) -> ToolCallStream | None:
+        return ToolCallStream(id_prefix=call_ids) if req.tool_calls else None
+
+    def delta(self, row: int, piece: str | None, tool_calls: list[dict] | None = None) -> dict:
+        if piece is None:
+            return {"index": row, "delta": {}}
+        delta = {"content": piece} if piece or not tool_calls else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return {"index": row, "delta": delta}
 
     def opening_choices(self, rows: int) -> list[dict]:
         return [
@@ -349,12 +395,24 @@ class ChatServing(Serving):
         }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def _cached_prompt_tokens(batch) -> int:
+    """The prompt tokens the engine found in its prefix cache: per prompt, its first choice's
+    (usage counts each prompt once, whatever ``n``; a prompt's samples share its prefill); 0 from
+    a backend that does not say."""
+    if batch.cached_tokens is None:
+        return 0
+    return int(batch.cached_tokens[:: batch.n].sum())
 
 
 async def _unless_disconnected(request: Request, awaitable):
