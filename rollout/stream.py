@@ -61,4 +61,6 @@ async def chunks(
             sent[row] = end
             if new or output.finish_reason:
                 reason = output.finish_reason or None
-                yield StreamChunk(row, row // n, row % n, new, reason, version, logprobs, versions, output.cached_tokens)
+                yield StreamChunk(
+                    row, row // n, row % n, new, reason, version, logprobs, versions, output.cached_tokens
+                )
