@@ -97,6 +97,8 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"lora_rank must be >= 0 (0: train the whole model), got {self.lora_rank}")
         if self.lora_alpha is not None and self.lora_alpha <= 0:
             raise ValueError(f"lora_alpha must be > 0 (None: 2 x lora_rank), got {self.lora_alpha}")
+        if self.async_rollout and self.max_turns > 1:
+            raise ValueError("async_rollout generates single-turn completions: multi-turn episodes run synchronously")
         if self.lora_rank and self.routing_replay:
             raise ValueError("lora_rank with routing_replay is not supported: the routing probe needs the whole tree")
         super().__post_init__()
@@ -114,6 +116,18 @@ TINY = dict(max_operand=4, kl_beta=0.1, group_size=16, warmup_updates=20)
 # a prompt's rare right answer shows up in its group, and decays the learning rate once the
 # answers are found: exact answers ~0.02 -> ~0.9 in 80 steps (docs/benchmarks.md).
 DEMO = dict(TINY, near_credit=0.0, group_size=32, lr_decay=True, steps=80)
+TOOLS = dict(
+    max_prompt_tokens=16,
+    max_new_tokens=64,
+    max_turns=3,
+    turn_tokens=14,
+    warm_start_steps=150,
+    group_size=8,
+    steps=40,
+    kv_tokens=8192,
+    learning_rate=3e-4,
+    warmup_updates=10,
+)
 PRESETS = {
     "tiny": GRPOConfig(**DEMO),
     # The shaped tiny task (TINY) on a tiny Llama-3-style model (GQA, llama3 RoPE, untied, head_dim 64).
@@ -121,6 +135,20 @@ PRESETS = {
     "tiny-moe": GRPOConfig(**TINY, preset="tiny-moe", output_dir="runs/grpo-tiny-moe"),
     "qwen2.5-3b": GRPOConfig(
         **QWEN25_3B, output_dir="runs/grpo-qwen2.5-3b", prompts_per_step=16, group_size=8, ppo_epochs=1, kl_beta=0.04
+    ),
+    # Multi-turn episodes with a calculator (examples/tool_task.py): two-digit products, which the
+    # model answers by calling the tool and copying its result; a short warm start shows the format.
+    "tiny-tools": GRPOConfig(**TOOLS, preset="tiny-tools", output_dir="runs/grpo-tiny-tools"),
+    # GSM8K with the calculator in the chat template's tools.
+    "qwen2.5-3b-tools": GRPOConfig(
+        **{**QWEN25_3B, "preset": "qwen2.5-3b-tools", "max_prompt_tokens": 384, "max_new_tokens": 640},
+        output_dir="runs/grpo-qwen2.5-3b-tools",
+        prompts_per_step=16,
+        group_size=8,
+        ppo_epochs=1,
+        kl_beta=0.04,
+        max_turns=4,
+        turn_tokens=512,
     ),
 }
 

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
+from examples.tool_task import TOOL_PIECES, ToolTask, warm_start
 from models import (
     CausalLM,
     TinyModelSpec,
@@ -54,8 +55,12 @@ TINY_MODELS = {
     "tiny-llama": lambda seed: tiny_llama3_spec(vocab_size=32, tokenizer="chars", seed=seed),
     # Qwen3-MoE: 8 experts of which 2 run per token, layer 0 dense.
     "tiny-moe": lambda seed: TinyMoeSpec(vocab_size=32, tokenizer="chars", seed=seed),
+    # With a chat template, and one token per piece of tool-call markup (examples/tool_task.py).
+    "tiny-tools": lambda seed: TinyModelSpec(
+        vocab_size=32, tokenizer="chars", chat_template=True, extra_chars="\n", added_tokens=TOOL_PIECES, seed=seed
+    ),
 }
-PRESET_NAMES = (*TINY_MODELS, "qwen2.5-3b")
+PRESET_NAMES = (*TINY_MODELS, "qwen2.5-3b", "qwen2.5-3b-tools")
 # What every algorithm's qwen2.5-3b preset shares: Qwen2.5-3B-Instruct on GSM8K, in bfloat16 on a
 # TPU v4-8 (tp 4), sizes in the range of the published MLLM-JAX GRPO runs.
 QWEN25_3B = dict(
@@ -123,6 +128,12 @@ class RLConfig:
     # Every N steps run RolloutWorker.check_consistency and stop on a ConsistencyError. 0: off.
     check_consistency_every: int = 0
     consistency_atol: float = 1e-3
+    # > 1: multi-turn episodes with the task's calculator (examples/tool_task.py); max_new_tokens
+    # is then the whole conversation after the prompt, turn_tokens one turn's.
+    max_turns: int = 1
+    turn_tokens: int = 16
+    # Supervised steps on worked episodes before RL (tool presets: the tool-call format), once per run.
+    warm_start_steps: int = 0
     # > 1: start this many processes of one JAX job on this machine (CPU runs, tests). A job is
     # otherwise joined from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID: each
     # process generates its share of every step's prompts and the update runs over all of them.
@@ -169,6 +180,12 @@ class RLConfig:
             raise ValueError(f"max_operand must be a digit (0-9), got {self.max_operand}")
         if self.local_processes < 1:
             raise ValueError(f"local_processes must be >= 1, got {self.local_processes}")
+        if self.max_turns < 1 or self.turn_tokens < 1 or self.warm_start_steps < 0:
+            raise ValueError("max_turns and turn_tokens must be >= 1, warm_start_steps >= 0")
+        if self.max_turns > 1 and self.local_processes > 1:
+            raise ValueError("multi-turn episodes (max_turns > 1) run in one process")
+        if self.warm_start_steps and self.max_turns == 1:
+            raise ValueError("warm_start_steps shows worked tool episodes: it needs max_turns > 1")
         if self.preset not in TINY_MODELS and (self.model is None or self.dataset is None):
             raise ValueError(f"preset {self.preset!r} needs a model and a dataset")
 
@@ -236,9 +253,9 @@ class Policy:
 # What a resume in the same output dir must share with the run that wrote its checkpoints: the
 # initial model (the tiny presets build theirs from the seed), the prompts (drawn from (seed,
 # step)) and the task (the tiny presets' operand range).
-RUN_IDENTITY = ("preset", "model", "dataset", "seed", "max_operand", "lora_rank", "lora_alpha")
+RUN_IDENTITY = ("preset", "model", "dataset", "seed", "max_operand", "lora_rank", "lora_alpha", "warm_start_steps")
 # What a run that did not record a name (or whose algorithm has no such field) had.
-_IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None}
+_IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None, "warm_start_steps": 0}
 
 
 def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
@@ -402,10 +419,16 @@ def set_up(
             hf_params,
             shardings,
         )
-        algorithm = make_algorithm(config, Policy(model, params, model_dir))
         manager = checkpoint_manager(output_dir)
+        if config.warm_start_steps and manager.latest_step() is None:  # a resume restores its own
+            params, loss = warm_start(model, params, worker.tokenizer, steps=config.warm_start_steps, seed=config.seed)
+            logger.info("warm start: %d supervised steps, loss %.3f", config.warm_start_steps, loss)
+        algorithm = make_algorithm(config, Policy(model, params, model_dir))
         state = restore_or_init(manager, algorithm.init_trees(params))
-        yield Setup(output_dir, worker, algorithm, manager, state, Task(config, worker.tokenizer), trainer_devices)
+        task = ToolTask(config, worker.tokenizer, tiny=config.preset in TINY_MODELS) if config.max_turns > 1 else None
+        yield Setup(
+            output_dir, worker, algorithm, manager, state, task or Task(config, worker.tokenizer), trainer_devices
+        )
     finally:
         worker.close()
 
@@ -472,22 +495,26 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     if config.check_consistency_every and state.step % config.check_consistency_every == 0:
         consistency = _check_consistency(config, worker, policy_params(algorithm, state.trees), state, problems)
     start = time.perf_counter()
-    batch = worker.generate(
-        [p.prompt for p in problems],
-        n=config.samples_per_prompt,
-        temperature=config.temperature,
-        max_new_tokens=config.max_new_tokens,
-        pad_prompts_to=config.max_prompt_tokens,
-        return_logprobs=config.wants_logprobs,
-        return_routing=config.routing_replay,
-        prompt_offset=offset,
-        seed=step_seed(config.seed, state.step),
-    )
+    task_metrics = {}
+    if isinstance(task, ToolTask):
+        batch, rewards, task_metrics = task.roll_out(worker, problems, seed=step_seed(config.seed, state.step))
+    else:
+        batch = worker.generate(
+            [p.prompt for p in problems],
+            n=config.samples_per_prompt,
+            temperature=config.temperature,
+            max_new_tokens=config.max_new_tokens,
+            pad_prompts_to=config.max_prompt_tokens,
+            return_logprobs=config.wants_logprobs,
+            return_routing=config.routing_replay,
+            prompt_offset=offset,
+            seed=step_seed(config.seed, state.step),
+        )
+        rewards = np.array(
+            [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
+            dtype=np.float32,
+        )
     generate_s = time.perf_counter() - start
-    rewards = np.array(
-        [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
-        dtype=np.float32,
-    )
     rows = _rows_over_processes(worker)
     arrays = {name: rows(getattr(batch, name)) for name in rollout_arrays(config)}
     rollout = Rollout(problems, batch, rewards, arrays, state.step, rows)
@@ -516,6 +543,7 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
         "sync_s": sync_s,
         "generate_s": generate_s,
         "train_s": train_s,
+        **task_metrics,
         **consistency,
         **stats,
     }

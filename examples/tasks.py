@@ -14,6 +14,8 @@ import numpy as np
 class Problem:
     prompt: str  # what the model sees (for GSM8K, after the chat template)
     answer: str  # the final answer, as a string of digits
+    # The chat messages ``prompt`` was rendered from (GSM8K), for tasks that render their own.
+    messages: tuple[dict, ...] | None = None
 
 
 # ---- tiny task: single-digit addition --------------------------------------------------------
@@ -95,12 +97,13 @@ def gsm8k_reward(completion: str, answer: str) -> float:
     return gsm8k_correctness_reward(completion, answer) + gsm8k_format_reward(completion)
 
 
+def gsm8k_messages(question: str) -> tuple[dict, ...]:
+    return ({"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question})
+
+
 def gsm8k_prompt(tokenizer, question: str) -> str:
     """The question in the model's chat template, ready for the assistant's turn."""
-    messages = [
-        {"role": "system", "content": GSM8K_SYSTEM_PROMPT},
-        {"role": "user", "content": question},
-    ]
+    messages = list(gsm8k_messages(question))
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -124,7 +127,8 @@ def gsm8k_problems(tokenizer, source: str = "openai/gsm8k", split: str = "train"
             answer = gsm8k_reference_answer(row["answer"])
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        problems.append(Problem(gsm8k_prompt(tokenizer, row["question"]), answer))
+        question = row["question"]
+        problems.append(Problem(gsm8k_prompt(tokenizer, question), answer, gsm8k_messages(question)))
     if not problems:
         raise ValueError(f"{source} has no GSM8K rows")
     return problems

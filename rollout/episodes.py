@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -55,7 +56,8 @@ class EpisodeLimits:
 
     ``max_new_tokens``: one turn's sampled tokens. ``max_total_tokens``: the whole conversation
     (prompt, every turn, every observation); None: as much as one request may hold
-    (``RolloutWorker.max_request_tokens``). ``overflow``: what a turn does when the
+    (``RolloutWorker.max_request_tokens``; a turn's prompt, the conversation so far, also within
+    ``RolloutWorker.max_prompt_tokens``). ``overflow``: what a turn does when the
     conversation leaves less than ``max_new_tokens`` of room: ``"truncate"`` samples what fits
     (and the episode ends with status ``"length"`` once nothing fits, without the observation
     that left no room), ``"error"`` ends the episode with status ``"context_exceeded"`` and a
@@ -123,6 +125,52 @@ class Environment(Protocol):
     """What an episode's environment provides: ``step`` may be a plain or an async function."""
 
     def step(self, turn: Turn) -> StepResult | Awaitable[StepResult]: ...
+
+
+class ToolEnvironment:
+    """An environment that runs the model's tool calls.
+
+    A turn with tool calls (``<tool_call>`` blocks, :func:`rollout.chat.parse_tool_calls`) is
+    answered with one ``tool`` message per call, in the calls' order: the function's result
+    (``functions[name](**arguments)``, plain or async; not a string: JSON), or an error the
+    model can read and correct: a malformed block, an unknown function, arguments it does not
+    take, an exception it raised. The episode never fails on the model's calls. A turn without
+    tool calls is the final answer: the episode ends with ``reward(turn)`` (plain or async).
+    Counts what happened (``calls``, ``failed_calls``), for metrics.
+    """
+
+    def __init__(self, functions: Mapping[str, Callable], reward: Callable[[Turn], Any]):
+        self.functions = dict(functions)
+        self.reward = reward
+        self.calls = 0
+        self.failed_calls = 0
+
+    async def step(self, turn: Turn) -> StepResult:
+        parsed = turn.parsed
+        if not parsed.tool_calls and not parsed.errors:
+            return StepResult(reward=float(await _maybe_await(self.reward(turn))), done=True)
+        messages = [{"role": "tool", "content": f"error: {error}"} for error in parsed.errors]
+        for call in parsed.tool_calls:
+            messages.append({"role": "tool", "content": await self._run(call), "tool_call_id": call.id})
+        self.calls += len(parsed.tool_calls) + len(parsed.errors)
+        self.failed_calls += len(parsed.errors)
+        return StepResult(observation=messages)
+
+    async def _run(self, call) -> str:
+        function = self.functions.get(call.name)
+        if function is None:
+            self.failed_calls += 1
+            return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(self.functions))})"
+        try:
+            result = await _maybe_await(function(**call.arguments))
+        except Exception as exc:  # the model reads what went wrong, as it would from a real tool
+            self.failed_calls += 1
+            return f"error: {call.name}: {type(exc).__name__}: {exc}"
+        return result if isinstance(result, str) else json.dumps(result)
+
+
+async def _maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +249,7 @@ class TurnFrames:
         # A turn ends where the template ends an assistant message, when that is a special token
         # (ChatML's <|im_end|>): sampling stops there, whatever the model's EOS tokens are.
         special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        special |= {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
         self.turn_stop = self.turn_end[:1] if self.turn_end and self.turn_end[0] in special else []
 
     def _history(self) -> list[dict]:
@@ -295,6 +344,7 @@ async def run_episodes(
     tools: Sequence[Mapping] | None = None,
     seed: int | None = None,
     pad_prompts_to: int | None = None,
+    completion_width: int | None = None,
     **sampling,
 ) -> EpisodeBatch:
     """``n`` episodes of every prompt, all at once; ``make_env(i, j)`` is the environment of
@@ -312,7 +362,9 @@ async def run_episodes(
         for j in range(n)
     ]
     results = await asyncio.gather(*episodes)
-    batch = pack_episodes(results, n=n, pad_token_id=worker.pad_token_id, prompt_width=pad_prompts_to)
+    batch = pack_episodes(
+        results, n=n, pad_token_id=worker.pad_token_id, prompt_width=pad_prompts_to, completion_width=completion_width
+    )
     return EpisodeBatch(results, batch, n)
 
 
@@ -421,12 +473,19 @@ class _Episode:
         """How the episode ends if turn ``index`` has no room after ``appended`` (None: it has)."""
         length = len(self.tokens) + len(appended)
         wanted = self.limits.max_new_tokens
-        if self.limits.overflow == "error" and length + wanted > cap:
-            return CONTEXT_EXCEEDED, (
-                f"turn {index}: the conversation would have {length} tokens; {wanted} more would pass the "
-                f"limit of {cap} (EpisodeLimits.max_total_tokens or the worker's max_request_tokens)"
-            )
-        if length + 1 > cap:
+        prompt_limit = self.worker.max_prompt_tokens
+        if self.limits.overflow == "error":
+            if length + wanted > cap:
+                return CONTEXT_EXCEEDED, (
+                    f"turn {index}: the conversation would have {length} tokens; {wanted} more would pass the "
+                    f"limit of {cap} (EpisodeLimits.max_total_tokens or the worker's max_request_tokens)"
+                )
+            if length > prompt_limit:
+                return CONTEXT_EXCEEDED, (
+                    f"turn {index}: the conversation would have {length} tokens, more than the "
+                    f"{prompt_limit} the engine takes as a prompt (the worker's max_prompt_tokens)"
+                )
+        if length + 1 > cap or length > prompt_limit:
             return LENGTH, None
         return None
 

@@ -161,6 +161,11 @@ class RolloutWorker:
         return self.engine.max_request_tokens
 
     @property
+    def max_prompt_tokens(self) -> int:
+        """Most prompt tokens one row may have (the engine's limit)."""
+        return self.engine.max_prompt_tokens
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
@@ -551,6 +556,7 @@ class RolloutWorker:
         tools=None,
         seed: int | None = None,
         pad_prompts_to: int | None = None,
+        completion_width: int | None = None,
         **sampling,
     ) -> EpisodeBatch:
         """Multi-turn episodes (``rollout.episodes``): ``n`` per prompt (a list of chat messages,
@@ -559,7 +565,9 @@ class RolloutWorker:
         return_logprobs, ...) up to ``limits.max_new_tokens``; ``make_env(i, j)`` gives sample
         ``j`` of prompt ``i`` its environment, whose ``step(turn)`` answers each turn with a
         :class:`rollout.episodes.StepResult`. Returns the episodes and their
-        :class:`RolloutBatch` (``completion_mask``: the tokens the model sampled)."""
+        :class:`RolloutBatch` (``completion_mask``: the tokens the model sampled), whose regions
+        are ``pad_prompts_to`` and ``completion_width`` wide when given (fixed shapes for a
+        jitted train step), else as wide as the longest."""
         return await episodes.run_episodes(
             self,
             prompts,
@@ -569,6 +577,7 @@ class RolloutWorker:
             tools=tools,
             seed=seed,
             pad_prompts_to=pad_prompts_to,
+            completion_width=completion_width,
             **sampling,
         )
 

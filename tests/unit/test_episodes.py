@@ -1,0 +1,152 @@
+"""Episodes without an engine: the chat template's framing, the tool environment, the packing."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from models.tiny import TinyModelSpec, write_tiny_model
+from rollout.chat import parse_tool_calls
+from rollout.episodes import (
+    EpisodeLimits,
+    EpisodeResult,
+    EpisodeTurn,
+    StepResult,
+    ToolEnvironment,
+    Turn,
+    TurnFrames,
+    pack_episodes,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("chat"), TinyModelSpec(chat_template=True))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def text_of(tokenizer, ids):
+    return tokenizer.decode(ids)
+
+
+def test_frames_close_the_models_turn_and_open_the_next(tokenizer):
+    frames = TurnFrames(tokenizer)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert frames.turn_stop == [im_end]
+    assert text_of(tokenizer, frames.turn_end) == "<|im_end|>\n"
+    # A turn that stopped at <|im_end|> needs only the newline; one cut by its budget, all of it.
+    assert text_of(tokenizer, frames.close_turn([40, 41, im_end])) == "\n"
+    assert text_of(tokenizer, frames.close_turn([40, 41])) == "<|im_end|>\n"
+    user = frames.observation(StepResult(observation="12+3"))
+    assert text_of(tokenizer, user) == "<|im_start|>user\n12+3<|im_end|>\n<|im_start|>assistant\n"
+    tool = frames.observation(
+        StepResult(observation=[{"role": "tool", "content": "15"}, {"role": "tool", "content": "7"}])
+    )
+    assert text_of(tokenizer, tool) == (
+        "<|im_start|>user\n<tool_response>\n15\n</tool_response>\n<tool_response>\n7\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    opening = tokenizer.encode("<|im_start|>user\n", add_special_tokens=False)
+    ids = frames.observation(StepResult(observation=[50, 51], role="user"))
+    assert ids[: len(opening)] == opening and ids[len(opening) : len(opening) + 2] == [50, 51]
+    assert text_of(tokenizer, ids[len(opening) + 2 :]) == "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_first_prompt_is_the_templates_with_the_generation_prompt(tokenizer):
+    frames = TurnFrames(tokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert frames.prompt(messages) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_without_a_template_observations_are_appended_as_they_are(tmp_path):
+    plain = AutoTokenizer.from_pretrained(write_tiny_model(tmp_path, TinyModelSpec()))
+    frames = TurnFrames(plain)
+    assert not frames.templated and frames.close_turn([5]) == [] and frames.turn_stop == []
+    assert frames.observation(StepResult(observation=[7, 8])) == [7, 8]
+    assert frames.observation(StepResult(observation="12")) == plain.encode("12", add_special_tokens=False)
+    with pytest.raises(ValueError, match="chat template"):
+        frames.prompt([{"role": "user", "content": "hi"}])
+
+
+def turn(text: str, index: int = 0) -> Turn:
+    return Turn(index, [], text, "stop", parse_tool_calls(text))
+
+
+def test_the_tool_environment_answers_every_call_and_never_fails_on_the_models_output():
+    def add(a, b):
+        return a + b
+
+    async def shout(text):
+        return text.upper()
+
+    def broken():
+        raise RuntimeError("disk full")
+
+    env = ToolEnvironment({"add": add, "shout": shout, "broken": broken}, reward=lambda t: float(t.text == "42"))
+    calls = (
+        '<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call>'
+        '<tool_call>{"name": "shout", "arguments": {"text": "hi"}}</tool_call>'
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": {"c": 1}}</tool_call>'
+        '<tool_call>{"name": "broken", "arguments": {}}</tool_call>'
+        "<tool_call>{not json}</tool_call>"
+    )
+    result = asyncio.run(env.step(turn(calls)))
+    assert not result.done and result.reward == 0
+    contents = [m["content"] for m in result.observation]
+    assert contents[0].startswith("error: tool call 6 is not JSON")
+    assert contents[1:3] == ["42", "HI"]
+    assert contents[3] == "error: no tool named 'nope' (tools: add, broken, shout)"
+    assert contents[4].startswith("error: add: TypeError:") and "'c'" in contents[4]
+    assert contents[5] == "error: broken: RuntimeError: disk full"
+    assert [m["role"] for m in result.observation] == ["tool"] * 6
+    assert (env.calls, env.failed_calls) == (6, 4)
+    final = asyncio.run(env.step(turn("42", 1)))
+    assert final.done and final.reward == 1.0 and final.observation is None
+
+
+def episode(tokens, prompt_length, sampled, status="done", reward=1.0):
+    loss_mask = np.zeros(len(tokens), bool)
+    loss_mask[list(sampled)] = True
+    versions = np.where(loss_mask, 3, -1)
+    logprobs = np.where(loss_mask, -0.5, 0.0).astype(np.float32)
+    turn_ = EpisodeTurn(prompt_length, len(tokens), len(tokens), "stop", prompt_length, 0)
+    return EpisodeResult(
+        tokens, prompt_length, loss_mask, logprobs, versions, np.where(loss_mask, 9, 0), [turn_], reward, status
+    )
+
+
+def test_pack_episodes_lays_them_out_as_the_rl_loop_trains_on():
+    first = episode([1, 2, 3, 10, 11, 20, 21, 12], 3, [3, 4, 7])
+    second = episode([1, 2, 3, 13, 22], 3, [3], status="length", reward=0.0)
+    other_prompt = episode([4, 5, 14, 15], 2, [2, 3])
+    third = episode([4, 5, 16], 2, [2])
+    batch = pack_episodes([first, second, other_prompt, third], n=2, pad_token_id=0, completion_width=6)
+    assert batch.prompt_width == 3 and batch.tokens.shape == (4, 9)
+    assert batch.tokens[0].tolist() == [1, 2, 3, 10, 11, 20, 21, 12, 0]
+    assert batch.tokens[2].tolist() == [0, 4, 5, 14, 15, 0, 0, 0, 0]  # the prompt left-padded
+    assert batch.completion_mask[0].tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 0]
+    assert batch.completion_mask[1].tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0]
+    assert batch.attention_mask[0].tolist() == [1] * 8 + [0]
+    assert batch.positions[2].tolist()[1:5] == [0, 1, 2, 3]
+    assert batch.logprobs[0, 3] == -0.5 and batch.logprobs[0, 5] == 0 and batch.token_versions[0, 5] == -1
+    assert batch.kept_counts[0, 7] == 9
+    assert batch.finish_reasons == ["done", "length", "done", "done"] and batch.weight_version == 3
+    assert batch.prompt_index.tolist() == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_turns", 0, "max_turns must be a positive int"),
+        ("max_new_tokens", True, "max_new_tokens must be a positive int"),
+        ("max_total_tokens", 1, "max_total_tokens must be an int >= 2"),
+        ("overflow", "wrap", "overflow must be 'truncate' or 'error'"),
+        ("env_timeout_s", 0, "env_timeout_s must be a positive number"),
+    ],
+)
+def test_limits_are_checked(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EpisodeLimits(**{field: value})
