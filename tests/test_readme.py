@@ -172,6 +172,20 @@ def test_routing_replay(moe_dir):
     assert namespace["report"].max_abs_diff < 0.25  # a bfloat16 engine (the default), replayed
 
 
+def test_episodes(chat_dir):
+    from rollout import RolloutWorker
+    from tests.helpers import tiny_worker_config
+
+    # The tools block of the tiny template at a token per byte or so: a long prompt.
+    with RolloutWorker(tiny_worker_config(chat_dir, context_length=1024, max_total_tokens=8192)) as worker:
+        namespace = run_python("episodes", dict(worker=worker))
+        out = namespace["out"]
+        assert out.batch.size == 4 and len(out.episodes) == 4
+        assert all(e.turns and e.status in ("done", "max_turns", "length") for e in out.episodes)
+        assert out.batch.completion_mask.sum() == sum(int(e.loss_mask.sum()) for e in out.episodes)
+        assert worker.session_stats()[0].sessions == 0
+
+
 # ---- the server, its client and its admin routes --------------------------------------------
 
 

@@ -23,7 +23,7 @@ SKIPPED = {
     "install": "installs into another environment; `make test` installs both of its venvs the same way",
     "bench": "the benchmarks take tens of minutes and print figures, not pass/fail; the suite tests what they call",
 }
-RUN = {"use", "logprobs", "routing-replay", "serve-cpu", "client", "admin", "tiny-models", "pods"}
+RUN = {"use", "logprobs", "routing-replay", "episodes", "serve-cpu", "client", "admin", "tiny-models", "pods"}
 
 
 def test_every_block_has_a_plan():
