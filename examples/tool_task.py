@@ -113,15 +113,31 @@ def messages(problem: Problem) -> list[dict]:
     return list(problem.messages) if problem.messages else [{"role": "user", "content": problem.prompt}]
 
 
-def episode_metrics(environments: list[ToolEnvironment], episodes) -> dict[str, float]:
-    """What an RL engineer reads of a step's episodes: turns, how many episodes made a call
-    that ran, the calls that failed, and the prefill the prefix cache saved."""
+class CalculatorEnvironment(ToolEnvironment):
+    """The calculator for one problem; notes whether a call computed the problem's answer
+    (``answer`` None, for problems whose answer no single call computes: whether one ran)."""
+
+    def __init__(self, answer: str | None, reward):
+        self.answer = answer
+        self.right_call = False
+        super().__init__({"calculator": self._calculate}, reward)
+
+    def _calculate(self, expression: str) -> str:
+        result = calculator(expression)
+        self.right_call |= self.answer is None or result == self.answer
+        return result
+
+
+def episode_metrics(environments: list[CalculatorEnvironment], episodes) -> dict[str, float]:
+    """What an RL engineer reads of a step's episodes: turns, how many episodes called the
+    calculator on their problem (tool_call_success: a well-formed call whose result is the
+    answer, or for GSM8K one that ran), the calls that failed, and the prefill the cache saved."""
     prompt_tokens = sum(t.prompt_tokens for e in episodes for t in e.turns)
     prefill = sum(e.prefill_tokens for e in episodes)
     calls = sum(env.calls for env in environments)
     return {
         "turns": float(np.mean([len(e.turns) for e in episodes])),
-        "tool_call_success": float(np.mean([env.calls > 0 and env.failed_calls == 0 for env in environments])),
+        "tool_call_success": float(np.mean([env.right_call for env in environments])),
         "failed_call_fraction": sum(env.failed_calls for env in environments) / calls if calls else 0.0,
         "episodes_answered": float(np.mean([e.status == "done" for e in episodes])),
         "prefill_saved": 1.0 - prefill / prompt_tokens if prompt_tokens else 0.0,
@@ -184,7 +200,7 @@ class ToolTask:
         """The step's episodes: (their RolloutBatch, rewards, episode metrics)."""
         config = self.config
         environments = [
-            ToolEnvironment({"calculator": calculator}, self.reward(p))
+            CalculatorEnvironment(p.answer if self.tiny else None, self.reward(p))
             for p in problems
             for _ in range(config.samples_per_prompt)
         ]

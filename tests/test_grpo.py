@@ -266,3 +266,24 @@ def test_async_grpo_with_lora_pushes_merged_adapters_to_the_engines_devices(tmp_
     assert all(r["bytes_copied"] > 0 for r in records), "the engine's devices hold their own copy"
     assert [r["version_lag"] for r in records][0] == 0 and all(0 <= r["version_lag"] <= 1 for r in records)
     assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.example_path
+def test_tiny_tools_preset_trains_on_multi_turn_episodes_and_resumes(tmp_path):
+    """--preset tiny-tools end to end: a warm start, then episodes of up to 3 turns (a call to the
+    calculator, its result, an answer) packed into the batch the update trains on, with the
+    episode metrics logged; a resume restores the checkpoint (the warm start is part of the run's
+    identity: another one is refused)."""
+    args = ("--preset", "tiny-tools", "--warm-start-steps", "20", "--prompts-per-step", "2", "--group-size", "4")
+    records = run_grpo(tmp_path / "run", *args, "--steps", "2", "--checkpoint-every", "1")
+    assert [r["step"] for r in records] == [1, 2]
+    for key in ("turns", "tool_call_success", "failed_call_fraction", "episodes_answered", "prefill_saved", "entropy"):
+        assert all(np.isfinite(r[key]) for r in records), key
+    assert all(1 <= r["turns"] <= 3 and r["completion_tokens"] <= 64 for r in records)
+    # Calls were made after 20 supervised steps, and a turn after a call found the first in the cache.
+    assert max(r["failed_call_fraction"] < 1 and r["turns"] > 1 for r in records)
+    assert max(r["prefill_saved"] for r in records) > 0.3
+    resumed = run_grpo(tmp_path / "run", *args, "--steps", "3")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    with pytest.raises(AssertionError, match="warm_start_steps"):
+        run_grpo(tmp_path / "run", "--preset", "tiny-tools", "--warm-start-steps", "5", "--steps", "4")
