@@ -99,6 +99,7 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.sync_overhead_bench
 	$(VENV)/bin/python -m bench.generate_bench
 	$(VENV)/bin/python -m bench.step_cost_bench
+	$(VENV)/bin/python -m bench.episodes_bench
 	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(VENV)/bin/python -m bench.dp_bench
 	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(VENV)/bin/python -m bench.moe_sync_bench
 	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(VENV)/bin/python -m bench.moe_parity_bench

@@ -132,3 +132,14 @@ def tiny_worker_config(model_dir: Path, dtype: str, tp: int, **overrides) -> Wor
         chunked_prefill_size=1024,
     )
     return WorkerConfig(**{**settings, **overrides})
+
+
+def cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "?"
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} ({os.cpu_count()} cores, {isa})"

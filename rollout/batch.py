@@ -56,6 +56,9 @@ class RolloutBatch:
     # [B] int32: the prompt tokens of each row the engine found in its prefix cache (not
     # prefilled for that row); 0 where a row shared nothing with the cache.
     cached_tokens: np.ndarray | None = None
+    # [B] int32: the tokens each row's prefills computed (its prompt less what the cache held;
+    # a row the engine retracted under memory pressure and prefilled again counts both).
+    prefill_tokens: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -105,6 +108,7 @@ def pack_rollouts(
     kept_counts: Sequence[Sequence[int]] | None = None,
     routed_experts: Sequence[np.ndarray | None] | None = None,
     cached_tokens: Sequence[int] | None = None,
+    prefill_tokens: Sequence[int] | None = None,
 ) -> RolloutBatch:
     """Lay out prompt-major completions as left-padded prompts followed by completions.
 
@@ -179,4 +183,5 @@ def pack_rollouts(
         kept_counts=per_token(kept_counts, "kept counts", np.int32, 0),
         routed_experts=routing,
         cached_tokens=None if cached_tokens is None else np.asarray(cached_tokens, dtype=np.int32),
+        prefill_tokens=None if prefill_tokens is None else np.asarray(prefill_tokens, dtype=np.int32),
     )

@@ -182,11 +182,10 @@ class EpisodeTurn:
     observation_end: int  # one past the framing and observation that followed (== end if none)
     finish_reason: str
     prompt_tokens: int  # the conversation the turn was generated from
-    cached_tokens: int  # of those, found in the prefix cache (not prefilled again)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
+    cached_tokens: int  # of those, found in the prefix cache (the engine's count, see RolloutBatch)
+    # What the turn's prefills computed: prompt_tokens - cached_tokens, unless the engine ran out
+    # of KV during the turn and prefilled it again (RolloutBatch.prefill_tokens).
+    prefill_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,6 +515,7 @@ class _Episode:
                 finish_reason=batch.finish_reasons[0],
                 prompt_tokens=start,
                 cached_tokens=int(batch.cached_tokens[0]),
+                prefill_tokens=int(batch.prefill_tokens[0]),
             )
         )
         text = batch.completion_texts[0] if batch.completion_texts is not None else ""

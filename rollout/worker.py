@@ -679,6 +679,7 @@ class RolloutWorker:
             ),
             routed_experts=[o.routed_experts for o in outputs] if params.return_routing else None,
             cached_tokens=[o.cached_tokens for o in outputs],
+            prefill_tokens=[o.prefill_tokens for o in outputs],
         )
 
     # ---- weight checks (the server's admin routes) -------------------------------------------

@@ -176,6 +176,8 @@ def test_each_turn_prefills_only_what_was_appended(episode_worker):
     for episode in out.episodes:
         first, *later = episode.turns
         assert first.prompt_tokens == episode.prompt_length
+        # The engine's cache hits and our count of its prefill work agree (nothing retracted here).
+        assert all(t.prefill_tokens == t.prompt_tokens - t.cached_tokens for t in episode.turns)
         for before, turn in zip(episode.turns, later):
             # The previous turn's last sampled token (no forward took it yet) and what followed it.
             assert turn.prefill_tokens == before.observation_end - before.end + 1

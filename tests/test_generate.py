@@ -174,6 +174,9 @@ def test_samples_of_a_prompt_prefill_only_its_last_token(worker):
     twice = [[600 + i for i in range(20)]] * 2  # a prompt given twice: all its samples find it cached
     outputs = worker.engine.generate(twice, params, np.arange(6).reshape(2, 3))
     assert [o.cached_tokens for o in outputs] == [19] * 6
+    assert [o.prefill_tokens for o in outputs] == [1] * 6
+    batch = worker.generate([[200 + i for i in range(30)]], n=2, max_new_tokens=2, ignore_eos=True, seed=3)
+    assert batch.cached_tokens.tolist() == [29, 29] and batch.prefill_tokens.tolist() == [1, 1]
 
 
 @pytest.fixture(scope="module")

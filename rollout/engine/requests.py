@@ -80,7 +80,7 @@ class RequestLoop:
             await self._cache_prompts(prompts, params)
             with (
                 self._logprobs_collected(rids, params.return_logprobs) as sinks,
-                self._versions_collected(rids) as versions,
+                self._versions_collected(rids) as (versions, prefilled),
                 self._session_pinned(rids, params.session),
                 self._aborted_if_cancelled(rids),
                 self._sent_whole(rids, params),
@@ -89,7 +89,9 @@ class RequestLoop:
                     row = int(result.get("index", 0))
                     output = _to_output(result, finished_only=False)
                     count = len(output.output_ids)
-                    output = dataclasses.replace(output, token_versions=versions[row][:count])
+                    output = dataclasses.replace(
+                        output, token_versions=versions[row][:count], prefill_tokens=prefilled[row][0]
+                    )
                     if sinks is not None:
                         output = dataclasses.replace(output, **sinks[row].first(count))
                     caller.call_soon_threadsafe(updates.put_nowait, (row, output))
@@ -181,9 +183,13 @@ class RequestLoop:
 
     @contextlib.contextmanager
     def _versions_collected(self, rids: list[str]):
-        """Per row, the list the scheduler appends each sampled token's weight version to."""
-        with _registered(self._control.version_sinks, rids, list) as sinks:
-            yield sinks
+        """Per row, the list the scheduler appends each sampled token's weight version to, and a
+        one-item list it adds the tokens of each of the row's prefill chunks to."""
+        with (
+            _registered(self._control.version_sinks, rids, list) as sinks,
+            _registered(self._control.prefill_sinks, rids, lambda: [0]) as prefilled,
+        ):
+            yield sinks, prefilled
 
     async def _cache_prompts(self, prompts, params: SamplingParams) -> None:
         """Prefill every prompt once, before its ``n`` samples are sent, so they find it in the
@@ -214,7 +220,7 @@ class RequestLoop:
         request, rids = self._request(prompts, params, seeds)
         with (
             self._logprobs_collected(rids, params.return_logprobs) as sinks,
-            self._versions_collected(rids) as versions,
+            self._versions_collected(rids) as (versions, prefilled),
             self._routing_collected(rids, params.return_routing) as routing,
             self._session_pinned(rids, params.session),
             self._aborted_if_cancelled(rids),
@@ -226,6 +232,8 @@ class RequestLoop:
         outputs = [_to_output(r) for r in results]
         if len(outputs) != len(rids):  # the engine's own n: its rows are not our request ids
             versions = [None] * len(outputs)
+        else:
+            outputs = [dataclasses.replace(out, prefill_tokens=count[0]) for out, count in zip(outputs, prefilled)]
         for i, (out, tokens) in enumerate(zip(outputs, versions)):
             if tokens is not None and len(tokens) != out.completion_tokens:
                 raise EngineError(

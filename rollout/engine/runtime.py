@@ -104,6 +104,8 @@ class SchedulerControl:
         self.weight_version = 0
         # rid -> the weight version of each token sampled for that request (every request).
         self.version_sinks: dict[str, list[int]] = {}
+        # rid -> [the tokens its prefills computed], re-prefills after a retraction included.
+        self.prefill_sinks: dict[str, list[int]] = {}
         self.arrivals = BatchArrivals()
         # Set when the engine records MoE routing (EngineOptions.record_routing).
         self.routing: RoutingRecorder | None = None
@@ -329,12 +331,18 @@ def _timed(run_batch, control: SchedulerControl):
 
 def _versions_recorded(run_batch, control: SchedulerControl):
     """Records, per request, the weight version of the forward that sampled each of its tokens:
-    exact across swaps at forward boundaries, whatever KV the request continues from."""
+    exact across swaps at forward boundaries, whatever KV the request continues from; and the
+    tokens each of its prefill chunks computed."""
 
     def versioned_run_batch(batch):
         result = run_batch(batch)
         version, sinks = control.weight_version, control.version_sinks
         extend = batch.forward_mode.is_extend()
+        if extend:
+            for req in batch.reqs:
+                prefilled = control.prefill_sinks.get(req.rid)
+                if prefilled is not None:
+                    prefilled[0] += req.extend_input_len
         for req in batch.reqs:
             # As process_batch_result (no overlap scheduler): retracted rows and prefill chunks
             # before the last get no token.

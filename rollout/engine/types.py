@@ -77,8 +77,12 @@ class GenerateOutput:
     finish_reason: str
     completion_tokens: int
     cache_miss_count: int
-    # Prompt tokens found in the prefix cache (not prefilled for this request).
+    # Prompt tokens found in the prefix cache (the engine's count: a request it retracted and
+    # prefilled again counts each admission's hits, and may pass its prompt's length).
     cached_tokens: int = 0
+    # Tokens this request's prefills computed (its prompt less what the cache held; a retracted
+    # request's prefill again of its prompt and sampled tokens added). Our count, exact.
+    prefill_tokens: int = 0
     # Log-prob of each output token under the distribution it was drawn from (requested only).
     logprobs: list[float] | None = None
     # Weight version of the forward that sampled each output token.

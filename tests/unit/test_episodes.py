@@ -112,7 +112,7 @@ def episode(tokens, prompt_length, sampled, status="done", reward=1.0):
     loss_mask[list(sampled)] = True
     versions = np.where(loss_mask, 3, -1)
     logprobs = np.where(loss_mask, -0.5, 0.0).astype(np.float32)
-    turn_ = EpisodeTurn(prompt_length, len(tokens), len(tokens), "stop", prompt_length, 0)
+    turn_ = EpisodeTurn(prompt_length, len(tokens), len(tokens), "stop", prompt_length, 0, prompt_length)
     return EpisodeResult(
         tokens, prompt_length, loss_mask, logprobs, versions, np.where(loss_mask, 9, 0), [turn_], reward, status
     )
