@@ -116,17 +116,21 @@ TINY = dict(max_operand=4, kl_beta=0.1, group_size=16, warmup_updates=20)
 # a prompt's rare right answer shows up in its group, and decays the learning rate once the
 # answers are found: exact answers ~0.02 -> ~0.9 in 80 steps (docs/benchmarks.md).
 DEMO = dict(TINY, near_credit=0.0, group_size=32, lr_decay=True, steps=80)
+# The calculator task (examples/tool_task.py): 100 supervised steps leave the model calling the
+# calculator right in ~90% of episodes but copying its result into the answer exactly in 3-19%;
+# GRPO with a small KL penalty to that warm-started policy raises both (docs/benchmarks.md).
 TOOLS = dict(
     max_prompt_tokens=16,
     max_new_tokens=64,
     max_turns=3,
     turn_tokens=14,
-    warm_start_steps=150,
-    group_size=8,
-    steps=40,
-    kv_tokens=8192,
+    warm_start_steps=100,
+    group_size=16,
+    steps=60,
+    kv_tokens=16384,
     learning_rate=3e-4,
     warmup_updates=10,
+    kl_beta=0.05,
 )
 PRESETS = {
     "tiny": GRPOConfig(**DEMO),

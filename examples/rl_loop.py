@@ -419,10 +419,10 @@ def set_up(
             hf_params,
             shardings,
         )
-        manager = checkpoint_manager(output_dir)
-        if config.warm_start_steps and manager.latest_step() is None:  # a resume restores its own
+        if config.warm_start_steps:  # on a resume too: the KL reference (and a LoRA base) is this policy
             params, loss = warm_start(model, params, worker.tokenizer, steps=config.warm_start_steps, seed=config.seed)
             logger.info("warm start: %d supervised steps, loss %.3f", config.warm_start_steps, loss)
+        manager = checkpoint_manager(output_dir)
         algorithm = make_algorithm(config, Policy(model, params, model_dir))
         state = restore_or_init(manager, algorithm.init_trees(params))
         task = ToolTask(config, worker.tokenizer, tiny=config.preset in TINY_MODELS) if config.max_turns > 1 else None

@@ -165,7 +165,7 @@ class ToolTask:
         self.limits = EpisodeLimits(
             max_turns=config.max_turns,
             max_new_tokens=config.turn_tokens,
-            max_total_tokens=config.max_prompt_tokens + config.max_new_tokens,
+            max_response_tokens=config.max_new_tokens,  # the batch's completion region
             overflow="truncate",
         )
 

@@ -54,7 +54,7 @@ class WorkerConfig(EngineOptions):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"WorkerConfig.{name} must be a positive int, got {value!r}")
-        for name in ("max_rows_per_call", "max_tokens_per_call"):
+        for name in ("max_rows_per_call", "max_tokens_per_call", "session_budget_tokens", "max_session_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"WorkerConfig.{name} must be a positive int or None, got {value!r}")

@@ -24,6 +24,8 @@ region, ``completion_mask`` the loss mask.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -57,20 +59,24 @@ class EpisodeLimits:
     ``max_new_tokens``: one turn's sampled tokens. ``max_total_tokens``: the whole conversation
     (prompt, every turn, every observation); None: as much as one request may hold
     (``RolloutWorker.max_request_tokens``; a turn's prompt, the conversation so far, also within
-    ``RolloutWorker.max_prompt_tokens``). ``overflow``: what a turn does when the
-    conversation leaves less than ``max_new_tokens`` of room: ``"truncate"`` samples what fits
-    (and the episode ends with status ``"length"`` once nothing fits, without the observation
-    that left no room), ``"error"`` ends the episode with status ``"context_exceeded"`` and a
-    message saying by how much, before the turn (or the observation) that would not fit.
+    ``RolloutWorker.max_prompt_tokens``). ``max_response_tokens``: what follows the first
+    prompt (turns and observations: the width of a fixed-shape batch's completion region).
+    ``overflow``: what a turn does when the conversation leaves less than ``max_new_tokens`` of
+    room: ``"truncate"`` samples what fits (and the episode ends with status ``"length"`` once
+    nothing fits, without the observation that left no room), ``"error"`` ends the episode with
+    status ``"context_exceeded"`` and a message saying by how much, before the turn (or the
+    observation) that would not fit. The answer to the last allowed turn is not appended.
     ``env_timeout_s``: one ``step`` of the environment (None: no limit); a step that takes
     longer ends its episode with status ``"env_error"`` (a thread running a synchronous step
-    cannot be stopped: it finishes in the background, its result unused).
+    cannot be stopped: it finishes in the background on a thread of the run's own, its result
+    unused).
     ``pin_prefix``: keep each conversation pinned in the prefix cache between turns.
     """
 
     max_turns: int = 8
     max_new_tokens: int = 256
     max_total_tokens: int | None = None
+    max_response_tokens: int | None = None
     overflow: str = "truncate"
     env_timeout_s: float | None = 60.0
     pin_prefix: bool = True
@@ -83,6 +89,9 @@ class EpisodeLimits:
         total = self.max_total_tokens
         if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 2):
             raise ValueError(f"EpisodeLimits.max_total_tokens must be an int >= 2 or None, got {total!r}")
+        response = self.max_response_tokens
+        if response is not None and (isinstance(response, bool) or not isinstance(response, int) or response < 1):
+            raise ValueError(f"EpisodeLimits.max_response_tokens must be a positive int or None, got {response!r}")
         if self.overflow not in ("truncate", "error"):
             raise ValueError(f"EpisodeLimits.overflow must be 'truncate' or 'error', got {self.overflow!r}")
         timeout = self.env_timeout_s
@@ -222,37 +231,41 @@ class EpisodeBatch:
 
 
 class TurnFrames:
-    """The chat template's delimiters around a turn, rendered once per role: what closes the
-    model's turn and what opens and closes an observation of each role (up to the next turn's
-    generation prompt), as the template renders them between two messages. Without a chat
-    template, nothing: observations are appended as they are."""
+    """The chat template's delimiters around a turn, found once per role by rendering a short
+    conversation: what ends the model's turn (the text after an assistant message's content)
+    and what the template writes for the messages that follow it, up to the next turn's
+    generation prompt. Templates that render earlier turns differently once others follow
+    (Qwen3 drops an earlier turn's reasoning) work: only what follows the assistant's content is
+    used. Without a chat template, nothing: observations are appended as they are."""
 
     _MARK = "\x00observation\x00"
+    _ANSWER = "\x01answer\x01"  # an assistant message's content, found in the rendered text
 
     def __init__(self, tokenizer, tools: Sequence[Mapping] | None = None):
         self._tokenizer = tokenizer
         self._tools = list(tools) if tools else None
         self.templated = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
         self._frames: dict[str, tuple[str, str]] = {}
+        self._turn_end_text = ""
         self.turn_end: list[int] = []
         self.turn_stop: list[int] = []
         if self.templated:
-            opened = self._render([{"role": "user", "content": "Q"}], True)
-            closed = self._render([*self._history()], False)
-            if not closed.startswith(opened + "A"):
-                raise ValueError(
-                    f"the chat template does not render an assistant message as its generation prompt followed "
-                    f"by its content: {closed!r} does not start with {opened + 'A'!r}"
-                )
-            self.turn_end = self._encode(closed[len(opened) + 1 :])
+            self._turn_end_text = self._after_answer(self._render(self._history(), False))
+            self.turn_end = self._encode(self._turn_end_text)
         # A turn ends where the template ends an assistant message, when that is a special token
         # (ChatML's <|im_end|>): sampling stops there, whatever the model's EOS tokens are.
         special = set(getattr(tokenizer, "all_special_ids", ()) or ())
         special |= {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
         self.turn_stop = self.turn_end[:1] if self.turn_end and self.turn_end[0] in special else []
 
+    def _after_answer(self, text: str) -> str:
+        at = text.rfind(self._ANSWER)
+        if at < 0:
+            raise ValueError("the chat template does not render an assistant message's content as written")
+        return text[at + len(self._ANSWER) :]
+
     def _history(self) -> list[dict]:
-        return [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+        return [{"role": "user", "content": "Q"}, {"role": "assistant", "content": self._ANSWER}]
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return render_chat(self._tokenizer, messages, tools=self._tools, add_generation_prompt=generation_prompt)
@@ -285,7 +298,7 @@ class TurnFrames:
             return [int(t) for t in content]
         if isinstance(content, str):
             return self._encode(self._between([{"role": result.role, "content": content}]))
-        if content and isinstance(content[0], Mapping):
+        if len(content) and isinstance(content[0], Mapping):
             return self._encode(self._between([dict(m) for m in content]))
         before, after = self._frame(result.role)
         return self._encode(before) + [int(t) for t in content] + self._encode(after)
@@ -295,21 +308,22 @@ class TurnFrames:
             text = self._between([{"role": role, "content": self._MARK}])
             before, mark, after = text.partition(self._MARK)
             if not mark:
-                raise ValueError(f"the chat template drops the content of a {role!r} message")
+                raise ValueError(
+                    f"the chat template does not write a {role!r} message's content as given (it quotes or "
+                    f"drops it): return that observation as text or messages, not token ids"
+                )
             self._frames[role] = (before, after)
         return self._frames[role]
 
     def _between(self, messages: list[dict]) -> str:
-        """What the template adds for ``messages`` after a closed assistant turn."""
-        history = self._history()
-        before = self._render(history, False)
-        after = self._render(history + messages, True)
-        if not after.startswith(before):
+        """What the template writes for ``messages`` after a closed assistant turn."""
+        rest = self._after_answer(self._render(self._history() + messages, True))
+        if not rest.startswith(self._turn_end_text):
             raise ValueError(
-                f"the chat template renders the earlier messages differently once {[m['role'] for m in messages]} "
-                f"follow: cannot append them without re-rendering the conversation"
+                f"the chat template ends an assistant message with {rest[: len(self._turn_end_text)]!r} when "
+                f"{[m['role'] for m in messages]} follow, with {self._turn_end_text!r} when it is the last"
             )
-        return after[len(before) :]
+        return rest[len(self._turn_end_text) :]
 
 
 async def run_episode(
@@ -321,16 +335,20 @@ async def run_episode(
     tools: Sequence[Mapping] | None = None,
     frames: TurnFrames | None = None,
     seed: int | None = None,
+    threads: concurrent.futures.Executor | None = None,
     **sampling,
 ) -> EpisodeResult:
     """One episode on ``worker`` (see :meth:`rollout.RolloutWorker.arun_episodes`). Cancelling
-    it aborts its turn in the engine (the turn's KV is freed) and releases its pinned prefix."""
+    it aborts its turn in the engine (the turn's KV is freed) and releases its pinned prefix.
+    ``threads`` runs a synchronous ``env.step`` (None: a thread of the episode's own)."""
     frames = frames or TurnFrames(worker.tokenizer, tools)
     if seed is None:
         seed = int(np.random.default_rng().integers(MAX_SAMPLING_SEED))
     stop = list(sampling.pop("stop_token_ids", None) or ()) + frames.turn_stop
-    episode = _Episode(worker, frames, limits, dict(sampling, stop_token_ids=stop), seed)
-    return await episode.run(frames.prompt(prompt) if _is_messages(prompt) else _token_ids(prompt), env)
+    prompt_ids = frames.prompt(prompt) if _is_messages(prompt) else _token_ids(prompt)
+    with _own_threads(threads, 2) as threads:
+        episode = _Episode(worker, frames, limits, dict(sampling, stop_token_ids=stop), seed, threads)
+        return await episode.run(prompt_ids, env)
 
 
 async def run_episodes(
@@ -355,12 +373,31 @@ async def run_episodes(
     if seed is None:
         seed = int(np.random.default_rng().integers(MAX_SAMPLING_SEED))
     seeds = row_seeds(seed, len(prompts), n)
-    episodes = [
-        run_episode(worker, prompt, make_env(i, j), limits=limits, frames=frames, seed=int(seeds[i, j]), **sampling)
-        for i, prompt in enumerate(prompts)
-        for j in range(n)
-    ]
-    results = await asyncio.gather(*episodes)
+    # A thread per episode for synchronous steps (a hung one holds its own) and one for releases.
+    with _own_threads(None, len(prompts) * n + 1) as threads:
+        tasks = [
+            asyncio.ensure_future(
+                run_episode(
+                    worker,
+                    prompt,
+                    make_env(i, j),
+                    limits=limits,
+                    frames=frames,
+                    seed=int(seeds[i, j]),
+                    threads=threads,
+                    **sampling,
+                )
+            )
+            for i, prompt in enumerate(prompts)
+            for j in range(n)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # one episode's error (or a cancellation) ends the others too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     batch = pack_episodes(
         results, n=n, pad_token_id=worker.pad_token_id, prompt_width=pad_prompts_to, completion_width=completion_width
     )
@@ -409,8 +446,10 @@ def pack_episodes(
 
 
 class _Episode:
-    def __init__(self, worker, frames: TurnFrames, limits: EpisodeLimits, sampling: dict, seed: int):
+    def __init__(self, worker, frames: TurnFrames, limits: EpisodeLimits, sampling: dict, seed: int, threads):
         self.worker, self.frames, self.limits, self.sampling, self.seed = worker, frames, limits, sampling, seed
+        self.threads = threads  # runs synchronous environment steps and pin releases
+        self.prompt_length = 0
         self.session = f"episode-{uuid.uuid4().hex}" if limits.pin_prefix else None
         self.tokens: list[int] = []
         self.sampled: list[bool] = []
@@ -421,12 +460,13 @@ class _Episode:
         self.reward = 0.0
 
     async def run(self, prompt: list[int], env: Environment) -> EpisodeResult:
+        self.prompt_length = len(prompt)
         self._append(prompt)
         try:
             status, error = await self._loop(env)
         finally:
-            if self.session is not None and self.turns:
-                await asyncio.to_thread(_release, self.worker, self.session)
+            if self.session is not None:  # a turn cancelled as it finished may have pinned
+                await asyncio.get_running_loop().run_in_executor(self.threads, _release, self.worker, self.session)
         return EpisodeResult(
             token_ids=self.tokens,
             prompt_length=len(prompt),
@@ -441,7 +481,10 @@ class _Episode:
         )
 
     async def _loop(self, env: Environment) -> tuple[str, str | None]:
-        cap = min(self.limits.max_total_tokens or self.worker.max_request_tokens, self.worker.max_request_tokens)
+        limits = self.limits
+        cap = min(limits.max_total_tokens or self.worker.max_request_tokens, self.worker.max_request_tokens)
+        if limits.max_response_tokens is not None:
+            cap = min(cap, self.prompt_length + limits.max_response_tokens)
         for index in range(self.limits.max_turns):
             ended = self._no_room(index, cap, [])
             if ended is not None:
@@ -455,6 +498,8 @@ class _Episode:
             self.reward += float(result.reward)
             if result.done:
                 return DONE, None
+            if index + 1 == limits.max_turns:  # no turn would read the observation
+                return MAX_TURNS, None
             if result.observation is None:
                 return ENV_ERROR, f"turn {index}: the environment returned no observation and did not say done"
             try:
@@ -466,7 +511,7 @@ class _Episode:
                 return ended
             self._append(appended)
             self.turns[-1] = dataclasses.replace(self.turns[-1], observation_end=len(self.tokens))
-        return MAX_TURNS, None
+        return MAX_TURNS, None  # max_turns reached (also when the environment's answer is not read)
 
     def _no_room(self, index: int, cap: int, appended: list[int]) -> tuple[str, str | None] | None:
         """How the episode ends if turn ``index`` has no room after ``appended`` (None: it has)."""
@@ -525,8 +570,8 @@ class _Episode:
         timeout = self.limits.env_timeout_s
         if inspect.iscoroutinefunction(env.step):
             call = env.step(turn)
-        else:
-            call = asyncio.to_thread(env.step, turn)
+        else:  # on a thread of the run's own: the timeout counts from the step's start
+            call = asyncio.get_running_loop().run_in_executor(self.threads, env.step, turn)
         try:
             result = await asyncio.wait_for(call, timeout)
         except TimeoutError:
@@ -546,6 +591,19 @@ class _Episode:
         if self.sampling.get("return_logprobs"):
             self.logprobs.extend([0.0] * len(tokens))
             self.kept.extend([0] * len(tokens))
+
+
+@contextlib.contextmanager
+def _own_threads(given: concurrent.futures.Executor | None, count: int):
+    """``given``, or a pool of ``count`` threads, shut down without waiting for a hung step."""
+    if given is not None:
+        yield given
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="episode")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _release(worker, session: str) -> None:

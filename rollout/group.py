@@ -291,9 +291,14 @@ class EngineGroup:
         return parts
 
     def session_engine(self, session: str) -> EngineWeights:
-        """The live engine that runs a session's calls (the same while the same engines live)."""
-        live = list(self.live().values())
-        return live[zlib.crc32(session.encode()) % len(live)]
+        """The engine that runs a session's calls: one of all the engines, by the key, so that a
+        session stays where its prefix is while its engine lives (another live one after)."""
+        chosen = zlib.crc32(session.encode()) % len(self.weights)
+        live = self.live()
+        if chosen in live:
+            return live[chosen]
+        others = sorted(live)
+        return live[others[chosen % len(others)]]
 
 
 def _on_group_mesh(x, mesh: Mesh) -> bool:

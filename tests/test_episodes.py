@@ -74,6 +74,17 @@ def test_a_weight_sync_and_a_kv_drop_release_every_pin_and_the_idle_engine_stays
     assert worker.generate([[7] * 20], max_new_tokens=4, ignore_eos=True).completions[0]
 
 
+def test_pins_never_keep_a_request_from_running(worker):
+    """Pinned tokens are neither free nor evictable: a request that needs them would wait for
+    ever, and with it the sessions' next calls. With nothing running the pins are released."""
+    worker.generate([[30 + i for i in range(80)]], max_new_tokens=10, ignore_eos=True, session="holding")
+    assert worker.session_stats()[0].pinned_tokens == 89
+    # 230 tokens of a 256-token pool: more than the pool less the 89 pinned.
+    batch = worker.generate([[120 + i for i in range(30)]], max_new_tokens=200, ignore_eos=True)
+    assert len(batch.completions[0]) == 200
+    assert worker.session_stats()[0].sessions == 0 and not worker.release_session("holding")
+
+
 @pytest.mark.parametrize(
     "prompts, n, message",
     [
@@ -259,8 +270,12 @@ def test_a_cancelled_episode_frees_its_turn_and_the_others_finish(episode_worker
         def __getattr__(self, name):
             return getattr(episode_worker, name)
 
+        first_prompt = None
+
         async def agenerate(self, prompts, **options):
-            if len(prompts[0]) > 20:
+            if self.first_prompt is None:
+                self.first_prompt = len(prompts[0])
+            elif len(prompts[0]) > self.first_prompt:  # the second turn
                 started.set()
             return await episode_worker.agenerate(prompts, **options)
 
@@ -284,6 +299,29 @@ def test_a_cancelled_episode_frees_its_turn_and_the_others_finish(episode_worker
     assert [r.status for r in results] == ["done"] * 3
     assert episode_worker.session_stats()[0].sessions == 0
     assert episode_worker.engine.testing.kv_tokens_held() == 0
+
+
+def test_the_answer_to_the_last_allowed_turn_is_not_appended(episode_worker):
+    limits = EpisodeLimits(max_turns=2, max_new_tokens=6)
+    out = episode_worker.run_episodes([[{"role": "user", "content": "go"}]], lambda i, j: Talk(10), limits=limits)
+    (episode,) = out.episodes
+    assert episode.status == "max_turns" and len(episode.turns) == 2
+    assert episode.turns[0].observation_end > episode.turns[0].end
+    assert episode.turns[1].observation_end == episode.turns[1].end == len(episode.token_ids)
+
+
+def test_a_response_limit_bounds_what_follows_the_prompt(episode_worker):
+    limits = EpisodeLimits(max_turns=10, max_new_tokens=10, max_response_tokens=40)
+    out = episode_worker.run_episodes(
+        [[{"role": "user", "content": "go"}], [{"role": "user", "content": "a longer first prompt"}]],
+        lambda i, j: Talk(10),
+        limits=limits,
+        ignore_eos=True,
+        completion_width=40,
+    )
+    assert [e.status for e in out.episodes] == ["length", "length"]
+    assert all(len(e.token_ids) - e.prompt_length <= 40 for e in out.episodes)
+    assert out.batch.tokens.shape[1] == out.batch.prompt_width + 40
 
 
 @pytest.mark.parametrize("overflow, status", [("truncate", "length"), ("error", "context_exceeded")])

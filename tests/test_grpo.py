@@ -268,22 +268,31 @@ def test_async_grpo_with_lora_pushes_merged_adapters_to_the_engines_devices(tmp_
     assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.mark.example_path
-def test_tiny_tools_preset_trains_on_multi_turn_episodes_and_resumes(tmp_path):
-    """--preset tiny-tools end to end: a warm start, then episodes of up to 3 turns (a call to the
-    calculator, its result, an answer) packed into the batch the update trains on, with the
-    episode metrics logged; a resume restores the checkpoint (the warm start is part of the run's
-    identity: another one is refused)."""
-    args = ("--preset", "tiny-tools", "--warm-start-steps", "20", "--prompts-per-step", "2", "--group-size", "4")
-    records = run_grpo(tmp_path / "run", *args, "--steps", "2", "--checkpoint-every", "1")
-    assert [r["step"] for r in records] == [1, 2]
-    for key in ("turns", "tool_call_success", "failed_call_fraction", "episodes_answered", "prefill_saved", "entropy"):
+TOOL_STEPS = 15
+
+
+@pytest.mark.example_run_newest
+def test_tiny_tools_grpo_learns_to_call_the_calculator_and_answer(tmp_path):
+    """--preset tiny-tools: a warm start, then episodes of up to 3 turns (a call to the calculator,
+    its result, an answer) packed into the batch the update trains on. In 15 steps (seeds 0-1 at
+    jax 0.12, first 3 steps -> last 5) the reward rises 0.248 -> 0.358 and 0.395 -> 0.556, exact
+    answers 0.03 -> 0.07 and 0.19 -> 0.37, the episodes whose call computed their problem's
+    product 0.935 -> 0.986 and 0.911 -> 0.959; groups keep a reward spread, and a later turn finds
+    the earlier ones in the prefix cache (resumes: the other GRPO tests; the warm start in a run's
+    identity: tests/unit/test_rl_loop.py)."""
+    records = run_grpo(
+        tmp_path / "run", "--preset", "tiny-tools", "--steps", str(TOOL_STEPS), "--checkpoint-every", "5"
+    )
+    assert [r["step"] for r in records] == list(range(1, TOOL_STEPS + 1))
+    for key in ("turns", "failed_call_fraction", "episodes_answered", "prefill_saved", "entropy", "approx_kl"):
         assert all(np.isfinite(r[key]) for r in records), key
+
+    def mean(key, rows):
+        return float(np.mean([r[key] for r in rows]))
+
+    assert mean("reward", records[-5:]) > mean("reward", records[:3]) + 0.05
+    assert mean("solved", records[-5:]) > mean("solved", records[:3])
+    assert mean("tool_call_success", records[-5:]) > max(0.9, mean("tool_call_success", records[:3]))
+    assert max(r["frac_reward_zero_std"] for r in records) < 0.5
     assert all(1 <= r["turns"] <= 3 and r["completion_tokens"] <= 64 for r in records)
-    # Calls were made after 20 supervised steps, and a turn after a call found the first in the cache.
-    assert max(r["failed_call_fraction"] < 1 and r["turns"] > 1 for r in records)
-    assert max(r["prefill_saved"] for r in records) > 0.3
-    resumed = run_grpo(tmp_path / "run", *args, "--steps", "3")
-    assert [r["step"] for r in resumed] == [1, 2, 3]
-    with pytest.raises(AssertionError, match="warm_start_steps"):
-        run_grpo(tmp_path / "run", "--preset", "tiny-tools", "--warm-start-steps", "5", "--steps", "4")
+    assert min(r["prefill_saved"] for r in records) > 0.3

@@ -103,7 +103,7 @@ class EngineHandle:
             self._control.wait_for_threads(timeout=30)
         self._closed = False
         self._model = ModelState(self._scheduler, self._engine, options.seed)
-        budget = options.session_budget_tokens or self.kv_pool_tokens // 2
+        budget = self.kv_pool_tokens // 2 if options.session_budget_tokens is None else options.session_budget_tokens
         self._sessions = self.call(lambda: sessions.install(self._scheduler, budget, options.max_session_tokens))
         self._requests = RequestLoop(
             self._engine, self._scheduler, self._control, self.check_alive, self.kv_pool_tokens, self._sessions

@@ -12,15 +12,19 @@ Bounds: a session pins at most ``max_session_tokens`` (the first ones: a longer 
 tail stays evictable), and all sessions of an engine at most ``budget_tokens`` together; a pin
 that would pass the budget releases the oldest pins first (their prefixes become evictable
 again, not freed: they are found if nothing needed their memory meanwhile). Each pin released
-that way is counted (``released_for_budget``). Weight changes and KV drops, which flush the
-prefix cache, release every pin first.
+that way is counted (``released_for_budget``). Pins never stop the engine: when requests wait
+and nothing runs (the idle scheduler's check), every pin is released. Weight changes and KV
+drops, which flush the prefix cache, release every pin first.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from collections.abc import Hashable
+
+logger = logging.getLogger(__name__)
 
 _ATTRIBUTE = "_rollout_sessions"
 
@@ -108,6 +112,10 @@ class SessionPins:
     def holding(self) -> bool:
         return bool(self._pins)
 
+    @property
+    def sessions(self) -> list[Hashable]:
+        return list(self._pins)
+
     def locked_tokens(self) -> int:
         """Tokens of the cache's nodes the pins lock, each node once (shared prefixes too)."""
         seen: set[int] = set()
@@ -152,6 +160,15 @@ def _idle_check_with_pins(scheduler, pins: SessionPins, check_memory):
     root, and nothing else locked (an idle scheduler's requests hold no locks)."""
 
     def check():
+        if pins.holding and scheduler.waiting_queue:
+            # Nothing ran although requests wait: they may need the pinned memory (a session's
+            # next turn among them, the only thing that would move a pin). Unpinned, the
+            # prefixes stay cached until eviction needs them.
+            logger.info("requests wait with nothing running: releasing %d session pins", len(pins.sessions))
+            pins.release_all()
+            # The scheduler marked its batch full when the head of the queue did not fit; only a
+            # finished request would clear that, and none runs: admission is retried now.
+            scheduler.running_batch.batch_is_full = False
         if not pins.holding:
             return check_memory()
         tree = scheduler.tree_cache

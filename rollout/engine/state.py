@@ -118,8 +118,8 @@ class ModelState:
     def flush_prefix_cache(self) -> None:
         if not workaround_enabled("flush-cache"):
             pins = sessions.pins_of(self.scheduler)
-            if pins is not None:
-                pins.forget_all()
+            if pins is not None:  # unlocked whether or not the engine's flush succeeds
+                pins.release_all()
             self._engine.flush_cache()
             return
         inflight.reset_kv_state(self.scheduler)

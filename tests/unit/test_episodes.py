@@ -53,6 +53,54 @@ def test_frames_close_the_models_turn_and_open_the_next(tokenizer):
     assert text_of(tokenizer, ids[len(opening) + 2 :]) == "<|im_end|>\n<|im_start|>assistant\n"
 
 
+# Qwen3's layout in short: an assistant message after the last user message opens with an empty
+# <think> block, earlier ones are written without it (their reasoning dropped).
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Llama 3's: a header per message, <|eot_id|> after each, JSON-quoted tool results.
+LLAMA3_LIKE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + (m['content'] | tojson) + '<|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def test_frames_follow_templates_that_render_earlier_turns_differently(tokenizer):
+    tokenizer.chat_template, original = QWEN3_LIKE, tokenizer.chat_template
+    try:
+        frames = TurnFrames(tokenizer)
+        assert text_of(tokenizer, frames.turn_end) == "<|im_end|>\n"
+        user = frames.observation(StepResult(observation="7+7"))
+        assert text_of(tokenizer, user) == "<|im_start|>user\n7+7<|im_end|>\n<|im_start|>assistant\n"
+        tokenizer.chat_template = LLAMA3_LIKE
+        frames = TurnFrames(tokenizer)
+        assert text_of(tokenizer, frames.turn_end) == "<|eot_id|>"
+        user = frames.observation(StepResult(observation="hi"))
+        assert text_of(tokenizer, user) == (
+            "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
+        tool = frames.observation(StepResult(observation=[{"role": "tool", "content": "15"}]))
+        assert text_of(tokenizer, tool).startswith('<|start_header_id|>ipython<|end_header_id|>\n\n"15"<|eot_id|>')
+        with pytest.raises(ValueError, match="return that observation as text or messages"):
+            frames.observation(StepResult(observation=[5, 6], role="tool"))
+    finally:
+        tokenizer.chat_template = original
+
+
 def test_the_first_prompt_is_the_templates_with_the_generation_prompt(tokenizer):
     frames = TurnFrames(tokenizer)
     messages = [{"role": "user", "content": "hi"}]

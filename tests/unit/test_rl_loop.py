@@ -40,3 +40,14 @@ def test_lr_decay_spans_the_train_steps_after_the_warm_up():
     assert dataclasses.replace(config, lr_decay=True).decay_updates == 10 * 2 * 4 - 20
     with pytest.raises(ValueError, match="scale_rewards must be one of"):
         dataclasses.replace(config, scale_rewards="std")
+
+
+def test_the_warm_start_is_part_of_a_runs_identity(tmp_path):
+    """The warm-started policy is the KL reference and the start of the run: a resume with
+    another warm start would train against another reference."""
+    config = PRESETS["tiny-tools"]
+    claim_output_dir(config, tmp_path)
+    (tmp_path / "checkpoints" / "5").mkdir(parents=True)
+    claim_output_dir(dataclasses.replace(config, steps=90), tmp_path)
+    with pytest.raises(ValueError, match=r"warm_start_steps=100; this one has warm_start_steps=5"):
+        claim_output_dir(dataclasses.replace(config, warm_start_steps=5), tmp_path)
