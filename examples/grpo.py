@@ -118,7 +118,8 @@ TINY = dict(max_operand=4, kl_beta=0.1, group_size=16, warmup_updates=20)
 DEMO = dict(TINY, near_credit=0.0, group_size=32, lr_decay=True, steps=80)
 # The calculator task (examples/tool_task.py): 100 supervised steps leave the model calling the
 # calculator right in ~90% of episodes but copying its result into the answer exactly in 3-19%;
-# GRPO raises both. With a constant learning rate and a KL penalty of 0.05 the reward peaked near
+# GRPO takes the right calls to ~100% and the reward up (the digits copied in place; exact copies
+# at some seeds). With a constant learning rate and a KL penalty of 0.05 the reward peaked near
 # step 25 and fell back as the entropy collapsed (0.23 -> 0.03 by step 60, an approx-KL spike of
 # 417): the rate decays and the KL penalty to the warm-started policy is 0.1 (docs/benchmarks.md).
 TOOLS = dict(
