@@ -226,6 +226,24 @@ def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_dir, tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "3"]
 
 
+@pytest.mark.example_path
+def test_qwen25_3b_tools_preset_path_on_a_local_stand_in(chat_dir, tmp_path):
+    """The qwen2.5-3b-tools preset on local files: GSM8K rows with the calculator in the chat
+    template's tools (the tiny template lays them out as Qwen2.5's does), episodes of up to two
+    turns, GSM8K's reward on the final answer, the KL reference. The random stand-in writes no
+    tool call: this is the path, not learning. The overrides only make it fit a CPU (the tiny
+    tokenizer spends ~650 tokens on these prompts with the tools block)."""
+    local = ["--preset", "qwen2.5-3b-tools", "--model", str(chat_dir), "--dataset", str(GSM8K_SAMPLE)]
+    cpu = (
+        "--prompts-per-step 2 --group-size 2 --max-prompt-tokens 700 --max-new-tokens 48 --turn-tokens 16 "
+        "--max-turns 2 --dtype float32 --tp-size 1 --kv-tokens 8192"
+    )
+    (record,) = run_grpo(tmp_path / "run", *local, *cpu.split(), "--steps", "1")
+    assert 1 <= record["turns"] <= 2 and record["completion_tokens"] <= 48
+    assert record["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert 0 <= record["tool_call_success"] <= 1 and np.isfinite(record["entropy"])
+
+
 @pytest.mark.example_run_newest
 def test_lora_grpo_keeps_learning_and_trains_and_checkpoints_only_the_adapters(tmp_path):
     """--lora-rank 8 on the shaped tiny task: it learns as the full-parameter run does (GAIN; at
