@@ -76,6 +76,15 @@ class RequestLoop:
         updates: asyncio.Queue = asyncio.Queue()
         request, rids = self._request(prompts, params, seeds, stream=True)
 
+        def deliver(update) -> bool:
+            """Hand ``update`` to the caller's loop; False once that loop is closed (a caller
+            that left the stream and ended its loop before the cancellation reached the pump)."""
+            try:
+                caller.call_soon_threadsafe(updates.put_nowait, update)
+            except RuntimeError:
+                return False
+            return True
+
         async def pump():
             await self._cache_prompts(prompts, params)
             with (
@@ -94,10 +103,11 @@ class RequestLoop:
                     )
                     if sinks is not None:
                         output = dataclasses.replace(output, **sinks[row].first(count))
-                    caller.call_soon_threadsafe(updates.put_nowait, (row, output))
+                    if not deliver((row, output)):
+                        raise asyncio.CancelledError  # nobody listens: abort the rows (above)
 
         future = self._submit(pump())
-        future.add_done_callback(lambda _: caller.call_soon_threadsafe(updates.put_nowait, None))
+        future.add_done_callback(lambda _: deliver(None))
         try:
             while (update := await updates.get()) is not None:
                 yield update
