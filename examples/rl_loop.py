@@ -132,7 +132,8 @@ class RLConfig:
     # is then the whole conversation after the prompt, turn_tokens one turn's.
     max_turns: int = 1
     turn_tokens: int = 16
-    # Supervised steps on worked episodes before RL (tool presets: the tool-call format), once per run.
+    # Supervised steps on worked episodes before RL (tool presets: the tool-call format); a resume
+    # runs them again (deterministic), as its KL reference is the warm-started policy.
     warm_start_steps: int = 0
     # > 1: start this many processes of one JAX job on this machine (CPU runs, tests). A job is
     # otherwise joined from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID: each
@@ -348,7 +349,7 @@ class Setup(NamedTuple):
     algorithm: Algorithm
     manager: Any  # orbax CheckpointManager of output_dir/checkpoints
     state: TrainState  # the latest checkpoint restored, or the algorithm's initial trees at step 0
-    task: Task  # the preset's prompts and rewards (the worker's tokenizer)
+    task: Task | ToolTask  # the preset's prompts and rewards (the worker's tokenizer); ToolTask: episodes
     trainer_devices: list | None  # where the trainer's params live when the engines are elsewhere
 
 
@@ -425,10 +426,11 @@ def set_up(
         manager = checkpoint_manager(output_dir)
         algorithm = make_algorithm(config, Policy(model, params, model_dir))
         state = restore_or_init(manager, algorithm.init_trees(params))
-        task = ToolTask(config, worker.tokenizer, tiny=config.preset in TINY_MODELS) if config.max_turns > 1 else None
-        yield Setup(
-            output_dir, worker, algorithm, manager, state, task or Task(config, worker.tokenizer), trainer_devices
-        )
+        if config.max_turns > 1:
+            task = ToolTask(config, worker.tokenizer, tiny=config.preset in TINY_MODELS)
+        else:
+            task = Task(config, worker.tokenizer)
+        yield Setup(output_dir, worker, algorithm, manager, state, task, trainer_devices)
     finally:
         worker.close()
 

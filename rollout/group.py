@@ -272,9 +272,9 @@ class EngineGroup:
         """(engine, its global rows, (prompts, params, seeds)) per live engine with work:
         whole prompts (their n samples together), balanced by tokens."""
         n = params.n
-        live = list(self.live().values())
         if params.session is not None:  # one prompt: on the session's engine, where its prefix is
             return [(self.session_engine(params.session), list(range(n)), (prompts, params, seeds))]
+        live = list(self.live().values())
         load = [0] * len(live)
         assigned: list[list[int]] = [[] for _ in live]
         cost = [len(p) + params.max_new_tokens for p in prompts]
