@@ -8,7 +8,8 @@ from pathlib import Path
 
 import jax
 
-from models import family_for
+from models import family_for, mappings_for
+from trainer_bridge import LoraConfig, check_unmerged_targets
 
 from .engine import EngineOptions
 
@@ -72,6 +73,8 @@ class WorkerConfig(EngineOptions):
             raise ValueError(f"WorkerConfig.dtype must be bfloat16, float32 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"WorkerConfig.load_format must be auto, dummy or safetensors, got {self.load_format!r}")
+        if self.unmerged_lora is not None and not isinstance(self.unmerged_lora, LoraConfig):
+            raise ValueError(f"WorkerConfig.unmerged_lora must be a LoraConfig or None, got {self.unmerged_lora!r}")
         if self.devices is not None:
             object.__setattr__(self, "devices", tuple(self.devices))
             if len(set(self.devices)) != len(self.devices):
@@ -117,6 +120,8 @@ class WorkerConfig(EngineOptions):
         check_model_family(self.model_path)
         if self.record_routing:
             check_routing_recordable(self.model_path)
+        if self.unmerged_lora is not None:
+            check_unmerged_lora(self.model_path, self.unmerged_lora)
         groups = self.device_groups()
         limit = model_context_limit(self.model_path)
         if (
@@ -161,6 +166,17 @@ def check_routing_recordable(model_path: str) -> None:
                 f"WorkerConfig.record_routing: {config_file} is a {config.get('model_type')} model, "
                 "which routes no tokens to experts"
             )
+
+
+def check_unmerged_lora(model_path: str, config: LoraConfig) -> None:
+    """ValueError unless a local model directory's projections can carry the unmerged adapters
+    (a hub id passes)."""
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        try:
+            check_unmerged_targets(mappings_for(json.loads(config_file.read_text())), config)
+        except ValueError as exc:
+            raise ValueError(f"WorkerConfig.{exc} ({config_file})") from None
 
 
 def model_context_limit(model_path: str) -> int | None:

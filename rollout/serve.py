@@ -3,6 +3,7 @@
     python -m rollout.serve --model-path DIR [--load-format dummy|auto] [--dtype float32]
         [--host 127.0.0.1] [--port 8000] [--admin-token TOKEN] [--api-key KEY]
         [--served-model-name NAME] [--max-total-tokens N --tp-size N ...]
+        [--unmerged-lora RANK,ALPHA[,MODULE,...]]
 
 Every ``ServerConfig`` and ``WorkerConfig`` field is a flag (engine settings; ``--devices 0,1`` are indices into
 ``jax.local_devices()``, lists are comma-separated). The admin token and the API key may come
@@ -21,6 +22,8 @@ import typing
 
 import jax
 
+from trainer_bridge import DEFAULT_TARGET_MODULES, LoraConfig
+
 from .config import WorkerConfig
 from .server import ServerConfig, start_server
 from .worker import RolloutWorker
@@ -36,7 +39,17 @@ def _flag_type(hint):
     base = typing.get_origin(args[0]) or args[0]
     if base is tuple:
         return lambda text: tuple(int(v) for v in text.split(","))
-    return {bool: None, int: int, float: float}.get(base, str)
+    return {bool: None, int: int, float: float, LoraConfig: _lora_config}.get(base, str)
+
+
+def _lora_config(text: str) -> LoraConfig:
+    """``--unmerged-lora RANK,ALPHA[,MODULE,...]``: ``16,32`` (every projection) or
+    ``16,32,q_proj,v_proj``."""
+    rank, alpha, *modules = (text.split(",") + [""])[: max(2, text.count(",") + 1)]
+    try:
+        return LoraConfig(int(rank), float(alpha), tuple(modules) or DEFAULT_TARGET_MODULES)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"RANK,ALPHA[,MODULE,...] expected, got {text!r} ({exc})") from None
 
 
 def parse_args(argv=None) -> tuple[WorkerConfig, ServerConfig, str]:

@@ -8,10 +8,11 @@ import logging
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import EngineTransform, ParamMapping, mappings_for
-from trainer_bridge import EngineLeaf, SyncError, SyncPlan, build_plan, plan_key
+from trainer_bridge import EngineLeaf, LeafAction, SyncError, SyncPlan, adapter_mappings, build_plan, plan_key
 
 from .engine import EngineHandle, device_buffers
 
@@ -26,6 +27,7 @@ class PreparedSync:
     leaves: list  # the whole new leaf list, engine order
     updated: frozenset[int]  # indices replaced
     copied: frozenset[int]  # of which new arrays the engine owns
+    checked: frozenset[int] = frozenset()  # of which arrays known to hold no NaN/inf
 
 
 class EngineWeights:
@@ -36,10 +38,14 @@ class EngineWeights:
         self.engine = engine
         self.leaves: tuple[EngineLeaf, ...] = tuple(engine.leaf_specs())
         self.mappings: tuple[ParamMapping, ...] = tuple(mappings_for(engine.hf_config))
+        # Adapters the engine computes unmerged (EngineOptions.unmerged_lora), else none.
+        lora = engine.options.unmerged_lora
+        self.adapter_mappings: tuple[ParamMapping, ...] = tuple(adapter_mappings(self.mappings, lora) if lora else ())
+        self._adapter_paths = frozenset(m.trainer for m in self.adapter_mappings)
         config = engine.hf_config
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         by_path = {leaf.path: leaf for leaf in self.leaves}
-        kv_width = int(config.num_key_value_heads) * self.head_dim
+        kv_width = engine.num_key_value_heads * self.head_dim
 
         def as_is(m: ParamMapping) -> bool:
             if m.engine_transform is EngineTransform.REPEAT_KV_HEADS:
@@ -50,31 +56,85 @@ class EngineWeights:
         # Per trainer path: the engine leaf it is used as unchanged, or None when the sync
         # transforms it (transpose; k/v projections whose heads the engine repeats).
         self.used_as_is: dict[str, EngineLeaf | None] = {
-            m.trainer: by_path[m.engine] if as_is(m) else None for m in self.mappings
+            m.trainer: by_path[m.engine] if as_is(m) else None for m in self.mappings + self.adapter_mappings
         }
         self._plans: dict[tuple, SyncPlan] = {}
         self._checked_plans: set[SyncPlan] = set()
         # Leaf indices whose current array belongs to the engine (boot weights, sync copies):
         # those are freed as soon as they are replaced.
         self._owned = set(range(len(self.leaves)))
+        # Leaf indices whose current array a sync checked for NaN/inf.
+        self._finite: set[int] = set()
 
     # ---- sync --------------------------------------------------------------------------------
+
+    def adapters_only(self, flat: Mapping[str, object]) -> bool:
+        """Whether ``flat`` holds unmerged adapters alone (synced onto the served base)."""
+        return bool(self._adapter_paths) and bool(flat) and all(path in self._adapter_paths for path in flat)
 
     def plan_for(self, flat: Mapping[str, object], allow_cast: bool) -> SyncPlan:
         key = (plan_key(flat), allow_cast)
         plan = self._plans.get(key)
         if plan is None:
-            leaves = build_plan(flat, self.leaves, self.mappings, head_dim=self.head_dim, allow_cast=allow_cast)
+            partial = self.adapters_only(flat)
+            mappings = self.adapter_mappings if partial else self.mappings + self.adapter_mappings
+            leaves = build_plan(
+                flat, self.leaves, mappings, head_dim=self.head_dim, allow_cast=allow_cast, partial=partial
+            )
             plan = self._plans[key] = SyncPlan(leaves, self.head_dim)
         return plan
+
+    def with_adapters(self, flat: Mapping[str, object]) -> Mapping[str, object]:
+        """``flat`` as a sync serves it: a base tree without adapters on an engine that computes
+        them unmerged is served with zero adapters (the base alone)."""
+        if not self._adapter_paths or any(path in self._adapter_paths for path in flat):
+            return flat
+        by_path = {leaf.path: leaf for leaf in self.leaves}
+        zeros = {}
+        for m in self.adapter_mappings:
+            engine = by_path[m.engine]
+            shape = engine.shape if m.engine_transform is EngineTransform.IDENTITY else self._kv_width_shape(engine)
+            zeros[m.trainer] = np.zeros(shape, engine.dtype)
+        return {**flat, **zeros}
+
+    def kernel_shapes(self) -> dict[str, np.ndarray]:
+        """Trainer kernel path -> a stand-in of the trainer's kernel (its shape, no memory):
+        what adapters are checked against when the trainer passes them without their base."""
+        by_path = {leaf.path: leaf for leaf in self.leaves}
+        shapes = {}
+        for m in self.mappings:
+            if not m.trainer.endswith(".kernel"):
+                continue
+            engine = by_path[m.engine]
+            if m.engine_transform is EngineTransform.TRANSPOSE:
+                shape = tuple(reversed(engine.shape))
+            elif m.engine_transform is EngineTransform.REPEAT_KV_HEADS:
+                shape = self._kv_width_shape(engine)
+            else:
+                shape = engine.shape
+            shapes[m.trainer] = np.broadcast_to(np.float32(0), shape)
+        return shapes
+
+    def _kv_width_shape(self, leaf: EngineLeaf) -> tuple[int, ...]:
+        # B of a k/v projection, in the trainer's layout: the KV heads before the engine repeats them.
+        return (*leaf.shape[:-1], self.engine.num_key_value_heads * self.head_dim)
 
     def prepare(self, flat: Mapping[str, object], *, allow_cast: bool, check_finite: bool) -> PreparedSync:
         """Validate ``flat`` and compute the engine's new leaves (device copies where needed).
         Changes nothing the engine serves."""
+        flat = self.with_adapters(flat)
         plan = self.plan_for(flat, allow_cast)
-        plan.check_inputs(flat, check_finite)
-        updates = plan.execute(flat)
         leaves = self.engine.weight_leaves()
+        # A leaf passed again as the very array the engine serves was checked when it came.
+        known_finite = frozenset(
+            p.engine.index
+            for p in plan.leaves
+            if p.action is LeafAction.ALIAS
+            and p.engine.index in self._finite
+            and flat[p.trainer_path] is leaves[p.engine.index]
+        )
+        plan.check_inputs(flat, check_finite, known_finite)
+        updates = plan.execute(flat)
         for index, array in updates.items():
             leaves[index] = array
         if plan not in self._checked_plans:
@@ -83,7 +143,8 @@ class EngineWeights:
             self._checked_plans.add(plan)
         jax.block_until_ready(list(updates.values()))
         copied = frozenset(p.engine.index for p in plan.copies)
-        return PreparedSync(plan, leaves, frozenset(updates), copied)
+        checked = frozenset(updates) if check_finite else known_finite
+        return PreparedSync(plan, leaves, frozenset(updates), copied, checked)
 
     def commit(self, prepared: PreparedSync, version: int, *, in_flight: bool = False, recompute_kv: bool = False):
         """Swap the prepared leaves in (on the scheduler thread, between forwards: idle, or
@@ -98,6 +159,7 @@ class EngineWeights:
             recompute_kv=recompute_kv,
         )
         self._owned = set(prepared.copied) | (self._owned - prepared.updated)
+        self._finite = set(prepared.checked) | (self._finite - prepared.updated)
         return record
 
     def replace_leaves(self, new_leaves: Mapping[int, jax.Array], version: int, *, in_flight: bool = False):
@@ -134,16 +196,23 @@ class EngineWeights:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.engine.mesh, PartitionSpec())
 
-    def param_shardings(self) -> dict[str, jax.sharding.Sharding]:
-        """Flat trainer path -> where the leaf must live for a zero-copy sync."""
+    def param_shardings(self, adapters: bool = False) -> dict[str, jax.sharding.Sharding]:
+        """Flat trainer path -> where the leaf must live for a zero-copy sync: the base tree's
+        leaves, or (``adapters``) the unmerged adapters'."""
         replicated = self.replicated()
-        return {path: leaf.sharding if leaf is not None else replicated for path, leaf in self.used_as_is.items()}
+        return {
+            path: leaf.sharding if leaf is not None else replicated
+            for path, leaf in self.used_as_is.items()
+            if (path in self._adapter_paths) == adapters
+        }
 
     def checkpoint_targets(self, saved: Mapping[str, object], item_dir) -> dict[str, jax.ShapeDtypeStruct]:
         """Restore targets for a saved tree: leaves the engine uses as they are come back in
         the engine's dtype and sharding; the others replicated on the engine's mesh."""
-        missing = sorted(set(self.used_as_is) - set(saved))
-        extra = sorted(set(saved) - set(self.used_as_is))
+        adapters = self.adapters_only(saved)
+        expected = {p: leaf for p, leaf in self.used_as_is.items() if (p in self._adapter_paths) == adapters}
+        missing = sorted(set(expected) - set(saved))
+        extra = sorted(set(saved) - set(expected))
         if missing or extra:
             raise SyncError(
                 f"checkpoint {item_dir} does not match the model: missing {len(missing)} expected "
@@ -152,7 +221,7 @@ class EngineWeights:
         replicated = self.replicated()
         targets = {}
         for path, meta in saved.items():
-            engine_leaf, shape = self.used_as_is[path], tuple(meta.shape)
+            engine_leaf, shape = expected[path], tuple(meta.shape)
             if engine_leaf is not None and shape == engine_leaf.shape:
                 targets[path] = jax.ShapeDtypeStruct(shape, engine_leaf.dtype, sharding=engine_leaf.sharding)
             else:

@@ -31,8 +31,10 @@ from trainer_bridge import (
     LoraConfig,
     SyncError,
     SyncReport,
+    canonical_adapters,
     collect_adapters,
     flatten_params,
+    is_adapter_tree,
     load_hf_params,
     merge_adapters,
     resolve_checkpoint,
@@ -230,15 +232,72 @@ class RolloutWorker:
         """
         if (adapters is None) != (lora is None):
             raise ValueError("sync_params: adapters and lora (a LoraConfig) go together")
+        merge = None
+        if adapters is not None and self.config.unmerged_lora is not None:
+            try:
+                flat = flatten_params(params)
+            except (TypeError, ValueError) as exc:
+                raise SyncError(str(exc)) from None
+            params = {**flat, **self._unmerged_adapters(adapters, lora, flat)}
+        elif adapters is not None:
+            merge = (adapters, lora)
         return self._sync(
             params,
             "sync_params",
-            lora=None if adapters is None else (adapters, lora),
+            lora=merge,
             allow_cast=allow_cast,
             check_finite=check_finite,
             in_flight=in_flight,
             recompute_kv=recompute_kv,
         )
+
+    def sync_adapters(
+        self,
+        adapters: Mapping,
+        lora: LoraConfig | None = None,
+        *,
+        check_finite: bool = True,
+        in_flight: bool = False,
+        recompute_kv: bool = False,
+    ) -> SyncReport:
+        """Serve new LoRA ``adapters`` on the base the engines serve now, moving the adapters'
+        bytes alone: for workers started with ``WorkerConfig.unmerged_lora`` (whose rank, alpha
+        and targets ``lora``, if given, must equal). The adapter tree as for ``sync_params``;
+        NaN/inf refused, ``in_flight``, ``recompute_kv`` and errors as there."""
+        self._check_open()
+        flat = self._unmerged_adapters(adapters, lora, None)
+        return self._sync(
+            flat,
+            "sync_adapters",
+            allow_cast=True,
+            check_finite=check_finite,
+            in_flight=in_flight,
+            recompute_kv=recompute_kv,
+        )
+
+    def _unmerged_adapters(self, adapters: Mapping, lora: LoraConfig | None, base: Mapping | None) -> dict:
+        """The adapter tree, checked (against the flat ``base``, or the served kernels' shapes)
+        and under the engine's factor names; SyncError when the worker serves no unmerged
+        adapters or ``lora`` is not the configuration they were started with."""
+        served = self.config.unmerged_lora
+        if served is None:
+            raise SyncError(
+                "adapters alone: this worker merges adapters into the weights at sync, so it no longer "
+                "has the base to put new ones on; start it with WorkerConfig(unmerged_lora=LoraConfig(...)), "
+                "or call sync_params(base, adapters=..., lora=...)"
+            )
+        if lora is not None and lora != served:
+            raise SyncError(
+                f"lora: {lora} is not the engines' WorkerConfig.unmerged_lora {served}; unmerged adapters "
+                "have the rank, alpha and target modules the engines were started with"
+            )
+        try:
+            flat = flatten_params(adapters)
+        except (TypeError, ValueError) as exc:
+            raise SyncError(f"adapters: {exc}") from None
+        kernels = [m.trainer for m in self.mappings if m.trainer.endswith(".kernel")]
+        collect_adapters(flat, self._group.first.kernel_shapes() if base is None else base, kernels, served)
+        return canonical_adapters(flat)
 
     def _sync(
         self,
@@ -345,7 +404,8 @@ class RolloutWorker:
         recompute_kv: bool = False,
     ) -> SyncReport:
         """Serve a trainer param tree saved with orbax: a ``StandardCheckpointer`` directory,
-        or a ``CheckpointManager`` root (latest step, or ``step``).
+        or a ``CheckpointManager`` root (latest step, or ``step``). A checkpoint of LoRA
+        adapters alone is loaded as :meth:`load_adapters` loads it.
 
         Leaves the engines can use as they are restored straight into the engines' dtype and
         sharding and then aliased; the others are restored replicated and transformed on
@@ -353,23 +413,54 @@ class RolloutWorker:
         ``sync_params`` (``check_finite=False`` skips that read); ``in_flight``,
         ``recompute_kv``: as for ``sync_params``. On error nothing changes.
         """
+        swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
+        return self._load_orbax(path, step, adapters_only=False, **swap)
+
+    def load_adapters(
+        self,
+        path,
+        step: int | None = None,
+        *,
+        check_finite: bool = True,
+        in_flight: bool = False,
+        recompute_kv: bool = False,
+    ) -> SyncReport:
+        """Serve the LoRA adapters of an orbax checkpoint (of the adapter tree alone, in either
+        accepted layout) on the base the engines serve, as :meth:`sync_adapters` does: for
+        workers started with ``WorkerConfig.unmerged_lora``. A checkpoint holding anything but
+        LoRA factors is a SyncError naming a path that is not one; the rest as
+        :meth:`load_checkpoint`."""
+        swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
+        return self._load_orbax(path, step, adapters_only=True, **swap)
+
+    def _load_orbax(
+        self, path, step: int | None, *, adapters_only: bool, check_finite: bool, in_flight: bool, recompute_kv: bool
+    ) -> SyncReport:
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
         item_dir = resolve_checkpoint(path, step)
         saved, wrapped = saved_layout(item_dir)
-        targets = self._group.checkpoint_targets(saved, item_dir)
+        adapters = is_adapter_tree(saved)
+        if adapters_only and not adapters:
+            other = next(p for p in saved if not is_adapter_tree({p: None})) if saved else "<empty tree>"
+            raise SyncError(f"checkpoint {item_dir} is not of LoRA adapters alone: '{other}' is not a LoRA factor")
+        if adapters and self.config.unmerged_lora is None:
+            raise SyncError(
+                f"checkpoint {item_dir} holds LoRA adapters alone; loading them onto the served base "
+                "needs a worker started with WorkerConfig(unmerged_lora=LoraConfig(...)) (a worker that "
+                "merges adapters no longer has its base): restore it and call sync_params(base, "
+                "adapters=..., lora=...)"
+            )
+        targets = self._group.checkpoint_targets(canonical_adapters(saved) if adapters else saved, item_dir)
+        if adapters:  # restored under the names it was saved with
+            targets = dict(zip(saved, targets.values()))
         # The restore is itself collective in a multi-process job (every process reads its shards).
         self._group.pod.agree("load_checkpoint", tree_fingerprint(targets))
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
-        return self._sync(
-            restored,
-            "load_checkpoint",
-            allow_cast=True,
-            check_finite=check_finite,
-            in_flight=in_flight,
-            recompute_kv=recompute_kv,
-            reason="weights are being reloaded",
-        )
+        swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
+        if adapters:
+            return self.sync_adapters(restored, **swap)
+        return self._sync(restored, "load_checkpoint", allow_cast=True, reason="weights are being reloaded", **swap)
 
     def replace_engine_leaves(
         self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str, *, in_flight: bool = False

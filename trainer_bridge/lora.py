@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from models import EngineTransform, ParamMapping
+
 from .sync import SyncError
 from .tree import flatten_params, unflatten_params
 
@@ -125,6 +127,59 @@ def collect_adapters(
         if kernel.rsplit(".", 2)[-2] in config.target_modules and kernel not in adapted:
             raise SyncError(f"adapters: no adapter for '{kernel}' (its module is in LoraConfig.target_modules)")
     return found
+
+
+def is_adapter_tree(flat: Mapping[str, object]) -> bool:
+    """Whether every leaf of a non-empty flat tree is a LoRA factor (an adapter checkpoint)."""
+    return bool(flat) and all(path.rpartition(".")[2] in _FACTOR_OF_NAME for path in flat)
+
+
+def canonical_adapters(adapters: Mapping[str, object]) -> dict:
+    """A flat adapter tree with its factors under this project's names (``lora_a``/``lora_b``,
+    the names :func:`adapter_mappings` gives them), whatever accepted layout it came in."""
+    canonical = {}
+    for path, leaf in adapters.items():
+        module, _, name = path.rpartition(".")
+        canonical[f"{module}.{FACTOR_NAMES[_FACTOR_OF_NAME[name]][0]}"] = leaf
+    return canonical
+
+
+def _adaptable(m: ParamMapping) -> bool:
+    """A projection kernel the engine keeps, untransposed, as a linear layer's ``weight``."""
+    return (
+        m.trainer.endswith(".kernel")
+        and m.engine.endswith(".weight")
+        and m.engine_transform is not EngineTransform.TRANSPOSE
+    )
+
+
+def check_unmerged_targets(mappings: Sequence[ParamMapping], config: LoraConfig) -> None:
+    """ValueError unless every target module names projections the engine can adapt unmerged."""
+    adaptable = {m.trainer.rsplit(".", 2)[-2] for m in mappings if _adaptable(m)}
+    unknown = [name for name in config.target_modules if name not in adaptable]
+    if unknown:
+        raise ValueError(
+            f"unmerged_lora.target_modules: {unknown} name no projection of this model that the engine "
+            f"computes with a linear layer (those it has: {sorted(adaptable)})"
+        )
+
+
+def adapter_mappings(mappings: Sequence[ParamMapping], config: LoraConfig) -> list[ParamMapping]:
+    """The mapping entries of adapters served unmerged: for each projection kernel of the table
+    (a 2-D ``<module>.kernel`` the engine keeps as ``<engine module>.weight``, not transposed)
+    whose module is targeted, ``<module>.lora_a`` -> ``<engine module>.lora_a`` and ``lora_b``
+    likewise, B's heads repeated as the kernel's are (k/v projections at tp_size > KV heads).
+    Adapters have no HF tensor here (``hf`` is empty)."""
+    entries = []
+    for m in mappings:
+        if not _adaptable(m) or m.trainer.rsplit(".", 2)[-2] not in config.target_modules:
+            continue
+        module, engine_module = m.trainer.removesuffix(".kernel"), m.engine.removesuffix(".weight")
+        entries.append(ParamMapping(f"{module}.lora_a", f"{engine_module}.lora_a", "", condition=m.condition))
+        entries.append(
+            ParamMapping(f"{module}.lora_b", f"{engine_module}.lora_b", "", m.engine_transform, condition=m.condition)
+        )
+    return entries
 
 
 def merge_adapters(base: Mapping[str, object], adapters: Sequence[Adapter], config: LoraConfig) -> dict:

@@ -177,8 +177,12 @@ def build_plan(
     *,
     head_dim: int,
     allow_cast: bool = True,
+    partial: bool = False,
 ) -> list[LeafPlan]:
-    """Check a flat trainer tree against the mapping and the engine; decide each leaf's action."""
+    """Check a flat trainer tree against the mapping and the engine; decide each leaf's action.
+
+    ``partial``: ``mappings`` cover part of the engine's leaves (the adapters alone); the
+    others keep what they serve."""
     by_engine_path = {leaf.path: leaf for leaf in engine_leaves}
     expected_paths = [m.trainer for m in mappings]
     seen_trainer, seen_engine = set(), set()
@@ -201,7 +205,7 @@ def build_plan(
             parts.append(f"{len(extra)} unexpected path(s): {', '.join(extra[:8])}")
         hint = _wrapper_hint(flat, seen_trainer)
         raise SyncError("param tree does not match the model: " + hint + "; ".join(parts))
-    unmapped = [leaf.path for leaf in engine_leaves if leaf.path not in seen_engine and not leaf.rng_state]
+    unmapped = [] if partial else [p.path for p in engine_leaves if p.path not in seen_engine and not p.rng_state]
     if unmapped:
         raise SyncError(f"engine leaves with no mapping entry: {', '.join(unmapped[:8])}")
 
@@ -281,13 +285,17 @@ class SyncPlan:
 
         self._copy_fn = jax.jit(transform_all, out_shardings=tuple(p.engine.sharding for p in copies))
 
-    def check_inputs(self, flat: Mapping[str, object], check_finite: bool) -> None:
+    def check_inputs(self, flat: Mapping[str, object], check_finite: bool, known_finite=frozenset()) -> None:
+        """Deleted arrays and (``check_finite``) NaN/inf values are a SyncError naming the paths.
+        ``known_finite``: engine indices whose served array, if the tree passes it again (an
+        alias of the same object: a frozen base), was checked already and is not read again."""
         for p in self.leaves:
             leaf = flat[p.trainer_path]
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise SyncError(f"'{p.trainer_path}' has been deleted (donated to a train step?); pass live params")
         if check_finite:
-            bad = [self.leaves[i].trainer_path for i in non_finite_leaves([flat[p.trainer_path] for p in self.leaves])]
+            unchecked = [p for p in self.leaves if p.engine.index not in known_finite]
+            bad = [unchecked[i].trainer_path for i in non_finite_leaves([flat[p.trainer_path] for p in unchecked])]
             if bad:
                 raise SyncError(f"non-finite values (nan/inf) in: {', '.join(bad[:8])}")
 

@@ -85,7 +85,7 @@ class EngineHandle:
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         from sgl_jax.srt.hf_transformers_utils import get_config
 
-        with engine_start_up(self.name, options.devices) as start_up:
+        with engine_start_up(self.name, options.devices, options.unmerged_lora) as start_up:
             if workaround_enabled("shared-hf-config"):
                 get_config.cache_clear()
             logger.info("starting sglang-jax on %s with the %s attention backend", device, kwargs["attention_backend"])
@@ -171,7 +171,14 @@ class EngineHandle:
 
     @property
     def hf_config(self):
+        """The model's HF config as the engine holds it: its ``num_key_value_heads`` is the
+        engine's, repeated for tp_size (see :attr:`num_key_value_heads`)."""
         return self._model.runner.model_config.hf_config
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """The model's own KV heads, before the engine repeats them for tp_size."""
+        return int(self._model.runner.model_config._original_hf_num_key_value_heads)
 
     @property
     def routing_table_bytes(self) -> int:

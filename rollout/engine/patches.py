@@ -23,6 +23,7 @@ from models import sampled_token_log_probs, sampling_log_probs, table_logits
 from ..versions import ENGINE, UnsupportedVersionError
 from .attention import converts_16bit_rows, paged_attention, runs_head_major_dots, set_rows
 from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms, row_argmax_and_max
+from .lora import patch_unmerged_lora
 from .moe import patch_expert_block
 from .routing import patch_routing_output
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
@@ -79,6 +80,7 @@ def install_workarounds() -> None:
             patch_routing_output()
         _patch_model_loading()
         _patch_model_precision()
+        patch_unmerged_lora()
         _installed = True
 
 

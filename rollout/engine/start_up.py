@@ -17,6 +17,8 @@ class StartUp:
 
     name: str
     devices: tuple[jax.Device, ...] | None
+    # Adapters the engine's projections compute unmerged (rollout/engine/lora.py), or None.
+    unmerged_lora: Any = None
     control: Any = None  # its runtime.SchedulerControl, once its scheduler exists
     # zmq sockets the engine opened in the caller's thread: a failed start-up closes them.
     sockets: list = dataclasses.field(default_factory=list)
@@ -36,7 +38,7 @@ def current_start_up() -> StartUp | None:
 
 
 @contextlib.contextmanager
-def engine_start_up(name: str, devices: tuple[jax.Device, ...] | None):
+def engine_start_up(name: str, devices: tuple[jax.Device, ...] | None, unmerged_lora=None):
     """Start one engine at a time, process-wide.
 
     Start-up changes process state that is restored afterwards and reads caches that it
@@ -46,7 +48,7 @@ def engine_start_up(name: str, devices: tuple[jax.Device, ...] | None):
     """
     global _start_up
     with _start_up_lock:
-        _start_up = StartUp(name, devices)
+        _start_up = StartUp(name, devices, unmerged_lora)
         try:
             with default_device(devices):
                 yield _start_up

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from trainer_bridge import LoraConfig
+
 # Seconds without progress on a running forward after which the watchdog fails the engine.
 DEFAULT_WATCHDOG_TIMEOUT_S = 1800.0
 
@@ -52,6 +54,11 @@ class EngineOptions:
     # False: no prefix cache; every request prefills its whole prompt (a baseline for what the
     # cache saves; sessions then pin nothing).
     prefix_cache: bool = True
+    # LoRA adapters computed unmerged (rollout/engine/lora.py): each targeted projection gets
+    # zero float32 factors A [in, r] and B [r, out] beside its weight, and computes
+    # x @ W + (alpha / r) * (x @ A) @ B; a sync then moves only the factors. None: no adapters
+    # in the engine (a LoRA sync merges them into the weights).
+    unmerged_lora: LoraConfig | None = None
 
     def __post_init__(self):
         if self.devices is None:

@@ -79,26 +79,46 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         authorize(request)
         body = await state.read_json(request)
         path, fmt, step = body.get("path"), body.get("format", "orbax"), body.get("step")
-        if not isinstance(path, str) or not path:
-            raise invalid("path", "'path' must be a non-empty string")
+        checked_path(path, "path")
         if fmt not in ("orbax", "hf"):
             raise invalid("format", f"'format' must be 'orbax' or 'hf', got {fmt!r}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or fmt != "orbax"):
             raise invalid("step", "'step' must be an int, and only with format 'orbax'")
-        root = state.config.reload_root
-        if root is not None and not _is_under(path, root):
-            raise ApiError(
-                403,
-                f"'path' is outside the reload root ({root}): refused",
-                param="path",
-                type="permission_error",
-                code="outside_reload_root",
-            )
         in_flight, recompute_kv = swap_mode(body)
         async with admin.lock:
             report = await run(backend.reload_weights, path, fmt, step, in_flight, recompute_kv)
         logger.info("reloaded weights from %s (%s): version %d", path, fmt, report["version"])
         return report
+
+    @router.post("/load_lora")
+    async def load_lora(request: Request):
+        # vLLM's load_lora_adapter body ({"lora_name", "lora_path"}); the name is echoed back.
+        authorize(request)
+        body = await state.read_json(request)
+        path, name, step = body.get("lora_path"), body.get("lora_name"), body.get("step")
+        checked_path(path, "lora_path")
+        if name is not None and not isinstance(name, str):
+            raise invalid("lora_name", f"'lora_name' must be a string, got {name!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise invalid("step", f"'step' must be an int, got {step!r}")
+        in_flight, recompute_kv = swap_mode(body)
+        async with admin.lock:
+            report = await run(backend.load_lora, path, step, in_flight, recompute_kv)
+        logger.info("loaded LoRA adapters %s from %s: version %d", name, path, report["version"])
+        return {**report, "lora_name": name}
+
+    def checked_path(path, param: str) -> None:
+        if not isinstance(path, str) or not path:
+            raise invalid(param, f"'{param}' must be a non-empty string")
+        root = state.config.reload_root
+        if root is not None and not _is_under(path, root):
+            raise ApiError(
+                403,
+                f"'{param}' is outside the reload root ({root}): refused",
+                param=param,
+                type="permission_error",
+                code="outside_reload_root",
+            )
 
     @router.post("/drop_kv")
     async def drop_kv(request: Request):

@@ -34,6 +34,7 @@ class Backend(Protocol):
     def reload_weights(
         self, path: str, format: str, step: int | None, in_flight: bool = False, recompute_kv: bool = False
     ) -> dict: ...
+    def load_lora(self, path: str, step: int | None, in_flight: bool = False, recompute_kv: bool = False) -> dict: ...
     def drop_kv(self) -> dict: ...
     def rebuild_kv(self) -> dict: ...
     def memory(self) -> dict: ...
@@ -91,6 +92,10 @@ class WorkerBackend:
             report = self.worker.load_checkpoint(path, step=step, **swap)
         else:
             report = self.worker.load_hf(path, **swap)
+        return dataclasses.asdict(report)
+
+    def load_lora(self, path: str, step: int | None, in_flight: bool = False, recompute_kv: bool = False) -> dict:
+        report = self.worker.load_adapters(path, step=step, in_flight=in_flight, recompute_kv=recompute_kv)
         return dataclasses.asdict(report)
 
     def drop_kv(self) -> dict:
