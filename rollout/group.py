@@ -181,9 +181,10 @@ class EngineGroup:
         spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
         return NamedSharding(self.mesh, spec)
 
-    def param_shardings(self) -> dict[str, jax.sharding.Sharding]:
-        """Flat trainer path -> where the leaf must live for every engine to use it as it is."""
-        return {path: self.across_engines(s) for path, s in self.first.param_shardings().items()}
+    def param_shardings(self, adapters: bool = False) -> dict[str, jax.sharding.Sharding]:
+        """Flat trainer path -> where the leaf must live for every engine to use it as it is
+        (``adapters``: the unmerged adapters' paths instead of the base tree's)."""
+        return {path: self.across_engines(s) for path, s in self.first.param_shardings(adapters).items()}
 
     def checkpoint_targets(self, saved: Mapping[str, object], item_dir) -> dict[str, jax.ShapeDtypeStruct]:
         """Restore targets for a saved tree, placed across every engine."""

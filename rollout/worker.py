@@ -361,6 +361,15 @@ class RolloutWorker:
         self._check_open()
         return unflatten_params(self._group.param_shardings())
 
+    def adapter_shardings(self) -> dict:
+        """Where to place a LoRA adapter tree (this project's ``lora_a``/``lora_b`` names) so
+        that ``sync_adapters`` moves no bytes, for a worker started with
+        ``WorkerConfig.unmerged_lora`` (an empty dict otherwise): A split like its kernel's
+        input axis, B like its output axis; B of k/v projections whose heads the engine repeats
+        replicated (the sync repeats them)."""
+        self._check_open()
+        return unflatten_params(self._group.param_shardings(adapters=True))
+
     @contextlib.contextmanager
     def _swapping(self, reason: str, in_flight: bool) -> Iterator[None]:
         """Around a swap's commits: a drain swap excludes generate calls; an in-flight one only

@@ -154,13 +154,22 @@ def random_adapters(served, rank=4, alpha=8.0):
     return unflatten_params(adapters), unflatten_params(merged), config
 
 
-def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(served):
-    """sync_params(base, adapters=..., lora=...): greedy tokens and log-probs of the Flax model
-    with the adapters merged; a broken adapter tree is refused and the merged policy serves on."""
-    worker = served.worker
+@pytest.fixture(scope="module")
+def lora(served):
+    """(adapters, the base with them merged, their LoraConfig, the Flax model's greedy tokens
+    with them merged)."""
     adapters, merged, config = random_adapters(served)
     reference = greedy_decode(flax_model_for(served.config), merged, PROMPTS, NEW_TOKENS)
     assert reference != served.reference, "the adapters must change the policy"
+    return adapters, merged, config, reference
+
+
+def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(served, lora):
+    """sync_params(base, adapters=..., lora=...): greedy tokens and log-probs of the Flax model
+    with the adapters merged; a broken adapter tree is refused and the merged policy serves on;
+    adapters alone need a worker that keeps its base (unmerged_lora)."""
+    worker = served.worker
+    adapters, merged, config, reference = lora
     base = jax.device_put(served.params, worker.param_shardings())
     worker.sync_params(base, adapters=adapters, lora=config)
     assert greedy(worker) == reference
@@ -170,7 +179,32 @@ def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(ser
     del broken[dropped]
     with pytest.raises(SyncError, match=re.escape(f"'{dropped.removesuffix('_b')}_a' has no lora_b beside it")):
         worker.sync_params(base, adapters=unflatten_params(broken), lora=config)
+    with pytest.raises(SyncError, match=re.escape("start it with WorkerConfig(unmerged_lora=LoraConfig(...))")):
+        worker.sync_adapters(adapters)
     assert greedy(worker) == reference
+
+
+def test_lora_adapters_computed_unmerged_serve_the_flax_policy_with_them_merged(served, lora):
+    """A worker started with unmerged_lora (the engine computes x @ W + scale * (x @ A) @ B):
+    greedy tokens and log-probs of the Flax model with the adapters merged, the base aliased,
+    and adapters alone synced without touching a base leaf."""
+    adapters, merged, config, reference = lora
+    worker_config = tiny_worker_config(
+        served.model_dir, load_format="dummy", tp_size=served.case.tp_size, unmerged_lora=config
+    )
+    with RolloutWorker(worker_config) as worker:
+        report = worker.sync_params(
+            jax.device_put(served.params, worker.param_shardings()), adapters=adapters, lora=config
+        )
+        factors = [leaf for leaf in worker.leaves if leaf.path.endswith((".lora_a", ".lora_b"))]
+        assert len(factors) == len(flatten_params(adapters))
+        assert report.leaves_copied == len(transformed(served)) + len(factors)  # host adapters: copied
+        assert greedy(worker) == reference
+        worker.check_consistency(merged, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)
+        alone = worker.sync_adapters(adapters)
+        assert (alone.leaves_copied, alone.leaves_aliased) == (len(factors), 0)
+        assert alone.bytes_copied == sum(int(np.prod(leaf.shape)) * 4 for leaf in factors)
+        assert greedy(worker) == reference
 
 
 def test_flax_llama_equals_hf_transformers_flax_llama(tmp_path):

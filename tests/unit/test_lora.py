@@ -6,14 +6,19 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models import EngineTransform
 from rollout import counting_compiles
 from trainer_bridge import (
     LoraConfig,
     SyncError,
+    adapter_mappings,
     apply_adapters,
+    canonical_adapters,
+    check_unmerged_targets,
     collect_adapters,
     flatten_params,
     init_adapters,
+    is_adapter_tree,
     merge_adapters,
     unflatten_params,
 )
@@ -216,3 +221,65 @@ def test_a_loss_through_the_merge_trains_the_adapters():
     # B starts at zero, so the first gradient reaches B (through A's values), not A.
     assert all(float(jnp.abs(g).max()) > 0 for path, g in grads.items() if path.endswith("lora_b"))
     assert all(float(jnp.abs(g).max()) == 0 for path, g in grads.items() if path.endswith("lora_a"))
+
+
+# ---- unmerged adapters: their mapping entries, names and the serve flag ------------------------
+
+
+def qwen_mappings(model_type="qwen2", **config):
+    from models import mappings_for
+
+    hf = {"model_type": model_type, "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8}
+    hf |= {"tie_word_embeddings": False, **config}
+    return mappings_for(hf)
+
+
+def test_unmerged_adapters_map_beside_each_targeted_linear_weight_and_b_repeats_kv_heads_as_its_kernel():
+    entries = {m.trainer: m for m in adapter_mappings(qwen_mappings(), LoraConfig(4, 8.0, ("k_proj", "o_proj")))}
+    assert sorted(entries) == sorted(
+        f"model.layers_{layer}.self_attn.{proj}.lora_{f}"
+        for layer in (0, 1)
+        for proj in ("k_proj", "o_proj")
+        for f in "ab"
+    )
+    k_a, k_b = (entries[f"model.layers_1.self_attn.k_proj.lora_{f}"] for f in "ab")
+    assert (k_a.engine, k_b.engine) == tuple(f"transformer.layers.1.self_attn.k_proj.lora_{f}" for f in "ab")
+    assert k_a.engine_transform is EngineTransform.IDENTITY
+    assert k_b.engine_transform is EngineTransform.REPEAT_KV_HEADS
+    assert entries["model.layers_0.self_attn.o_proj.lora_b"].engine_transform is EngineTransform.IDENTITY
+
+
+def test_moe_adapters_follow_the_tables_engine_names_and_leave_the_experts_out():
+    mappings = qwen_mappings("qwen3_moe", num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
+    entries = {m.trainer: m.engine for m in adapter_mappings(mappings, LoraConfig(4, 8.0))}
+    assert entries["model.layers_1.self_attn.o_proj.lora_a"] == "transformer.layers.1.self_attn.c_proj.lora_a"
+    assert "model.layers_0.mlp.gate_proj.lora_a" in entries  # layer 0's dense MLP
+    assert not any(path.startswith("model.layers_1.mlp.") for path in entries)  # stacked experts
+
+
+def test_unmerged_targets_the_engine_cannot_adapt_are_refused_by_name():
+    mappings = qwen_mappings()
+    check_unmerged_targets(mappings, LoraConfig(4, 8.0))
+    with pytest.raises(ValueError, match=r"\['lm_head', 'w1'\] name no projection .* \(those it has: \['down_proj'"):
+        check_unmerged_targets(mappings, LoraConfig(4, 8.0, ("q_proj", "lm_head", "w1")))
+
+
+def test_adapter_trees_are_told_apart_and_take_one_naming():
+    qwix = adapter_tree(("kernel_lora_a", "kernel_lora_b"))
+    assert is_adapter_tree(qwix) and is_adapter_tree(adapter_tree())
+    assert not is_adapter_tree({**qwix, "model.norm.scale": 0}) and not is_adapter_tree({})
+    canonical = canonical_adapters(qwix)
+    assert canonical.keys() == adapter_tree().keys()
+    assert all(canonical[p.replace("kernel_lora_", "lora_")] is leaf for p, leaf in qwix.items())
+
+
+def test_the_serve_flag_reads_rank_alpha_and_modules(tmp_path):
+    from rollout.serve import parse_args
+
+    def unmerged(flag):
+        return parse_args(["--model-path", str(tmp_path), "--unmerged-lora", flag])[0].unmerged_lora
+
+    assert unmerged("16,32") == LoraConfig(16, 32.0)
+    assert unmerged("8,16,q_proj,v_proj") == LoraConfig(8, 16.0, ("q_proj", "v_proj"))
+    with pytest.raises(SystemExit):
+        unmerged("16")

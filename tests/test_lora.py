@@ -1,0 +1,199 @@
+"""Unmerged LoRA on one engine (Qwen2, tp 2, one KV head repeated): adapters alone synced, loaded
+from orbax checkpoints and over HTTP, refused when bad; the merged mode and every family are in
+tests/test_families.py, the adapter tables and names in tests/unit/test_lora.py."""
+
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from models import flax_model_for, greedy_decode
+from rollout import RolloutWorker
+from tests.helpers import tiny_worker_config
+from trainer_bridge import LoraConfig, SyncError, flatten_params, load_hf_params, unflatten_params
+
+PROMPTS = [[5, 17, 42, 8, 100, 3], [100, 3], [12, 34, 56]]
+NEW_TOKENS = 8
+CONFIG = LoraConfig(rank=4, alpha=8.0)
+LOGPROB_ATOL = 1e-4  # fp32 engine vs fp32 Flax model (tests/test_logprobs.py)
+
+
+def random_adapters(flat, seed, scale=0.1):
+    """Adapters on every projection kernel (B non-zero: they change the policy) and the base
+    with them merged, both flat."""
+    rng = np.random.default_rng(seed)
+    adapters, merged = {}, dict(flat)
+    for path, kernel in flat.items():
+        if path.endswith(".kernel") and path.rsplit(".", 2)[-2] in CONFIG.target_modules:
+            module, (in_dim, out_dim) = path.removesuffix(".kernel"), kernel.shape
+            a = (rng.normal(size=(in_dim, CONFIG.rank)) * scale).astype(np.float32)
+            b = (rng.normal(size=(CONFIG.rank, out_dim)) * scale).astype(np.float32)
+            adapters |= {f"{module}.lora_a": a, f"{module}.lora_b": b}
+            merged[path] = kernel + CONFIG.scale * a @ b
+    return adapters, merged
+
+
+class Served:
+    def __init__(self, worker, model_dir):
+        self.worker = worker
+        config = json.loads((model_dir / "config.json").read_text())
+        self.params = load_hf_params(model_dir)
+        flat = flatten_params(self.params)
+        self.adapters, merged = random_adapters(flat, seed=0)
+        self.other_adapters, other_merged = random_adapters(flat, seed=1)
+        self.merged = unflatten_params(merged)
+        model = flax_model_for(config)
+        self.base_tokens = greedy_decode(model, self.params, PROMPTS, NEW_TOKENS)
+        self.tokens = greedy_decode(model, self.merged, PROMPTS, NEW_TOKENS)
+        self.other_tokens = greedy_decode(model, unflatten_params(other_merged), PROMPTS, NEW_TOKENS)
+        assert len({str(self.base_tokens), str(self.tokens), str(self.other_tokens)}) == 3, "adapters must matter"
+        # The base placed for a zero-copy sync; the adapters as the engine holds them.
+        self.base = jax.device_put(self.params, worker.param_shardings())
+        self.placed_adapters = jax.device_put(unflatten_params(self.adapters), worker.adapter_shardings())
+
+    def greedy(self):
+        return self.worker.generate(PROMPTS, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True).completions
+
+
+@pytest.fixture(scope="module")
+def served(qwen2_dir):
+    config = tiny_worker_config(qwen2_dir, load_format="dummy", tp_size=2, unmerged_lora=CONFIG)
+    with RolloutWorker(config) as worker:
+        yield Served(worker, qwen2_dir)
+
+
+def adapter_leaves(worker):
+    return [leaf for leaf in worker.leaves if leaf.path.endswith((".lora_a", ".lora_b"))]
+
+
+def adapter_bytes(worker) -> int:
+    """Bytes of the engine's adapter leaves (float32)."""
+    return sum(int(np.prod(leaf.shape)) * 4 for leaf in adapter_leaves(worker))
+
+
+def test_a_base_sync_serves_the_base_and_adapters_alone_move_only_their_bytes(served):
+    worker = served.worker
+    worker.sync_params(served.base)
+    assert served.greedy() == served.base_tokens, "a base without adapters is served with none"
+    report = worker.sync_adapters(served.placed_adapters)
+    assert served.greedy() == served.tokens
+    worker.check_consistency(served.merged, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)
+    leaves = adapter_leaves(worker)
+    assert report.leaves_aliased + report.leaves_copied == len(leaves)
+    assert report.bytes_aliased + report.bytes_copied == adapter_bytes(worker)
+    # Copied: only B of k/v, whose one KV head the engine repeats for tp 2.
+    assert report.leaves_copied == 2 * 2  # 2 layers x (k_proj, v_proj)
+    worker.sync_adapters(unflatten_params(served.other_adapters))  # host arrays: all copied
+    assert served.greedy() == served.other_tokens
+    assert worker.sync_adapters(unflatten_params(served.other_adapters)).compiles == 0
+
+
+def test_base_and_adapters_together_alias_the_base(served):
+    worker = served.worker
+    report = worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
+    assert served.greedy() == served.tokens
+    base_leaves = len(worker.mappings)
+    # Copied: the base's k/v kernels and biases and the adapters' k/v B (KV heads repeated).
+    assert report.leaves_copied == 2 * (2 + 2 + 2)
+    assert report.leaves_aliased == base_leaves + len(adapter_leaves(worker)) - report.leaves_copied
+    # qwix's names for the same factors serve the same policy.
+    qwix = {p.replace(".lora_", ".kernel_lora_"): leaf for p, leaf in flatten_params(served.placed_adapters).items()}
+    worker.sync_params(served.base)
+    worker.sync_params(served.base, adapters=unflatten_params(qwix), lora=CONFIG)
+    assert served.greedy() == served.tokens
+
+
+def test_bad_adapters_are_refused_naming_what_is_wrong_and_the_adapters_keep_serving(served):
+    worker = served.worker
+    worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
+    version = worker.weight_version
+    q_a = "model.layers_0.self_attn.q_proj.lora_a"
+    bad_rank, _ = random_adapters(flatten_params(served.params), seed=2)
+    bad_rank[q_a] = np.zeros((bad_rank[q_a].shape[0], 2), np.float32)
+    nan = dict(served.adapters)
+    nan["model.layers_1.mlp.up_proj.lora_b"] = np.full_like(nan["model.layers_1.mlp.up_proj.lora_b"], np.nan)
+    missing = {p: leaf for p, leaf in served.adapters.items() if p != "model.layers_1.self_attn.v_proj.lora_b"}
+    cases = [
+        (lambda: worker.sync_adapters(unflatten_params(bad_rank)), rf"'{q_a}' has shape \(256, 2\)"),
+        (lambda: worker.sync_adapters(unflatten_params(nan)), r"nan/inf\) in: model.layers_1.mlp.up_proj.lora_b"),
+        (lambda: worker.sync_adapters(unflatten_params(missing)), "'model.layers_1.self_attn.v_proj.lora_a' has no"),
+        (
+            lambda: worker.sync_params(served.base, adapters=served.placed_adapters, lora=LoraConfig(4, 4.0)),
+            "is not the engines' WorkerConfig.unmerged_lora",
+        ),
+        (lambda: worker.sync_adapters(served.placed_adapters, LoraConfig(8, 8.0)), "rank=8"),
+    ]
+    for call, message in cases:
+        with pytest.raises(SyncError, match=message):
+            call()
+        assert worker.weight_version == version
+    assert served.greedy() == served.tokens
+
+
+def test_a_leaf_served_unchecked_is_checked_when_it_comes_again(served):
+    """Arrays the engine already serves are not read again for NaN, unless they came unchecked."""
+    worker = served.worker
+    flat = flatten_params(served.base)
+    norm = "model.norm.scale"
+    poisoned = {**flat, norm: jax.device_put(np.full(flat[norm].shape, np.nan, np.float32), flat[norm].sharding)}
+    worker.sync_params(poisoned, check_finite=False)
+    with pytest.raises(SyncError, match=f"nan/inf\\) in: {norm}"):
+        worker.sync_params(poisoned)
+    worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
+    assert served.greedy() == served.tokens
+
+
+def save(path, tree):
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, tree)
+    checkpointer.wait_until_finished()
+    return path
+
+
+def test_adapter_checkpoints_load_onto_the_served_base_and_full_ones_are_not_adapters(served, tmp_path):
+    worker = served.worker
+    worker.sync_params(served.base)
+    qwix = {p.replace(".lora_", ".kernel_lora_"): leaf for p, leaf in served.adapters.items()}
+    adapters_dir = save(tmp_path / "adapters", {"params": unflatten_params(qwix)})
+    report = worker.load_adapters(adapters_dir)
+    assert served.greedy() == served.tokens
+    assert report.bytes_copied + report.bytes_aliased == adapter_bytes(worker)
+    worker.sync_params(served.base)
+    worker.load_checkpoint(adapters_dir)  # recognized as adapters
+    assert served.greedy() == served.tokens
+    full = save(tmp_path / "full", served.params)
+    with pytest.raises(SyncError, match="is not of LoRA adapters alone: 'model.embed_tokens.embedding'"):
+        worker.load_adapters(full)
+    assert served.greedy() == served.tokens
+
+
+@pytest.mark.one_end
+def test_admin_load_lora_serves_an_adapter_checkpoint(served, tmp_path):
+    import httpx
+
+    from bench.serve_load import ADMIN_TOKEN
+
+    worker = served.worker
+    worker.sync_params(served.base)
+    path = str(save(tmp_path / "adapters", unflatten_params(served.other_adapters)))
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def complete(http):
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        return http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+    with (
+        worker.serve(admin_token=ADMIN_TOKEN, served_model_name="tiny") as server,
+        httpx.Client(base_url=server.url, timeout=120) as http,
+    ):
+        assert http.post("/admin/load_lora", json={"lora_path": path}).status_code == 401
+        missing = http.post("/admin/load_lora", json={"lora_name": "policy"}, headers=admin)
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+        not_adapters = http.post("/admin/load_lora", json={"lora_path": str(tmp_path)}, headers=admin)
+        assert not_adapters.status_code >= 400
+        loaded = http.post("/admin/load_lora", json={"lora_path": path, "lora_name": "policy"}, headers=admin)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["lora_name"] == "policy" and loaded.json()["version"] == worker.weight_version
+        assert complete(http) == served.other_tokens[0]
