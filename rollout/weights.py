@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import EngineTransform, ParamMapping, mappings_for
-from trainer_bridge import EngineLeaf, LeafAction, SyncError, SyncPlan, adapter_mappings, build_plan, plan_key
+from trainer_bridge import EngineLeaf, SyncError, SyncPlan, adapter_mappings, build_plan, plan_key
 
 from .engine import EngineHandle, device_buffers
 
@@ -27,7 +27,9 @@ class PreparedSync:
     leaves: list  # the whole new leaf list, engine order
     updated: frozenset[int]  # indices replaced
     copied: frozenset[int]  # of which new arrays the engine owns
-    checked: frozenset[int] = frozenset()  # of which arrays known to hold no NaN/inf
+    # Of the updated: the trainer arrays they came from, checked for NaN/inf (jax arrays only:
+    # immutable, so the same object passed again holds the same values).
+    sources: Mapping[int, jax.Array] = dataclasses.field(default_factory=dict)
 
 
 class EngineWeights:
@@ -63,8 +65,8 @@ class EngineWeights:
         # Leaf indices whose current array belongs to the engine (boot weights, sync copies):
         # those are freed as soon as they are replaced.
         self._owned = set(range(len(self.leaves)))
-        # Leaf indices whose current array a sync checked for NaN/inf.
-        self._finite: set[int] = set()
+        # Leaf index -> the trainer array its current leaf was synced from, checked for NaN/inf.
+        self._sources: dict[int, jax.Array] = {}
 
     # ---- sync --------------------------------------------------------------------------------
 
@@ -121,19 +123,21 @@ class EngineWeights:
 
     def prepare(self, flat: Mapping[str, object], *, allow_cast: bool, check_finite: bool) -> PreparedSync:
         """Validate ``flat`` and compute the engine's new leaves (device copies where needed).
-        Changes nothing the engine serves."""
+        Changes nothing the engine serves.
+
+        A leaf passed again as the very jax array a checked sync took it from is not read for
+        NaN again; with unmerged adapters, a base passed again whole (every leaf that array, its
+        engine leaf still served) is kept as it is and only the adapters are synced."""
         flat = self.with_adapters(flat)
         plan = self.plan_for(flat, allow_cast)
         leaves = self.engine.weight_leaves()
-        # A leaf passed again as the very array the engine serves was checked when it came.
-        known_finite = frozenset(
-            p.engine.index
-            for p in plan.leaves
-            if p.action is LeafAction.ALIAS
-            and p.engine.index in self._finite
-            and flat[p.trainer_path] is leaves[p.engine.index]
+        if self._adapter_paths and not self.adapters_only(flat) and self._base_kept(plan, flat, leaves):
+            flat = {path: leaf for path, leaf in flat.items() if path in self._adapter_paths}
+            plan = self.plan_for(flat, allow_cast)
+        known = frozenset(
+            p.engine.index for p in plan.leaves if self._sources.get(p.engine.index) is flat[p.trainer_path]
         )
-        plan.check_inputs(flat, check_finite, known_finite)
+        plan.check_inputs(flat, check_finite, known)
         updates = plan.execute(flat)
         for index, array in updates.items():
             leaves[index] = array
@@ -143,8 +147,23 @@ class EngineWeights:
             self._checked_plans.add(plan)
         jax.block_until_ready(list(updates.values()))
         copied = frozenset(p.engine.index for p in plan.copies)
-        checked = frozenset(updates) if check_finite else known_finite
-        return PreparedSync(plan, leaves, frozenset(updates), copied, checked)
+        sources = {
+            p.engine.index: flat[p.trainer_path]
+            for p in plan.leaves
+            if isinstance(flat[p.trainer_path], jax.Array) and (check_finite or p.engine.index in known)
+        }
+        return PreparedSync(plan, leaves, frozenset(updates), copied, sources)
+
+    def _base_kept(self, plan: SyncPlan, flat: Mapping[str, object], leaves: list) -> bool:
+        """Whether every base leaf of ``flat`` is the array the engine serves it from (checked),
+        and the engine still serves it (not released for a train step)."""
+        for p in plan.leaves:
+            if p.trainer_path in self._adapter_paths:
+                continue
+            served = leaves[p.engine.index]
+            if self._sources.get(p.engine.index) is not flat[p.trainer_path] or not _live(served):
+                return False
+        return True
 
     def commit(self, prepared: PreparedSync, version: int, *, in_flight: bool = False, recompute_kv: bool = False):
         """Swap the prepared leaves in (on the scheduler thread, between forwards: idle, or
@@ -159,7 +178,7 @@ class EngineWeights:
             recompute_kv=recompute_kv,
         )
         self._owned = set(prepared.copied) | (self._owned - prepared.updated)
-        self._finite = set(prepared.checked) | (self._finite - prepared.updated)
+        self._sources = {i: a for i, a in self._sources.items() if i not in prepared.updated} | dict(prepared.sources)
         return record
 
     def replace_leaves(self, new_leaves: Mapping[int, jax.Array], version: int, *, in_flight: bool = False):
@@ -247,3 +266,8 @@ class EngineWeights:
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 buffers.update(device_buffers(leaf))
         return buffers
+
+
+def _live(leaf) -> bool:
+    """A served weight array (not a released placeholder, not deleted)."""
+    return isinstance(leaf, jax.Array) and not leaf.is_deleted()

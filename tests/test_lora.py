@@ -9,6 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import trainer_bridge.sync
 from models import flax_model_for, greedy_decode
 from rollout import RolloutWorker
 from tests.helpers import tiny_worker_config
@@ -90,14 +91,28 @@ def test_a_base_sync_serves_the_base_and_adapters_alone_move_only_their_bytes(se
     assert worker.sync_adapters(unflatten_params(served.other_adapters)).compiles == 0
 
 
-def test_base_and_adapters_together_alias_the_base(served):
+def test_base_and_adapters_together_alias_the_base_and_a_base_passed_again_is_kept(served, monkeypatch):
     worker = served.worker
+    read = []  # the leaves each sync reads for NaN/inf
+    check = trainer_bridge.sync.non_finite_leaves
+    monkeypatch.setattr(
+        trainer_bridge.sync, "non_finite_leaves", lambda leaves: read.append(len(leaves)) or check(leaves)
+    )
+    worker.sync_params(served.base)
     report = worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
     assert served.greedy() == served.tokens
-    base_leaves = len(worker.mappings)
+    # The same base arrays, still served: only the adapters are synced (k/v B copied: repeated heads).
+    assert report.leaves_aliased + report.leaves_copied == len(adapter_leaves(worker))
+    assert report.leaves_copied == 2 * 2 and report.bytes_aliased + report.bytes_copied == adapter_bytes(worker)
+    assert read[-1] == len(adapter_leaves(worker))
+    with worker.released_for_training():
+        pass  # a train step may donate what the engine aliased: the base is taken again
+    again = worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
     # Copied: the base's k/v kernels and biases and the adapters' k/v B (KV heads repeated).
-    assert report.leaves_copied == 2 * (2 + 2 + 2)
-    assert report.leaves_aliased == base_leaves + len(adapter_leaves(worker)) - report.leaves_copied
+    assert again.leaves_copied == 2 * (2 + 2 + 2)
+    assert again.leaves_aliased == len(worker.mappings) + len(adapter_leaves(worker)) - again.leaves_copied
+    assert read[-1] == 0, "the base and adapters were checked when they came"
+    assert served.greedy() == served.tokens
     # qwix's names for the same factors serve the same policy.
     qwix = {p.replace(".lora_", ".kernel_lora_"): leaf for p, leaf in flatten_params(served.placed_adapters).items()}
     worker.sync_params(served.base)
