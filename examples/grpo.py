@@ -17,7 +17,8 @@ state let a rerun with the same output dir resume.
 
 ``--lora-rank 8 --learning-rate 3e-3`` trains LoRA adapters on every projection instead of the
 whole model: the base stays frozen, and each sync merges the adapters into the kernels the
-engine serves (its other leaves are aliased).
+engine serves (its other leaves are aliased); with ``--lora-unmerged`` the engine computes the
+adapters beside the base instead, and each sync moves the adapters alone.
 
 ``--async-rollout --tis-cap 2`` overlaps generation with the update instead (trainer on the first
 half of the devices, engines on the second; on CPU ``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
@@ -73,6 +74,13 @@ class GRPOConfig(RLConfig):
     # each sync. lora_alpha: the update's scale is alpha / rank (None: 2 x rank).
     lora_rank: int = 0
     lora_alpha: float | None = None
+    # The engines compute the adapters beside the base (WorkerConfig.unmerged_lora) instead of
+    # serving them merged: a sync moves the adapters alone.
+    lora_unmerged: bool = False
+
+    @property
+    def unmerged_lora(self) -> LoraConfig | None:
+        return self.lora if self.lora_unmerged else None
 
     @property
     def lora(self) -> LoraConfig | None:
@@ -95,6 +103,8 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"scale_rewards must be one of {REWARD_SCALES}, got {self.scale_rewards!r}")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: train the whole model), got {self.lora_rank}")
+        if self.lora_unmerged and not self.lora_rank:
+            raise ValueError("lora_unmerged needs lora_rank > 0 (adapters to compute unmerged)")
         if self.lora_alpha is not None and self.lora_alpha <= 0:
             raise ValueError(f"lora_alpha must be > 0 (None: 2 x lora_rank), got {self.lora_alpha}")
         if self.async_rollout and self.max_turns > 1:

@@ -44,7 +44,7 @@ from models import (
 )
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
 from rollout.launch import PROCESS_ID_ENV, join, launch_local
-from trainer_bridge import SyncReport, apply_adapters, load_hf_params
+from trainer_bridge import LoraConfig, SyncReport, apply_adapters, load_hf_params
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,11 @@ class RLConfig:
     def wants_logprobs(self) -> bool:
         return self.return_logprobs or self.tis_cap is not None
 
+    @property
+    def unmerged_lora(self) -> LoraConfig | None:
+        """The adapters the engines compute beside the base (an algorithm training LoRA), or None."""
+        return None
+
     def __post_init__(self):
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"preset must be one of {PRESET_NAMES}, got {self.preset!r}")
@@ -223,7 +228,7 @@ class Algorithm(Protocol):
 
 def sync_policy(worker: RolloutWorker, algorithm: Algorithm, trees: dict, **kwargs) -> SyncReport:
     """Serve the policy of ``trees``: its params, or with LoRA (an algorithm whose ``lora`` is a
-    LoraConfig) its frozen base with the adapters merged at sync."""
+    LoraConfig) its frozen base with the adapters (merged at sync, or computed unmerged)."""
     lora = getattr(algorithm, "lora", None)
     if lora is None:
         return worker.sync_params(trees["params"], **kwargs)
@@ -403,6 +408,7 @@ def set_up(
             max_prefill_tokens=max(4096, config.max_prompt_tokens * 8),
             chunked_prefill_size=4096,
             record_routing=config.routing_replay,
+            unmerged_lora=config.unmerged_lora,
         )
     )
     try:

@@ -286,6 +286,19 @@ def test_async_grpo_with_lora_pushes_merged_adapters_to_the_engines_devices(tmp_
     assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.example_path
+def test_async_grpo_with_unmerged_lora_pushes_the_adapters_alone(tmp_path):
+    """--lora-unmerged: the engines compute the adapters beside their copy of the base, so each
+    in-flight push after the first moves exactly the adapters' bytes to each engine (the base,
+    on the trainer's devices, stays as the first push placed it)."""
+    args = ("--async-rollout", "--tis-cap", "2", "--lora-rank", "4", "--lora-unmerged", "--learning-rate", "3e-3")
+    records = run_grpo(tmp_path / "async", *SHAPED, *args, "--steps", "3", "--checkpoint-every", "3", devices=4)
+    saved = checkpoint_tree_metadata(tmp_path / "async" / "checkpoints" / "3" / "default")
+    adapter_bytes = sum(4 * int(np.prod(leaf.shape)) for leaf in flatten_params(saved["params"]).values())
+    assert [r["bytes_copied"] for r in records] == [2 * adapter_bytes] * 3  # 2 engines, one device each
+    assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+
+
 TOOL_STEPS = 15
 
 
