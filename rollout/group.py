@@ -186,11 +186,13 @@ class EngineGroup:
         (``adapters``: the unmerged adapters' paths instead of the base tree's)."""
         return {path: self.across_engines(s) for path, s in self.first.param_shardings(adapters).items()}
 
-    def checkpoint_targets(self, saved: Mapping[str, object], item_dir) -> dict[str, jax.ShapeDtypeStruct]:
+    def checkpoint_targets(
+        self, saved: Mapping[str, object], item_dir, adapters_only: bool = False
+    ) -> dict[str, jax.ShapeDtypeStruct]:
         """Restore targets for a saved tree, placed across every engine."""
         return {
             p: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=self.across_engines(t.sharding))
-            for p, t in self.first.checkpoint_targets(saved, item_dir).items()
+            for p, t in self.first.checkpoint_targets(saved, item_dir, adapters_only).items()
         }
 
     def localize(self, flat: Mapping[str, object], call: str) -> tuple[list[Mapping[str, object]], int]:
@@ -201,7 +203,7 @@ class EngineGroup:
         own devices' buffers, so what follows is local to each engine."""
         if not self.pod.multi_process:
             return [flat] * len(self.weights), 0
-        targets = self.param_shardings()
+        targets = {**self.param_shardings(), **self.param_shardings(adapters=True)}
         moving = [
             p
             for p, x in flat.items()

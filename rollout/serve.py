@@ -45,9 +45,11 @@ def _flag_type(hint):
 def _lora_config(text: str) -> LoraConfig:
     """``--unmerged-lora RANK,ALPHA[,MODULE,...]``: ``16,32`` (every projection) or
     ``16,32,q_proj,v_proj``."""
-    rank, alpha, *modules = (text.split(",") + [""])[: max(2, text.count(",") + 1)]
+    parts = text.split(",")
     try:
-        return LoraConfig(int(rank), float(alpha), tuple(modules) or DEFAULT_TARGET_MODULES)
+        if len(parts) < 2 or not all(parts):
+            raise ValueError("a rank, an alpha and module names, none empty")
+        return LoraConfig(int(parts[0]), float(parts[1]), tuple(parts[2:]) or DEFAULT_TARGET_MODULES)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"RANK,ALPHA[,MODULE,...] expected, got {text!r} ({exc})") from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Mapping
 
 import jax
@@ -29,7 +30,7 @@ class PreparedSync:
     copied: frozenset[int]  # of which new arrays the engine owns
     # Of the updated: the trainer arrays they came from, checked for NaN/inf (jax arrays only:
     # immutable, so the same object passed again holds the same values).
-    sources: Mapping[int, jax.Array] = dataclasses.field(default_factory=dict)
+    sources: Mapping[int, weakref.ref] = dataclasses.field(default_factory=dict)
 
 
 class EngineWeights:
@@ -65,8 +66,9 @@ class EngineWeights:
         # Leaf indices whose current array belongs to the engine (boot weights, sync copies):
         # those are freed as soon as they are replaced.
         self._owned = set(range(len(self.leaves)))
-        # Leaf index -> the trainer array its current leaf was synced from, checked for NaN/inf.
-        self._sources: dict[int, jax.Array] = {}
+        # Leaf index -> the trainer array its current leaf was synced from, checked for NaN/inf
+        # (weakly: the engine must not keep a trainer's released or copied arrays alive).
+        self._sources: dict[int, weakref.ref] = {}
 
     # ---- sync --------------------------------------------------------------------------------
 
@@ -74,14 +76,22 @@ class EngineWeights:
         """Whether ``flat`` holds unmerged adapters alone (synced onto the served base)."""
         return bool(self._adapter_paths) and bool(flat) and all(path in self._adapter_paths for path in flat)
 
-    def plan_for(self, flat: Mapping[str, object], allow_cast: bool) -> SyncPlan:
+    def plan_for(self, flat: Mapping[str, object], allow_cast: bool, partial: bool = False) -> SyncPlan:
+        """The plan of ``flat``: the whole tree (base, plus the adapters of an unmerged engine),
+        the adapters alone, or (``partial``, already validated whole) the leaves it has."""
         key = (plan_key(flat), allow_cast)
         plan = self._plans.get(key)
         if plan is None:
-            partial = self.adapters_only(flat)
-            mappings = self.adapter_mappings if partial else self.mappings + self.adapter_mappings
+            mappings = self.adapter_mappings if self.adapters_only(flat) else self.mappings + self.adapter_mappings
+            if partial:
+                mappings = tuple(m for m in mappings if m.trainer in flat)
             leaves = build_plan(
-                flat, self.leaves, mappings, head_dim=self.head_dim, allow_cast=allow_cast, partial=partial
+                flat,
+                self.leaves,
+                mappings,
+                head_dim=self.head_dim,
+                allow_cast=allow_cast,
+                partial=partial or self.adapters_only(flat),
             )
             plan = self._plans[key] = SyncPlan(leaves, self.head_dim)
         return plan
@@ -126,17 +136,26 @@ class EngineWeights:
         Changes nothing the engine serves.
 
         A leaf passed again as the very jax array a checked sync took it from is not read for
-        NaN again; with unmerged adapters, a base passed again whole (every leaf that array, its
-        engine leaf still served) is kept as it is and only the adapters are synced."""
+        NaN again. With unmerged adapters, such a base leaf whose engine leaf is still served is
+        also kept as it is: a sync of the same base moves the adapters alone (and after a train
+        step's release, the released leaves besides)."""
         flat = self.with_adapters(flat)
         plan = self.plan_for(flat, allow_cast)
         leaves = self.engine.weight_leaves()
-        if self._adapter_paths and not self.adapters_only(flat) and self._base_kept(plan, flat, leaves):
-            flat = {path: leaf for path, leaf in flat.items() if path in self._adapter_paths}
-            plan = self.plan_for(flat, allow_cast)
-        known = frozenset(
-            p.engine.index for p in plan.leaves if self._sources.get(p.engine.index) is flat[p.trainer_path]
-        )
+        if self.adapters_only(flat):
+            self._check_base_served(leaves)
+        elif self._adapter_paths:
+            kept = {
+                p.trainer_path
+                for p in plan.leaves
+                if p.trainer_path not in self._adapter_paths
+                and self._source(p.engine.index) is flat[p.trainer_path]
+                and _live(leaves[p.engine.index])
+            }
+            if kept:
+                flat = {path: leaf for path, leaf in flat.items() if path not in kept}
+                plan = self.plan_for(flat, allow_cast, partial=True)
+        known = frozenset(p.engine.index for p in plan.leaves if self._source(p.engine.index) is flat[p.trainer_path])
         plan.check_inputs(flat, check_finite, known)
         updates = plan.execute(flat)
         for index, array in updates.items():
@@ -148,22 +167,30 @@ class EngineWeights:
         jax.block_until_ready(list(updates.values()))
         copied = frozenset(p.engine.index for p in plan.copies)
         sources = {
-            p.engine.index: flat[p.trainer_path]
+            p.engine.index: weakref.ref(flat[p.trainer_path])
             for p in plan.leaves
             if isinstance(flat[p.trainer_path], jax.Array) and (check_finite or p.engine.index in known)
         }
         return PreparedSync(plan, leaves, frozenset(updates), copied, sources)
 
-    def _base_kept(self, plan: SyncPlan, flat: Mapping[str, object], leaves: list) -> bool:
-        """Whether every base leaf of ``flat`` is the array the engine serves it from (checked),
-        and the engine still serves it (not released for a train step)."""
-        for p in plan.leaves:
-            if p.trainer_path in self._adapter_paths:
-                continue
-            served = leaves[p.engine.index]
-            if self._sources.get(p.engine.index) is not flat[p.trainer_path] or not _live(served):
-                return False
-        return True
+    def _source(self, index: int):
+        """The trainer array leaf ``index`` was last synced from (checked), if still alive."""
+        ref = self._sources.get(index)
+        return None if ref is None else ref()
+
+    def _check_base_served(self, leaves: list) -> None:
+        """Adapters alone need the base served: not released for a train step."""
+        adapters = {m.engine for m in self.adapter_mappings}
+        released = [
+            spec.path
+            for spec, leaf in zip(self.leaves, leaves)
+            if not spec.rng_state and spec.path not in adapters and not _live(leaf)
+        ]
+        if released:
+            raise SyncError(
+                f"adapters alone: the engine's base was released for a train step ({len(released)} leaves, "
+                f"e.g. '{released[0]}'); sync the base with them: sync_params(base, adapters=..., lora=...)"
+            )
 
     def commit(self, prepared: PreparedSync, version: int, *, in_flight: bool = False, recompute_kv: bool = False):
         """Swap the prepared leaves in (on the scheduler thread, between forwards: idle, or
@@ -205,6 +232,7 @@ class EngineWeights:
                 )
 
     def memory_analysis(self, flat: Mapping[str, object]):
+        flat = self.with_adapters(flat)
         plan = next((p for (key, _), p in self._plans.items() if key == plan_key(flat)), None)
         if plan is None:
             raise ValueError("sync these params once before asking for the memory analysis")
@@ -225,11 +253,18 @@ class EngineWeights:
             if (path in self._adapter_paths) == adapters
         }
 
-    def checkpoint_targets(self, saved: Mapping[str, object], item_dir) -> dict[str, jax.ShapeDtypeStruct]:
-        """Restore targets for a saved tree: leaves the engine uses as they are come back in
-        the engine's dtype and sharding; the others replicated on the engine's mesh."""
-        adapters = self.adapters_only(saved)
-        expected = {p: leaf for p, leaf in self.used_as_is.items() if (p in self._adapter_paths) == adapters}
+    def checkpoint_targets(
+        self, saved: Mapping[str, object], item_dir, adapters_only: bool = False
+    ) -> dict[str, jax.ShapeDtypeStruct]:
+        """Restore targets for a saved tree (``adapters_only``: of unmerged adapters alone; else
+        a base, with the adapters if it has any): leaves the engine uses as they are come back
+        in the engine's dtype and sharding; the others replicated on the engine's mesh."""
+        with_adapters = adapters_only or any(path in self._adapter_paths for path in saved)
+        expected = {
+            p: leaf
+            for p, leaf in self.used_as_is.items()
+            if (with_adapters if p in self._adapter_paths else not adapters_only)
+        }
         missing = sorted(set(expected) - set(saved))
         extra = sorted(set(saved) - set(expected))
         if missing or extra:

@@ -208,8 +208,11 @@ class RolloutWorker:
         ``kernel_lora_a`` / ``kernel_lora_b``) and ``lora`` (:class:`LoraConfig`), ``params`` is
         the frozen base: each adapted kernel is served as ``kernel + (alpha / r) * A @ B``,
         merged on device in one jitted program into new buffers the engines then own, and every
-        other leaf is synced as below (zero copy where it can be). Missing, extra or misshapen
-        adapters, and target modules the model lacks, are a SyncError naming the path.
+        other leaf is synced as below (zero copy where it can be). On a worker started with
+        ``WorkerConfig.unmerged_lora`` the engines compute the adapters beside the base instead:
+        the factors are synced like leaves, and base leaves passed again as the same arrays are
+        kept as served (docs/worker.md). Missing, extra or misshapen adapters, and target
+        modules the model lacks, are a SyncError naming the path.
 
         Leaves whose shape, dtype and placement already match an engine's are used as they
         are (zero copy); the rest are cast / transposed / resharded on device in one jitted
@@ -460,9 +463,14 @@ class RolloutWorker:
                 "merges adapters no longer has its base): restore it and call sync_params(base, "
                 "adapters=..., lora=...)"
             )
-        targets = self._group.checkpoint_targets(canonical_adapters(saved) if adapters else saved, item_dir)
-        if adapters:  # restored under the names it was saved with
-            targets = dict(zip(saved, targets.values()))
+        if adapters:  # targets by the engine's factor names, restored under the names it was saved with
+            saved_as = canonical_adapters({path: path for path in saved})
+            by_name = self._group.checkpoint_targets(
+                {name: saved[path] for name, path in saved_as.items()}, item_dir, adapters_only=True
+            )
+            targets = {saved_as[name]: target for name, target in by_name.items()}
+        else:
+            targets = self._group.checkpoint_targets(saved, item_dir)
         # The restore is itself collective in a multi-process job (every process reads its shards).
         self._group.pod.agree("load_checkpoint", tree_fingerprint(targets))
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))

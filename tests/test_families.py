@@ -164,7 +164,7 @@ def lora(served):
     return adapters, merged, config, reference
 
 
-def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(served, lora):
+def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(served, lora, tmp_path):
     """sync_params(base, adapters=..., lora=...): greedy tokens and log-probs of the Flax model
     with the adapters merged; a broken adapter tree is refused and the merged policy serves on;
     adapters alone need a worker that keeps its base (unmerged_lora)."""
@@ -181,6 +181,8 @@ def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(ser
         worker.sync_params(base, adapters=unflatten_params(broken), lora=config)
     with pytest.raises(SyncError, match=re.escape("start it with WorkerConfig(unmerged_lora=LoraConfig(...))")):
         worker.sync_adapters(adapters)
+    with pytest.raises(SyncError, match="holds LoRA adapters alone; loading them onto the served base needs"):
+        worker.load_checkpoint(save_checkpoint(tmp_path / "adapters", adapters))
     assert greedy(worker) == reference
 
 

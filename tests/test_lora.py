@@ -2,7 +2,9 @@
 from orbax checkpoints and over HTTP, refused when bad; the merged mode and every family are in
 tests/test_families.py, the adapter tables and names in tests/unit/test_lora.py."""
 
+import gc
 import json
+import weakref
 
 import jax
 import numpy as np
@@ -106,11 +108,14 @@ def test_base_and_adapters_together_alias_the_base_and_a_base_passed_again_is_ke
     assert report.leaves_copied == 2 * 2 and report.bytes_aliased + report.bytes_copied == adapter_bytes(worker)
     assert read[-1] == len(adapter_leaves(worker))
     with worker.released_for_training():
-        pass  # a train step may donate what the engine aliased: the base is taken again
+        pass  # a train step may donate what the engine aliased: those leaves are taken again
+    with pytest.raises(SyncError, match="base was released for a train step"):
+        worker.sync_adapters(served.placed_adapters)
     again = worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
-    # Copied: the base's k/v kernels and biases and the adapters' k/v B (KV heads repeated).
-    assert again.leaves_copied == 2 * (2 + 2 + 2)
-    assert again.leaves_aliased == len(worker.mappings) + len(adapter_leaves(worker)) - again.leaves_copied
+    # The engine's own copies (k/v with their KV head repeated: 2 layers x kernel, bias) are
+    # kept; the released base leaves are aliased again; the adapters synced (k/v B copied).
+    assert again.leaves_copied == 2 * 2
+    assert again.leaves_aliased == len(worker.mappings) - 2 * 4 + len(adapter_leaves(worker)) - 2 * 2
     assert read[-1] == 0, "the base and adapters were checked when they came"
     assert served.greedy() == served.tokens
     # qwix's names for the same factors serve the same policy.
@@ -206,9 +211,23 @@ def test_admin_load_lora_serves_an_adapter_checkpoint(served, tmp_path):
         assert http.post("/admin/load_lora", json={"lora_path": path}).status_code == 401
         missing = http.post("/admin/load_lora", json={"lora_name": "policy"}, headers=admin)
         assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
-        not_adapters = http.post("/admin/load_lora", json={"lora_path": str(tmp_path)}, headers=admin)
-        assert not_adapters.status_code >= 400
+        full = str(save(tmp_path / "full", served.params))
+        not_adapters = http.post("/admin/load_lora", json={"lora_path": full}, headers=admin)
+        assert not_adapters.status_code == 400 and "is not of LoRA adapters alone" in not_adapters.text
         loaded = http.post("/admin/load_lora", json={"lora_path": path, "lora_name": "policy"}, headers=admin)
         assert loaded.status_code == 200, loaded.text
         assert loaded.json()["lora_name"] == "policy" and loaded.json()["version"] == worker.weight_version
         assert complete(http) == served.other_tokens[0]
+
+
+def test_the_worker_keeps_no_trainer_array_it_copied_alive(served):
+    """A sync remembers the arrays it checked weakly: a trainer's bfloat16 tree, cast into the
+    float32 engine, is freed once the trainer drops it."""
+    worker = served.worker
+    tree = jax.tree_util.tree_map(lambda x: jax.numpy.asarray(x, jax.numpy.bfloat16), served.params)
+    probe = weakref.ref(tree["model"]["norm"]["scale"])
+    worker.sync_params(tree)
+    del tree
+    gc.collect()
+    assert probe() is None
+    worker.sync_params(served.base)

@@ -137,10 +137,14 @@ def is_adapter_tree(flat: Mapping[str, object]) -> bool:
 def canonical_adapters(adapters: Mapping[str, object]) -> dict:
     """A flat adapter tree with its factors under this project's names (``lora_a``/``lora_b``,
     the names :func:`adapter_mappings` gives them), whatever accepted layout it came in."""
-    canonical = {}
+    canonical, origin = {}, {}
     for path, leaf in adapters.items():
         module, _, name = path.rpartition(".")
-        canonical[f"{module}.{FACTOR_NAMES[_FACTOR_OF_NAME[name]][0]}"] = leaf
+        factor = _FACTOR_OF_NAME[name]
+        renamed = f"{module}.{FACTOR_NAMES[factor][0]}"
+        if renamed in canonical:
+            raise SyncError(f"adapters: '{path}' and '{origin[renamed]}' are both the {factor.upper()} of '{module}'")
+        canonical[renamed], origin[renamed] = leaf, path
     return canonical
 
 

@@ -33,7 +33,7 @@ engine is being built), ``runtime`` (the engine's threads), ``handle`` (``Engine
 start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
 loop), ``testing`` (its test hooks), ``inflight`` (weight swaps with requests running),
 ``routing`` (MoE routing recorded for replay), ``sessions`` (a conversation's prefix kept
-cached between its calls), ``tpu_kernels`` (the TPU kernels' JAX names),
+cached between its calls), ``lora`` (LoRA adapters computed unmerged), ``tpu_kernels`` (the TPU kernels' JAX names),
 ``profile`` (where steps spend their time), ``types`` (options, outputs, errors; no sgl_jax
 import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 """

@@ -26,7 +26,7 @@ from trainer_bridge import LoraConfig, adapter_mappings
 from .types import EngineError
 
 # The factors are kept in float32 whatever the model's dtype: trainers train them in float32, so
-# a sync can use their arrays as they are, and rank-r matmuls cost little at any precision.
+# a sync can use their arrays as they are, and rank-r matmuls cost little.
 ADAPTER_DTYPE = jnp.float32
 
 
@@ -85,8 +85,11 @@ def _with_adapter(call):
         lora_a = getattr(self, "lora_a", None)
         if lora_a is None:
             return output, bias
-        low_rank = jnp.dot(x.astype(ADAPTER_DTYPE), lora_a.value)
-        delta = self.lora_scale * jnp.dot(low_rank, self.lora_b.value)
+        # HIGHEST: a 16-bit engine keeps the default precision, in which TPUs and GPUs would
+        # multiply the float32 factors in one bfloat16 (TF32) pass; at rank r this costs little.
+        highest = jax.lax.Precision.HIGHEST
+        low_rank = jnp.dot(x.astype(ADAPTER_DTYPE), lora_a.value, precision=highest)
+        delta = self.lora_scale * jnp.dot(low_rank, self.lora_b.value, precision=highest)
         return output + delta.astype(output.dtype), bias
 
     return __call__

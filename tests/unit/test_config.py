@@ -10,6 +10,7 @@ import pytest
 from rollout import RolloutWorker, WorkerConfig
 from rollout.config import model_context_limit
 from tests.helpers import tiny_worker_config
+from trainer_bridge import LoraConfig
 
 
 def engine_threads():
@@ -60,3 +61,11 @@ def test_device_counts_must_add_up(qwen2_dir):
 def test_missing_model_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         RolloutWorker(tiny_worker_config(tmp_path / "nowhere"))
+
+
+def test_unmerged_lora_must_be_a_lora_config_whose_targets_the_model_has(qwen2_dir):
+    with pytest.raises(ValueError, match="unmerged_lora must be a LoraConfig or None, got '16,32'"):
+        tiny_worker_config(qwen2_dir, unmerged_lora="16,32")
+    config = tiny_worker_config(qwen2_dir, unmerged_lora=LoraConfig(4, 8.0, ("q_proj", "lm_head")))
+    with pytest.raises(ValueError, match=r"WorkerConfig.unmerged_lora.target_modules: \['lm_head'\] .*config.json"):
+        RolloutWorker(config)

@@ -283,3 +283,9 @@ def test_the_serve_flag_reads_rank_alpha_and_modules(tmp_path):
     assert unmerged("8,16,q_proj,v_proj") == LoraConfig(8, 16.0, ("q_proj", "v_proj"))
     with pytest.raises(SystemExit):
         unmerged("16")
+
+
+def test_one_factor_in_both_layouts_is_refused_by_name():
+    both = {"m.q_proj.lora_a": 0, "m.q_proj.kernel_lora_a": 1}
+    with pytest.raises(SyncError, match="'m.q_proj.kernel_lora_a' and 'm.q_proj.lora_a' are both the A of 'm.q_proj'"):
+        canonical_adapters(both)
