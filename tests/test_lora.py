@@ -187,6 +187,11 @@ def test_adapter_checkpoints_load_onto_the_served_base_and_full_ones_are_not_ada
     with pytest.raises(SyncError, match="is not of LoRA adapters alone: 'model.embed_tokens.embedding'"):
         worker.load_adapters(full)
     assert served.greedy() == served.tokens
+    worker.load_checkpoint(full)  # a base alone: served without adapters
+    assert served.greedy() == served.base_tokens
+    both = save(tmp_path / "both", unflatten_params({**flatten_params(served.params), **served.other_adapters}))
+    worker.load_checkpoint(both)
+    assert served.greedy() == served.other_tokens
 
 
 @pytest.mark.one_end
