@@ -50,7 +50,15 @@ class WorkerConfig(EngineOptions):
     pod_timeout_s: float = 60.0
 
     def __post_init__(self):
-        positive = ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "tp_size", "dp_size", "page_size")
+        positive = (
+            "max_total_tokens",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "tp_size",
+            "dp_size",
+            "page_size",
+            "max_loras",
+        )
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,6 +83,15 @@ class WorkerConfig(EngineOptions):
             raise ValueError(f"WorkerConfig.load_format must be auto, dummy or safetensors, got {self.load_format!r}")
         if self.unmerged_lora is not None and not isinstance(self.unmerged_lora, LoraConfig):
             raise ValueError(f"WorkerConfig.unmerged_lora must be a LoraConfig or None, got {self.unmerged_lora!r}")
+        if self.max_loras > 1 and self.unmerged_lora is None:
+            raise ValueError("WorkerConfig.max_loras > 1 holds several unmerged adapters: set unmerged_lora too")
+        if self.max_loras > 1 and self.prefix_cache:
+            # The radix cache keys prefixes by tokens alone: KV computed under one adapter would
+            # be reused under another.
+            raise ValueError(
+                "WorkerConfig.max_loras > 1 needs prefix_cache=False: the engine's prefix cache keys "
+                "prefixes by tokens alone, and would reuse KV computed under one adapter for another"
+            )
         if self.devices is not None:
             object.__setattr__(self, "devices", tuple(self.devices))
             if len(set(self.devices)) != len(self.devices):

@@ -85,6 +85,9 @@ class SamplingParams:
     # A conversation's key: its calls run on one engine, which keeps each call's tokens pinned
     # in its prefix cache for the next (rollout/engine/sessions.py). One prompt, n=1.
     session: str | None = None
+    # The named LoRA adapter the call's rows use (a worker with several adapter slots,
+    # WorkerConfig.max_loras); None: the default adapters.
+    lora: str | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -118,6 +121,8 @@ class SamplingParams:
             set_(self, "seed", seed)
         if self.session is not None and (not isinstance(self.session, str) or not self.session):
             raise InvalidRequest("session", f"session must be a non-empty string or None, got {self.session!r}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise InvalidRequest("lora", f"lora must be a non-empty adapter name or None, got {self.lora!r}")
         stop = self.stop_token_ids
         if stop is None:
             stop = ()
@@ -269,6 +274,14 @@ class RequestValidator:
                 "return_routing with n > 1 needs workaround one-request-per-sample (the engine's own n "
                 "gives the samples request ids of its own, whose routing cannot be followed)",
             )
+        if params.lora is not None and params.lora not in engine.lora_names:
+            raise InvalidRequest(
+                "lora",
+                f"no LoRA adapter named {params.lora!r} is loaded (loaded: {sorted(engine.lora_names)}); load one "
+                "with sync_adapters(..., name=...) on a worker with WorkerConfig.max_loras > 1",
+            )
+        if params.lora is not None and params.n > 1 and not workaround_enabled("one-request-per-sample"):
+            raise InvalidRequest("lora", "lora with n > 1 needs workaround one-request-per-sample (request ids)")
         prompt_ids = prompt_token_ids(
             prompts, vocab_size=engine.vocab_size, tokenizer=self._tokenizer, model_path=config.model_path
         )

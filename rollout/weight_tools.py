@@ -37,7 +37,7 @@ def perturb_seed(seed) -> int:
 
 def _weight_leaves(group: EngineGroup) -> list[EngineLeaf]:
     """The leaves the tools read and change: the weights, not the engine's RNG state."""
-    return [leaf for leaf in group.first.leaves if not leaf.rng_state]
+    return [leaf for leaf in group.first.leaves if not leaf.engine_state]
 
 
 def checksum_report(group: EngineGroup, version: int) -> dict:

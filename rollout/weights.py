@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models import EngineTransform, ParamMapping, mappings_for
 from trainer_bridge import EngineLeaf, SyncError, SyncPlan, adapter_mappings, build_plan, plan_key
 
-from .engine import EngineHandle, device_buffers
+from .engine import EngineHandle, device_buffers, factor_names
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,16 @@ class EngineWeights:
         self.engine = engine
         self.leaves: tuple[EngineLeaf, ...] = tuple(engine.leaf_specs())
         self.mappings: tuple[ParamMapping, ...] = tuple(mappings_for(engine.hf_config))
-        # Adapters the engine computes unmerged (EngineOptions.unmerged_lora), else none.
+        # Adapters the engine computes unmerged (EngineOptions.unmerged_lora), else none: the
+        # default slot's (``<module>.lora_a``), and each other slot's under its suffixed names
+        # (``<module>.lora_a_1``: lora.factor_names), which the worker gives their trees.
         lora = engine.options.unmerged_lora
         self.adapter_mappings: tuple[ParamMapping, ...] = tuple(adapter_mappings(self.mappings, lora) if lora else ())
-        self._adapter_paths = frozenset(m.trainer for m in self.adapter_mappings)
+        self._slot_mappings = [self.adapter_mappings] + [
+            tuple(_in_slot(m, slot) for m in self.adapter_mappings) for slot in range(1, engine.options.max_loras)
+        ]
+        self._slot_paths = [frozenset(m.trainer for m in slot) for slot in self._slot_mappings]
+        self._adapter_paths = frozenset().union(*self._slot_paths)
         config = engine.hf_config
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         by_path = {leaf.path: leaf for leaf in self.leaves}
@@ -82,7 +88,13 @@ class EngineWeights:
         key = (plan_key(flat), allow_cast)
         plan = self._plans.get(key)
         if plan is None:
-            mappings = self.adapter_mappings if self.adapters_only(flat) else self.mappings + self.adapter_mappings
+            adapters_only = self.adapters_only(flat)
+            if adapters_only:  # one slot's: the slot of the tree's first path
+                mappings = next(
+                    m for m, paths in zip(self._slot_mappings, self._slot_paths) if next(iter(flat)) in paths
+                )
+            else:
+                mappings = self.mappings + self.adapter_mappings
             if partial:
                 mappings = tuple(m for m in mappings if m.trainer in flat)
             leaves = build_plan(
@@ -91,7 +103,8 @@ class EngineWeights:
                 mappings,
                 head_dim=self.head_dim,
                 allow_cast=allow_cast,
-                partial=partial or self.adapters_only(flat),
+                # The other slots' adapters (several slots) keep what they serve.
+                partial=partial or adapters_only or len(self._slot_mappings) > 1,
             )
             plan = self._plans[key] = SyncPlan(leaves, self.head_dim)
         return plan
@@ -100,7 +113,7 @@ class EngineWeights:
         """``flat`` as a sync serves it: a base tree without adapters on an engine that computes
         them unmerged is served with zero adapters (the base alone)."""
         if not self._adapter_paths or any(path in self._adapter_paths for path in flat):
-            return flat
+            return flat  # adapters of its own (or a tree of adapters alone)
         by_path = {leaf.path: leaf for leaf in self.leaves}
         zeros = {}
         for m in self.adapter_mappings:
@@ -180,11 +193,11 @@ class EngineWeights:
 
     def _check_base_served(self, leaves: list) -> None:
         """Adapters alone need the base served: not released for a train step."""
-        adapters = {m.engine for m in self.adapter_mappings}
+        adapters = {m.engine for slot in self._slot_mappings for m in slot}
         released = [
             spec.path
             for spec, leaf in zip(self.leaves, leaves)
-            if not spec.rng_state and spec.path not in adapters and not _live(leaf)
+            if not spec.engine_state and spec.path not in adapters and not _live(leaf)
         ]
         if released:
             raise SyncError(
@@ -287,7 +300,7 @@ class EngineWeights:
     def release_aliased(self) -> None:
         """Drop the engine's references to trainer buffers it serves, so a train step may
         donate them. The engine must not run a forward until the next commit."""
-        mapped = {leaf.index for leaf in self.leaves if not leaf.rng_state}
+        mapped = {leaf.index for leaf in self.leaves if not leaf.engine_state}
         aliased = sorted(mapped - self._owned)
         self.engine.release_weight_leaves(aliased)
 
@@ -306,3 +319,12 @@ class EngineWeights:
 def _live(leaf) -> bool:
     """A served weight array (not a released placeholder, not deleted)."""
     return isinstance(leaf, jax.Array) and not leaf.is_deleted()
+
+
+def _in_slot(m: ParamMapping, slot: int) -> ParamMapping:
+    """An adapter entry of the default slot as slot ``slot`` has it (suffixed names)."""
+    name = m.trainer.rpartition(".")[2]
+    renamed = factor_names(slot)[0 if name == "lora_a" else 1]
+    return dataclasses.replace(
+        m, trainer=f"{m.trainer.rpartition('.')[0]}.{renamed}", engine=f"{m.engine.rpartition('.')[0]}.{renamed}"
+    )

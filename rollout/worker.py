@@ -49,7 +49,7 @@ from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
-from .engine import EngineHandle, GenerateOutput, SessionStats
+from .engine import EngineHandle, GenerateOutput, SessionStats, factor_names
 from .episodes import EpisodeBatch, EpisodeLimits
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
 from .gate import EngineGate
@@ -259,6 +259,7 @@ class RolloutWorker:
         adapters: Mapping,
         lora: LoraConfig | None = None,
         *,
+        name: str | None = None,
         check_finite: bool = True,
         in_flight: bool = False,
         recompute_kv: bool = False,
@@ -266,17 +267,56 @@ class RolloutWorker:
         """Serve new LoRA ``adapters`` on the base the engines serve now, moving the adapters'
         bytes alone: for workers started with ``WorkerConfig.unmerged_lora`` (whose rank, alpha
         and targets ``lora``, if given, must equal). The adapter tree as for ``sync_params``;
-        NaN/inf refused, ``in_flight``, ``recompute_kv`` and errors as there."""
+        NaN/inf refused, ``in_flight``, ``recompute_kv`` and errors as there.
+
+        ``name``: load them beside the default adapters, into a slot of their own
+        (``WorkerConfig.max_loras`` > 1; the name's slot if it has one), for the calls that
+        ask for them (``generate(..., lora=name)``); :meth:`unload_adapters` frees the slot."""
         self._check_open()
         flat = self._unmerged_adapters(adapters, lora, None)
-        return self._sync(
-            flat,
-            "sync_adapters",
-            allow_cast=True,
-            check_finite=check_finite,
-            in_flight=in_flight,
-            recompute_kv=recompute_kv,
-        )
+        with self._sync_lock:  # syncs take turns: the slot chosen is still free when it is filled
+            slot = self._adapter_slot(name)
+            if slot:
+                names = factor_names(slot)
+                flat = {f"{p.rpartition('.')[0]}.{names[p.endswith('_b')]}": leaf for p, leaf in flat.items()}
+            swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
+            report = self._sync(flat, "sync_adapters", allow_cast=True, **swap)
+            if name is not None:
+                with self._state_lock:
+                    for weights in self._group.weights:
+                        weights.engine.lora_names[name] = slot
+        return report
+
+    def _adapter_slot(self, name: str | None) -> int:
+        """The slot adapters named ``name`` go to: 0 (the default) for None, the name's own,
+        or the first free one."""
+        if name is None:
+            return 0
+        if not isinstance(name, str) or not name:
+            raise SyncError(f"name must be a non-empty string or None, got {name!r}")
+        names = self._group.first.engine.lora_names
+        if name in names:
+            return names[name]
+        free = sorted(set(range(1, self.config.max_loras)) - set(names.values()))
+        if not free:
+            raise SyncError(
+                f"adapters named {name!r}: WorkerConfig.max_loras={self.config.max_loras} holds the default "
+                f"adapters and {self.config.max_loras - 1} named ones ({sorted(names)}); unload_adapters(name) "
+                "one first, or start the worker with more"
+            )
+        return free[0]
+
+    def adapter_names(self) -> list[str]:
+        """The names of the adapters loaded beside the default ones (``sync_adapters(name=)``)."""
+        return sorted(self._group.first.engine.lora_names)
+
+    def unload_adapters(self, name: str) -> bool:
+        """Forget the adapters loaded under ``name`` (its slot is free for others; calls asking
+        for it are refused from now on, those running finish with them). False if none was."""
+        self._check_open()
+        with self._state_lock:
+            known = any(weights.engine.lora_names.pop(name, None) is not None for weights in self._group.weights)
+        return known
 
     def _unmerged_adapters(self, adapters: Mapping, lora: LoraConfig | None, base: Mapping | None) -> dict:
         """The adapter tree, checked (against the flat ``base``, or the served kernels' shapes)
@@ -433,20 +473,29 @@ class RolloutWorker:
         path,
         step: int | None = None,
         *,
+        name: str | None = None,
         check_finite: bool = True,
         in_flight: bool = False,
         recompute_kv: bool = False,
     ) -> SyncReport:
         """Serve the LoRA adapters of an orbax checkpoint (of the adapter tree alone, in either
-        accepted layout) on the base the engines serve, as :meth:`sync_adapters` does: for
-        workers started with ``WorkerConfig.unmerged_lora``. A checkpoint holding anything but
-        LoRA factors is a SyncError naming a path that is not one; the rest as
-        :meth:`load_checkpoint`."""
+        accepted layout) on the base the engines serve, as :meth:`sync_adapters` does (``name``
+        as there): for workers started with ``WorkerConfig.unmerged_lora``. A checkpoint
+        holding anything but LoRA factors is a SyncError naming a path that is not one; the
+        rest as :meth:`load_checkpoint`."""
         swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
-        return self._load_orbax(path, step, adapters_only=True, **swap)
+        return self._load_orbax(path, step, adapters_only=True, name=name, **swap)
 
     def _load_orbax(
-        self, path, step: int | None, *, adapters_only: bool, check_finite: bool, in_flight: bool, recompute_kv: bool
+        self,
+        path,
+        step: int | None,
+        *,
+        adapters_only: bool,
+        check_finite: bool,
+        in_flight: bool,
+        recompute_kv: bool,
+        name: str | None = None,
     ) -> SyncReport:
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
@@ -476,7 +525,7 @@ class RolloutWorker:
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
         swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
         if adapters:
-            return self.sync_adapters(restored, **swap)
+            return self.sync_adapters(restored, name=name, **swap)
         return self._sync(restored, "load_checkpoint", allow_cast=True, reason="weights are being reloaded", **swap)
 
     def replace_engine_leaves(
@@ -572,6 +621,7 @@ class RolloutWorker:
         return_logprobs: bool = False,
         return_routing: bool = False,
         session: str | None = None,
+        lora: str | None = None,
         prompt_offset: int = 0,
     ) -> RolloutBatch:
         """Sample ``n`` completions for every prompt (token-id lists, or strings).
@@ -588,6 +638,8 @@ class RolloutWorker:
         which keeps each call's tokens pinned in its prefix cache until the session's next call
         finishes, so that call prefills only what was appended (``batch.cached_tokens`` says
         how much it found); :meth:`release_session` ends the pin.
+        ``lora="name"``: the rows use the adapters loaded under that name
+        (:meth:`sync_adapters`, ``WorkerConfig.max_loras``) instead of the default ones.
         ``prompt_offset=k``: ``prompts[i]`` draws as global prompt ``k + i`` does, so processes
         that each generate their share of a global batch (same ``seed``) draw what one worker
         would over the whole batch.

@@ -2,6 +2,7 @@
 from orbax checkpoints and over HTTP, refused when bad; the merged mode and every family are in
 tests/test_families.py, the adapter tables and names in tests/unit/test_lora.py."""
 
+import asyncio
 import gc
 import json
 import weakref
@@ -14,6 +15,7 @@ import pytest
 import trainer_bridge.sync
 from models import flax_model_for, greedy_decode
 from rollout import RolloutWorker
+from rollout.errors import InvalidRequest
 from tests.helpers import tiny_worker_config
 from trainer_bridge import LoraConfig, SyncError, flatten_params, load_hf_params, unflatten_params
 
@@ -236,3 +238,91 @@ def test_the_worker_keeps_no_trainer_array_it_copied_alive(served):
     gc.collect()
     assert probe() is None
     worker.sync_params(served.base)
+
+
+# ---- several adapters at once (max_loras) -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slotted(qwen2_dir, served):
+    """A worker holding the default adapters and two named ones (the prefix cache off: it keys
+    prefixes by tokens alone), serving the base of ``served``."""
+    config = tiny_worker_config(
+        qwen2_dir, load_format="dummy", tp_size=2, unmerged_lora=CONFIG, max_loras=3, prefix_cache=False
+    )
+    with RolloutWorker(config) as worker:
+        worker.sync_params(jax.device_put(served.params, worker.param_shardings()))
+        yield worker
+
+
+def greedy_on(worker, **options):
+    return worker.generate(PROMPTS, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, **options).completions
+
+
+def test_named_adapters_serve_their_own_policy_beside_the_default_ones(slotted, served, tmp_path):
+    worker = slotted
+    worker.sync_adapters(unflatten_params(served.adapters))
+    report = worker.sync_adapters(unflatten_params(served.other_adapters), name="other")
+    assert report.bytes_copied == adapter_bytes(worker), "one slot's adapters moved (host arrays: copied)"
+    zero = unflatten_params({k: v * 0 for k, v in served.adapters.items()})
+    worker.load_adapters(save(tmp_path / "zero", zero), name="base")
+    assert worker.adapter_names() == ["base", "other"]
+    assert greedy_on(worker) == served.tokens
+    assert greedy_on(worker, lora="other") == served.other_tokens
+    assert greedy_on(worker, lora="base") == served.base_tokens
+
+    async def together():
+        calls = [None, "other", "base", "other"]
+        options = dict(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        batches = await asyncio.gather(*(worker.agenerate(PROMPTS, lora=name, **options) for name in calls))
+        return [batch.completions for batch in batches]
+
+    expected = [served.tokens, served.other_tokens, served.base_tokens, served.other_tokens]
+    assert asyncio.run(together()) == expected
+
+
+def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
+    worker = slotted
+    for name in worker.adapter_names():
+        assert worker.unload_adapters(name)
+    worker.sync_adapters(unflatten_params(served.adapters), name="one")
+    worker.sync_adapters(unflatten_params(served.adapters), name="two")
+    with pytest.raises(SyncError, match=r"max_loras=3 holds the default adapters and 2 named ones \(\['one', 'two'\]"):
+        worker.sync_adapters(unflatten_params(served.adapters), name="three")
+    assert worker.unload_adapters("one") and not worker.unload_adapters("one")
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'one' is loaded"):
+        greedy_on(worker, lora="one")
+    worker.sync_adapters(unflatten_params(served.other_adapters), name="three")
+    assert worker.adapter_names() == ["three", "two"]
+    assert greedy_on(worker, lora="three") == served.other_tokens
+
+
+@pytest.mark.one_end
+def test_requests_pick_a_named_adapter_by_model_over_http(slotted, served, tmp_path):
+    import httpx
+
+    from bench.serve_load import ADMIN_TOKEN
+
+    worker = slotted
+    for name in worker.adapter_names():
+        worker.unload_adapters(name)
+    worker.sync_adapters(unflatten_params(served.adapters))
+    path = str(save(tmp_path / "other", unflatten_params(served.other_adapters)))
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def complete(http, model):
+        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        return http.post("/v1/completions", json=body)
+
+    with (
+        worker.serve(admin_token=ADMIN_TOKEN, served_model_name="tiny") as server,
+        httpx.Client(base_url=server.url, timeout=120) as http,
+    ):
+        loaded = http.post("/admin/load_lora", json={"lora_path": path, "lora_name": "other"}, headers=admin)
+        assert loaded.status_code == 200, loaded.text
+        models = http.get("/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("other", "tiny")]
+        assert complete(http, "tiny").json()["choices"][0]["token_ids"] == served.tokens[0]
+        assert complete(http, "other").json()["choices"][0]["token_ids"] == served.other_tokens[0]
+        missing = complete(http, "nobody")
+        assert missing.status_code == 404 and "the LoRA adapters ['other']" in missing.text

@@ -48,9 +48,9 @@ class EngineLeaf:
     shape: tuple[int, ...]
     dtype: np.dtype  # or a JAX PRNG key dtype for the engine's rng leaves
     sharding: jax.sharding.Sharding
-    # The engine's own RNG state (safetensors loading adds it), not a weight: no trainer path
-    # maps to it.
-    rng_state: bool = False
+    # The engine's own state, not a weight (its RNG, which safetensors loading adds; the LoRA
+    # slot of each token): no trainer path maps to it.
+    engine_state: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +205,7 @@ def build_plan(
             parts.append(f"{len(extra)} unexpected path(s): {', '.join(extra[:8])}")
         hint = _wrapper_hint(flat, seen_trainer)
         raise SyncError("param tree does not match the model: " + hint + "; ".join(parts))
-    unmapped = [] if partial else [p.path for p in engine_leaves if p.path not in seen_engine and not p.rng_state]
+    unmapped = [] if partial else [p.path for p in engine_leaves if p.path not in seen_engine and not p.engine_state]
     if unmapped:
         raise SyncError(f"engine leaves with no mapping entry: {', '.join(unmapped[:8])}")
 

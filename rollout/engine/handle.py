@@ -20,6 +20,7 @@ from trainer_bridge import EngineLeaf
 
 from ..sampling import SamplingParams
 from . import inflight, sessions
+from .lora import TOKEN_SLOTS
 from .patches import install_workarounds, preserved_process_state, variables_sharded_lazily
 from .requests import RequestLoop
 from .routing import RoutingRecorder
@@ -85,7 +86,7 @@ class EngineHandle:
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         from sgl_jax.srt.hf_transformers_utils import get_config
 
-        with engine_start_up(self.name, options.devices, options.unmerged_lora) as start_up:
+        with engine_start_up(self.name, options.devices, options.unmerged_lora, options.max_loras) as start_up:
             if workaround_enabled("shared-hf-config"):
                 get_config.cache_clear()
             logger.info("starting sglang-jax on %s with the %s attention backend", device, kwargs["attention_backend"])
@@ -109,6 +110,9 @@ class EngineHandle:
             self._engine, self._scheduler, self._control, self.check_alive, self.kv_pool_tokens, self._sessions
         )
         self.testing = EngineTesting(self.call, self._control, self._model)
+        if options.max_loras > 1:
+            specs = self._model.leaf_specs()
+            self._control.token_slots_leaf = next(spec.index for spec in specs if spec.path == TOKEN_SLOTS)
         _open_handles.add(self)
         if workaround_enabled("untied-head-dtype"):
             self.call(self._model.align_lm_head_dtype)
@@ -174,6 +178,12 @@ class EngineHandle:
         """The model's HF config as the engine holds it: its ``num_key_value_heads`` is the
         engine's, repeated for tp_size (see :attr:`num_key_value_heads`)."""
         return self._model.runner.model_config.hf_config
+
+    @property
+    def lora_names(self) -> dict[str, int]:
+        """Adapter name -> its slot (``EngineOptions.max_loras``), as the worker assigns them:
+        ``generate(..., lora=name)`` runs on that slot's adapters."""
+        return self._control.lora_names
 
     @property
     def num_key_value_heads(self) -> int:

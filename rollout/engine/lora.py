@@ -16,6 +16,8 @@ a row-parallel one's partial sums are reduced with the layer's own.
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,9 @@ from .types import EngineError
 # a sync can use their arrays as they are, and rank-r matmuls cost little.
 ADAPTER_DTYPE = jnp.float32
 
+# The model state leaf holding each token's adapter slot (engines with several slots).
+TOKEN_SLOTS = "lora_token_slots"
+
 
 def adapted_modules(hf_config, config: LoraConfig) -> list[str]:
     """The engine module paths (``transformer.layers.0.self_attn.q_proj``) that carry adapters."""
@@ -38,12 +43,22 @@ def adapted_modules(hf_config, config: LoraConfig) -> list[str]:
     return [m.engine.removesuffix(".lora_a") for m in entries if m.engine.endswith(".lora_a")]
 
 
-def attach_adapters(model, modules: list[str], config: LoraConfig) -> None:
-    """Give each named ``LinearBase`` of the engine's nnx ``model`` zero adapter factors."""
+def factor_names(slot: int) -> tuple[str, str]:
+    """The leaf names of slot ``slot``'s factors: ``lora_a``/``lora_b`` for the default slot 0,
+    ``lora_a_1``/``lora_b_1`` for slot 1, ..."""
+    suffix = f"_{slot}" if slot else ""
+    return f"lora_a{suffix}", f"lora_b{suffix}"
+
+
+def attach_adapters(model, modules: list[str], config: LoraConfig, slots: int = 1, max_tokens: int = 0) -> None:
+    """Give each named ``LinearBase`` of the engine's nnx ``model`` zero adapter factors, one
+    pair per slot. With several slots the model also gets ``lora_token_slots`` [max_tokens]:
+    each token's slot, written before every forward (:func:`set_token_slots`)."""
     from flax import nnx
     from sgl_jax.srt.layers.linear import LinearBase
 
     by_path = {".".join(str(part) for part in path): node for path, node in nnx.iter_graph(model)}
+    sharding = None
     for path in modules:
         layer = by_path.get(path)
         if not isinstance(layer, LinearBase):
@@ -54,13 +69,60 @@ def attach_adapters(model, modules: list[str], config: LoraConfig) -> None:
         sharding = weight.sharding
         spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
         in_axis, out_axis = (tuple(spec) + (None, None))[:2]
-        for name, shape, factor_spec in (
-            ("lora_a", (in_dim, config.rank), PartitionSpec(in_axis, None)),
-            ("lora_b", (config.rank, out_dim), PartitionSpec(None, out_axis)),
-        ):
-            placed = _placed_like(sharding, factor_spec)
-            setattr(layer, name, nnx.Param(jax.device_put(np.zeros(shape, ADAPTER_DTYPE), placed)))
+        for slot in range(slots):
+            a_name, b_name = factor_names(slot)
+            for name, shape, factor_spec in (
+                (a_name, (in_dim, config.rank), PartitionSpec(in_axis, None)),
+                (b_name, (config.rank, out_dim), PartitionSpec(None, out_axis)),
+            ):
+                placed = _placed_like(sharding, factor_spec)
+                setattr(layer, name, nnx.Param(jax.device_put(np.zeros(shape, ADAPTER_DTYPE), placed)))
         layer.lora_scale = float(config.scale)
+        layer.lora_slots = slots
+    if slots > 1:
+        ids = jax.device_put(np.zeros(max_tokens, np.int32), _placed_like(sharding, PartitionSpec()))
+        setattr(model, TOKEN_SLOTS, nnx.Variable(ids))
+        _patch_model_call(type(model))
+
+
+def write_token_slots(scheduler, batch, slot_of_request: dict[str, int], leaf_index: int) -> None:
+    """Before ``batch``'s forward (scheduler thread): each of its tokens' slot, in the order
+    the forward lays them out (a prefill's requests' new tokens one after another, a decode's
+    one token per request), padded with slot 0, into the forward's ``lora_token_slots`` leaf."""
+    runner = scheduler.tp_worker.worker.model_runner
+    slots = [slot_of_request.get(req.rid, 0) for req in batch.reqs]
+    counts = batch.extend_lens if batch.forward_mode.is_extend() else [1] * len(slots)
+    cells = dict(zip(runner.jitted_run_model.__code__.co_freevars, runner.jitted_run_model.__closure__))
+    leaves = cells["model_state_leaves"].cell_contents
+    current = leaves[leaf_index]
+    ids = np.zeros(current.shape, np.int32)
+    tokens = np.repeat(np.asarray(slots, np.int32), counts)
+    ids[: len(tokens)] = tokens
+    leaves[leaf_index] = jax.device_put(ids, current.sharding)
+
+
+_trace = threading.local()
+
+
+def _patch_model_call(model_class) -> None:
+    """The model's forward makes its tokens' slots visible to its linear layers while traced."""
+    if getattr(model_class, "_rollout_lora_slots", False):
+        return
+    call = model_class.__call__
+
+    def __call__(self, forward_batch, *args, **kwargs):
+        slots = getattr(self, TOKEN_SLOTS, None)
+        if slots is None:
+            return call(self, forward_batch, *args, **kwargs)
+        previous = getattr(_trace, "slots", None)
+        _trace.slots = slots.value[: forward_batch.input_ids.shape[0]]
+        try:
+            return call(self, forward_batch, *args, **kwargs)
+        finally:
+            _trace.slots = previous
+
+    model_class.__call__ = __call__
+    model_class._rollout_lora_slots = True
 
 
 def _placed_like(sharding, spec: PartitionSpec):
@@ -82,15 +144,21 @@ def patch_unmerged_lora() -> None:
 def _with_adapter(call):
     def __call__(self, x):
         output, bias = call(self, x)
-        lora_a = getattr(self, "lora_a", None)
-        if lora_a is None:
+        if getattr(self, "lora_a", None) is None:
             return output, bias
         # HIGHEST: a 16-bit engine keeps the default precision, in which TPUs and GPUs would
         # multiply the float32 factors in one bfloat16 (TF32) pass; at rank r this costs little.
         highest = jax.lax.Precision.HIGHEST
-        low_rank = jnp.dot(x.astype(ADAPTER_DTYPE), lora_a.value, precision=highest)
-        delta = self.lora_scale * jnp.dot(low_rank, self.lora_b.value, precision=highest)
-        return output + delta.astype(output.dtype), bias
+        x = x.astype(ADAPTER_DTYPE)
+        slots = getattr(_trace, "slots", None) if self.lora_slots > 1 else None
+        delta = 0.0
+        for slot in range(self.lora_slots):
+            a_name, b_name = factor_names(slot)
+            low_rank = jnp.dot(x, getattr(self, a_name).value, precision=highest)
+            if slots is not None:  # only the tokens of this slot's requests
+                low_rank = jnp.where((slots == slot)[:, None], low_rank, 0.0)
+            delta = delta + jnp.dot(low_rank, getattr(self, b_name).value, precision=highest)
+        return output + (self.lora_scale * delta).astype(output.dtype), bias
 
     return __call__
 
@@ -105,6 +173,9 @@ def _attach_on_load(load_model):
         start_up = current_start_up()
         config = None if start_up is None else start_up.unmerged_lora
         if config is not None:
-            attach_adapters(self.model, adapted_modules(self.model_config.hf_config, config), config)
+            args = self.server_args
+            max_tokens = max(args.max_prefill_tokens, args.chunked_prefill_size, args.max_running_requests)
+            modules = adapted_modules(self.model_config.hf_config, config)
+            attach_adapters(self.model, modules, config, start_up.max_loras, max_tokens)
 
     return load_model_with_adapters

@@ -91,6 +91,7 @@ class RequestLoop:
                 self._logprobs_collected(rids, params.return_logprobs) as sinks,
                 self._versions_collected(rids) as (versions, prefilled),
                 self._session_pinned(rids, params.session),
+                self._lora_slotted(rids, params.lora),
                 self._aborted_if_cancelled(rids),
                 self._sent_whole(rids, params),
             ):
@@ -179,6 +180,18 @@ class RequestLoop:
                 self._sessions.withdraw(rid)
 
     @contextlib.contextmanager
+    def _lora_slotted(self, rids: list[str], name: str | None):
+        """The requests of a call for a named adapter run on its slot (the others on slot 0)."""
+        if name is None:
+            yield
+            return
+        slot = self._control.lora_names.get(name)
+        if slot is None:
+            raise EngineError(f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(self._control.lora_names)})")
+        with _registered(self._control.lora_slots, rids, lambda: slot):
+            yield
+
+    @contextlib.contextmanager
     def _aborted_if_cancelled(self, rids: list[str]):
         """A call cancelled by its caller (a client gone, a timeout) aborts its requests in the
         scheduler: they leave the running batch after at most one more forward and free their
@@ -233,6 +246,7 @@ class RequestLoop:
             self._versions_collected(rids) as (versions, prefilled),
             self._routing_collected(rids, params.return_routing) as routing,
             self._session_pinned(rids, params.session),
+            self._lora_slotted(rids, params.lora),
             self._aborted_if_cancelled(rids),
             self._sent_whole(rids, params),
         ):

@@ -14,6 +14,7 @@ import traceback
 import jax
 from jax._src import config as jax_config
 
+from .lora import write_token_slots
 from .routing import RoutingRecorder
 from .start_up import current_start_up, default_device
 from .types import EngineError
@@ -109,6 +110,12 @@ class SchedulerControl:
         self.arrivals = BatchArrivals()
         # Set when the engine records MoE routing (EngineOptions.record_routing).
         self.routing: RoutingRecorder | None = None
+        # Several LoRA adapter slots (EngineOptions.max_loras > 1, rollout/engine/lora.py): the
+        # slot of each named adapter, the slot of each request using one (others: slot 0), and
+        # the index of the forward's leaf holding each token's slot.
+        self.lora_names: dict[str, int] = {}
+        self.lora_slots: dict[str, int] = {}
+        self.token_slots_leaf: int | None = None
         self.error: BaseException | None = None
         self.error_traceback = ""
         self.stop_requested = False
@@ -354,6 +361,17 @@ def _versions_recorded(run_batch, control: SchedulerControl):
     return versioned_run_batch
 
 
+def _token_slots_written(run_batch, scheduler, control: SchedulerControl):
+    """With several LoRA slots, each token's slot is written before its forward runs."""
+
+    def slotted_run_batch(batch):
+        if control.token_slots_leaf is not None:
+            write_token_slots(scheduler, batch, control.lora_slots, control.token_slots_leaf)
+        return run_batch(batch)
+
+    return slotted_run_batch
+
+
 def _routing_recorded(run_batch, scheduler, control: SchedulerControl):
     """Files each forward's MoE routing with the engine's ``RoutingRecorder`` (when it has one)."""
 
@@ -389,7 +407,9 @@ def _scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
     arrival_poller.register(scheduler.recv_from_tokenizer, zmq.POLLIN)
     scheduler.recv_requests = _idle_aware_recv(scheduler, scheduler.recv_requests, control, poller, arrival_poller)
     scheduler.run_batch = _routing_recorded(
-        _versions_recorded(_timed(scheduler.run_batch, control), control), scheduler, control
+        _versions_recorded(_timed(_token_slots_written(scheduler.run_batch, scheduler, control), control), control),
+        scheduler,
+        control,
     )
     try:
         if workaround_enabled("process-kill-on-error"):

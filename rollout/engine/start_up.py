@@ -19,6 +19,7 @@ class StartUp:
     devices: tuple[jax.Device, ...] | None
     # Adapters the engine's projections compute unmerged (rollout/engine/lora.py), or None.
     unmerged_lora: Any = None
+    max_loras: int = 1  # adapter slots of an unmerged engine
     control: Any = None  # its runtime.SchedulerControl, once its scheduler exists
     # zmq sockets the engine opened in the caller's thread: a failed start-up closes them.
     sockets: list = dataclasses.field(default_factory=list)
@@ -38,7 +39,7 @@ def current_start_up() -> StartUp | None:
 
 
 @contextlib.contextmanager
-def engine_start_up(name: str, devices: tuple[jax.Device, ...] | None, unmerged_lora=None):
+def engine_start_up(name: str, devices: tuple[jax.Device, ...] | None, unmerged_lora=None, max_loras: int = 1):
     """Start one engine at a time, process-wide.
 
     Start-up changes process state that is restored afterwards and reads caches that it
@@ -48,7 +49,7 @@ def engine_start_up(name: str, devices: tuple[jax.Device, ...] | None, unmerged_
     """
     global _start_up
     with _start_up_lock:
-        _start_up = StartUp(name, devices, unmerged_lora)
+        _start_up = StartUp(name, devices, unmerged_lora, max_loras)
         try:
             with default_device(devices):
                 yield _start_up

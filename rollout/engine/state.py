@@ -14,6 +14,7 @@ import numpy as np
 from trainer_bridge import EngineLeaf
 
 from . import inflight, sessions
+from .lora import TOKEN_SLOTS
 from .patches import variables_sharded_lazily
 from .types import EngineError, ForwardMemory, device_nbytes
 from .workarounds import workaround_enabled
@@ -63,8 +64,8 @@ class ModelState:
         specs = []
         for index, ((path, _), leaf) in enumerate(zip(flat, leaves)):
             name = ".".join(_key_name(k) for k in path).removesuffix(".value")
-            rng_state = name.startswith("rng.")
-            specs.append(EngineLeaf(index, name, tuple(leaf.shape), leaf.dtype, leaf.sharding, rng_state))
+            engine_state = name.startswith("rng.") or name == TOKEN_SLOTS
+            specs.append(EngineLeaf(index, name, tuple(leaf.shape), leaf.dtype, leaf.sharding, engine_state))
         return specs
 
     def replace_weight_leaves(self, new_leaves: list[jax.Array]) -> None:

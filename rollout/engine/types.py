@@ -59,6 +59,9 @@ class EngineOptions:
     # x @ W + (alpha / r) * (x @ A) @ B; a sync then moves only the factors. None: no adapters
     # in the engine (a LoRA sync merges them into the weights).
     unmerged_lora: LoraConfig | None = None
+    # Adapter sets an unmerged engine holds at once (vLLM's max_loras): slot 0 is the default
+    # one, the others are named (generate(..., lora=name)); each request's tokens use its own.
+    max_loras: int = 1
 
     def __post_init__(self):
         if self.devices is None:

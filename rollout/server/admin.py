@@ -92,7 +92,8 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
 
     @router.post("/load_lora")
     async def load_lora(request: Request):
-        # vLLM's load_lora_adapter body ({"lora_name", "lora_path"}); the name is echoed back.
+        # vLLM's load_lora_adapter body ({"lora_name", "lora_path"}); the name is echoed back, and
+        # with several adapter slots (max_loras) requests select the adapters by it ("model").
         authorize(request)
         body = await state.read_json(request)
         path, name, step = body.get("lora_path"), body.get("lora_name"), body.get("step")
@@ -103,7 +104,7 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
             raise invalid("step", f"'step' must be an int, got {step!r}")
         in_flight, recompute_kv = swap_mode(body)
         async with admin.lock:
-            report = await run(backend.load_lora, path, step, in_flight, recompute_kv)
+            report = await run(backend.load_lora, path, step, name, in_flight, recompute_kv)
         logger.info("loaded LoRA adapters %s from %s: version %d", name, path, report["version"])
         return {**report, "lora_name": name}
 

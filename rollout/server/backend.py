@@ -34,7 +34,10 @@ class Backend(Protocol):
     def reload_weights(
         self, path: str, format: str, step: int | None, in_flight: bool = False, recompute_kv: bool = False
     ) -> dict: ...
-    def load_lora(self, path: str, step: int | None, in_flight: bool = False, recompute_kv: bool = False) -> dict: ...
+    def load_lora(
+        self, path: str, step: int | None, name: str | None, in_flight: bool = False, recompute_kv: bool = False
+    ) -> dict: ...
+    def adapter_names(self) -> list[str]: ...
     def drop_kv(self) -> dict: ...
     def rebuild_kv(self) -> dict: ...
     def memory(self) -> dict: ...
@@ -94,9 +97,17 @@ class WorkerBackend:
             report = self.worker.load_hf(path, **swap)
         return dataclasses.asdict(report)
 
-    def load_lora(self, path: str, step: int | None, in_flight: bool = False, recompute_kv: bool = False) -> dict:
-        report = self.worker.load_adapters(path, step=step, in_flight=in_flight, recompute_kv=recompute_kv)
-        return dataclasses.asdict(report)
+    def load_lora(
+        self, path: str, step: int | None, name: str | None, in_flight: bool = False, recompute_kv: bool = False
+    ) -> dict:
+        # Named adapters beside the default ones need slots (max_loras > 1); otherwise the name
+        # only labels the default adapters.
+        named = name if self.worker.config.max_loras > 1 else None
+        swap = dict(in_flight=in_flight, recompute_kv=recompute_kv)
+        return dataclasses.asdict(self.worker.load_adapters(path, step=step, name=named, **swap))
+
+    def adapter_names(self) -> list[str]:
+        return self.worker.adapter_names()
 
     def drop_kv(self) -> dict:
         return dataclasses.asdict(self.worker.drop_kv())

@@ -35,13 +35,13 @@ def openai_router(state: SharedState) -> APIRouter:
     @router.get("/models")
     async def models(request: Request):
         state.check_api_key(request)
-        return {"object": "list", "data": [state.model_card()]}
+        cards = [state.model_card()] + [state.model_card(name) for name in state.backend.adapter_names()]
+        return {"object": "list", "data": cards}
 
     @router.get("/models/{model:path}")
     async def model(request: Request, model: str):
         state.check_api_key(request)
-        state.check_model_name(model)
-        return state.model_card()
+        return state.model_card(state.check_model_name(model))
 
     @router.post("/completions")
     async def create_completion(request: Request):

@@ -81,10 +81,10 @@ class Serving:
     async def handle(self, request: Request) -> Response:
         self.state.check_api_key(request)
         body = await self.state.read_json(request)
-        self.state.check_model(body)
-        return await self.respond(request, self.parse(body))
+        lora = self.state.check_model(body)
+        return await self.respond(request, self.parse(body), lora)
 
-    async def respond(self, request: Request, req: GenerationRequest) -> Response:
+    async def respond(self, request: Request, req: GenerationRequest, lora: str | None = None) -> Response:
         request.state.prompt_field = req.prompt_field
         self.state.check_available()
         config = self.state.config
@@ -104,6 +104,8 @@ class Serving:
         )
         prompts = self.prompt_ids(req)
         sampling = self.sampling(req, prompts)
+        if lora is not None:
+            sampling["lora"] = lora
         tokens = req.n * sum(len(p) + sampling["max_new_tokens"] for p in prompts)
         check_limit(
             "max_tokens",

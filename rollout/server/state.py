@@ -39,25 +39,32 @@ class SharedState:
             chunks.append(chunk)
         return parse_body(b"".join(chunks))
 
-    def check_model(self, body: dict) -> None:
+    def check_model(self, body: dict) -> str | None:
+        """The LoRA adapter the body's ``model`` names (None: the served model itself)."""
         model = body.get("model")
         if model is None:
             raise invalid("model", "'model' is required")
         if not isinstance(model, str):
             raise invalid("model", f"'model' must be a string, got {type(model).__name__}")
-        self.check_model_name(model)
+        return self.check_model_name(model)
 
-    def check_model_name(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(
-                404,
-                f"model '{model}' does not exist; this server serves '{self.model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model_name(self, model: str) -> str | None:
+        """None for the served model, ``model`` for a LoRA adapter loaded under that name
+        (``/admin/load_lora``'s ``lora_name``, as vLLM serves them); 404 otherwise."""
+        if model == self.model_name:
+            return None
+        adapters = self.backend.adapter_names()
+        if model not in adapters:
+            served = f"'{self.model_name}'" + (f" and the LoRA adapters {adapters}" if adapters else "")
+            message = f"model '{model}' does not exist; this server serves {served}"
+            raise ApiError(404, message, param="model", code="model_not_found")
+        return model
 
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "sglang-jax-rollout"}
+    def model_card(self, adapter: str | None = None) -> dict:
+        """The served model's card, or a LoRA adapter's (whose ``parent`` is the model, as vLLM's)."""
+        card = {"id": adapter or self.model_name, "object": "model", "created": self.created}
+        card["owned_by"] = "sglang-jax-rollout"
+        return card if adapter is None else {**card, "parent": self.model_name}
 
     def unavailable_reason(self) -> str | None:
         """Why generation requests get 503 now (None: they run). A KV cache dropped through

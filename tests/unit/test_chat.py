@@ -322,6 +322,9 @@ class ScriptedBackend:
         self.replies: list[str] = []
         self.prompts: list[list[int]] = []
 
+    def adapter_names(self):
+        return []
+
     def _rows(self, prompts, n):
         self.prompts.extend(prompts)
         texts = [self.replies.pop(0) for _ in range(len(prompts) * n)]

@@ -69,3 +69,12 @@ def test_unmerged_lora_must_be_a_lora_config_whose_targets_the_model_has(qwen2_d
     config = tiny_worker_config(qwen2_dir, unmerged_lora=LoraConfig(4, 8.0, ("q_proj", "lm_head")))
     with pytest.raises(ValueError, match=r"WorkerConfig.unmerged_lora.target_modules: \['lm_head'\] .*config.json"):
         RolloutWorker(config)
+
+
+def test_several_adapter_slots_need_unmerged_adapters_and_no_prefix_cache(qwen2_dir):
+    with pytest.raises(ValueError, match="max_loras > 1 holds several unmerged adapters: set unmerged_lora"):
+        tiny_worker_config(qwen2_dir, max_loras=2, prefix_cache=False)
+    with pytest.raises(ValueError, match="max_loras > 1 needs prefix_cache=False: the engine's prefix cache keys"):
+        tiny_worker_config(qwen2_dir, max_loras=2, unmerged_lora=LoraConfig(4, 8.0))
+    with pytest.raises(ValueError, match="max_loras must be a positive int"):
+        tiny_worker_config(qwen2_dir, max_loras=0)

@@ -289,3 +289,30 @@ def test_one_factor_in_both_layouts_is_refused_by_name():
     both = {"m.q_proj.lora_a": 0, "m.q_proj.kernel_lora_a": 1}
     with pytest.raises(SyncError, match="'m.q_proj.kernel_lora_a' and 'm.q_proj.lora_a' are both the A of 'm.q_proj'"):
         canonical_adapters(both)
+
+
+def test_each_token_gets_its_requests_adapter_slot_in_the_forwards_layout():
+    """write_token_slots: a prefill's requests' new tokens one after another, a decode's one
+    per request, the padding and unknown requests on the default slot 0."""
+    from types import SimpleNamespace
+
+    from rollout.engine.lora import write_token_slots
+
+    def runner_with(leaves):
+        model_state_leaves = leaves
+
+        def run_model_wrapper():
+            return model_state_leaves
+
+        return SimpleNamespace(jitted_run_model=run_model_wrapper)
+
+    leaves = [jnp.zeros(3), jnp.zeros(10, jnp.int32)]
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner_with(leaves))))
+    reqs = [SimpleNamespace(rid=rid) for rid in ("a", "b", "c")]
+    slots = {"a": 2, "c": 1}
+    extend = SimpleNamespace(reqs=reqs, extend_lens=[3, 2, 1], forward_mode=SimpleNamespace(is_extend=lambda: True))
+    write_token_slots(scheduler, extend, slots, 1)
+    assert leaves[1].tolist() == [2, 2, 2, 0, 0, 1, 0, 0, 0, 0]
+    decode = SimpleNamespace(reqs=reqs, extend_lens=None, forward_mode=SimpleNamespace(is_extend=lambda: False))
+    write_token_slots(scheduler, decode, slots, 1)
+    assert leaves[1].tolist() == [2, 0, 1, 0, 0, 0, 0, 0, 0, 0]

@@ -43,6 +43,9 @@ class StubBackend:
         self.reached.append(prompts)
         raise AssertionError("the request reached the backend")
 
+    def adapter_names(self):
+        return []
+
     def drop_kv(self):
         self.kv_present = False
         return {}
