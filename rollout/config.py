@@ -85,6 +85,9 @@ class WorkerConfig(EngineOptions):
             raise ValueError(f"WorkerConfig.unmerged_lora must be a LoraConfig or None, got {self.unmerged_lora!r}")
         if self.max_loras > 1 and self.unmerged_lora is None:
             raise ValueError("WorkerConfig.max_loras > 1 holds several unmerged adapters: set unmerged_lora too")
+        if self.max_loras > 1 and self.chunked_prefill_size <= 0:
+            # Unchunked, the engine may run a prefill wider than any forward it pads to.
+            raise ValueError("WorkerConfig.max_loras > 1 needs chunked_prefill_size > 0 (prefills of bounded width)")
         if self.max_loras > 1 and self.prefix_cache:
             # The radix cache keys prefixes by tokens alone: KV computed under one adapter would
             # be reused under another.

@@ -203,7 +203,8 @@ class EngineGroup:
         own devices' buffers, so what follows is local to each engine."""
         if not self.pod.multi_process:
             return [flat] * len(self.weights), 0
-        targets = {**self.param_shardings(), **self.param_shardings(adapters=True)}
+        adapters = {path: self.across_engines(s) for path, s in self.first.adapter_targets().items()}
+        targets = {**self.param_shardings(), **adapters}
         moving = [
             p
             for p, x in flat.items()

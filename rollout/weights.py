@@ -266,6 +266,16 @@ class EngineWeights:
             if (path in self._adapter_paths) == adapters
         }
 
+    def adapter_targets(self) -> dict[str, jax.sharding.Sharding]:
+        """Every slot's adapter paths (slot 0's names, then the others' suffixed ones) -> where
+        each leaf must live for a zero-copy sync (for the cross-process reshard)."""
+        slot0 = self.param_shardings(adapters=True)
+        return {
+            m.trainer: slot0[base.trainer]
+            for slot in self._slot_mappings
+            for m, base in zip(slot, self.adapter_mappings)
+        }
+
     def checkpoint_targets(
         self, saved: Mapping[str, object], item_dir, adapters_only: bool = False
     ) -> dict[str, jax.ShapeDtypeStruct]:

@@ -297,12 +297,15 @@ class RolloutWorker:
         names = self._group.first.engine.lora_names
         if name in names:
             return names[name]
-        free = sorted(set(range(1, self.config.max_loras)) - set(names.values()))
+        # A slot is free once no name maps to it and no request still runs on it (an unloaded
+        # name's calls finish on their adapters, even across an in-flight sync).
+        running = {slot for weights in self._group.weights for slot in weights.engine.lora_slots_in_use()}
+        free = sorted(set(range(1, self.config.max_loras)) - set(names.values()) - running)
         if not free:
             raise SyncError(
                 f"adapters named {name!r}: WorkerConfig.max_loras={self.config.max_loras} holds the default "
-                f"adapters and {self.config.max_loras - 1} named ones ({sorted(names)}); unload_adapters(name) "
-                "one first, or start the worker with more"
+                f"adapters and {self.config.max_loras - 1} named ones ({sorted(names)}, and slots still used by "
+                "running calls of unloaded ones); unload_adapters(name) one first, or start the worker with more"
             )
         return free[0]
 
@@ -311,8 +314,9 @@ class RolloutWorker:
         return sorted(self._group.first.engine.lora_names)
 
     def unload_adapters(self, name: str) -> bool:
-        """Forget the adapters loaded under ``name`` (its slot is free for others; calls asking
-        for it are refused from now on, those running finish with them). False if none was."""
+        """Forget the adapters loaded under ``name``: calls asking for it are refused from now
+        on, those running finish with them, and its slot is free for others once they have.
+        False if none was loaded."""
         self._check_open()
         with self._state_lock:
             known = any(weights.engine.lora_names.pop(name, None) is not None for weights in self._group.weights)

@@ -12,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import rollout.engine.runtime
 import trainer_bridge.sync
 from models import flax_model_for, greedy_decode
 from rollout import RolloutWorker
@@ -259,7 +260,7 @@ def greedy_on(worker, **options):
     return worker.generate(PROMPTS, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, **options).completions
 
 
-def test_named_adapters_serve_their_own_policy_beside_the_default_ones(slotted, served, tmp_path):
+def test_named_adapters_serve_their_own_policy_beside_the_default_ones(slotted, served, tmp_path, monkeypatch):
     worker = slotted
     worker.sync_adapters(unflatten_params(served.adapters))
     report = worker.sync_adapters(unflatten_params(served.other_adapters), name="other")
@@ -271,6 +272,15 @@ def test_named_adapters_serve_their_own_policy_beside_the_default_ones(slotted, 
     assert greedy_on(worker, lora="other") == served.other_tokens
     assert greedy_on(worker, lora="base") == served.base_tokens
 
+    forwards = []  # the slots of each forward's requests
+    write = rollout.engine.runtime.write_token_slots
+
+    def recorded(scheduler, batch, slot_of_request, leaf_index):
+        forwards.append({slot_of_request.get(req.rid, 0) for req in batch.reqs})
+        write(scheduler, batch, slot_of_request, leaf_index)
+
+    monkeypatch.setattr(rollout.engine.runtime, "write_token_slots", recorded)
+
     async def together():
         calls = [None, "other", "base", "other"]
         options = dict(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -279,6 +289,7 @@ def test_named_adapters_serve_their_own_policy_beside_the_default_ones(slotted, 
 
     expected = [served.tokens, served.other_tokens, served.base_tokens, served.other_tokens]
     assert asyncio.run(together()) == expected
+    assert max(map(len, forwards)) == 3, "the calls' rows ran in forwards together"
 
 
 def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
@@ -295,6 +306,18 @@ def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
     worker.sync_adapters(unflatten_params(served.other_adapters), name="three")
     assert worker.adapter_names() == ["three", "two"]
     assert greedy_on(worker, lora="three") == served.other_tokens
+    # An unloaded name's slot stays taken while a call still runs on it.
+    slot = worker.engine.lora_names["two"]
+    worker.unload_adapters("two")
+    running = worker.engine._control.lora_slots
+    running["a running call's request"] = slot
+    try:
+        with pytest.raises(SyncError, match="slots still used by running calls"):
+            worker.sync_adapters(unflatten_params(served.adapters), name="four")
+    finally:
+        del running["a running call's request"]
+    worker.sync_adapters(unflatten_params(served.adapters), name="four")
+    assert worker.engine.lora_names["four"] == slot
 
 
 @pytest.mark.one_end
@@ -324,5 +347,13 @@ def test_requests_pick_a_named_adapter_by_model_over_http(slotted, served, tmp_p
         assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("other", "tiny")]
         assert complete(http, "tiny").json()["choices"][0]["token_ids"] == served.tokens[0]
         assert complete(http, "other").json()["choices"][0]["token_ids"] == served.other_tokens[0]
+        assert complete(http, "other").json()["model"] == "other"
         missing = complete(http, "nobody")
         assert missing.status_code == 404 and "the LoRA adapters ['other']" in missing.text
+        assert (
+            http.post("/admin/load_lora", json={"lora_path": path, "lora_name": "tiny"}, headers=admin).status_code
+            == 400
+        )
+        assert http.post("/admin/unload_lora", json={"lora_name": "other"}, headers=admin).json()["unloaded"]
+        assert http.post("/admin/unload_lora", json={"lora_name": "other"}, headers=admin).status_code == 404
+        assert complete(http, "other").status_code == 404

@@ -44,6 +44,8 @@ class EngineHandle:
 
     def __init__(self, options: EngineOptions):
         install_workarounds()
+        if options.max_loras > 1 and options.unmerged_lora is None:
+            raise EngineError("max_loras > 1 holds several unmerged adapters: set unmerged_lora too")
         if options.record_routing and not workaround_enabled("moe-forward"):
             raise EngineError("record_routing needs workaround moe-forward: its expert block records the routing")
         from sgl_jax.srt.entrypoints.engine import Engine
@@ -184,6 +186,10 @@ class EngineHandle:
         """Adapter name -> its slot (``EngineOptions.max_loras``), as the worker assigns them:
         ``generate(..., lora=name)`` runs on that slot's adapters."""
         return self._control.lora_names
+
+    def lora_slots_in_use(self) -> set[int]:
+        """The adapter slots requests of running calls use (besides the default slot 0)."""
+        return set(self._control.lora_slots.values())
 
     @property
     def num_key_value_heads(self) -> int:

@@ -3,7 +3,8 @@
 sglang-jax 0.0.2 has no LoRA of its own (its ``lora_path`` argument is passed along and read by
 no layer), so an engine started with ``EngineOptions.unmerged_lora`` gets two more weight leaves
 on each adapted linear layer, ``<module>.lora_a`` [in, r] and ``<module>.lora_b`` [r, out], both
-float32 and zero (the adapter is off until a sync fills them). They are attached when the model
+float32 and zero (the adapter is off until a sync fills them); with ``max_loras`` slots, one
+such pair per slot (``lora_a_1``, ...) and each token's slot in one more leaf. They are attached when the model
 is loaded, before the forward is traced, so the compiled forward reads them like any other weight
 leaf: a sync that swaps them moves only adapter bytes and recompiles nothing. Which layers carry
 them is the mapping table's business (``trainer_bridge.adapter_mappings``: the projection kernels
@@ -53,7 +54,7 @@ def factor_names(slot: int) -> tuple[str, str]:
 def attach_adapters(model, modules: list[str], config: LoraConfig, slots: int = 1, max_tokens: int = 0) -> None:
     """Give each named ``LinearBase`` of the engine's nnx ``model`` zero adapter factors, one
     pair per slot. With several slots the model also gets ``lora_token_slots`` [max_tokens]:
-    each token's slot, written before every forward (:func:`set_token_slots`)."""
+    each token's slot, written before every forward (:func:`write_token_slots`)."""
     from flax import nnx
     from sgl_jax.srt.layers.linear import LinearBase
 
@@ -97,6 +98,8 @@ def write_token_slots(scheduler, batch, slot_of_request: dict[str, int], leaf_in
     current = leaves[leaf_index]
     ids = np.zeros(current.shape, np.int32)
     tokens = np.repeat(np.asarray(slots, np.int32), counts)
+    if len(tokens) > len(ids):
+        raise EngineError(f"unmerged LoRA: a forward of {len(tokens)} tokens, past the {len(ids)} the slots leaf holds")
     ids[: len(tokens)] = tokens
     leaves[leaf_index] = jax.device_put(ids, current.sharding)
 
@@ -151,6 +154,8 @@ def _with_adapter(call):
         highest = jax.lax.Precision.HIGHEST
         x = x.astype(ADAPTER_DTYPE)
         slots = getattr(_trace, "slots", None) if self.lora_slots > 1 else None
+        if self.lora_slots > 1 and slots is None:
+            raise EngineError("unmerged LoRA: a layer with several adapter slots traced outside its model's forward")
         delta = 0.0
         for slot in range(self.lora_slots):
             a_name, b_name = factor_names(slot)

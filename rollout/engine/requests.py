@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
+from ..errors import InvalidRequest
 from ..sampling import SamplingParams
 from .patches import LOGPROB_SINKS
 from .routing import RoutingSink
@@ -43,6 +44,7 @@ class RequestLoop:
         self._sessions = sessions
         self._check_alive = check_alive
         self._kv_pool_tokens = kv_pool_tokens
+        self._prefix_cache = not scheduler.server_args.disable_radix_cache
         self._tokenizer_manager = engine.tokenizer_manager
         # Every use of the tokenizer manager (its zmq sockets, its per-request asyncio events)
         # happens on this loop. (It would also install SIGTERM/SIGQUIT handlers on first use of
@@ -186,8 +188,9 @@ class RequestLoop:
             yield
             return
         slot = self._control.lora_names.get(name)
-        if slot is None:
-            raise EngineError(f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(self._control.lora_names)})")
+        if slot is None:  # unloaded since the call was validated
+            loaded = sorted(self._control.lora_names)
+            raise InvalidRequest("lora", f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
         with _registered(self._control.lora_slots, rids, lambda: slot):
             yield
 
@@ -221,10 +224,10 @@ class RequestLoop:
         would prefill the whole prompt (n x the prompt's forward FLOPs). The prompt-only
         requests generate nothing (``max_new_tokens`` 0); a weight sync in between flushes
         the cache and the samples prefill in full under the new weights, as any request would.
-        Skipped where it cannot pay: one sample per prompt, and batches whose distinct prompts
-        take more than half the KV pool (the cache would evict the first before their samples
-        run, and every prompt would be prefilled n + 1 times)."""
-        if params.n == 1 or not workaround_enabled("one-request-per-sample"):
+        Skipped where it cannot pay: one sample per prompt, no prefix cache, and batches whose
+        distinct prompts take more than half the KV pool (the cache would evict the first before
+        their samples run, and every prompt would be prefilled n + 1 times)."""
+        if params.n == 1 or not workaround_enabled("one-request-per-sample") or not self._prefix_cache:
             return
         # A one-token prompt has nothing to share: a request always prefills its last token.
         distinct = [ids for ids in dict.fromkeys(tuple(map(int, ids)) for ids in prompts) if len(ids) > 1]

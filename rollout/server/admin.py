@@ -100,6 +100,8 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         checked_path(path, "lora_path")
         if name is not None and not isinstance(name, str):
             raise invalid("lora_name", f"'lora_name' must be a string, got {name!r}")
+        if name == state.model_name:
+            raise invalid("lora_name", f"'lora_name' {name!r} is the served model's name: requests could not pick it")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise invalid("step", f"'step' must be an int, got {step!r}")
         in_flight, recompute_kv = swap_mode(body)
@@ -107,6 +109,20 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
             report = await run(backend.load_lora, path, step, name, in_flight, recompute_kv)
         logger.info("loaded LoRA adapters %s from %s: version %d", name, path, report["version"])
         return {**report, "lora_name": name}
+
+    @router.post("/unload_lora")
+    async def unload_lora(request: Request):
+        # vLLM's unload_lora_adapter body ({"lora_name"}): requests naming it are refused from now on.
+        authorize(request)
+        name = (await state.read_json(request)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise invalid("lora_name", "'lora_name' must be a non-empty string")
+        async with admin.lock:
+            unloaded = await run(backend.unload_lora, name)
+        if not unloaded:
+            raise ApiError(404, f"no LoRA adapter named {name!r} is loaded", param="lora_name", code="lora_not_found")
+        logger.info("unloaded LoRA adapters %s", name)
+        return {"lora_name": name, "unloaded": True}
 
     def checked_path(path, param: str) -> None:
         if not isinstance(path, str) or not path:

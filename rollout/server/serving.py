@@ -117,7 +117,7 @@ class Serving:
         base = {
             "id": f"{self.id_prefix}-{uuid.uuid4().hex}",
             "created": int(time.time()),
-            "model": self.state.model_name,
+            "model": lora or self.state.model_name,
         }
         if req.stream:
             chunks = self.backend.stream(prompts, **sampling)

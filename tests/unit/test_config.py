@@ -76,5 +76,7 @@ def test_several_adapter_slots_need_unmerged_adapters_and_no_prefix_cache(qwen2_
         tiny_worker_config(qwen2_dir, max_loras=2, prefix_cache=False)
     with pytest.raises(ValueError, match="max_loras > 1 needs prefix_cache=False: the engine's prefix cache keys"):
         tiny_worker_config(qwen2_dir, max_loras=2, unmerged_lora=LoraConfig(4, 8.0))
+    with pytest.raises(ValueError, match="max_loras > 1 needs chunked_prefill_size > 0"):
+        tiny_worker_config(qwen2_dir, max_loras=2, unmerged_lora=LoraConfig(4, 8.0), chunked_prefill_size=-1)
     with pytest.raises(ValueError, match="max_loras must be a positive int"):
         tiny_worker_config(qwen2_dir, max_loras=0)
