@@ -78,6 +78,10 @@ class LoraSyncBenchConfig:
     prompt_tokens: int = 64
     new_tokens: int = 32
 
+    def __post_init__(self):
+        if self.decode_repeats and self.new_tokens < 4:
+            raise ValueError(f"new_tokens must be >= 4 for decode steps to time, got {self.new_tokens}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
