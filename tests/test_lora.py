@@ -83,6 +83,7 @@ def test_a_base_sync_serves_the_base_and_adapters_alone_move_only_their_bytes(se
     worker = served.worker
     worker.sync_params(served.base)
     assert served.greedy() == served.base_tokens, "a base without adapters is served with none"
+    assert worker.sync_memory_analysis(served.base).temp_size_in_bytes >= 0
     report = worker.sync_adapters(served.placed_adapters)
     assert served.greedy() == served.tokens
     worker.check_consistency(served.merged, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)

@@ -281,8 +281,9 @@ def test_the_serve_flag_reads_rank_alpha_and_modules(tmp_path):
 
     assert unmerged("16,32") == LoraConfig(16, 32.0)
     assert unmerged("8,16,q_proj,v_proj") == LoraConfig(8, 16.0, ("q_proj", "v_proj"))
-    with pytest.raises(SystemExit):
-        unmerged("16")
+    for bad in ("16", "16,32,"):
+        with pytest.raises(SystemExit):
+            unmerged(bad)
 
 
 def test_one_factor_in_both_layouts_is_refused_by_name():
