@@ -4,9 +4,9 @@ sglang-jax 0.0.2 has no LoRA of its own (its ``lora_path`` argument is passed al
 no layer), so an engine started with ``EngineOptions.unmerged_lora`` gets two more weight leaves
 on each adapted linear layer, ``<module>.lora_a`` [in, r] and ``<module>.lora_b`` [r, out], both
 float32 and zero (the adapter is off until a sync fills them); with ``max_loras`` slots, one
-such pair per slot (``lora_a_1``, ...) and each token's slot in one more leaf. They are attached when the model
-is loaded, before the forward is traced, so the compiled forward reads them like any other weight
-leaf: a sync that swaps them moves only adapter bytes and recompiles nothing. Which layers carry
+such pair per slot (``lora_a_1``, ...) and each token's slot in one more leaf. They are attached
+when the model is loaded, before the forward is traced, so the compiled forward reads them like
+any other weight leaf: a sync that swaps them moves only adapter bytes and recompiles nothing. Which layers carry
 them is the mapping table's business (``trainer_bridge.adapter_mappings``: the projection kernels
 whose module is targeted); every one of them must be one of the engine's ``LinearBase`` layers.
 
