@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models import EngineTransform, ParamMapping, mappings_for
 from trainer_bridge import EngineLeaf, SyncError, SyncPlan, adapter_mappings, build_plan, plan_key
 
-from .engine import EngineHandle, device_buffers, factor_names
+from .engine import EngineHandle, device_buffers, in_slot
 
 logger = logging.getLogger(__name__)
 
@@ -43,29 +43,29 @@ class EngineWeights:
         self.mappings: tuple[ParamMapping, ...] = tuple(mappings_for(engine.hf_config))
         # Adapters the engine computes unmerged (EngineOptions.unmerged_lora), else none: the
         # default slot's (``<module>.lora_a``), and each other slot's under its suffixed names
-        # (``<module>.lora_a_1``: lora.factor_names), which the worker gives their trees.
+        # (``<module>.lora_a_1``: engine.in_slot), which the worker gives their trees.
         lora = engine.options.unmerged_lora
         self.adapter_mappings: tuple[ParamMapping, ...] = tuple(adapter_mappings(self.mappings, lora) if lora else ())
         self._slot_mappings = [self.adapter_mappings] + [
-            tuple(_in_slot(m, slot) for m in self.adapter_mappings) for slot in range(1, engine.options.max_loras)
+            tuple(
+                dataclasses.replace(m, trainer=in_slot(m.trainer, slot), engine=in_slot(m.engine, slot))
+                for m in self.adapter_mappings
+            )
+            for slot in range(1, engine.options.max_loras)
         ]
         self._slot_paths = [frozenset(m.trainer for m in slot) for slot in self._slot_mappings]
         self._adapter_paths = frozenset().union(*self._slot_paths)
         config = engine.hf_config
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        by_path = {leaf.path: leaf for leaf in self.leaves}
-        kv_width = engine.num_key_value_heads * self.head_dim
-
-        def as_is(m: ParamMapping) -> bool:
-            if m.engine_transform is EngineTransform.REPEAT_KV_HEADS:
-                # The engine repeats KV heads only when tp_size exceeds them.
-                return by_path[m.engine].shape[-1] == kv_width
-            return m.engine_transform is EngineTransform.IDENTITY
-
+        self._by_path = {leaf.path: leaf for leaf in self.leaves}
+        # A k/v projection's width in the trainer's layout: the model's KV heads, which the
+        # engine repeats when tp_size exceeds them.
+        self._kv_width = engine.num_key_value_heads * self.head_dim
         # Per trainer path: the engine leaf it is used as unchanged, or None when the sync
         # transforms it (transpose; k/v projections whose heads the engine repeats).
         self.used_as_is: dict[str, EngineLeaf | None] = {
-            m.trainer: by_path[m.engine] if as_is(m) else None for m in self.mappings + self.adapter_mappings
+            m.trainer: self._by_path[m.engine] if self._as_is(m) else None
+            for m in self.mappings + self.adapter_mappings
         }
         self._plans: dict[tuple, SyncPlan] = {}
         self._checked_plans: set[SyncPlan] = set()
@@ -114,35 +114,34 @@ class EngineWeights:
         them unmerged is served with zero adapters (the base alone)."""
         if not self._adapter_paths or any(path in self._adapter_paths for path in flat):
             return flat  # adapters of its own (or a tree of adapters alone)
-        by_path = {leaf.path: leaf for leaf in self.leaves}
-        zeros = {}
-        for m in self.adapter_mappings:
-            engine = by_path[m.engine]
-            shape = engine.shape if m.engine_transform is EngineTransform.IDENTITY else self._kv_width_shape(engine)
-            zeros[m.trainer] = np.zeros(shape, engine.dtype)
+        zeros = {
+            m.trainer: np.zeros(self._trainer_shape(m), self._by_path[m.engine].dtype) for m in self.adapter_mappings
+        }
         return {**flat, **zeros}
 
     def kernel_shapes(self) -> dict[str, np.ndarray]:
         """Trainer kernel path -> a stand-in of the trainer's kernel (its shape, no memory):
         what adapters are checked against when the trainer passes them without their base."""
-        by_path = {leaf.path: leaf for leaf in self.leaves}
-        shapes = {}
-        for m in self.mappings:
-            if not m.trainer.endswith(".kernel"):
-                continue
-            engine = by_path[m.engine]
-            if m.engine_transform is EngineTransform.TRANSPOSE:
-                shape = tuple(reversed(engine.shape))
-            elif m.engine_transform is EngineTransform.REPEAT_KV_HEADS:
-                shape = self._kv_width_shape(engine)
-            else:
-                shape = engine.shape
-            shapes[m.trainer] = np.broadcast_to(np.float32(0), shape)
-        return shapes
+        return {
+            m.trainer: np.broadcast_to(np.float32(0), self._trainer_shape(m))
+            for m in self.mappings
+            if m.trainer.endswith(".kernel")
+        }
 
-    def _kv_width_shape(self, leaf: EngineLeaf) -> tuple[int, ...]:
-        # B of a k/v projection, in the trainer's layout: the KV heads before the engine repeats them.
-        return (*leaf.shape[:-1], self.engine.num_key_value_heads * self.head_dim)
+    def _as_is(self, m: ParamMapping) -> bool:
+        """Whether the engine uses ``m``'s trainer leaf unchanged: not transposed, and no KV
+        heads repeated (which the engine does only when tp_size exceeds them)."""
+        engine_shape = self._by_path[m.engine].shape
+        return m.engine_transform is not EngineTransform.TRANSPOSE and self._trainer_shape(m) == engine_shape
+
+    def _trainer_shape(self, m: ParamMapping) -> tuple[int, ...]:
+        """The shape of ``m``'s leaf in the trainer's layout, from its engine leaf's."""
+        shape = self._by_path[m.engine].shape
+        if m.engine_transform is EngineTransform.TRANSPOSE:
+            return tuple(reversed(shape))
+        if m.engine_transform is EngineTransform.REPEAT_KV_HEADS:
+            return (*shape[:-1], self._kv_width)
+        return shape
 
     def prepare(self, flat: Mapping[str, object], *, allow_cast: bool, check_finite: bool) -> PreparedSync:
         """Validate ``flat`` and compute the engine's new leaves (device copies where needed).
@@ -329,12 +328,3 @@ class EngineWeights:
 def _live(leaf) -> bool:
     """A served weight array (not a released placeholder, not deleted)."""
     return isinstance(leaf, jax.Array) and not leaf.is_deleted()
-
-
-def _in_slot(m: ParamMapping, slot: int) -> ParamMapping:
-    """An adapter entry of the default slot as slot ``slot`` has it (suffixed names)."""
-    name = m.trainer.rpartition(".")[2]
-    renamed = factor_names(slot)[0 if name == "lora_a" else 1]
-    return dataclasses.replace(
-        m, trainer=f"{m.trainer.rpartition('.')[0]}.{renamed}", engine=f"{m.engine.rpartition('.')[0]}.{renamed}"
-    )

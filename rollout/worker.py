@@ -49,7 +49,7 @@ from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
-from .engine import EngineHandle, GenerateOutput, SessionStats, factor_names
+from .engine import EngineHandle, GenerateOutput, SessionStats, in_slot
 from .episodes import EpisodeBatch, EpisodeLimits
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
 from .gate import EngineGate
@@ -276,9 +276,7 @@ class RolloutWorker:
         flat = self._unmerged_adapters(adapters, lora, None)
         with self._sync_lock:  # syncs take turns: the slot chosen is still free when it is filled
             slot = self._adapter_slot(name)
-            if slot:
-                names = factor_names(slot)
-                flat = {f"{p.rpartition('.')[0]}.{names[p.endswith('_b')]}": leaf for p, leaf in flat.items()}
+            flat = {in_slot(path, slot): leaf for path, leaf in flat.items()}
             swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
             report = self._sync(flat, "sync_adapters", allow_cast=True, **swap)
             if name is not None:

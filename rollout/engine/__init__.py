@@ -40,7 +40,7 @@ import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 
 from .handle import EngineHandle
 from .inflight import SwapRecord
-from .lora import factor_names
+from .lora import in_slot
 from .patches import engine_version, install_workarounds
 from .profile import Step, StepSplit, StepTimes, profile_steps
 from .sessions import SessionStats
@@ -73,7 +73,7 @@ __all__ = [
     "device_nbytes",
     "disabled_workarounds",
     "engine_version",
-    "factor_names",
+    "in_slot",
     "install_workarounds",
     "profile_steps",
     "workaround_enabled",

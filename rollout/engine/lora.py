@@ -51,6 +51,12 @@ def factor_names(slot: int) -> tuple[str, str]:
     return f"lora_a{suffix}", f"lora_b{suffix}"
 
 
+def in_slot(path: str, slot: int) -> str:
+    """A factor's path (``<module>.lora_a`` or ``lora_b``) as slot ``slot`` names it."""
+    module, _, name = path.rpartition(".")
+    return f"{module}.{factor_names(slot)[name == 'lora_b']}"
+
+
 def attach_adapters(model, modules: list[str], config: LoraConfig, slots: int = 1, max_tokens: int = 0) -> None:
     """Give each named ``LinearBase`` of the engine's nnx ``model`` zero adapter factors, one
     pair per slot. With several slots the model also gets ``lora_token_slots`` [max_tokens]:
