@@ -46,6 +46,7 @@ class StepCostConfig:
     rows: int = 64
     new_tokens: int = 256
     repeats: int = 3
+    decode_steps: int = 1
 
 
 def timed_call(worker: RolloutWorker, rows: int, new_tokens: int, seed: int) -> float:
@@ -70,6 +71,7 @@ def measure(config: StepCostConfig) -> dict:
             max_running_requests=config.rows,
             precompile=True,
             precompile_bs_paddings=(config.rows,),
+            decode_steps=config.decode_steps,
         )
         with RolloutWorker(worker_config) as worker:
             seeds = iter(range(10**6))

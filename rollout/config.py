@@ -58,6 +58,7 @@ class WorkerConfig(EngineOptions):
             "dp_size",
             "page_size",
             "max_loras",
+            "decode_steps",
         )
         for name in positive:
             value = getattr(self, name)

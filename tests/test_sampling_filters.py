@@ -136,7 +136,9 @@ def test_keyed_draw_is_the_same_whatever_the_batch():
 def test_rows_draw_the_same_whether_or_not_another_row_filters():
     """The engine's sampler reads unfiltered batches in two passes and filtered ones through the
     shared filters: a row that does not filter gets the same token and log-prob either way, a
-    greedy row its argmax, a filtering row a token inside its filter."""
+    greedy row its argmax with the log-prob and count of a batch where nothing filters (it kept
+    one token, with log-prob 0, beside a filtering row), a filtering row a token inside its
+    filter."""
     rng = np.random.default_rng(3)
     rows, vocab = 6, 3000
     logits = jnp.asarray(rng.normal(0.0, 3.0, (rows, vocab)), jnp.float32)
@@ -168,6 +170,8 @@ def test_rows_draw_the_same_whether_or_not_another_row_filters():
         plain_logps, np.take_along_axis(np.asarray(reference), plain_ids[:, None], 1)[:, 0], atol=1e-5
     )
     assert mixed_ids[1] == int(jnp.argmax(logits[1]))
+    assert mixed_kept[1] == vocab
+    np.testing.assert_allclose(mixed_logps[1], reference[1, mixed_ids[1]], atol=1e-5)
     assert mixed_ids[5] in np.argsort(-np.asarray(logits[5]))[:20]
     order = np.argsort(-np.asarray(reference[3]))
     kept = order[: np.searchsorted(np.cumsum(np.exp(np.asarray(reference[3])[order])), 0.5) + 1]

@@ -19,7 +19,7 @@ import numpy as np
 from trainer_bridge import EngineLeaf
 
 from ..sampling import SamplingParams
-from . import inflight, sessions
+from . import inflight, multistep, sessions
 from .lora import TOKEN_SLOTS
 from .patches import install_workarounds, preserved_process_state, variables_sharded_lazily
 from .requests import RequestLoop
@@ -48,6 +48,8 @@ class EngineHandle:
             raise EngineError("max_loras > 1 holds several unmerged adapters: set unmerged_lora too")
         if options.record_routing and not workaround_enabled("moe-forward"):
             raise EngineError("record_routing needs workaround moe-forward: its expert block records the routing")
+        device = options.device or jax.default_backend()
+        check_decode_steps(options, options.attention_backend or default_attention_backend(device))
         from sgl_jax.srt.entrypoints.engine import Engine
 
         self.options = options
@@ -77,7 +79,6 @@ class EngineHandle:
             watchdog_timeout=options.watchdog_timeout_s,
             log_level="error",
         )
-        device = options.device or jax.default_backend()
         optional = {
             "context_length": options.context_length,
             "attention_backend": options.attention_backend or default_attention_backend(device),
@@ -123,6 +124,10 @@ class EngineHandle:
                 self.close()
                 raise ValueError(f"record_routing: {options.model_path} is not a mixture-of-experts model")
             self._control.routing = RoutingRecorder()
+        if options.decode_steps > 1:
+            multistep.install(self._scheduler, self._control, options.decode_steps)
+            if options.precompile:
+                self.call(lambda: multistep.precompile(self._scheduler, options.decode_steps))
 
     # ---- engine facts ----------------------------------------------------------------------
 
@@ -170,6 +175,13 @@ class EngineHandle:
     @property
     def vocab_size(self) -> int:
         return int(self._model.runner.model_config.vocab_size)
+
+    @property
+    def decode_chunk_stats(self) -> multistep.DecodeChunkStats | None:
+        """What the engine's decode chunks did (``EngineOptions.decode_steps`` > 1), or None.
+        A racy read while the engine runs (counters of its scheduler thread)."""
+        chunks = self._control.decode_chunks
+        return None if chunks is None else chunks.stats()
 
     @property
     def attention_backend(self) -> str:
@@ -436,6 +448,24 @@ def _close_open_handles() -> None:
     for handle in list(_open_handles):
         with contextlib.suppress(Exception):
             handle.close()
+
+
+def check_decode_steps(options: EngineOptions, attention_backend: str) -> None:
+    """The engines that can run several decode steps per dispatch (multistep.py)."""
+    if options.decode_steps <= 1:
+        return
+    why = None
+    if attention_backend != "native" or not workaround_enabled("native-attention-memory"):
+        # Each step's view of the KV is given through cache_loc to this project's paged attention.
+        why = f"the native attention backend with the paged attention (not {attention_backend!r})"
+    elif not workaround_enabled("sampler"):
+        why = "workaround sampler (its sampler returns the log-probs the chunk keeps)"
+    elif options.record_routing:
+        why = "record_routing off (routing is filed per forward)"
+    elif options.max_loras > 1:
+        why = "max_loras = 1 (each forward's token slots are written on the host)"
+    if why is not None:
+        raise EngineError(f"decode_steps={options.decode_steps} needs {why}")
 
 
 def default_attention_backend(device: str) -> str:

@@ -25,6 +25,7 @@ from .attention import converts_16bit_rows, paged_attention, runs_head_major_dot
 from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms, row_argmax_and_max
 from .lora import patch_unmerged_lora
 from .moe import patch_expert_block
+from .multistep import patch_scheduler as patch_decode_chunks
 from .routing import patch_routing_output
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
@@ -70,6 +71,7 @@ def install_workarounds() -> None:
             import sgl_jax.srt.entrypoints.engine as engine_module
         if workaround_enabled("failure-signal-handler"):
             _import_test_util_keeping_sigterm()
+        patch_decode_chunks()  # before the sampler's run_batch wrapper, which wraps it
         _patch_sampler()
         _patch_logits()
         _patch_start_up(engine_module)
@@ -159,7 +161,11 @@ def _draw_with_logprobs(operands):
         # The trainer applies the same cut from the count (models.completion_log_probs): its own
         # top-p over logits that differ in the last bits could keep one token more or less.
         counts = jnp.sum(jnp.isfinite(kept), axis=-1, dtype=jnp.int32)
-        return ids, sampled_token_log_probs(tempered, kept, ids, top_ks), counts
+        logprobs = sampled_token_log_probs(tempered, kept, ids, top_ks)
+        # Greedy rows as in a batch where no row filters: their log-probs and counts must not
+        # depend on their neighbours (their top_k of 1 would keep one token here).
+        _, greedy_logprobs, all_kept = _greedy_with_logprobs((logits, temperatures))
+        return ids, jnp.where(greedy, greedy_logprobs, logprobs), jnp.where(greedy, all_kept, counts)
 
     return jax.lax.cond(jnp.any(filtering), filtered, unfiltered, None)
 
@@ -185,6 +191,14 @@ def _sample_keeping_logprobs(self, logits_output, sampling_metadata, positions):
     if self.__dict__.get("_rollout_fetch_logprobs"):
         ids, self._rollout_token_logprobs = jax.device_get((ids, (logprobs, kept)))
     return ids
+
+
+def deliver_token_logprobs(scheduler, logprobs, kept) -> None:
+    """Hand a step's log-probs and kept counts (host arrays, one per row) to the run_batch
+    wrapper below, where it asked for them (a decode chunk's steps, multistep.py)."""
+    runner = scheduler.tp_worker.worker.model_runner
+    if runner.__dict__.get("_rollout_fetch_logprobs"):
+        runner._rollout_token_logprobs = (logprobs, kept)
 
 
 def _run_batch_collecting_logprobs(original):

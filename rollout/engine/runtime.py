@@ -116,6 +116,8 @@ class SchedulerControl:
         self.lora_names: dict[str, int] = {}
         self.lora_slots: dict[str, int] = {}
         self.token_slots_leaf: int | None = None
+        # Decode steps computed ahead (EngineOptions.decode_steps, multistep.DecodeChunks).
+        self.decode_chunks = None
         self.error: BaseException | None = None
         self.error_traceback = ""
         self.stop_requested = False
@@ -230,6 +232,8 @@ class SchedulerControl:
                 if not ready:
                     return
                 self.boundary_calls = waiting
+            if self.decode_chunks is not None:  # a boundary call may change weights or KV
+                self.decode_chunks.release()
             for when, fn, future in ready:
                 if not future.set_running_or_notify_cancel():
                     continue

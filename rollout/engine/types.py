@@ -62,6 +62,11 @@ class EngineOptions:
     # Adapter sets an unmerged engine holds at once (vLLM's max_loras): slot 0 is the default
     # one, the others are named (generate(..., lora=name)); each request's tokens use its own.
     max_loras: int = 1
+    # Decode steps per dispatch (rollout/engine/multistep.py): a running batch's decode runs
+    # this many steps in one compiled loop and the scheduler takes each step's ids from it, so
+    # its Python leaves the path between forwards. 1: one forward per scheduler step (0.0.2's).
+    # Needs the native attention backend; not with record_routing or max_loras > 1.
+    decode_steps: int = 1
 
     def __post_init__(self):
         if self.devices is None:

@@ -1,0 +1,140 @@
+"""Several decode steps per dispatch (EngineOptions.decode_steps, rollout/engine/multistep.py):
+the same tokens, log-probs and versions as one step per dispatch, with every scheduler decision
+(finish, stop, abort, in-flight swap) still landing at its step."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from rollout import RolloutWorker
+from rollout.engine import EngineError, EngineHandle
+from tests.helpers import swap_at_token, tiny_options, tiny_worker_config
+from trainer_bridge import load_hf_params
+
+STEPS = 4
+PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105, 7], [12]]
+
+
+@pytest.fixture(scope="module")
+def plain(qwen2_dir):
+    with RolloutWorker(tiny_worker_config(qwen2_dir)) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def chunked(qwen2_dir):
+    with RolloutWorker(tiny_worker_config(qwen2_dir, decode_steps=STEPS)) as w:
+        yield w
+
+
+def _calls(worker, stop_token):
+    """Concurrent calls whose rows end mid-chunk: different lengths, a stop token, sampled and
+    greedy rows, seeded."""
+
+    async def run():
+        return await asyncio.gather(
+            worker.agenerate(PROMPTS, n=2, temperature=1.0, max_new_tokens=11, ignore_eos=True, seed=3, **LOGS),
+            worker.agenerate(PROMPTS[:2], temperature=0.0, max_new_tokens=6, ignore_eos=True, **LOGS),
+            worker.agenerate(PROMPTS[2:], n=3, temperature=0.8, top_p=0.9, max_new_tokens=19, seed=5,
+                             stop_token_ids=[stop_token], **LOGS),
+        )
+
+    return asyncio.run(run())
+
+
+LOGS = {"return_logprobs": True}
+
+
+def _same(a, b):
+    assert a.completions == b.completions and a.finish_reasons == b.finish_reasons
+    np.testing.assert_array_equal(a.token_versions, b.token_versions)
+    np.testing.assert_array_equal(a.kept_counts, b.kept_counts)
+    np.testing.assert_allclose(np.nan_to_num(a.logprobs), np.nan_to_num(b.logprobs), atol=1e-5)
+
+
+def test_chunks_sample_what_one_step_at_a_time_samples(plain, chunked):
+    # A token the sampled rows draw early: some rows stop on it mid-chunk.
+    probe = plain.generate(PROMPTS[2:], n=3, temperature=0.8, top_p=0.9, max_new_tokens=19, seed=5)
+    stop_token = probe.completions[0][5]
+    before = chunked.engine.decode_chunk_stats
+    expected, got = _calls(plain, stop_token), _calls(chunked, stop_token)
+    for a, b in zip(expected, got):
+        _same(a, b)
+    assert "stop" in got[2].finish_reasons and min(len(c) for c in got[2].completions) < 19
+    after = chunked.engine.decode_chunk_stats
+    assert after.dispatched > before.dispatched and after.steps_served > before.steps_served
+    # Rows that ended before their chunk did: computed steps thrown away, their slots freed.
+    assert after.row_steps_discarded > before.row_steps_discarded
+    assert chunked.engine.testing.kv_tokens_held() == 0
+    assert plain.engine.decode_chunk_stats is None
+
+
+def test_an_in_flight_swap_lands_at_its_step_inside_a_chunk(plain, chunked, qwen2_dir):
+    params = load_hf_params(qwen2_dir)
+    new_params = {k: v for k, v in params.items()}
+    rng = np.random.default_rng(0)
+    new_params = _map(lambda x: x + (0.5 * x.std() * rng.standard_normal(x.shape)).astype(x.dtype), params)
+    swap_at = STEPS + 2  # the second chunk's third step
+
+    def greedy(worker, prompt, n):
+        return worker.generate([prompt], temperature=0.0, max_new_tokens=n, ignore_eos=True, **LOGS)
+
+    results = []
+    for worker in (plain, chunked):
+        worker.sync_params(params)
+        version = worker.weight_version
+        batch, _ = swap_at_token(worker, new_params, swap_at, lambda w=worker: greedy(w, PROMPTS[0], 16),
+                                 recompute_kv=True)
+        start = batch.prompt_width
+        versions = batch.token_versions[0, start : start + 16] - version
+        assert versions.tolist() == [0] * swap_at + [1] * (16 - swap_at)
+        results.append(batch)
+        worker.sync_params(params)
+    _same(*results)
+    assert chunked.engine.testing.kv_tokens_held() == 0
+
+
+def _map(fn, tree):
+    return {k: _map(fn, v) if isinstance(v, dict) else fn(np.asarray(v)) for k, v in tree.items()}
+
+
+def test_a_cancelled_call_stops_within_a_step_of_its_chunk(chunked):
+    engine = chunked.engine
+
+    async def cancelled() -> int:
+        stream = chunked.astream([PROMPTS[0]], max_new_tokens=200, ignore_eos=True)
+        async for _ in stream:  # the first tokens: the call's first chunk ran
+            break
+        start = engine.forward_count
+        await stream.aclose()
+        return start
+
+    start = asyncio.run(cancelled())
+    assert engine.testing.kv_tokens_held() == 0
+    # Abandoned steps: those already served when the abort reached the scheduler, then the
+    # abort lands at the next step boundary as it does without chunks.
+    assert engine.forward_count - start < 200 // 4
+    assert chunked.generate([PROMPTS[1]], max_new_tokens=5, ignore_eos=True).completions[0]
+
+
+def test_precompiled_chunks_compile_nothing(qwen2_dir):
+    config = tiny_worker_config(
+        qwen2_dir, decode_steps=STEPS, precompile=True, precompile_bs_paddings=(16,), precompile_token_paddings=(512,)
+    )
+    with RolloutWorker(config) as worker:
+        out = worker.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=1)
+        assert out.compiles == 0
+        assert worker.engine.decode_chunk_stats.dispatched > 0
+
+
+@pytest.mark.parametrize(
+    "overrides, needs",
+    [
+        ({"attention_backend": "fa"}, "native attention backend"),
+        ({"record_routing": True}, "record_routing off"),
+    ],
+)
+def test_engines_that_cannot_chunk_are_refused_with_the_reason(qwen2_dir, overrides, needs):
+    with pytest.raises(EngineError, match=needs):
+        EngineHandle(tiny_options(qwen2_dir, decode_steps=STEPS, **overrides))
