@@ -1,6 +1,6 @@
 """The fixed cost of a decode step: what a step costs when the model's math is nearly free.
 
-    python -m bench.step_cost_bench [--rows 64] [--new-tokens 256] [--repeats 3]
+    python -m bench.step_cost_bench [--rows 64] [--new-tokens 256] [--repeats 3] [--decode-steps 1 16]
 
 A model of hidden 64, 2 layers, 2 heads, 1 KV head, head_dim 16, float32 (its forward is a few
 microseconds of arithmetic), ``rows`` rows of 14-token prompts (16 prompts x n=4 at 64 rows),
@@ -8,7 +8,9 @@ temperature 1, ``ignore_eos``. The fixed cost of a step is the time of a ``new_t
 call minus that of a 1-token call (the prefill, the call's own overhead), over ``new_tokens``
 steps: the host's scheduling, the forward's dispatch and the sampler's, which no faster chip
 removes. Median of ``repeats`` pairs after a warm-up pair; then the engine's own split of the
-steps of one more long call (``rollout.engine.profile_steps``: forward, sampler, host).
+steps of one more long call (``rollout.engine.profile_steps``: forward, sampler, host). Each
+``--decode-steps`` value is a worker of its own (``WorkerConfig.decode_steps``: decode steps per
+dispatch), measured in this run one after another; the first is the baseline of the ratios.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class StepCostConfig:
     rows: int = 64
     new_tokens: int = 256
     repeats: int = 3
-    decode_steps: int = 1
+    decode_steps: tuple[int, ...] = (1, 16)
 
 
 def timed_call(worker: RolloutWorker, rows: int, new_tokens: int, seed: int) -> float:
@@ -58,7 +60,7 @@ def timed_call(worker: RolloutWorker, rows: int, new_tokens: int, seed: int) -> 
     return seconds
 
 
-def measure(config: StepCostConfig) -> dict:
+def measure(config: StepCostConfig, decode_steps: int) -> dict:
     if config.rows % N:
         raise ValueError(f"--rows must be a multiple of n={N}, got {config.rows}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,7 +73,7 @@ def measure(config: StepCostConfig) -> dict:
             max_running_requests=config.rows,
             precompile=True,
             precompile_bs_paddings=(config.rows,),
-            decode_steps=config.decode_steps,
+            decode_steps=decode_steps,
         )
         with RolloutWorker(worker_config) as worker:
             seeds = iter(range(10**6))
@@ -84,6 +86,7 @@ def measure(config: StepCostConfig) -> dict:
                     short_calls.append(short_s)
             with profile_steps() as times:
                 timed_call(worker, config.rows, config.new_tokens + 1, next(seeds))
+            chunks = worker.engine.decode_chunk_stats
     steps = [(lo - sh) / config.new_tokens for lo, sh in zip(long_calls, short_calls)]
     split = times.split("decode")
     return {
@@ -92,24 +95,29 @@ def measure(config: StepCostConfig) -> dict:
         "long_s": statistics.median(long_calls),
         "short_s": statistics.median(short_calls),
         "split": None if split is None else dataclasses.asdict(split) | {"host_s": split.host_s},
+        "chunks": None if chunks is None else dataclasses.asdict(chunks),
     }
 
 
 def main(config: StepCostConfig) -> None:
     print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; load average {os.getloadavg()}")
-    r = measure(config)
-    print(json.dumps(r))
-    print(
-        f"{config.rows} rows, a nearly free model: fixed cost of a decode step {r['step_s'] * 1e3:.2f} ms "
-        f"(each pair: {', '.join(f'{s * 1e3:.2f}' for s in r['steps_s'])} ms; "
-        f"{config.new_tokens + 1}-token call {r['long_s']:.3f} s, 1-token call {r['short_s']:.3f} s)"
-    )
-    if r["split"]:
-        s = r["split"]
+    results = {k: measure(config, k) for k in config.decode_steps}
+    print(json.dumps(results))
+    base = results[config.decode_steps[0]]["step_s"]
+    for k, r in results.items():
         print(
-            f"  engine profile per decode step ({s['steps']} steps): {s['wall_s'] * 1e3:.2f} ms = forward "
-            f"{s['forward_s'] * 1e3:.2f} + sampler {s['sample_s'] * 1e3:.2f} + host {s['host_s'] * 1e3:.2f} ms"
+            f"{config.rows} rows, a nearly free model, decode_steps={k}: fixed cost of a decode step "
+            f"{r['step_s'] * 1e3:.2f} ms (x{r['step_s'] / base:.2f} decode_steps={config.decode_steps[0]}; each pair: "
+            f"{', '.join(f'{s * 1e3:.2f}' for s in r['steps_s'])} ms; {config.new_tokens + 1}-token call "
+            f"{r['long_s']:.3f} s, 1-token call {r['short_s']:.3f} s)"
         )
+        if r["split"]:
+            s = r["split"]
+            print(
+                f"  engine profile per decode step ({s['steps']} steps): {s['wall_s'] * 1e3:.2f} ms = forward "
+                f"{s['forward_s'] * 1e3:.2f} + sampler {s['sample_s'] * 1e3:.2f} + host {s['host_s'] * 1e3:.2f} ms"
+                + (" (a chunk's forwards and sampling are one loop: both under forward)" if k > 1 else "")
+            )
 
 
 def parse_args() -> StepCostConfig:
@@ -118,8 +126,11 @@ def parse_args() -> StepCostConfig:
     parser.add_argument("--rows", type=int, default=d.rows)
     parser.add_argument("--new-tokens", type=int, default=d.new_tokens)
     parser.add_argument("--repeats", type=int, default=d.repeats)
+    parser.add_argument("--decode-steps", type=int, nargs="+", default=list(d.decode_steps))
     args = parser.parse_args()
-    return StepCostConfig(rows=args.rows, new_tokens=args.new_tokens, repeats=args.repeats)
+    return StepCostConfig(
+        rows=args.rows, new_tokens=args.new_tokens, repeats=args.repeats, decode_steps=tuple(args.decode_steps)
+    )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ engine is being built), ``runtime`` (the engine's threads), ``handle`` (``Engine
 start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
 loop), ``testing`` (its test hooks), ``inflight`` (weight swaps with requests running),
 ``routing`` (MoE routing recorded for replay), ``sessions`` (a conversation's prefix kept
-cached between its calls), ``lora`` (LoRA adapters computed unmerged), ``tpu_kernels`` (the TPU kernels' JAX names),
+cached between its calls), ``lora`` (LoRA adapters computed unmerged), ``multistep`` (several decode steps per
+dispatch), ``tpu_kernels`` (the TPU kernels' JAX names),
 ``profile`` (where steps spend their time), ``types`` (options, outputs, errors; no sgl_jax
 import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 """
@@ -41,6 +42,7 @@ import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 from .handle import EngineHandle
 from .inflight import SwapRecord
 from .lora import in_slot
+from .multistep import DecodeChunkStats
 from .patches import engine_version, install_workarounds
 from .profile import Step, StepSplit, StepTimes, profile_steps
 from .sessions import SessionStats
@@ -58,6 +60,7 @@ from .workarounds import DISABLE_ENV, WORKAROUNDS, disabled_workarounds, workaro
 __all__ = [
     "DEFAULT_WATCHDOG_TIMEOUT_S",
     "DISABLE_ENV",
+    "DecodeChunkStats",
     "WORKAROUNDS",
     "EngineError",
     "EngineHandle",

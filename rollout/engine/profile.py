@@ -3,10 +3,13 @@
 ``profile_steps()`` times every engine's ``ModelRunner.forward`` and ``ModelRunner.sample`` in
 this process while it is open, each until its outputs are ready, by forward mode (``decode``,
 ``extend``), and each step's wall time (from its forward's start to the next forward's start,
-all the scheduler's host work included). The engine already waits for the sampled ids at the
-end of each step, so waiting for the forward's outputs too hides no work: the host's share of a
-step is what remains of its wall time. Process-wide, for one engine at a time (several engines'
-steps would interleave), and meant for benchmarks (``bench.generate_bench``), not for serving.
+all the scheduler's host work included). A decode chunk (``EngineOptions.decode_steps``) is one
+entry of its steps' count: its loop's forwards and sampling together as ``forward_s``, and its
+wall time until the next dispatch (the scheduler's steps that took its ids included). The engine
+already waits for the sampled ids at the end of each step, so waiting for the forward's outputs
+too hides no work: the host's share of a step is what remains of its wall time. Process-wide,
+for one engine at a time (several engines' steps would interleave), and meant for benchmarks
+(``bench.generate_bench``), not for serving.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Step:
     start: float  # perf_counter at its forward's start
     forward_s: float = 0.0
     sample_s: float = 0.0
+    steps: int = 1  # decode steps it ran (a decode chunk's count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +62,7 @@ class StepTimes:
         timed = [(a, b.start - a.start) for a, b in zip(self.steps, self.steps[1:]) if a.mode == mode]
         if not timed:
             return None
-        n = len(timed)
+        n = sum(step.steps for step, _ in timed)
         return StepSplit(
             steps=n,
             wall_s=sum(wall for _, wall in timed) / n,
@@ -75,6 +79,8 @@ def profile_steps():
     """Yield a :class:`StepTimes` filled by every forward and sampling step until exit."""
     install_workarounds()
     from sgl_jax.srt.model_executor.model_runner import ModelRunner
+
+    from . import multistep
 
     times = StepTimes()
     with _profile_lock:
@@ -97,8 +103,19 @@ def profile_steps():
                 step.sample_s += time.perf_counter() - start
             return out
 
+        run_chunk = multistep.run_chunk
+
+        def timed_chunk(worker, mwb, plan, max_steps):
+            step = Step("decode", time.perf_counter(), steps=plan[0])
+            times.steps.append(step)
+            out = run_chunk(worker, mwb, plan, max_steps)  # its ids are on the host: all done
+            step.forward_s = time.perf_counter() - step.start
+            return out
+
         ModelRunner.forward, ModelRunner.sample = timed_forward, timed_sample
+        multistep.run_chunk = timed_chunk
         try:
             yield times
         finally:
             ModelRunner.forward, ModelRunner.sample = forward, sample
+            multistep.run_chunk = run_chunk

@@ -1,8 +1,10 @@
-"""rollout/engine/handle.py: the platform choices made when a config leaves them open."""
+"""rollout/engine/handle.py: the platform choices made when a config leaves them open, and the
+engines that can run decode chunks."""
 
 import pytest
 
-from rollout.engine.handle import default_attention_backend
+from rollout.engine import EngineError, EngineOptions
+from rollout.engine.handle import check_decode_steps, default_attention_backend
 
 
 @pytest.mark.parametrize(
@@ -10,3 +12,22 @@ from rollout.engine.handle import default_attention_backend
 )
 def test_attention_backend_is_chosen_by_platform(device, backend):
     assert default_attention_backend(device) == backend
+
+
+@pytest.mark.parametrize(
+    ("overrides", "backend", "needs"),
+    [
+        ({}, "fa", "the native attention backend with the paged attention \\(not 'fa'\\)"),
+        ({"record_routing": True}, "native", "record_routing off"),
+        ({"max_loras": 2}, "native", "max_loras = 1"),
+    ],
+)
+def test_engines_that_cannot_run_decode_chunks_are_refused_with_the_reason(overrides, backend, needs):
+    options = EngineOptions(model_path="unused", decode_steps=8, **overrides)
+    with pytest.raises(EngineError, match=f"decode_steps=8 needs {needs}"):
+        check_decode_steps(options, backend)
+    check_decode_steps(EngineOptions(model_path="unused", decode_steps=1, **overrides), backend)
+
+
+def test_decode_chunks_run_on_the_paged_native_attention():
+    check_decode_steps(EngineOptions(model_path="unused", decode_steps=8), "native")
