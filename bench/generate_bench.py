@@ -45,7 +45,9 @@ user makes first: ``--torch-modes`` eager (its dynamic cache) and compiled (a st
 
 ``--variants baseline`` runs the same figures with ``ROLLOUT_DISABLE_WORKAROUNDS`` naming the
 speed workarounds (``SPEED_WORKAROUNDS``), ``--variants without:NAME`` with that one workaround
-off; each variant and shape in a fresh process.
+off, ``--variants steps:K`` with ``WorkerConfig(decode_steps=K)`` (K decode steps per dispatch;
+the profile then counts a chunk's forwards and sampling as its forward); each variant and shape
+in a fresh process.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class GenerateBenchConfig:
     # (CUDA graphs on a GPU), the fastest PyTorch path.
     torch_modes: tuple[str, ...] = ("eager", "compiled")
     dummy_weights: bool = False
+    decode_steps: int = 1  # a child's WorkerConfig.decode_steps (variant steps:K)
 
 
 def model_dir(root: Path, shape: str, layers: int, weights: bool = True) -> Path:
@@ -387,6 +390,7 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
             chunked_prefill_size=config.chunked_prefill_size,
             max_prefill_tokens=config.chunked_prefill_size,
             max_running_requests=max(64, rows),
+            decode_steps=config.decode_steps,
             # Every extend token bucket and the decode batch compiled at start-up, as a long RL
             # run has them after its first steps: the first extend of a call packs a varying
             # number of tokens, and one bucket compiled inside the timed call cost it ~2 s.
@@ -465,8 +469,8 @@ def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig
         env[workarounds.DISABLE_ENV] = ",".join(SPEED_WORKAROUNDS)
     elif variant.startswith("without:"):
         env[workarounds.DISABLE_ENV] = variant.removeprefix("without:")
-    elif variant != "new":
-        raise ValueError(f"unknown variant {variant!r}: new, baseline or without:WORKAROUND")
+    elif not variant.startswith("steps:") and variant != "new":
+        raise ValueError(f"unknown variant {variant!r}: new, baseline, without:WORKAROUND or steps:K")
     args = [
         sys.executable,
         "-m",
@@ -479,6 +483,7 @@ def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig
         str(config.repeats),
     ]
     args += ["--dummy-weights"] if config.dummy_weights else []
+    args += ["--decode-steps", variant.removeprefix("steps:")] if variant.startswith("steps:") else []
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{shape} {variant} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -614,6 +619,7 @@ def parse_args():
         action="store_true",
         help="serve the engine's dummy initialisation instead of written random weights",
     )
+    parser.add_argument("--decode-steps", type=int, default=d.decode_steps, help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = GenerateBenchConfig(
@@ -625,6 +631,7 @@ def parse_args():
         torch_python=args.torch_python,
         torch_modes=tuple(args.torch_modes.split(",")),
         dummy_weights=args.dummy_weights,
+        decode_steps=args.decode_steps,
     )
     return config, args.child
 

@@ -141,3 +141,15 @@ def test_an_engine_that_cannot_chunk_is_refused_before_it_starts(qwen2_dir):
     # The unit layer checks each reason (tests/unit/test_engine_handle.py).
     with pytest.raises(EngineError, match="native attention backend"):
         EngineHandle(tiny_options(qwen2_dir, decode_steps=STEPS, attention_backend="fa"))
+
+
+def test_chunks_on_a_paged_pool_free_the_pages_they_do_not_use(plain, qwen2_dir):
+    config = tiny_worker_config(qwen2_dir, decode_steps=STEPS, page_size=4)
+    with RolloutWorker(config) as paged:
+        probe = plain.generate(PROMPTS[2:], n=3, temperature=0.8, top_p=0.9, max_new_tokens=19, seed=5)
+        stop_token = probe.completions[0][5]
+        for a, b in zip(_calls(plain, stop_token), _calls(paged, stop_token)):
+            assert a.completions == b.completions
+            np.testing.assert_allclose(np.nan_to_num(a.logprobs), np.nan_to_num(b.logprobs), atol=1e-4)
+        assert paged.engine.decode_chunk_stats.row_steps_discarded > 0
+        assert paged.engine.testing.kv_tokens_held() == 0

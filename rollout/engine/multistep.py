@@ -8,15 +8,18 @@ sampled ids fed to the next. The KV slots of steps 1..K-1 are allocated before t
 as it does without chunks, one step per loop iteration (finish checks, stop strings, aborts,
 streaming, weight versions, log-prob sinks, boundary calls), except that a step the chunk
 already computed takes its ids from the chunk (its KV slots are the chunk's, its forward is
-skipped). So everything the scheduler decides between steps still lands between steps:
+skipped). The next chunk is dispatched as soon as one's ids are on the host, from its last
+tokens: the device computes it while the scheduler takes the steps of the one before, so the
+host's work overlaps the device's. Everything the scheduler decides between steps still lands
+between steps:
 
 - a request that finished or was aborted leaves the batch as before; the chunk's slots it did
   not reach are freed;
 - a request joining the batch, a boundary call (an in-flight swap, a session release) or a
-  weight swap ends the chunk: its unused slots are freed and the next step dispatches a new one
-  under the current weights;
+  weight swap ends the chunks (the one served and the one ahead): their unused slots are freed
+  and the next step dispatches a new one under the current weights;
 - the price is device work: steps computed for rows that finished early, or for a chunk ended
-  early, are thrown away (never more than K-1 steps per row and chunk).
+  early, are thrown away.
 
 Attention across the chunk: the forward's ``cache_loc`` is laid out for each row's length at
 the chunk's last step, and a step sees only the slots its position has reached (later ones are
@@ -34,13 +37,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 # Scheduler attribute holding its DecodeChunks.
 _STATE = "_rollout_decode_chunks"
@@ -48,27 +48,40 @@ _STATE = "_rollout_decode_chunks"
 
 @dataclasses.dataclass
 class DecodeChunk:
-    """The steps one dispatch computed for a batch's rows, served one scheduler step at a time."""
+    """The steps one dispatch computes for a batch's rows, served one scheduler step at a time."""
 
     reqs: list  # the batch's requests at dispatch, in row order
     version: int  # the weight version of the forwards
-    tokens: np.ndarray  # [steps, rows] sampled ids
-    logprobs: np.ndarray  # [steps, rows]
-    kept: np.ndarray  # [steps, rows]
     slots: np.ndarray  # [steps, rows] KV slot of each step's input token
-    bid: int
-    next_step: int = 1  # step 0 is served by the dispatch itself
-    row_of: dict = dataclasses.field(default_factory=dict)  # id(req) -> row
+    first_lens: np.ndarray  # [rows] each row's length at step 0 (its input token included)
+    mwb: object  # the ModelWorkerBatch of step 0
+    metadata: tuple  # chunk_metadata of its batch
+    next_step: int = 0
+    # The device's outputs until fetched, then [steps, rows] host arrays.
+    pending: tuple | None = None
+    tokens: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
+    kept: np.ndarray | None = None
+    misses: int = 0  # compiles its dispatch caused
+    row_of: dict = dataclasses.field(default_factory=dict)  # id(req) -> row, rows still served
 
     def __post_init__(self):
         self.row_of = {id(req): row for row, req in enumerate(self.reqs)}
 
     @property
     def steps(self) -> int:
-        return self.tokens.shape[0]
+        return self.slots.shape[0]
+
+    def fetch(self) -> None:
+        """Wait for the device and bring the sampled ids, log-probs and counts to the host."""
+        if self.pending is not None:
+            rows = len(self.reqs)
+            fetched = jax.device_get(self.pending)
+            self.tokens, self.logprobs, self.kept = (np.asarray(x)[: self.steps, :rows] for x in fetched)
+            self.pending = None
 
     def rows_for(self, reqs: list) -> np.ndarray | None:
-        """The chunk's rows of ``reqs`` if it computed the next step for every one of them."""
+        """The chunk's rows of ``reqs`` if it computes the next step for every one of them."""
         if self.next_step >= self.steps or not reqs:
             return None
         rows = [self.row_of.get(id(req)) for req in reqs]
@@ -76,29 +89,36 @@ class DecodeChunk:
             return None
         return np.asarray(rows)
 
+    def live_rows(self) -> np.ndarray:
+        return np.asarray(sorted(self.row_of.values()), dtype=np.int64)
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeChunkStats:
     """What an engine's decode chunks did since it started."""
 
     dispatched: int  # chunks run (one dispatch each)
-    steps_served: int  # scheduler steps that took their ids from a chunk, dispatches excluded
+    steps_served: int  # scheduler steps that took their ids from a chunk
     row_steps_discarded: int  # row-steps computed that no scheduler step took
 
 
 class DecodeChunks:
-    """One engine's chunk in progress (scheduler thread only)."""
+    """One engine's chunk being served and the next one, dispatched before the scheduler serves
+    the first (scheduler thread only). The next chunk continues from the first one's last
+    tokens, so the device computes it while the scheduler takes the first one's steps: the
+    host's work overlaps the device's."""
 
     def __init__(self, scheduler, control, steps: int):
         self.scheduler = scheduler
         self.control = control
         self.steps = steps
         self.chunk: DecodeChunk | None = None
+        self.ahead: DecodeChunk | None = None
         # Set when the scheduler's batch was prepared for the chunk's next step.
         self.prepared = False
-        self.dispatched = 0  # chunks run
-        self.steps_served = 0  # steps taken from chunks (beyond each chunk's first)
-        self.steps_discarded = 0  # row-steps computed and thrown away
+        self.dispatched = 0
+        self.steps_served = 0
+        self.steps_discarded = 0
 
     def stats(self) -> DecodeChunkStats:
         return DecodeChunkStats(self.dispatched, self.steps_served, self.steps_discarded)
@@ -106,11 +126,19 @@ class DecodeChunks:
     # ---- the scheduler's step ----------------------------------------------------------------
 
     def covering(self, batch) -> np.ndarray | None:
-        """The rows of ``batch``'s next step if the chunk computed it; otherwise the chunk ends."""
+        """The rows of ``batch``'s next step if a chunk computes it; otherwise the chunks end."""
         chunk = self.chunk
         if chunk is None:
             return None
-        rows = chunk.rows_for(batch.reqs) if chunk.version == self.control.weight_version else None
+        current = chunk.version == self.control.weight_version
+        rows = chunk.rows_for(batch.reqs) if current else None
+        if rows is None and current and chunk.next_step >= chunk.steps and self.ahead is not None:
+            rows = self.ahead.rows_for(batch.reqs)
+            if rows is not None:  # the next chunk takes over, and the one after it starts
+                self.chunk, self.ahead = self.ahead, None
+                self._free_left_rows(self.chunk, rows)
+                self.chunk.fetch()
+                self._dispatch_ahead(batch)
         if rows is None:
             self.release()
         return rows
@@ -118,7 +146,9 @@ class DecodeChunks:
     def prepare_from_chunk(self, batch, rows: np.ndarray) -> None:
         """``batch.prepare_for_decode()`` with the chunk's KV slots for its next step."""
         chunk = self.chunk
-        self._free_left_rows(rows)
+        for each in (chunk, self.ahead):
+            if each is not None:
+                self._free_left_rows(each, rows)
         step_slots = chunk.slots[chunk.next_step, rows]
         page_size = self.scheduler.token_to_kv_pool_allocator.page_size
         name = "alloc_token_slots" if page_size == 1 else "alloc_paged_token_slots_decode"
@@ -132,25 +162,25 @@ class DecodeChunks:
     def serve(self, batch):
         """The next step of the chunk as the scheduler's ``run_batch`` result (``batch`` was
         prepared by :meth:`prepare_from_chunk`)."""
+        self.prepared = False
         chunk = self.chunk
         rows = chunk.rows_for(batch.reqs)
-        step = chunk.next_step
-        chunk.next_step += 1
-        self.steps_served += 1
-        return self._result(batch, chunk, step, rows, cache_miss_count=0)
+        step, chunk.next_step = chunk.next_step, chunk.next_step + 1
+        return self._result(batch, chunk, step, rows)
 
     def release(self) -> None:
-        """End the chunk: free the KV slots of the steps it computed that no step took."""
-        chunk, self.chunk = self.chunk, None
+        """End both chunks: free the KV slots of the steps they compute that no step took. (A
+        chunk still running on the device writes those slots before any later forward runs:
+        the later forward reads the KV buffers it outputs.)"""
+        chunks = (self.chunk, self.ahead)
+        self.chunk = self.ahead = None
         self.prepared = False
-        if chunk is None or chunk.next_step >= chunk.steps:
-            return
-        rows = np.asarray(sorted(chunk.row_of.values()), dtype=np.int64)
-        self._free(chunk.slots[chunk.next_step :, rows])
+        for chunk in chunks:
+            if chunk is not None and chunk.next_step < chunk.steps:
+                self._free(chunk.slots[chunk.next_step :, chunk.live_rows()])
 
-    def _free_left_rows(self, rows: np.ndarray) -> None:
-        chunk = self.chunk
-        left = np.setdiff1d(np.asarray(sorted(chunk.row_of.values()), dtype=np.int64), rows)
+    def _free_left_rows(self, chunk: DecodeChunk, rows: np.ndarray) -> None:
+        left = np.setdiff1d(chunk.live_rows(), rows)
         if len(left):
             self._free(chunk.slots[chunk.next_step :, left])
             # Never freed twice: those rows are no longer the chunk's.
@@ -158,8 +188,9 @@ class DecodeChunks:
                 chunk.row_of.pop(id(chunk.reqs[row]), None)
 
     def _free(self, slots: np.ndarray) -> None:
-        """Free KV slots the chunk allocated and no step took."""
+        """Free KV slots a chunk allocated and no step took (-1: a row it computes for nobody)."""
         slots = slots.ravel()
+        slots = slots[slots >= 0]
         self.steps_discarded += slots.size
         page_size = self.scheduler.token_to_kv_pool_allocator.page_size
         # A page belongs to the chunk if its first slot does (later slots of a page the engine
@@ -168,21 +199,23 @@ class DecodeChunks:
         if slots.size:
             self.scheduler.token_to_kv_pool_allocator.free(slots)
 
-    def _result(self, batch, chunk: DecodeChunk, step: int, rows: np.ndarray, cache_miss_count: int):
+    def _result(self, batch, chunk: DecodeChunk, step: int, rows: np.ndarray):
         from sgl_jax.srt.managers.scheduler import GenerationBatchResult
 
         from .patches import deliver_token_logprobs
 
+        self.steps_served += 1
         ids = chunk.tokens[step, rows]
         batch.output_ids = ids
         deliver_token_logprobs(self.scheduler, chunk.logprobs[step, rows], chunk.kept[step, rows])
+        misses, chunk.misses = chunk.misses, 0  # reported once, by the step that waited for it
         return GenerationBatchResult(
             logits_output=None,
             next_token_ids=ids.tolist(),
             extend_input_len_per_req=None,
             extend_logprob_start_len_per_req=None,
-            bid=chunk.bid,
-            cache_miss_count=cache_miss_count,
+            bid=chunk.mwb.bid,
+            cache_miss_count=misses,
         )
 
     # ---- dispatch ----------------------------------------------------------------------------
@@ -195,67 +228,103 @@ class DecodeChunks:
         )
 
     def dispatch(self, batch):
-        """Run up to ``steps`` decode steps of ``batch`` (prepared for its first) in one call;
-        returns the first step's result, or None where a chunk would be one step."""
-        steps = self._steps_for(batch)
+        """Run up to ``steps`` decode steps of ``batch`` (prepared for its first) in one call and
+        start the next chunk; returns the first step's result, or None where a chunk would be
+        one step."""
+        first_lens = np.asarray(batch.seq_lens, np.int64)
+        steps = self._steps_for(batch.reqs, first_lens, 0)
         if steps <= 1:
             return None
-        slots = self._allocate(batch, steps)
-        if slots.shape[0] <= 1:
+        scheduler = self.scheduler
+        mwb = batch.get_model_worker_batch(*scheduler.tp_worker.get_precompile_paddings(), scheduler.page_size)
+        rows = np.arange(len(batch.reqs))
+        chunk = self._launch(batch, mwb, list(batch.reqs), rows, first_lens, batch.out_cache_loc, None, steps)
+        if chunk is None:
+            return None
+        chunk.fetch()
+        self.chunk = chunk
+        self._dispatch_ahead(batch)
+        chunk.next_step = 1
+        return self._result(batch, chunk, 0, np.arange(len(batch.reqs)))
+
+    def _dispatch_ahead(self, batch) -> None:
+        """Start the chunk that continues the current one from its last tokens, for the rows
+        it still serves (the others are computed as padding, with no KV slot)."""
+        chunk = self.chunk
+        live, done = chunk.live_rows(), chunk.steps
+        # Requests waiting for admission: slots held ahead would delay it, and a request
+        # admitted ends the chunks anyway.
+        if not len(live) or self.scheduler.waiting_queue:
+            return
+        first_lens = chunk.first_lens + done
+        steps = self._steps_for([chunk.reqs[row] for row in live], first_lens[live], done - chunk.next_step)
+        if steps < 1:
+            return
+        rows, padded = len(chunk.reqs), len(chunk.mwb.seq_lens)
+        input_ids = np.zeros(padded, chunk.mwb.input_ids.dtype)
+        input_ids[:rows] = chunk.tokens[-1]
+        positions = np.zeros(padded, chunk.mwb.positions.dtype)
+        positions[:rows] = chunk.mwb.positions[:rows] + done
+        mwb = dataclasses.replace(chunk.mwb, input_ids=input_ids, positions=positions)
+        ahead = self._launch(batch, mwb, chunk.reqs, live, first_lens, None, chunk.slots[-1], steps, chunk.metadata)
+        if ahead is not None:
+            ahead.row_of = {id(chunk.reqs[row]): row for row in live}
+        self.ahead = ahead
+
+    def _launch(self, batch, mwb, reqs, live, first_lens, step0_slots, last_slots, steps, metadata=None):
+        """Allocate the chunk's KV slots and start its loop on the device (not waiting)."""
+        slots = self._allocate(batch, reqs, live, first_lens, step0_slots, last_slots, steps)
+        if slots is None:
             return None
         scheduler = self.scheduler
-        worker = scheduler.tp_worker
-        paddings = worker.get_precompile_paddings()
-        mwb = batch.get_model_worker_batch(*paddings, scheduler.page_size)
-        plan = _plan(mwb, batch, slots, scheduler.req_to_token_pool.req_to_token, scheduler.page_size)
+        plan = _plan(mwb, reqs, first_lens, slots, scheduler.req_to_token_pool.req_to_token, scheduler.page_size)
         if plan is None:
-            self._free(slots[1:])
+            self._free(slots if step0_slots is None else slots[1:])
             return None
-        tokens, logprobs, kept, misses = run_chunk(worker, mwb, plan, self.steps)
-        n = slots.shape[0]
-        chunk = DecodeChunk(
-            reqs=list(batch.reqs),
-            version=self.control.weight_version,
-            tokens=tokens[:n, : len(batch.reqs)],
-            logprobs=logprobs[:n, : len(batch.reqs)],
-            kept=kept[:n, : len(batch.reqs)],
-            slots=slots,
-            bid=mwb.bid,
-        )
-        self.chunk = chunk
+        worker = scheduler.tp_worker.worker
+        metadata = chunk_metadata(worker, mwb) if metadata is None else metadata
+        pending, misses = run_chunk(worker, mwb, metadata, plan, self.steps)
         self.dispatched += 1
-        return self._result(batch, chunk, 0, np.arange(len(batch.reqs)), misses)
+        return DecodeChunk(
+            reqs, self.control.weight_version, slots, first_lens, mwb, metadata, pending=pending, misses=misses
+        )
 
-    def _steps_for(self, batch) -> int:
-        # No step past the longest request's remaining tokens or past any row's context.
-        remaining = max(req.sampling_params.max_new_tokens - len(req.output_ids) for req in batch.reqs)
+    def _steps_for(self, reqs, first_lens: np.ndarray, served_ahead: int) -> int:
+        """No step past the longest request's remaining tokens (less the ``served_ahead`` a
+        chunk not yet served will give it) or past any row's context."""
+        remaining = max(req.sampling_params.max_new_tokens - len(req.output_ids) for req in reqs) - served_ahead
         width = self.scheduler.req_to_token_pool.req_to_token.shape[1]
-        room = width - int(np.max(batch.seq_lens)) + 1
-        return max(1, min(self.steps, remaining, room))
+        room = width - int(np.max(first_lens)) + 1
+        return min(self.steps, remaining, room)
 
-    def _allocate(self, batch, steps: int) -> np.ndarray:
-        """[steps, rows] KV slots: step 0's from prepare_for_decode, then the engine's own
-        allocation for each later step, as far as the pool allows."""
+    def _allocate(self, batch, reqs, live, first_lens, step0_slots, last_slots, steps) -> np.ndarray | None:
+        """[steps, rows] KV slots of the ``live`` rows (-1 for the others), each step's allocated
+        as the engine's own decode allocates it, as far as the pool allows: step 0's given
+        (prepare_for_decode's), or continuing from ``last_slots``. Written to the rows' token
+        tables. None where that leaves no step to compute (no step past a given step 0)."""
         allocator = self.scheduler.token_to_kv_pool_allocator
         page_size = allocator.page_size
-        seq_lens = np.asarray(batch.seq_lens)
-        slots = [np.asarray(batch.out_cache_loc)]
-        for step in range(1, steps):
+        slots = [] if step0_slots is None else [np.asarray(step0_slots, np.int32)]
+        last = slots[0] if last_slots is None else last_slots
+        for step in range(len(slots), steps):
+            batch._evict_tree_cache_if_needed(len(live) * page_size)
             if page_size == 1:
-                batch._evict_tree_cache_if_needed(len(seq_lens))
-                locs = allocator.alloc(len(seq_lens))
+                locs = allocator.alloc(len(live))
             else:
-                batch._evict_tree_cache_if_needed(len(seq_lens) * page_size)
-                locs = allocator.alloc_decode((seq_lens + step).tolist(), slots[-1].tolist())
+                locs = allocator.alloc_decode((first_lens[live] + step).tolist(), last[live].tolist())
             if locs is None:
                 break
-            slots.append(np.asarray(locs))
-        slots = np.stack(slots).astype(np.int32)
-        if slots.shape[0] > 1:
-            rows = np.asarray(batch.req_pool_indices)
-            positions = seq_lens[None, :] - 1 + np.arange(slots.shape[0])[:, None]
-            req_to_token = self.scheduler.req_to_token_pool.req_to_token
-            req_to_token[np.broadcast_to(rows, positions.shape), positions] = slots
+            row = np.full(len(reqs), -1, np.int32)
+            row[live] = locs
+            slots.append(row)
+            last = row
+        if len(slots) <= (step0_slots is not None):
+            return None
+        slots = np.stack(slots)
+        table_rows = np.asarray([reqs[row].req_pool_idx for row in live])
+        positions = first_lens[live][None, :] - 1 + np.arange(slots.shape[0])[:, None]
+        req_to_token = self.scheduler.req_to_token_pool.req_to_token
+        req_to_token[np.broadcast_to(table_rows, positions.shape), positions] = slots[:, live]
         return slots
 
 
@@ -271,24 +340,27 @@ class ChunkPlan:
     seq_lens: jax.Array  # [padded rows] each row's length at the last step (0: padding)
 
 
-def _plan(mwb, batch, slots: np.ndarray, req_to_token: np.ndarray, page_size: int):
+def _plan(mwb, reqs, first_lens: np.ndarray, slots: np.ndarray, req_to_token: np.ndarray, page_size: int):
+    """The chunk's (steps, out_cache_loc, cache_loc, visible_from, seq_lens) host arrays, or
+    None where its rows' last lengths do not fit the forward's ``cache_loc``."""
     steps, rows = slots.shape
     padded_rows = len(mwb.seq_lens)
-    first = np.asarray(batch.seq_lens, np.int64)  # lengths at step 0
-    last = first + steps - 1
+    last = first_lens + steps - 1
     spans = (last + page_size - 1) // page_size * page_size
     size = len(mwb.cache_loc)
-    if spans.sum() > size:
+    used_size = int(spans.sum())
+    if used_size > size:
         return None
     starts = np.cumsum(spans) - spans
     owner = np.repeat(np.arange(rows), spans)
-    col = np.arange(spans.sum()) - starts[owner]
+    col = np.arange(used_size) - starts[owner]
     used = col < last[owner]
+    table_rows = np.asarray([req.req_pool_idx for req in reqs])[owner]
     cache_loc = np.zeros(size, np.int32)
+    cache_loc[:used_size] = np.where(used, req_to_token[table_rows, np.minimum(col, req_to_token.shape[1] - 1)], 0)
+    # Entry ``col`` of a row is its token at position col, reached at step col - (first - 1).
     visible_from = np.full(size, np.iinfo(np.int32).max, np.int32)
-    table_rows = np.asarray(batch.req_pool_indices)[owner]
-    cache_loc[: spans.sum()] = np.where(used, req_to_token[table_rows, np.minimum(col, req_to_token.shape[1] - 1)], 0)
-    visible_from[: spans.sum()] = np.where(used, np.maximum(col - first[owner] + 1, 0), visible_from[: spans.sum()])
+    visible_from[:used_size] = np.where(used, np.maximum(col - first_lens[owner] + 1, 0), visible_from[:used_size])
     out_cache_loc = np.full((steps, padded_rows), -1, np.int32)
     out_cache_loc[:, :rows] = slots
     seq_lens = np.zeros(padded_rows, np.int32)
@@ -296,13 +368,25 @@ def _plan(mwb, batch, slots: np.ndarray, req_to_token: np.ndarray, page_size: in
     return steps, out_cache_loc, cache_loc, visible_from, seq_lens
 
 
-def run_chunk(worker, mwb, plan, max_steps: int):
-    """Run ``plan``'s steps of ``mwb``'s decode batch on the device: the sampled ids, log-probs
-    and kept counts [max_steps, padded rows] on the host, and the compiles it caused."""
-    import jax._src.test_util as jtu
+def chunk_metadata(worker, mwb) -> tuple:
+    """The logits and sampling metadata of a decode batch's chunks, on the device: built once
+    for a batch (its sampling info is filtered in place as rows leave; the metadata is not)."""
     from sgl_jax.srt.layers.logits_processor import LogitsMetadata
-    from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
     from sgl_jax.srt.sampling.sampling_batch_info import SamplingMetadata
+
+    mesh = worker.model_runner.mesh
+    return (
+        LogitsMetadata.from_model_worker_batch(mwb, mesh),
+        SamplingMetadata.from_model_worker_batch(mwb, len(mwb.seq_lens) - mwb.real_bs, mesh),
+    )
+
+
+def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int):
+    """Start ``plan``'s steps of ``mwb``'s decode batch on the device: (the sampled ids,
+    log-probs and kept counts [max_steps, padded rows] as device arrays, the compiles it
+    caused). The engine's KV buffers become the loop's outputs at once."""
+    import jax._src.test_util as jtu
+    from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
 
     runner = worker.model_runner
     steps, out_cache_loc, cache_loc, visible_from, seq_lens = plan
@@ -316,8 +400,7 @@ def run_chunk(worker, mwb, plan, max_steps: int):
         )
     )
     forward_batch = ForwardBatch.init_new(mwb, runner)
-    logits_metadata = LogitsMetadata.from_model_worker_batch(mwb, runner.mesh)
-    sampling_metadata = SamplingMetadata.from_model_worker_batch(mwb, len(mwb.seq_lens) - mwb.real_bs, runner.mesh)
+    logits_metadata, sampling_metadata = metadata
     cells = dict(zip(runner.jitted_run_model.__code__.co_freevars, runner.jitted_run_model.__closure__))
     sampler_def, sampler_state_def, sampler_leaves = runner.jitted_sampler.args
     with jtu.count_pjit_cpp_cache_miss() as count, jax.set_mesh(runner.mesh):
@@ -337,8 +420,7 @@ def run_chunk(worker, mwb, plan, max_steps: int):
         )
         misses = count()
     runner._set_kv_cache_after_forward(kv, forward_batch)
-    tokens, logprobs, kept = jax.device_get((tokens, logprobs, kept))
-    return np.asarray(tokens), np.asarray(logprobs), np.asarray(kept), misses
+    return (tokens, logprobs, kept), misses
 
 
 @functools.partial(
@@ -417,7 +499,7 @@ def precompile(scheduler, steps: int) -> None:
             np.full(cache_loc_size, np.iinfo(np.int32).max, np.int32),
             np.zeros(bs, np.int32),
         )
-        run_chunk(worker, mwb, plan, steps)
+        jax.block_until_ready(run_chunk(worker, mwb, chunk_metadata(worker, mwb), plan, steps)[0])
 
 
 def patch_scheduler() -> None:
@@ -450,7 +532,6 @@ def patch_scheduler() -> None:
         if chunks is None:
             return run_batch(self, batch)
         if chunks.prepared:
-            chunks.prepared = False
             self.forward_ct += 1
             return chunks.serve(batch)
         chunks.release()

@@ -5,11 +5,12 @@ this process while it is open, each until its outputs are ready, by forward mode
 ``extend``), and each step's wall time (from its forward's start to the next forward's start,
 all the scheduler's host work included). A decode chunk (``EngineOptions.decode_steps``) is one
 entry of its steps' count: its loop's forwards and sampling together as ``forward_s``, and its
-wall time until the next dispatch (the scheduler's steps that took its ids included). The engine
-already waits for the sampled ids at the end of each step, so waiting for the forward's outputs
-too hides no work: the host's share of a step is what remains of its wall time. Process-wide,
-for one engine at a time (several engines' steps would interleave), and meant for benchmarks
-(``bench.generate_bench``), not for serving.
+wall time until the next dispatch (the scheduler's steps that took its ids included); waited for
+as it starts, so that a profile serializes the chunks the engine overlaps with its host work.
+The engine already waits for the sampled ids at the end of each step, so waiting for the
+forward's outputs too hides no work: the host's share of a step is what remains of its wall
+time. Process-wide, for one engine at a time (several engines' steps would interleave), and
+meant for benchmarks (``bench.generate_bench``), not for serving.
 """
 
 from __future__ import annotations
@@ -105,10 +106,11 @@ def profile_steps():
 
         run_chunk = multistep.run_chunk
 
-        def timed_chunk(worker, mwb, plan, max_steps):
+        def timed_chunk(worker, mwb, metadata, plan, max_steps):
             step = Step("decode", time.perf_counter(), steps=plan[0])
             times.steps.append(step)
-            out = run_chunk(worker, mwb, plan, max_steps)  # its ids are on the host: all done
+            out = run_chunk(worker, mwb, metadata, plan, max_steps)
+            jax.block_until_ready(out[0])
             step.forward_s = time.perf_counter() - step.start
             return out
 

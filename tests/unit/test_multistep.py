@@ -1,0 +1,49 @@
+"""rollout/engine/multistep.py: a chunk's view of the KV at each of its steps is a one-step
+forward's (no engine: the plan's arrays and the paged attention on them)."""
+
+import types
+
+import numpy as np
+import pytest
+
+from rollout.engine.multistep import _plan
+from tests.helpers import HEAD_DIM, HEADS, KV_HEADS, attend
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_each_step_sees_exactly_the_keys_of_a_one_step_forward(page_size):
+    rng = np.random.default_rng(0)
+    first_lens = np.array([3, 9, 6])  # each row's length at the chunk's step 0
+    steps, rows, padded_rows, loc_len, width = 5, 3, 4, 64, 20
+    pool = rng.standard_normal((128, 2 * KV_HEADS, HEAD_DIM)).astype(np.float32)
+    table = np.zeros((rows, width), np.int32)  # req_to_token: each row's slot of each position
+    table[:, : first_lens.max() + steps] = rng.permutation(np.arange(1, 128))[
+        : rows * (first_lens.max() + steps)
+    ].reshape(rows, -1)
+    reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(rows)]
+    slots = np.stack([table[np.arange(rows), first_lens - 1 + i] for i in range(steps)])
+    mwb = types.SimpleNamespace(seq_lens=np.zeros(padded_rows), cache_loc=np.zeros(loc_len))
+    n, out_cache_loc, cache_loc, visible_from, seq_lens = _plan(mwb, reqs, first_lens, slots, table, page_size)
+    assert n == steps and out_cache_loc.shape == (steps, padded_rows) and (out_cache_loc[:, rows:] == -1).all()
+    np.testing.assert_array_equal(out_cache_loc[:, :rows], slots)
+    q = rng.standard_normal((padded_rows, HEADS, HEAD_DIM)).astype(np.float32)
+    for step in range(steps):
+        lens = first_lens + step
+        # The scheduler's own layout at this step: each row's slots, spans rounded to pages.
+        one_step = np.zeros(loc_len, np.int32)
+        offset = 0
+        for row, length in enumerate(lens):
+            one_step[offset : offset + length] = table[row, :length]
+            offset += -(-length // page_size) * page_size
+        expected = attend(q, pool, one_step, np.append(lens, 0), page_size=page_size, scale=0.3)
+        chunked = np.where(visible_from <= step, cache_loc, 0)
+        got = attend(q, pool, chunked, seq_lens, page_size=page_size, scale=0.3)
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_a_chunk_that_outgrows_the_forwards_cache_loc_is_not_planned():
+    table = np.arange(1, 41, dtype=np.int32).reshape(2, 20)
+    reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(2)]
+    mwb = types.SimpleNamespace(seq_lens=np.zeros(2), cache_loc=np.zeros(16))
+    slots = np.stack([table[:, 7 + i] for i in range(4)])  # rows of 8 tokens at step 0: 11 at the last
+    assert _plan(mwb, reqs, np.array([8, 8]), slots, table, 1) is None
