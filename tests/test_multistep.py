@@ -16,15 +16,23 @@ STEPS = 4
 PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105, 7], [12]]
 
 
+def _config(qwen2_dir, **overrides):
+    # Shapes compiled at start-up (the chunk's loop included): one decode and one prefill bucket,
+    # so both workers run every batch at the same padded shapes.
+    return tiny_worker_config(
+        qwen2_dir, precompile=True, precompile_bs_paddings=(16,), precompile_token_paddings=(512,), **overrides
+    )
+
+
 @pytest.fixture(scope="module")
 def plain(qwen2_dir):
-    with RolloutWorker(tiny_worker_config(qwen2_dir)) as w:
+    with RolloutWorker(_config(qwen2_dir)) as w:
         yield w
 
 
 @pytest.fixture(scope="module")
 def chunked(qwen2_dir):
-    with RolloutWorker(tiny_worker_config(qwen2_dir, decode_steps=STEPS)) as w:
+    with RolloutWorker(_config(qwen2_dir, decode_steps=STEPS)) as w:
         yield w
 
 
@@ -127,14 +135,10 @@ def test_a_cancelled_call_stops_within_a_step_of_its_chunk(chunked):
     assert chunked.generate([PROMPTS[1]], max_new_tokens=5, ignore_eos=True).completions[0]
 
 
-def test_precompiled_chunks_compile_nothing(qwen2_dir):
-    config = tiny_worker_config(
-        qwen2_dir, decode_steps=STEPS, precompile=True, precompile_bs_paddings=(16,), precompile_token_paddings=(512,)
-    )
-    with RolloutWorker(config) as worker:
-        out = worker.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=1)
-        assert out.compiles == 0
-        assert worker.engine.decode_chunk_stats.dispatched > 0
+def test_precompiled_chunks_compile_nothing(chunked):
+    out = chunked.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=1)
+    assert out.compiles == 0
+    assert chunked.engine.decode_chunk_stats.dispatched > 0
 
 
 def test_an_engine_that_cannot_chunk_is_refused_before_it_starts(qwen2_dir):
@@ -144,7 +148,7 @@ def test_an_engine_that_cannot_chunk_is_refused_before_it_starts(qwen2_dir):
 
 
 def test_chunks_on_a_paged_pool_free_the_pages_they_do_not_use(plain, qwen2_dir):
-    config = tiny_worker_config(qwen2_dir, decode_steps=STEPS, page_size=4)
+    config = _config(qwen2_dir, decode_steps=STEPS, page_size=4)
     with RolloutWorker(config) as paged:
         probe = plain.generate(PROMPTS[2:], n=3, temperature=0.8, top_p=0.9, max_new_tokens=19, seed=5)
         stop_token = probe.completions[0][5]
