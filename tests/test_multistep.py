@@ -13,6 +13,7 @@ from tests.helpers import swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 STEPS = 4
+LOGS = {"return_logprobs": True}
 PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105, 7], [12]]
 
 
@@ -59,9 +60,6 @@ def _calls(worker, stop_token):
     return asyncio.run(run())
 
 
-LOGS = {"return_logprobs": True}
-
-
 def _same(a, b):
     assert a.completions == b.completions and a.finish_reasons == b.finish_reasons
     np.testing.assert_array_equal(a.token_versions, b.token_versions)
@@ -88,7 +86,6 @@ def test_chunks_sample_what_one_step_at_a_time_samples(plain, chunked):
 
 def test_an_in_flight_swap_lands_at_its_step_inside_a_chunk(plain, chunked, qwen2_dir):
     params = load_hf_params(qwen2_dir)
-    new_params = {k: v for k, v in params.items()}
     rng = np.random.default_rng(0)
     new_params = _map(lambda x: x + (0.5 * x.std() * rng.standard_normal(x.shape)).astype(x.dtype), params)
     swap_at = STEPS + 2  # the second chunk's third step
@@ -116,7 +113,7 @@ def _map(fn, tree):
     return {k: _map(fn, v) if isinstance(v, dict) else fn(np.asarray(v)) for k, v in tree.items()}
 
 
-def test_a_cancelled_call_stops_within_a_step_of_its_chunk(chunked):
+def test_a_cancelled_call_leaves_no_slot_of_its_chunks(chunked):
     engine = chunked.engine
 
     async def cancelled() -> int:
