@@ -127,7 +127,11 @@ class EngineHandle:
         if options.decode_steps > 1:
             multistep.install(self._scheduler, self._control, options.decode_steps)
             if options.precompile:
-                self.call(lambda: multistep.precompile(self._scheduler, options.decode_steps))
+                try:
+                    self.call(lambda: multistep.precompile(self._scheduler, options.decode_steps))
+                except BaseException:
+                    self.close()
+                    raise
 
     # ---- engine facts ----------------------------------------------------------------------
 
@@ -240,15 +244,21 @@ class EngineHandle:
         return self._wait(future, timeout)
 
     def call_at_boundary(
-        self, fn: Callable[[], Any], when: Callable[[], bool] | None = None, timeout: float | None = None
+        self,
+        fn: Callable[[], Any],
+        when: Callable[[], bool] | None = None,
+        timeout: float | None = None,
+        keeps_decode_chunks: bool = False,
     ) -> Any:
         """Run ``fn`` on the scheduler thread at the next forward boundary, with requests in
         flight: after one forward's tokens are processed and before the next batch is chosen
         (a waiting caller waits at most one forward). ``when`` (evaluated there, at each
-        boundary) delays it to the first boundary where it holds. Returns ``fn``'s result."""
+        boundary) delays it to the first boundary where it holds. Returns ``fn``'s result.
+        ``keeps_decode_chunks``: ``fn`` changes neither weights nor the running requests' KV, so
+        the decode steps computed ahead (``EngineOptions.decode_steps``) stay valid."""
         self.check_alive()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._control.queue_at_boundary(fn, when, future)
+        self._control.queue_at_boundary(fn, when, future, keeps_decode_chunks)
         return self._wait(future, timeout)
 
     def _wait(self, future: concurrent.futures.Future, timeout: float | None) -> Any:
@@ -297,10 +307,10 @@ class EngineHandle:
     def release_session(self, session: str) -> bool:
         """Unlock a session's pinned prefix (it stays cached, evictable); False if it held none.
         Runs at the next forward boundary."""
-        return self.call_at_boundary(lambda: self._sessions.release(session))
+        return self.call_at_boundary(lambda: self._sessions.release(session), keeps_decode_chunks=True)
 
     def session_stats(self) -> SessionStats:
-        return self.call_at_boundary(self._sessions.stats)
+        return self.call_at_boundary(self._sessions.stats, keeps_decode_chunks=True)
 
     # ---- weights, KV pool, compiled forward (the model state) --------------------------------
 

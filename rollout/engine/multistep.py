@@ -119,6 +119,8 @@ class DecodeChunks:
         self.dispatched = 0
         self.steps_served = 0
         self.steps_discarded = 0
+        # Compiles of chunks ended before any step reported them: the next result reports them.
+        self.unreported_misses = 0
 
     def stats(self) -> DecodeChunkStats:
         return DecodeChunkStats(self.dispatched, self.steps_served, self.steps_discarded)
@@ -176,7 +178,10 @@ class DecodeChunks:
         self.chunk = self.ahead = None
         self.prepared = False
         for chunk in chunks:
-            if chunk is not None and chunk.next_step < chunk.steps:
+            if chunk is None:
+                continue
+            self.unreported_misses += chunk.misses
+            if chunk.next_step < chunk.steps:
                 self._free(chunk.slots[chunk.next_step :, chunk.live_rows()])
 
     def _free_left_rows(self, chunk: DecodeChunk, rows: np.ndarray) -> None:
@@ -208,7 +213,8 @@ class DecodeChunks:
         ids = chunk.tokens[step, rows]
         batch.output_ids = ids
         deliver_token_logprobs(self.scheduler, chunk.logprobs[step, rows], chunk.kept[step, rows])
-        misses, chunk.misses = chunk.misses, 0  # reported once, by the step that waited for it
+        # Reported once, by the step that waited for it.
+        misses, chunk.misses, self.unreported_misses = chunk.misses + self.unreported_misses, 0, 0
         return GenerationBatchResult(
             logits_output=None,
             next_token_ids=ids.tolist(),
@@ -252,9 +258,7 @@ class DecodeChunks:
         it still serves (the others are computed as padding, with no KV slot)."""
         chunk = self.chunk
         live, done = chunk.live_rows(), chunk.steps
-        # Requests waiting for admission: slots held ahead would delay it, and a request
-        # admitted ends the chunks anyway.
-        if not len(live) or self.scheduler.waiting_queue:
+        if not len(live) or self._admission_possible(batch):
             return
         first_lens = chunk.first_lens + done
         steps = self._steps_for([chunk.reqs[row] for row in live], first_lens[live], done - chunk.next_step)
@@ -271,13 +275,22 @@ class DecodeChunks:
             ahead.row_of = {id(chunk.reqs[row]): row for row in live}
         self.ahead = ahead
 
+    def _admission_possible(self, batch) -> bool:
+        """Whether a waiting request may join the batch at its next step: then slots held
+        ahead would delay it, and its admission ends the chunks anyway. (Not while the batch
+        is full, by rows or by the pool: requests wait for its rows to finish.)"""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting_queue) and not (
+            batch.batch_is_full or len(batch.reqs) >= scheduler.max_running_requests
+        )
+
     def _launch(self, batch, mwb, reqs, live, first_lens, step0_slots, last_slots, steps, metadata=None):
         """Allocate the chunk's KV slots and start its loop on the device (not waiting)."""
         slots = self._allocate(batch, reqs, live, first_lens, step0_slots, last_slots, steps)
         if slots is None:
             return None
         scheduler = self.scheduler
-        plan = _plan(mwb, reqs, first_lens, slots, scheduler.req_to_token_pool.req_to_token, scheduler.page_size)
+        plan = _plan(mwb, reqs, live, first_lens, slots, scheduler.req_to_token_pool.req_to_token, scheduler.page_size)
         if plan is None:
             self._free(slots if step0_slots is None else slots[1:])
             return None
@@ -340,12 +353,14 @@ class ChunkPlan:
     seq_lens: jax.Array  # [padded rows] each row's length at the last step (0: padding)
 
 
-def _plan(mwb, reqs, first_lens: np.ndarray, slots: np.ndarray, req_to_token: np.ndarray, page_size: int):
+def _plan(mwb, reqs, live, first_lens, slots: np.ndarray, req_to_token: np.ndarray, page_size: int):
     """The chunk's (steps, out_cache_loc, cache_loc, visible_from, seq_lens) host arrays, or
-    None where its rows' last lengths do not fit the forward's ``cache_loc``."""
+    None where its rows' last lengths do not fit the forward's ``cache_loc``. Rows not ``live``
+    (left the batch before a chunk computed ahead) are padding: no keys, no KV slot."""
     steps, rows = slots.shape
     padded_rows = len(mwb.seq_lens)
-    last = first_lens + steps - 1
+    last = np.zeros(rows, np.int64)
+    last[live] = first_lens[live] + steps - 1
     spans = (last + page_size - 1) // page_size * page_size
     size = len(mwb.cache_loc)
     used_size = int(spans.sum())
@@ -517,13 +532,14 @@ def patch_scheduler() -> None:
             return update_running_batch(self, batch)
         initial_bs = batch.batch_size()
         batch.filter_batch()
+        # As the original does for the rows it filters (it sees none left to filter here).
+        if batch.batch_size() < initial_bs:
+            batch.batch_is_full = False
         rows = chunks.covering(batch)
         if rows is None:
             return update_running_batch(self, batch)
         # The original's path when the pool has room: the step's slots are the chunk's.
         self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
-        if batch.batch_size() < initial_bs:
-            batch.batch_is_full = False
         chunks.prepare_from_chunk(batch, rows)
         return batch
 

@@ -5,12 +5,13 @@ this process while it is open, each until its outputs are ready, by forward mode
 ``extend``), and each step's wall time (from its forward's start to the next forward's start,
 all the scheduler's host work included). A decode chunk (``EngineOptions.decode_steps``) is one
 entry of its steps' count: its loop's forwards and sampling together as ``forward_s``, and its
-wall time until the next dispatch (the scheduler's steps that took its ids included); waited for
-as it starts, so that a profile serializes the chunks the engine overlaps with its host work.
-The engine already waits for the sampled ids at the end of each step, so waiting for the
-forward's outputs too hides no work: the host's share of a step is what remains of its wall
-time. Process-wide, for one engine at a time (several engines' steps would interleave), and
-meant for benchmarks (``bench.generate_bench``), not for serving.
+wall time until the next dispatch (chunks being dispatched ahead, that covers the scheduler's
+steps of the chunk before it: over a call the means are per step); waited for as it starts, so
+that a profile serializes the chunks the engine overlaps with its host work. The engine already
+waits for the sampled ids at the end of each step, so waiting for the forward's outputs too
+hides no work: the host's share of a step is what remains of its wall time. Process-wide, for
+one engine at a time (several engines' steps would interleave), and meant for benchmarks
+(``bench.generate_bench``), not for serving.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ class SchedulerControl:
     def __init__(self, name: str = "engine"):
         self.name = name
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        # Calls that run at the next forward boundary, busy or not: [(condition, fn, future)].
+        # Calls that run at the next forward boundary, busy or not:
+        # [(condition, fn, future, keeps_decode_chunks)].
         self.boundary_calls: list[tuple] = []
         self._boundary_lock = threading.Lock()
         # The weight version the engine's forwards use (set by each swap, on the scheduler thread).
@@ -195,7 +196,7 @@ class SchedulerControl:
     def _fail_pending(self) -> None:
         with self._boundary_lock:
             boundary, self.boundary_calls = self.boundary_calls, []
-        for _, _, future in boundary:
+        for _, _, future, _ in boundary:
             future.set_exception(self.dead_error())
         while True:
             try:
@@ -211,9 +212,9 @@ class SchedulerControl:
             )
         return EngineError(f"{self.name}: the sglang-jax engine has been shut down")
 
-    def queue_at_boundary(self, fn, when, future) -> None:
+    def queue_at_boundary(self, fn, when, future, keeps_decode_chunks: bool = False) -> None:
         with self._boundary_lock:
-            self.boundary_calls.append((when, fn, future))
+            self.boundary_calls.append((when, fn, future, keeps_decode_chunks))
         self.wake()
 
     @property
@@ -232,9 +233,10 @@ class SchedulerControl:
                 if not ready:
                     return
                 self.boundary_calls = waiting
-            if self.decode_chunks is not None:  # a boundary call may change weights or KV
+            # A call that may change weights or KV ends the decode chunks computed under them.
+            if self.decode_chunks is not None and not all(entry[3] for entry in ready):
                 self.decode_chunks.release()
-            for when, fn, future in ready:
+            for when, fn, future, _ in ready:
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
@@ -264,7 +266,7 @@ class SchedulerControl:
 
 
 def _ready(entry) -> bool:
-    when, _, future = entry
+    when, _, future, _ = entry
     if when is None or future.cancelled():
         return True
     try:
@@ -328,7 +330,9 @@ def _idle_aware_recv(scheduler, original_recv, control: SchedulerControl, poller
 
 def _timed(run_batch, control: SchedulerControl):
     """Records each forward pass's (start, end) perf_counter times (run_batch waits for the
-    sampled tokens, so the interval covers the device work)."""
+    sampled tokens, so the interval covers the device work). With decode chunks a step taken
+    from a chunk records its host work only: the device's is in the step that dispatched the
+    chunk, or for a chunk computed ahead in the scheduler's wait before its first step."""
 
     def timed_run_batch(batch):
         start = time.perf_counter()

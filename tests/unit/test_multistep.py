@@ -1,12 +1,14 @@
 """rollout/engine/multistep.py: a chunk's view of the KV at each of its steps is a one-step
 forward's (no engine: the plan's arrays and the paged attention on them)."""
 
+import concurrent.futures
 import types
 
 import numpy as np
 import pytest
 
 from rollout.engine.multistep import _plan
+from rollout.engine.runtime import SchedulerControl
 from tests.helpers import HEAD_DIM, HEADS, KV_HEADS, attend
 
 
@@ -23,7 +25,9 @@ def test_each_step_sees_exactly_the_keys_of_a_one_step_forward(page_size):
     reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(rows)]
     slots = np.stack([table[np.arange(rows), first_lens - 1 + i] for i in range(steps)])
     mwb = types.SimpleNamespace(seq_lens=np.zeros(padded_rows), cache_loc=np.zeros(loc_len))
-    n, out_cache_loc, cache_loc, visible_from, seq_lens = _plan(mwb, reqs, first_lens, slots, table, page_size)
+    n, out_cache_loc, cache_loc, visible_from, seq_lens = _plan(
+        mwb, reqs, np.arange(rows), first_lens, slots, table, page_size
+    )
     assert n == steps and out_cache_loc.shape == (steps, padded_rows) and (out_cache_loc[:, rows:] == -1).all()
     np.testing.assert_array_equal(out_cache_loc[:, :rows], slots)
     q = rng.standard_normal((padded_rows, HEADS, HEAD_DIM)).astype(np.float32)
@@ -46,4 +50,32 @@ def test_a_chunk_that_outgrows_the_forwards_cache_loc_is_not_planned():
     reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(2)]
     mwb = types.SimpleNamespace(seq_lens=np.zeros(2), cache_loc=np.zeros(16))
     slots = np.stack([table[:, 7 + i] for i in range(4)])  # rows of 8 tokens at step 0: 11 at the last
-    assert _plan(mwb, reqs, np.array([8, 8]), slots, table, 1) is None
+    assert _plan(mwb, reqs, np.arange(2), np.array([8, 8]), slots, table, 1) is None
+    # Without the row that left the batch, the other fits.
+    assert _plan(mwb, reqs, np.array([1]), np.array([8, 8]), slots, table, 1) is not None
+
+
+def test_a_row_that_left_is_padding_in_a_chunk_computed_ahead():
+    table = np.arange(1, 61, dtype=np.int32).reshape(3, 20)
+    reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(3)]
+    mwb = types.SimpleNamespace(seq_lens=np.zeros(4), cache_loc=np.zeros(64))
+    slots = np.stack([table[:, 4 + i] for i in range(3)])
+    slots[:, 1] = -1  # row 1 finished: the chunk allocated it nothing
+    _, out_cache_loc, cache_loc, _, seq_lens = _plan(mwb, reqs, np.array([0, 2]), np.array([5, 5, 5]), slots, table, 1)
+    assert seq_lens.tolist() == [7, 0, 7, 0] and (out_cache_loc[:, 1] == -1).all()
+    # Rows 0 and 2 back to back, row 1's slots nowhere.
+    np.testing.assert_array_equal(cache_loc[:14], np.concatenate([table[0, :7], table[2, :7]]))
+    assert not np.isin(table[1], cache_loc).any()
+
+
+def test_only_boundary_calls_that_may_change_weights_or_kv_end_the_chunks():
+    control = SchedulerControl("test")
+    released = []
+    control.decode_chunks = types.SimpleNamespace(release=lambda: released.append(True))
+    calls = [(lambda: "session released", True), (lambda: "weights swapped", False)]
+    for fn, keeps in calls:
+        future = concurrent.futures.Future()
+        control.queue_at_boundary(fn, None, future, keeps_decode_chunks=keeps)
+        control.run_boundary_calls()
+        assert future.result() == fn()
+        assert released == ([] if keeps else [True])
