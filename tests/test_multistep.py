@@ -154,3 +154,20 @@ def test_chunks_on_a_paged_pool_free_the_pages_they_do_not_use(plain, qwen2_dir)
             np.testing.assert_allclose(np.nan_to_num(a.logprobs), np.nan_to_num(b.logprobs), atol=1e-4)
         assert paged.engine.decode_chunk_stats.row_steps_discarded > 0
         assert paged.engine.testing.kv_tokens_held() == 0
+
+
+def test_a_session_pins_the_same_prefix_with_chunks(plain, chunked):
+    """A session's turn finishing inside a chunk pins exactly its tokens (prompt and completion
+    but the last): the chunk's slots past them are freed, the pin's are the radix cache's."""
+    first = [10 + i for i in range(30)]
+    results = []
+    for worker in (plain, chunked):
+        turn = worker.generate([first], max_new_tokens=7, ignore_eos=True, seed=1, session="s")
+        following = first + turn.completions[0] + [5, 6, 7]
+        second = worker.generate([following], max_new_tokens=9, ignore_eos=True, seed=2, session="s")
+        (stats,) = worker.session_stats()
+        results.append((turn.completions, second.completions, second.cached_tokens.tolist(), stats.pinned_tokens))
+        assert worker.release_session("s")
+        worker.engine.testing.flush_prefix_cache()
+        assert worker.engine.testing.kv_tokens_held() == 0
+    assert results[0] == results[1] and results[1][2] == [30 + 7 - 1]
