@@ -251,7 +251,7 @@ class DecodeChunks:
         self.chunk = chunk
         self._dispatch_ahead(batch)
         chunk.next_step = 1
-        return self._result(batch, chunk, 0, np.arange(len(batch.reqs)))
+        return self._result(batch, chunk, 0, rows)
 
     def _dispatch_ahead(self, batch) -> None:
         """Start the chunk that continues the current one from its last tokens, for the rows
