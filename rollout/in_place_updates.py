@@ -8,7 +8,9 @@ copy while the operand's address stays the same: after a donated update every co
 that had packed the old values goes on computing with them. Seen: the engine's log-probs drift
 from the trainer's from the second train step on (max |Δ log p| 0.3 -> 1.0 over ten GRPO steps
 of the tiny demo), and the trainer's own jitted log-probs are just as stale. No error, no
-recompile; a fresh copy of the same values is read correctly.
+recompile; a fresh copy of the same values is read correctly. Seen on an AVX2-only AMD EPYC, not on
+an Intel Xeon with AVX-512 and AMX: the flag goes on for every CPU of the affected releases, and the
+probe decides whether a process without it may serve.
 
 :func:`disable_xnnpack_dots` adds ``--xla_cpu_use_xnnpack=false`` to ``XLA_FLAGS`` for the
 affected jaxlib releases; ``import rollout`` calls it, and XLA reads its flags once, when JAX

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -19,8 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models import TinyModelSpec, TinyMoeSpec, flax_model_for, tiny_llama3_spec, tiny_random_llama_spec
-from rollout import WorkerConfig
-from rollout.engine import EngineOptions
+from rollout import WorkerConfig, in_place_updates
+from rollout.engine import EngineOptions, workarounds
 from rollout.engine.attention import paged_attention
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +125,36 @@ def orbax_save(path, tree):
 
 
 # ---- engine workarounds (tests/test_engine_workarounds.py, tests/unit/test_workarounds.py) -------
+
+
+def child_env(disabled: str = "", **variables) -> dict[str, str]:
+    """This process's environment for a child process with the workarounds ``disabled`` (comma
+    separated) switched off. Without ``xla-stale-packed-weights`` the child also runs without the
+    flag this process's import of rollout added to XLA_FLAGS, which it would inherit."""
+    env = dict(os.environ, **{workarounds.DISABLE_ENV: disabled}, **variables)
+    if in_place_updates.WORKAROUND in disabled:
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(in_place_updates.XNNPACK_OFF, "").strip()
+    return env
+
+
+@functools.cache
+def cpu_reads_stale_weights_without_the_flag() -> bool:
+    """The stale-weights probe in a fresh process without its workaround: whether this machine's
+    XLA:CPU reads a weight rewritten in place as its old values. It depends on the jaxlib and on
+    the CPU: seen at jaxlib 0.8.0/0.8.1 on an AVX2-only AMD EPYC, not at 0.8.0 on an Intel Xeon
+    with AVX-512 and AMX."""
+    script = "from rollout.in_place_updates import reads_stale_weights; print('STALE', reads_stale_weights('cpu'))"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=child_env(in_place_updates.WORKAROUND, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return "STALE True" in result.stdout.splitlines()
+
 
 # The test that fails without each workaround (run with ROLLOUT_DISABLE_WORKAROUNDS=<name>, one process
 # each, by tests/test_engine_workarounds.py). A new entry of WORKAROUNDS needs one here
