@@ -59,6 +59,8 @@ def run_async(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Alg
     preset's model family, resume), the engines and the trainer on separate devices."""
     if config.tis_cap is None:
         raise ValueError("--async-rollout trains on tokens of older weights: set --tis-cap")
+    if config.eval_every:
+        raise ValueError("--eval-every runs in the synchronous loop")
     with set_up(config, make_algorithm, split_devices) as setup:
         return _train_async(config, setup)
 

@@ -127,6 +127,12 @@ class RLConfig:
     routing_replay: bool = False
     # Every N steps run RolloutWorker.check_consistency and stop on a ConsistencyError. 0: off.
     check_consistency_every: int = 0
+    # Every N steps (the first included) also roll out one fixed set of eval_prompts problems,
+    # the same problems and sampling seeds each time, with the weights that step generates with:
+    # eval_reward and eval_solved follow the policy without the noise of which problems a step
+    # drew. They are not trained on. 0: off.
+    eval_every: int = 0
+    eval_prompts: int = 16
     consistency_atol: float = 1e-3
     # > 1: multi-turn episodes with the task's calculator (examples/tool_task.py); max_new_tokens
     # is then the whole conversation after the prompt, turn_tokens one turn's.
@@ -174,6 +180,8 @@ class RLConfig:
             raise ValueError(f"tis_cap must be > 0 (or unset), got {self.tis_cap}")
         if self.check_consistency_every < 0 or self.consistency_atol <= 0:
             raise ValueError("check_consistency_every must be >= 0 and consistency_atol > 0")
+        if self.eval_every < 0 or self.eval_prompts < 1:
+            raise ValueError("eval_every must be >= 0 and eval_prompts >= 1")
         rows = self.prompts_per_step * self.samples_per_prompt
         if rows * (self.max_prompt_tokens + self.max_new_tokens) > self.kv_tokens:
             raise ValueError(
@@ -503,26 +511,11 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     if config.check_consistency_every and state.step % config.check_consistency_every == 0:
         consistency = _check_consistency(config, worker, policy_params(algorithm, state.trees), state, problems)
     start = time.perf_counter()
-    task_metrics = {}
-    if isinstance(task, ToolTask):
-        batch, rewards, task_metrics = task.roll_out(worker, problems, seed=step_seed(config.seed, state.step))
-    else:
-        batch = worker.generate(
-            [p.prompt for p in problems],
-            n=config.samples_per_prompt,
-            temperature=config.temperature,
-            max_new_tokens=config.max_new_tokens,
-            pad_prompts_to=config.max_prompt_tokens,
-            return_logprobs=config.wants_logprobs,
-            return_routing=config.routing_replay,
-            prompt_offset=offset,
-            seed=step_seed(config.seed, state.step),
-        )
-        rewards = np.array(
-            [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
-            dtype=np.float32,
-        )
+    batch, rewards, task_metrics = _roll_out(config, worker, task, problems, step_seed(config.seed, state.step), offset)
     generate_s = time.perf_counter() - start
+    evaluation = {}
+    if config.eval_every and state.step % config.eval_every == 0:
+        evaluation = _evaluate(config, worker, task)
     rows = _rows_over_processes(worker)
     arrays = {name: rows(getattr(batch, name)) for name in rollout_arrays(config)}
     rollout = Rollout(problems, batch, rewards, arrays, state.step, rows)
@@ -553,8 +546,43 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
         "train_s": train_s,
         **task_metrics,
         **consistency,
+        **evaluation,
         **stats,
     }
+
+
+def _roll_out(config: RLConfig, worker: RolloutWorker, task: Task | ToolTask, problems, seed: int, offset: int = 0):
+    """``problems``' samples: (their RolloutBatch, rewards, the task's episode metrics)."""
+    if isinstance(task, ToolTask):
+        return task.roll_out(worker, problems, seed=seed)
+    batch = worker.generate(
+        [p.prompt for p in problems],
+        n=config.samples_per_prompt,
+        temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens,
+        pad_prompts_to=config.max_prompt_tokens,
+        return_logprobs=config.wants_logprobs,
+        return_routing=config.routing_replay,
+        prompt_offset=offset,
+        seed=seed,
+    )
+    rewards = np.array(
+        [task.reward_fn(text, problems[i].answer) for text, i in zip(batch.completion_texts, batch.prompt_index)],
+        dtype=np.float32,
+    )
+    return batch, rewards, {}
+
+
+# The prompts and seed stream of the evaluation (Task.sample's step): no training step reaches it.
+EVAL_STREAM = 2**31 - 1
+
+
+def _evaluate(config: RLConfig, worker: RolloutWorker, task: Task | ToolTask) -> dict[str, float]:
+    """The served policy's rewards on the fixed eval problems. Every process rolls out all of
+    them with the same seeds, so every process gets the job's figures."""
+    problems = task.sample(config.eval_prompts, EVAL_STREAM)
+    _, rewards, _ = _roll_out(config, worker, task, problems, step_seed(config.seed, EVAL_STREAM))
+    return {"eval_reward": float(rewards.mean()), "eval_solved": float((rewards >= 1.0).mean())}
 
 
 def rollout_metrics(
@@ -729,6 +757,10 @@ def _summary(config: RLConfig, output_dir: Path, history: list[dict], algorithm:
         times["generate_s"],
         times["train_s"],
     )
+    evaluations = [r["eval_reward"] for r in history if "eval_reward" in r]
+    if evaluations:
+        summary.update(first_eval_reward=evaluations[0], last_eval_reward=evaluations[-1])
+        logger.info("eval reward %s (every %d steps)", " -> ".join(f"{x:.3f}" for x in evaluations), config.eval_every)
     if config.plot:
         _plot(output_dir / "reward.png", history, algorithm.plot_panels)
     return summary
@@ -741,7 +773,8 @@ def _plot(path: Path, history: list[dict], extra_panels) -> None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in history]
-    panels = [("", (("reward", "mean reward"), ("solved", "solved fraction")), "linear")]
+    rewards = (("reward", "mean reward"), ("solved", "solved fraction"), ("eval_reward", "eval reward"))
+    panels = [("", rewards, "linear")]
     panels += [(title, lines, "linear") for title, lines in extra_panels]
     if "mismatch_mean" in history[-1]:
         lines = (("mismatch_mean", "mean |Δ log p|"), ("mismatch_max", "max |Δ log p|"), ("mismatch_kl", "KL estimate"))
@@ -749,8 +782,13 @@ def _plot(path: Path, history: list[dict], extra_panels) -> None:
     fig, axes = plt.subplots(len(panels), 1, figsize=(6, 0.5 + 2.75 * len(panels)), sharex=True, squeeze=False)
     for ax, (title, lines, scale) in zip(axes[:, 0], panels):
         for key, label in lines:
-            values = [r.get(key, np.nan) for r in history]
-            ax.plot(steps, np.abs(values) if scale == "log" else values, label=label)
+            # A metric of some steps only (the evaluation's) is drawn at those steps.
+            points = [(r["step"], r[key]) for r in history if key in r]
+            if not points:
+                continue
+            x, values = zip(*points)
+            marker = "o" if len(x) < len(steps) else None
+            ax.plot(x, np.abs(values) if scale == "log" else values, label=label, marker=marker)
         ax.set_yscale(scale)
         if title:
             ax.set_title(title, fontsize=9)

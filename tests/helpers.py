@@ -307,6 +307,21 @@ def source_name(block: str) -> str:
     return f"{readme_blocks()[block].path.relative_to(REPO)}:{block}"
 
 
+def perturbed_params(params: dict, seed: int = 0) -> dict:
+    """Host copies of a nested param dict with noise of half each leaf's std added: weights that
+    change a tiny model's greedy tokens (what an in-flight swap lands)."""
+    rng = np.random.default_rng(seed)
+
+    def perturb(tree):
+        return {k: perturb(v) if isinstance(v, dict) else _noisy(np.asarray(v), rng) for k, v in tree.items()}
+
+    return perturb(params)
+
+
+def _noisy(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    return x + (0.5 * x.std() * rng.standard_normal(x.shape)).astype(x.dtype)
+
+
 def swap_at_token(worker, new_params, position, generate: Callable, **swap):
     """Run ``generate()`` (one request) while an in-flight sync lands exactly when the request has
     ``position`` tokens: a boundary call holds the scheduler there (its condition is checked at

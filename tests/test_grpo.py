@@ -305,24 +305,36 @@ TOOL_STEPS = 15
 @pytest.mark.example_run_newest
 def test_tiny_tools_grpo_learns_to_call_the_calculator_and_answer(tmp_path):
     """--preset tiny-tools: a warm start, then episodes of up to 3 turns (a call to the calculator,
-    its result, an answer) packed into the batch the update trains on. In 15 steps (seeds 0-1 at
-    jax 0.12, first 3 steps -> last 5) the reward rises 0.248 -> 0.355 and 0.395 -> 0.550, exact
-    answers 0.03 -> 0.08 and 0.19 -> 0.37, the episodes whose call computed their problem's
-    product 0.935 -> 0.986 and 0.911 -> 0.953; groups keep a reward spread, and a later turn finds
-    the earlier ones in the prefix cache (resumes: the other GRPO tests; the warm start in a run's
-    identity: tests/unit/test_rl_loop.py)."""
+    its result, an answer) packed into the batch the update trains on. A step's reward swings with
+    the problems it drew (seed 0 at jax 0.12 on a 2-core Intel Xeon: 0.29-0.51 per step; a lucky
+    third step put the first three steps' mean within 0.05 of the last five's), so the learning is
+    judged on the fixed eval problems (--eval-every: the same problems and seeds at steps 1, 8 and 15): there the reward
+    went 0.288 -> 0.355 -> 0.396 and exact answers 0.08 -> 0.11 -> 0.13, while the episodes whose
+    call computed their problem's product rose to 0.92-0.98; groups keep a reward spread, and a
+    later turn finds the earlier ones in the prefix cache (resumes: the other GRPO tests; the warm
+    start in a run's identity: tests/unit/test_rl_loop.py)."""
     records = run_grpo(
-        tmp_path / "run", "--preset", "tiny-tools", "--steps", str(TOOL_STEPS), "--checkpoint-every", "5"
+        tmp_path / "run",
+        "--preset",
+        "tiny-tools",
+        "--steps",
+        str(TOOL_STEPS),
+        "--checkpoint-every",
+        "5",
+        "--eval-every",
+        "7",
     )
     assert [r["step"] for r in records] == list(range(1, TOOL_STEPS + 1))
     for key in ("turns", "failed_call_fraction", "episodes_answered", "prefill_saved", "entropy", "approx_kl"):
         assert all(np.isfinite(r[key]) for r in records), key
+    evaluations = [r for r in records if "eval_reward" in r]
+    assert [r["step"] for r in evaluations] == [1, 8, 15]
+    assert evaluations[-1]["eval_reward"] > evaluations[0]["eval_reward"] + 0.05
+    assert evaluations[-1]["eval_solved"] > evaluations[0]["eval_solved"]
 
     def mean(key, rows):
         return float(np.mean([r[key] for r in rows]))
 
-    assert mean("reward", records[-5:]) > mean("reward", records[:3]) + 0.05
-    assert mean("solved", records[-5:]) > mean("solved", records[:3])
     assert mean("tool_call_success", records[-5:]) > max(0.9, mean("tool_call_success", records[:3]))
     assert max(r["frac_reward_zero_std"] for r in records) < 0.5
     assert all(1 <= r["turns"] <= 3 and r["completion_tokens"] <= 64 for r in records)

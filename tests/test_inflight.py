@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker, compile_count
-from tests.helpers import swap_at_token, tiny_worker_config
+from tests.helpers import perturbed_params, swap_at_token, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 PROMPT = [5, 17, 42, 8]
@@ -34,12 +34,7 @@ def params(qwen2_dir):
 
 @pytest.fixture(scope="module")
 def new_params(params):
-    rng = np.random.default_rng(0)
-    return _map(lambda x: x + (0.5 * x.std() * rng.standard_normal(x.shape)).astype(x.dtype), params)
-
-
-def _map(fn, tree):
-    return {k: _map(fn, v) if isinstance(v, dict) else fn(np.asarray(v)) for k, v in tree.items()}
+    return perturbed_params(params)
 
 
 def _greedy(worker, prompt, n):

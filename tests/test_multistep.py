@@ -9,7 +9,7 @@ import pytest
 
 from rollout import RolloutWorker
 from rollout.engine import EngineError, EngineHandle
-from tests.helpers import swap_at_token, tiny_options, tiny_worker_config
+from tests.helpers import perturbed_params, swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 STEPS = 4
@@ -86,8 +86,7 @@ def test_chunks_sample_what_one_step_at_a_time_samples(plain, chunked):
 
 def test_an_in_flight_swap_lands_at_its_step_inside_a_chunk(plain, chunked, qwen2_dir):
     params = load_hf_params(qwen2_dir)
-    rng = np.random.default_rng(0)
-    new_params = _map(lambda x: x + (0.5 * x.std() * rng.standard_normal(x.shape)).astype(x.dtype), params)
+    new_params = perturbed_params(params)
     swap_at = STEPS + 2  # the second chunk's third step
 
     def greedy(worker, prompt, n):
@@ -107,10 +106,6 @@ def test_an_in_flight_swap_lands_at_its_step_inside_a_chunk(plain, chunked, qwen
         worker.sync_params(params)
     _same(*results)
     assert chunked.engine.testing.kv_tokens_held() == 0
-
-
-def _map(fn, tree):
-    return {k: _map(fn, v) if isinstance(v, dict) else fn(np.asarray(v)) for k, v in tree.items()}
 
 
 def test_a_cancelled_call_leaves_no_slot_of_its_chunks(chunked):

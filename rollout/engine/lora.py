@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer_bridge import LoraConfig, adapter_mappings
 
-from .types import EngineError
+from .types import EngineError, forward_cells
 
 # The factors are kept in float32 whatever the model's dtype: trainers train them in float32, so
 # a sync can use their arrays as they are, and rank-r matmuls cost little.
@@ -99,8 +99,7 @@ def write_token_slots(scheduler, batch, slot_of_request: dict[str, int], leaf_in
     runner = scheduler.tp_worker.worker.model_runner
     slots = [slot_of_request.get(req.rid, 0) for req in batch.reqs]
     counts = batch.extend_lens if batch.forward_mode.is_extend() else [1] * len(slots)
-    cells = dict(zip(runner.jitted_run_model.__code__.co_freevars, runner.jitted_run_model.__closure__))
-    leaves = cells["model_state_leaves"].cell_contents
+    leaves = forward_cells(runner)["model_state_leaves"].cell_contents
     current = leaves[leaf_index]
     ids = np.zeros(current.shape, np.int32)
     tokens = np.repeat(np.asarray(slots, np.int32), counts)

@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .types import forward_cells
+
 # Scheduler attribute holding its DecodeChunks.
 _STATE = "_rollout_decode_chunks"
 
@@ -416,7 +418,7 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int):
     )
     forward_batch = ForwardBatch.init_new(mwb, runner)
     logits_metadata, sampling_metadata = metadata
-    cells = dict(zip(runner.jitted_run_model.__code__.co_freevars, runner.jitted_run_model.__closure__))
+    cells = forward_cells(runner)
     sampler_def, sampler_state_def, sampler_leaves = runner.jitted_sampler.args
     with jtu.count_pjit_cpp_cache_miss() as count, jax.set_mesh(runner.mesh):
         kv, tokens, logprobs, kept = _decode_chunk(

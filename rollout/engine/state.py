@@ -16,7 +16,7 @@ from trainer_bridge import EngineLeaf
 from . import inflight, sessions
 from .lora import TOKEN_SLOTS
 from .patches import variables_sharded_lazily
-from .types import EngineError, ForwardMemory, device_nbytes
+from .types import EngineError, ForwardMemory, device_nbytes, forward_cells
 from .workarounds import workaround_enabled
 
 # Stands in for a released weight leaf (see ModelState.release_weight_leaves).
@@ -42,15 +42,11 @@ class ModelState:
         """The engine's model runner."""
         return self.scheduler.tp_worker.worker.model_runner
 
-    def _closure_cells(self) -> dict:
-        run_model = self.runner.jitted_run_model
-        return dict(zip(run_model.__code__.co_freevars, run_model.__closure__))
-
     # ---- weights ---------------------------------------------------------------------------
 
     def weight_leaves(self) -> list[jax.Array]:
         """The arrays the next forward pass will read, in the engine's leaf order."""
-        return list(self._closure_cells()["model_state_leaves"].cell_contents)
+        return list(forward_cells(self.runner)["model_state_leaves"].cell_contents)
 
     def leaf_specs(self) -> list[EngineLeaf]:
         """Weight leaves by path (``transformer.layers.0.self_attn.q_proj.weight``), in order."""
@@ -74,7 +70,7 @@ class ModelState:
         # updated too so that it agrees with what the forward reads.
         from flax import nnx
 
-        cells = self._closure_cells()
+        cells = forward_cells(self.runner)
         state = jax.tree_util.tree_unflatten(cells["model_state_def"].cell_contents, new_leaves)
         cells["model_state_leaves"].cell_contents = new_leaves
         nnx.update(self.runner.model, state)
@@ -94,7 +90,7 @@ class ModelState:
             runner.model.load_weights(runner.model_config, jax.random.key(self._seed))
         _, state = nnx.split(runner.model)
         leaves, _ = jax.tree_util.tree_flatten(state)
-        self._closure_cells()["model_state_leaves"].cell_contents = leaves
+        forward_cells(self.runner)["model_state_leaves"].cell_contents = leaves
 
     def align_lm_head_dtype(self) -> None:
         """Workaround "untied-head-dtype" (before the first forward)."""
@@ -109,7 +105,7 @@ class ModelState:
         head.embedding.value = jax.device_put(weight.astype(runner.dtype), weight.sharding)
         graph_def, state = nnx.split(runner.model)
         leaves, state_def = jax.tree_util.tree_flatten(state)
-        cells = self._closure_cells()
+        cells = forward_cells(self.runner)
         cells["model_def"].cell_contents = graph_def
         cells["model_state_def"].cell_contents = state_def
         cells["model_state_leaves"].cell_contents = leaves
@@ -179,7 +175,7 @@ class ModelState:
             rows, mode = worker.get_max_padded_size()[0], ForwardMode.EXTEND
             slots = worker.precompile_cache_loc_paddings[-1]
         batch = worker.generate_model_worker_batch(rows, num_tokens, mode, slots)
-        cells = self._closure_cells()
+        cells = forward_cells(self.runner)
         with jax.set_mesh(runner.mesh):
             compiled = (
                 cells["jitted_run_model"]

@@ -161,3 +161,10 @@ def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
 def device_nbytes(array: jax.Array) -> int:
     """Bytes an array occupies summed over its devices (replicas count once per device)."""
     return sum(device_buffers(array).values())
+
+
+def forward_cells(runner) -> dict:
+    """The closure cells of the engine's jitted forward (``model_def``, ``model_state_def``,
+    ``model_state_leaves``, ...) by name: the forward reads its weights from them at every call."""
+    run_model = runner.jitted_run_model
+    return dict(zip(run_model.__code__.co_freevars, run_model.__closure__))

@@ -1,12 +1,14 @@
-"""examples/rl_loop.py: an output dir is bound to one run."""
+"""examples/rl_loop.py: an output dir is bound to one run; the fixed evaluation."""
 
 import dataclasses
 import json
+import types
 
+import numpy as np
 import pytest
 
 from examples.grpo import PRESETS
-from examples.rl_loop import claim_output_dir
+from examples.rl_loop import EVAL_STREAM, Task, _evaluate, claim_output_dir, step_seed
 
 
 def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monkeypatch):
@@ -51,3 +53,26 @@ def test_the_warm_start_is_part_of_a_runs_identity(tmp_path):
     claim_output_dir(dataclasses.replace(config, steps=90), tmp_path)
     with pytest.raises(ValueError, match=r"warm_start_steps=100; this one has warm_start_steps=5"):
         claim_output_dir(dataclasses.replace(config, warm_start_steps=5), tmp_path)
+
+
+def test_the_evaluation_rolls_out_the_same_problems_with_the_same_seeds_every_time():
+    """--eval-every: one fixed set of problems and one call seed, whatever the step, the seed no
+    training step's; the eval figures are their rewards."""
+    config = dataclasses.replace(PRESETS["tiny"], eval_every=5, eval_prompts=4)
+    task = Task(config, tokenizer=None)
+    calls = []
+
+    class AnswersEveryOther:
+        def generate(self, prompts, *, n, seed, **_):
+            calls.append((prompts, seed))
+            answers = [p.answer for p in task.sample(config.eval_prompts, EVAL_STREAM)]
+            index = np.repeat(np.arange(len(prompts)), n)
+            texts = [answers[i] if row % 2 == 0 else "x" for row, i in enumerate(index)]
+            return types.SimpleNamespace(completion_texts=texts, prompt_index=index)
+
+    first, again = (_evaluate(config, AnswersEveryOther(), task) for _ in range(2))
+    assert first == again == {"eval_reward": 0.5, "eval_solved": 0.5}
+    assert calls[0] == calls[1] and len(calls[0][0]) == 4
+    assert calls[0][1] not in {step_seed(config.seed, step) for step in range(config.steps)}
+    with pytest.raises(ValueError, match="eval_every must be >= 0"):
+        dataclasses.replace(config, eval_every=-1)
