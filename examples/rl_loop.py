@@ -127,13 +127,13 @@ class RLConfig:
     routing_replay: bool = False
     # Every N steps run RolloutWorker.check_consistency and stop on a ConsistencyError. 0: off.
     check_consistency_every: int = 0
+    consistency_atol: float = 1e-3
     # Every N steps (the first included) also roll out one fixed set of eval_prompts problems,
     # the same problems and sampling seeds each time, with the weights that step generates with:
     # eval_reward and eval_solved follow the policy without the noise of which problems a step
     # drew. They are not trained on. 0: off.
     eval_every: int = 0
     eval_prompts: int = 16
-    consistency_atol: float = 1e-3
     # > 1: multi-turn episodes with the task's calculator (examples/tool_task.py); max_new_tokens
     # is then the whole conversation after the prompt, turn_tokens one turn's.
     max_turns: int = 1
@@ -150,6 +150,11 @@ class RLConfig:
     def decay_updates(self) -> int:
         """Train steps after the warm-up over which the learning rate decays (0: none)."""
         return max(1, self.steps * self.ppo_epochs * self.minibatches - self.warmup_updates) if self.lr_decay else 0
+
+    @property
+    def prompts_drawn(self) -> int:
+        """The most distinct prompts one draw takes from a task's pool (a step's, the evaluation's)."""
+        return max(self.prompts_per_step, self.eval_prompts if self.eval_every else 0)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -330,11 +335,11 @@ class Task:
                 for p in problems
                 if len(tokenizer.encode(p.prompt, add_special_tokens=False)) <= config.max_prompt_tokens
             ]
-            if len(self.pool) < config.prompts_per_step:
+            if len(self.pool) < config.prompts_drawn:
                 raise ValueError(
                     f"{config.dataset}: {len(self.pool)} of {len(problems)} prompts fit in "
-                    f"max_prompt_tokens={config.max_prompt_tokens}, "
-                    f"fewer than prompts_per_step={config.prompts_per_step}"
+                    f"max_prompt_tokens={config.max_prompt_tokens}, fewer than the {config.prompts_drawn} "
+                    "a draw takes (prompts_per_step, eval_prompts)"
                 )
             if len(self.pool) < len(problems):
                 logger.info(
@@ -551,18 +556,28 @@ def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: 
     }
 
 
-def _roll_out(config: RLConfig, worker: RolloutWorker, task: Task | ToolTask, problems, seed: int, offset: int = 0):
-    """``problems``' samples: (their RolloutBatch, rewards, the task's episode metrics)."""
+def _roll_out(
+    config: RLConfig,
+    worker: RolloutWorker,
+    task: Task | ToolTask,
+    problems,
+    seed: int,
+    offset: int = 0,
+    for_training: bool = True,
+):
+    """``problems``' samples: (their RolloutBatch, rewards, the task's episode metrics).
+    ``offset``: the index of ``problems[0]`` among the step's prompts (episodes run in one
+    process). ``for_training`` False: without what only the update reads (log-probs, routing)."""
     if isinstance(task, ToolTask):
-        return task.roll_out(worker, problems, seed=seed)
+        return task.roll_out(worker, problems, seed=seed, return_logprobs=for_training and config.wants_logprobs)
     batch = worker.generate(
         [p.prompt for p in problems],
         n=config.samples_per_prompt,
         temperature=config.temperature,
         max_new_tokens=config.max_new_tokens,
         pad_prompts_to=config.max_prompt_tokens,
-        return_logprobs=config.wants_logprobs,
-        return_routing=config.routing_replay,
+        return_logprobs=for_training and config.wants_logprobs,
+        return_routing=for_training and config.routing_replay,
         prompt_offset=offset,
         seed=seed,
     )
@@ -580,9 +595,14 @@ EVAL_STREAM = 2**31 - 1
 def _evaluate(config: RLConfig, worker: RolloutWorker, task: Task | ToolTask) -> dict[str, float]:
     """The served policy's rewards on the fixed eval problems. Every process rolls out all of
     them with the same seeds, so every process gets the job's figures."""
+    start = time.perf_counter()
     problems = task.sample(config.eval_prompts, EVAL_STREAM)
-    _, rewards, _ = _roll_out(config, worker, task, problems, step_seed(config.seed, EVAL_STREAM))
-    return {"eval_reward": float(rewards.mean()), "eval_solved": float((rewards >= 1.0).mean())}
+    _, rewards, _ = _roll_out(config, worker, task, problems, step_seed(config.seed, EVAL_STREAM), for_training=False)
+    return {
+        "eval_reward": float(rewards.mean()),
+        "eval_solved": float((rewards >= 1.0).mean()),
+        "eval_s": time.perf_counter() - start,
+    }
 
 
 def rollout_metrics(
@@ -792,7 +812,8 @@ def _plot(path: Path, history: list[dict], extra_panels) -> None:
         ax.set_yscale(scale)
         if title:
             ax.set_title(title, fontsize=9)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path)

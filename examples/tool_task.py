@@ -178,10 +178,11 @@ class ToolTask:
             with_tools = Problem(p.prompt, p.answer, (system, p.messages[1]))
             if len(frames.prompt(messages(with_tools))) <= self.config.max_prompt_tokens:
                 pool.append(with_tools)
-        if len(pool) < self.config.prompts_per_step:
+        if len(pool) < self.config.prompts_drawn:
             raise ValueError(
                 f"{self.config.dataset}: {len(pool)} prompts (with the calculator's tools block) fit in "
-                f"max_prompt_tokens={self.config.max_prompt_tokens}, fewer than prompts_per_step"
+                f"max_prompt_tokens={self.config.max_prompt_tokens}, fewer than the "
+                f"{self.config.prompts_drawn} a draw takes (prompts_per_step, eval_prompts)"
             )
         return pool
 
@@ -196,7 +197,7 @@ class ToolTask:
             return lambda turn: digit_reward(turn.parsed.content, problem.answer)
         return lambda turn: gsm8k_reward(turn.parsed.content, problem.answer)
 
-    def roll_out(self, worker, problems: list[Problem], *, seed: int):
+    def roll_out(self, worker, problems: list[Problem], *, seed: int, return_logprobs: bool):
         """The step's episodes: (their RolloutBatch, rewards, episode metrics)."""
         config = self.config
         environments = [
@@ -214,7 +215,7 @@ class ToolTask:
             pad_prompts_to=config.max_prompt_tokens,
             completion_width=config.max_new_tokens,
             temperature=config.temperature,
-            return_logprobs=config.wants_logprobs,
+            return_logprobs=return_logprobs,
         )
         return out.batch, out.rewards, episode_metrics(environments, out.episodes)
 

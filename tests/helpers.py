@@ -131,8 +131,9 @@ def child_env(disabled: str = "", **variables) -> dict[str, str]:
     """This process's environment for a child process with the workarounds ``disabled`` (comma
     separated) switched off. Without ``xla-stale-packed-weights`` the child also runs without the
     flag this process's import of rollout added to XLA_FLAGS, which it would inherit."""
-    env = dict(os.environ, **{workarounds.DISABLE_ENV: disabled}, **variables)
-    if in_place_updates.WORKAROUND in disabled:
+    env = dict(os.environ, **variables)
+    env[workarounds.DISABLE_ENV] = disabled
+    if in_place_updates.WORKAROUND in disabled.split(","):
         env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(in_place_updates.XNNPACK_OFF, "").strip()
     return env
 

@@ -58,12 +58,13 @@ def test_the_warm_start_is_part_of_a_runs_identity(tmp_path):
 def test_the_evaluation_rolls_out_the_same_problems_with_the_same_seeds_every_time():
     """--eval-every: one fixed set of problems and one call seed, whatever the step, the seed no
     training step's; the eval figures are their rewards."""
-    config = dataclasses.replace(PRESETS["tiny"], eval_every=5, eval_prompts=4)
+    config = dataclasses.replace(PRESETS["tiny"], eval_every=5, eval_prompts=4, return_logprobs=True)
     task = Task(config, tokenizer=None)
     calls = []
 
     class AnswersEveryOther:
-        def generate(self, prompts, *, n, seed, **_):
+        def generate(self, prompts, *, n, seed, return_logprobs, return_routing, **_):
+            assert not return_logprobs and not return_routing  # what only the update reads
             calls.append((prompts, seed))
             answers = [p.answer for p in task.sample(config.eval_prompts, EVAL_STREAM)]
             index = np.repeat(np.arange(len(prompts)), n)
@@ -71,7 +72,9 @@ def test_the_evaluation_rolls_out_the_same_problems_with_the_same_seeds_every_ti
             return types.SimpleNamespace(completion_texts=texts, prompt_index=index)
 
     first, again = (_evaluate(config, AnswersEveryOther(), task) for _ in range(2))
-    assert first == again == {"eval_reward": 0.5, "eval_solved": 0.5}
+    for figures in (first, again):
+        assert figures["eval_s"] >= 0
+        assert {k: v for k, v in figures.items() if k != "eval_s"} == {"eval_reward": 0.5, "eval_solved": 0.5}
     assert calls[0] == calls[1] and len(calls[0][0]) == 4
     assert calls[0][1] not in {step_seed(config.seed, step) for step in range(config.steps)}
     with pytest.raises(ValueError, match="eval_every must be >= 0"):

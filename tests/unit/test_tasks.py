@@ -101,10 +101,12 @@ def test_gsm8k_rows_from_a_local_file_become_chat_prompts(chat_dir, tmp_path):
     lengths = [len(tokenizer.encode(p.prompt, add_special_tokens=False)) for p in problems]
     assert [p.prompt for p in task.pool] == [p.prompt for p, n in zip(problems, lengths) if n <= 256]
     assert 2 <= len(task.pool) < len(problems) and task.reward_fn is gsm8k_reward
-    with pytest.raises(
-        ValueError, match=r"3 of 8 prompts fit in max_prompt_tokens=256, fewer than prompts_per_step=16"
-    ):
+    with pytest.raises(ValueError, match=r"3 of 8 prompts fit in max_prompt_tokens=256, fewer than the 16 a draw"):
         Task(dataclasses.replace(config, prompts_per_step=16), tokenizer)
+    # The evaluation's draw too, when there is one.
+    Task(dataclasses.replace(config, eval_prompts=4), tokenizer)
+    with pytest.raises(ValueError, match=r"fewer than the 4 a draw takes \(prompts_per_step, eval_prompts\)"):
+        Task(dataclasses.replace(config, eval_prompts=4, eval_every=5), tokenizer)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: GSM8K solution has no '####' answer line"):
