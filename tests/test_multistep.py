@@ -84,7 +84,10 @@ def test_chunks_sample_what_one_step_at_a_time_samples(plain, chunked):
     assert plain.engine.decode_chunk_stats is None
 
 
-def test_an_in_flight_swap_lands_at_its_step_inside_a_chunk(plain, chunked, qwen2_dir):
+@pytest.mark.parametrize("recompute_kv", [True, False], ids=["recompute-kv", "keep-kv"])
+def test_an_in_flight_swap_lands_at_its_step_inside_a_chunk(plain, chunked, qwen2_dir, recompute_kv):
+    """Either kind of swap: the KV of the tokens before it recomputed with the new weights, or
+    kept as the old weights wrote it."""
     params = load_hf_params(qwen2_dir)
     new_params = perturbed_params(params)
     swap_at = STEPS + 2  # the second chunk's third step
@@ -97,7 +100,7 @@ def test_an_in_flight_swap_lands_at_its_step_inside_a_chunk(plain, chunked, qwen
         worker.sync_params(params)
         version = worker.weight_version
         batch, _ = swap_at_token(
-            worker, new_params, swap_at, lambda w=worker: greedy(w, PROMPTS[0], 16), recompute_kv=True
+            worker, new_params, swap_at, lambda w=worker: greedy(w, PROMPTS[0], 16), recompute_kv=recompute_kv
         )
         start = batch.prompt_width
         versions = batch.token_versions[0, start : start + 16] - version
@@ -166,3 +169,16 @@ def test_a_session_pins_the_same_prefix_with_chunks(plain, chunked):
         worker.engine.testing.flush_prefix_cache()
         assert worker.engine.testing.kv_tokens_held() == 0
     assert results[0] == results[1] and results[1][2] == [30 + 7 - 1]
+
+
+def test_chunks_on_a_pool_smaller_than_the_batch_return_every_row_whole(qwen2_dir):
+    """6 rows x (20 + 80) tokens on a 128-token pool: the engine queues and retracts rows, and a
+    chunk takes the slots the pool has left (shorter chunks, or one step at a time); every row
+    ends whole, and no slot is held afterwards."""
+    with RolloutWorker(tiny_worker_config(qwen2_dir, max_total_tokens=128, decode_steps=STEPS)) as small:
+        prompts = [list(range(10 + i, 30 + i)) for i in range(3)]
+        batch = small.generate(prompts, n=2, temperature=1.0, max_new_tokens=80, ignore_eos=True, seed=5)
+        assert [len(c) for c in batch.completions] == [80] * 6
+        assert batch.finish_reasons == ["length"] * 6
+        assert small.engine.decode_chunk_stats.steps_served > 0
+        assert small.engine.testing.kv_tokens_held() == 0
