@@ -8,7 +8,10 @@ temperature 1, ``ignore_eos``. The fixed cost of a step is the time of a ``new_t
 call minus that of a 1-token call (the prefill, the call's own overhead), over ``new_tokens``
 steps: the host's scheduling, the forward's dispatch and the sampler's, which no faster chip
 removes. Median of ``repeats`` pairs after a warm-up pair; then the engine's own split of the
-steps of one more long call (``rollout.engine.profile_steps``: forward, sampler, host). Each
+steps of one more long call (``rollout.engine.profile_steps``: forward, sampler, host); then
+the same pairs with the device stubbed (``rollout.engine.stubbed_device``: each decode forward,
+sampler and chunk returns the outputs of its first call of that shape), whose fixed cost is the
+host's alone, the share of a step to project onto a faster chip. Each
 ``--decode-steps`` value is a worker of its own (``WorkerConfig.decode_steps``: decode steps per
 dispatch), measured in this run one after another; the first is the baseline of the ratios.
 """
@@ -29,7 +32,7 @@ import numpy as np
 
 from models import TinyModelSpec, write_tiny_model
 from rollout import RolloutWorker, WorkerConfig
-from rollout.engine import profile_steps
+from rollout.engine import profile_steps, stubbed_device
 
 NEARLY_FREE = TinyModelSpec(
     hidden_size=64,
@@ -60,6 +63,22 @@ def timed_call(worker: RolloutWorker, rows: int, new_tokens: int, seed: int) -> 
     return seconds
 
 
+def timed_pairs(worker: RolloutWorker, config: StepCostConfig, seeds) -> tuple[list[float], list[float]]:
+    """``repeats`` pairs of a long and a 1-token call after a warm-up pair: their seconds."""
+    long_calls, short_calls = [], []
+    for i in range(config.repeats + 1):
+        long_s = timed_call(worker, config.rows, config.new_tokens + 1, next(seeds))
+        short_s = timed_call(worker, config.rows, 1, next(seeds))
+        if i:
+            long_calls.append(long_s)
+            short_calls.append(short_s)
+    return long_calls, short_calls
+
+
+def per_step(config: StepCostConfig, long_calls: list[float], short_calls: list[float]) -> list[float]:
+    return [(lo - sh) / config.new_tokens for lo, sh in zip(long_calls, short_calls)]
+
+
 def measure(config: StepCostConfig, decode_steps: int) -> dict:
     if config.rows % N:
         raise ValueError(f"--rows must be a multiple of n={N}, got {config.rows}")
@@ -77,23 +96,22 @@ def measure(config: StepCostConfig, decode_steps: int) -> dict:
         )
         with RolloutWorker(worker_config) as worker:
             seeds = iter(range(10**6))
-            long_calls, short_calls = [], []
-            for i in range(config.repeats + 1):  # the first pair warms up
-                long_s = timed_call(worker, config.rows, config.new_tokens + 1, next(seeds))
-                short_s = timed_call(worker, config.rows, 1, next(seeds))
-                if i:
-                    long_calls.append(long_s)
-                    short_calls.append(short_s)
+            long_calls, short_calls = timed_pairs(worker, config, seeds)
             with profile_steps() as times:
                 timed_call(worker, config.rows, config.new_tokens + 1, next(seeds))
             chunks = worker.engine.decode_chunk_stats
-    steps = [(lo - sh) / config.new_tokens for lo, sh in zip(long_calls, short_calls)]
+            with stubbed_device():
+                host_long, host_short = timed_pairs(worker, config, seeds)
+    steps = per_step(config, long_calls, short_calls)
+    host_steps = per_step(config, host_long, host_short)
     split = times.split("decode")
     return {
         "step_s": statistics.median(steps),
         "steps_s": steps,
         "long_s": statistics.median(long_calls),
         "short_s": statistics.median(short_calls),
+        "host_step_s": statistics.median(host_steps),
+        "host_steps_s": host_steps,
         "split": None if split is None else dataclasses.asdict(split) | {"host_s": split.host_s},
         "chunks": None if chunks is None else dataclasses.asdict(chunks),
     }
@@ -110,6 +128,11 @@ def main(config: StepCostConfig) -> None:
             f"{r['step_s'] * 1e3:.2f} ms (x{r['step_s'] / base:.2f} decode_steps={config.decode_steps[0]}; each pair: "
             f"{', '.join(f'{s * 1e3:.2f}' for s in r['steps_s'])} ms; {config.new_tokens + 1}-token call "
             f"{r['long_s']:.3f} s, 1-token call {r['short_s']:.3f} s)"
+        )
+        print(
+            f"  the device stubbed (each decode forward, sampler and chunk returns its first output of that "
+            f"shape): the host's cost per step {r['host_step_s'] * 1e3:.2f} ms (each pair: "
+            f"{', '.join(f'{s * 1e3:.2f}' for s in r['host_steps_s'])} ms)"
         )
         if r["split"]:
             s = r["split"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker, SamplingParams
-from rollout.engine import profile_steps
+from rollout.engine import profile_steps, stubbed_device
 from tests.helpers import tiny_worker_config
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
@@ -275,3 +275,18 @@ def test_profile_steps_splits_the_engines_steps(worker):
     # One extend step (the three prompts), five decode steps, the last with no wall time.
     assert times.count("extend") == 1 and decode.steps == times.count("decode") - 1 == 4
     assert 0 < decode.forward_s and 0 < decode.sample_s and decode.host_s > 0
+
+
+def test_a_stubbed_device_repeats_each_shapes_first_decode_outputs_and_stops_at_exit(worker):
+    kwargs = dict(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    real = worker.generate(PROMPTS, **kwargs).completions
+    others = [[token + 1 for token in prompt] for prompt in PROMPTS]
+    with stubbed_device():
+        first = worker.generate(PROMPTS, **kwargs).completions
+        second = worker.generate(others, **kwargs).completions
+    # Prefills run: each call's first token is its own. Every decode step then returns the
+    # first decode step's ids, whatever the prompts.
+    assert [c[:2] for c in first] == [c[:2] for c in real]
+    assert [c[1:] for c in first] == [c[1:] for c in second] == [[c[1]] * 5 for c in real]
+    assert [c[0] for c in second] != [c[0] for c in real]
+    assert worker.generate(PROMPTS, **kwargs).completions == real

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker
-from rollout.engine import EngineError, EngineHandle
+from rollout.engine import EngineError, EngineHandle, stubbed_device
 from tests.helpers import perturbed_params, swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -134,6 +134,24 @@ def test_precompiled_chunks_compile_nothing(chunked):
     out = chunked.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=1)
     assert out.compiles == 0
     assert chunked.engine.decode_chunk_stats.dispatched > 0
+
+
+def test_a_stubbed_device_serves_each_chunk_shapes_first_outputs(chunked):
+    kwargs = dict(temperature=0.0, max_new_tokens=2 * STEPS + 1, ignore_eos=True)
+    real = chunked.generate(PROMPTS, **kwargs).completions
+    others = [[token + 1 for token in prompt] for prompt in PROMPTS]
+    dispatched = chunked.engine.decode_chunk_stats.dispatched
+    with stubbed_device():
+        first = chunked.generate(PROMPTS, **kwargs).completions
+        second = chunked.generate(others, **kwargs).completions
+    # Each call: its prefill's token, then two chunks of the same shape. The first chunk of that
+    # shape runs; every later one returns its outputs, whatever the prompts.
+    assert [c[: 1 + STEPS] for c in first] == [c[: 1 + STEPS] for c in real]
+    assert [c[1 + STEPS :] for c in first] == [c[1 : 1 + STEPS] for c in real] != [c[1 + STEPS :] for c in real]
+    assert [c[1:] for c in second] == [c[1:] for c in first]
+    assert [c[0] for c in second] != [c[0] for c in real]
+    assert chunked.engine.decode_chunk_stats.dispatched == dispatched + 4
+    assert chunked.generate(PROMPTS, **kwargs).completions == real
 
 
 def test_an_engine_that_cannot_chunk_is_refused_before_it_starts(qwen2_dir):

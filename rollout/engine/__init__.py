@@ -44,7 +44,7 @@ from .inflight import SwapRecord
 from .lora import in_slot
 from .multistep import DecodeChunkStats
 from .patches import engine_version, install_workarounds
-from .profile import Step, StepSplit, StepTimes, profile_steps
+from .profile import Step, StepSplit, StepTimes, profile_steps, stubbed_device
 from .sessions import SessionStats
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
@@ -79,5 +79,6 @@ __all__ = [
     "in_slot",
     "install_workarounds",
     "profile_steps",
+    "stubbed_device",
     "workaround_enabled",
 ]

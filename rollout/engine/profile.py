@@ -122,3 +122,59 @@ def profile_steps():
         finally:
             ModelRunner.forward, ModelRunner.sample = forward, sample
             multistep.run_chunk = run_chunk
+
+
+@contextlib.contextmanager
+def stubbed_device():
+    """While open, every engine in this process takes its decode steps' device outputs from the
+    first call of the same shape: a decode forward returns the logits its first forward of that
+    batch width computed, the sampler that forward's sampled ids, and a decode chunk its first
+    chunk's of that width and length, none of them running. What a decode step then costs is
+    the host's alone (the scheduler's Python, the batch's metadata and its transfers, the
+    sampled ids brought back): the share of a step no faster chip removes. Prefills run as
+    usual. For benchmarks only: the sampled ids repeat and the KV pool is not written. Process-
+    wide."""
+    install_workarounds()
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+
+    from . import multistep
+
+    outputs: dict = {}
+    decoding = threading.local()  # the scheduler thread's step: whether its forward was stubbed
+
+    def first_of_shape(key, compute):
+        """``compute()``'s output the first time ``key`` is seen (with its compiles), then the
+        same output (and none)."""
+        if key in outputs:
+            return outputs[key], 0
+        out, misses = compute()
+        outputs[key] = jax.block_until_ready(out)
+        return out, misses
+
+    with _profile_lock:
+        forward, sample, run_chunk = ModelRunner.forward, ModelRunner.sample, multistep.run_chunk
+
+        def stub_forward(self, forward_batch, *args, **kwargs):
+            decoding.active = forward_batch.forward_mode.is_decode()
+            if not decoding.active:
+                return forward(self, forward_batch, *args, **kwargs)
+            key = ("forward", id(self), forward_batch.input_ids.shape)
+            return first_of_shape(key, lambda: forward(self, forward_batch, *args, **kwargs))
+
+        def stub_sample(self, logits_output, *args, **kwargs):
+            if not getattr(decoding, "active", False):
+                return sample(self, logits_output, *args, **kwargs)
+            key = ("sample", id(self), logits_output.next_token_logits.shape)
+            return first_of_shape(key, lambda: (sample(self, logits_output, *args, **kwargs), 0))[0]
+
+        def stub_chunk(worker, mwb, metadata, plan, max_steps):
+            key = ("chunk", id(worker), len(mwb.seq_lens), plan[0], max_steps)
+            return first_of_shape(key, lambda: run_chunk(worker, mwb, metadata, plan, max_steps))
+
+        ModelRunner.forward, ModelRunner.sample = stub_forward, stub_sample
+        multistep.run_chunk = stub_chunk
+        try:
+            yield
+        finally:
+            ModelRunner.forward, ModelRunner.sample = forward, sample
+            multistep.run_chunk = run_chunk
