@@ -86,8 +86,9 @@ class DecodeChunk:
         """The chunk's rows of ``reqs`` if it computes the next step for every one of them."""
         if self.next_step >= self.steps or not reqs:
             return None
-        rows = [self.row_of.get(id(req)) for req in reqs]
-        if any(row is None for row in rows):
+        row_of = self.row_of
+        rows = [row_of.get(id(req)) for req in reqs]
+        if None in rows:
             return None
         return np.asarray(rows)
 
@@ -116,8 +117,8 @@ class DecodeChunks:
         self.steps = steps
         self.chunk: DecodeChunk | None = None
         self.ahead: DecodeChunk | None = None
-        # Set when the scheduler's batch was prepared for the chunk's next step.
-        self.prepared = False
+        # The rows of the chunk's next step once the scheduler's batch was prepared for it.
+        self.prepared_rows: np.ndarray | None = None
         self.dispatched = 0
         self.steps_served = 0
         self.steps_discarded = 0
@@ -161,14 +162,13 @@ class DecodeChunks:
             batch.prepare_for_decode()
         finally:
             delattr(batch, name)
-        self.prepared = True
+        self.prepared_rows = rows
 
     def serve(self, batch):
         """The next step of the chunk as the scheduler's ``run_batch`` result (``batch`` was
         prepared by :meth:`prepare_from_chunk`)."""
-        self.prepared = False
+        rows, self.prepared_rows = self.prepared_rows, None
         chunk = self.chunk
-        rows = chunk.rows_for(batch.reqs)
         step, chunk.next_step = chunk.next_step, chunk.next_step + 1
         return self._result(batch, chunk, step, rows)
 
@@ -178,7 +178,7 @@ class DecodeChunks:
         the later forward reads the KV buffers it outputs.)"""
         chunks = (self.chunk, self.ahead)
         self.chunk = self.ahead = None
-        self.prepared = False
+        self.prepared_rows = None
         for chunk in chunks:
             if chunk is None:
                 continue
@@ -187,6 +187,9 @@ class DecodeChunks:
                 self._free(chunk.slots[chunk.next_step :, chunk.live_rows()])
 
     def _free_left_rows(self, chunk: DecodeChunk, rows: np.ndarray) -> None:
+        """Free the chunk's slots of its live rows not in ``rows`` (a subset of them)."""
+        if len(rows) == len(chunk.row_of):  # every step but those where rows leave: none left
+            return
         left = np.setdiff1d(chunk.live_rows(), rows)
         if len(left):
             self._free(chunk.slots[chunk.next_step :, left])
@@ -549,7 +552,7 @@ def patch_scheduler() -> None:
         chunks = self.__dict__.get(_STATE)
         if chunks is None:
             return run_batch(self, batch)
-        if chunks.prepared:
+        if chunks.prepared_rows is not None:
             self.forward_ct += 1
             return chunks.serve(batch)
         chunks.release()
