@@ -65,7 +65,9 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(qwen2_dir):
-    config = tiny_worker_config(qwen2_dir, load_format="dummy", tp_size=2, unmerged_lora=CONFIG)
+    # Decode chunks (4 steps per dispatch) with the adapters unmerged; ``slotted`` below decodes
+    # a step at a time.
+    config = tiny_worker_config(qwen2_dir, load_format="dummy", tp_size=2, unmerged_lora=CONFIG, decode_steps=4)
     with RolloutWorker(config) as worker:
         yield Served(worker, qwen2_dir)
 
@@ -85,7 +87,10 @@ def test_a_base_sync_serves_the_base_and_adapters_alone_move_only_their_bytes(se
     assert served.greedy() == served.base_tokens, "a base without adapters is served with none"
     assert worker.sync_memory_analysis(served.base).temp_size_in_bytes >= 0
     report = worker.sync_adapters(served.placed_adapters)
+    served_by_chunks = worker.engine.decode_chunk_stats.steps_served
     assert served.greedy() == served.tokens
+    # Its decode steps came from chunks: each computed the adapters' terms on the device.
+    assert worker.engine.decode_chunk_stats.steps_served - served_by_chunks == NEW_TOKENS - 1
     worker.check_consistency(served.merged, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)
     leaves = adapter_leaves(worker)
     assert report.leaves_aliased + report.leaves_copied == len(leaves)
