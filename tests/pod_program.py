@@ -62,9 +62,16 @@ def main(model_dir: str, out_dir: str) -> None:
     except ValueError as exc:
         results["foreign_device_error"] = str(exc)
 
+    # Decode chunks of 4 steps: the one-process worker of tests/test_pods.py decodes a step at a
+    # time, and must sample the same tokens.
     worker = RolloutWorker(
         tiny_worker_config(
-            model_dir, load_format="dummy", dp_size=2, devices=tuple(jax.local_devices()), pod_timeout_s=POD_TIMEOUT_S
+            model_dir,
+            load_format="dummy",
+            dp_size=2,
+            devices=tuple(jax.local_devices()),
+            pod_timeout_s=POD_TIMEOUT_S,
+            decode_steps=4,
         )
     )
     host = flatten_params(load_hf_params(model_dir))
@@ -76,6 +83,7 @@ def main(model_dir: str, out_dir: str) -> None:
     mine = slice(3 * me, 3 * me + 3)
     results["sampled"] = worker.generate(PROMPTS[mine], prompt_offset=3 * me, **SAMPLED).completions
     results["greedy"] = worker.generate(PROMPTS[mine], **GREEDY).completions
+    results["chunk_steps_served"] = sum(engine.decode_chunk_stats.steps_served for engine in worker.engines)
     save()
 
     # The trainer's FSDP layout over the global mesh: leading axis split over all 4 devices.

@@ -61,6 +61,9 @@ def test_same_seed_same_samples_as_one_process(pod, one_process):
     assert sampled[0] + sampled[1] == one_process.generate(prompts, **pod_program.SAMPLED).completions
     greedy = _both(pod, "greedy")
     assert greedy[0] + greedy[1] == one_process.generate(prompts, **pod_program.GREEDY).completions
+    # The pod's engines took their decode steps from chunks; the one process's, one at a time.
+    assert all(steps > 0 for steps in _both(pod, "chunk_steps_served"))
+    assert one_process.engine.decode_chunk_stats is None
 
 
 def test_placed_tree_syncs_at_zero_bytes_and_an_fsdp_tree_through_one_reshard(pod):
