@@ -33,10 +33,10 @@ engine is being built), ``runtime`` (the engine's threads), ``handle`` (``Engine
 start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
 loop), ``testing`` (its test hooks), ``inflight`` (weight swaps with requests running),
 ``routing`` (MoE routing recorded for replay), ``sessions`` (a conversation's prefix kept
-cached between its calls), ``lora`` (LoRA adapters computed unmerged), ``multistep`` (several decode steps per
-dispatch), ``tpu_kernels`` (the TPU kernels' JAX names),
-``profile`` (where steps spend their time), ``types`` (options, outputs, errors; no sgl_jax
-import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
+cached between its calls), ``lora`` (LoRA adapters computed unmerged), ``multistep`` (several
+decode steps per dispatch), ``tpu_kernels`` (the TPU kernels' JAX names), ``profile`` (where
+steps spend their time, and a stubbed device that leaves only the host's work), ``types``
+(options, outputs, errors; no sgl_jax import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 """
 
 from .handle import EngineHandle
