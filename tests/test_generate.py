@@ -280,13 +280,19 @@ def test_profile_steps_splits_the_engines_steps(worker):
 def test_a_stubbed_device_repeats_each_shapes_first_decode_outputs_and_stops_at_exit(worker):
     kwargs = dict(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     real = worker.generate(PROMPTS, **kwargs).completions
+    assert any(len(set(c[1:])) > 1 for c in real), "the model must not repeat itself already"
     others = [[token + 1 for token in prompt] for prompt in PROMPTS]
     with stubbed_device():
         first = worker.generate(PROMPTS, **kwargs).completions
-        second = worker.generate(others, **kwargs).completions
+        second = worker.generate(others, **kwargs)
+        with_logprobs = worker.generate(others, return_logprobs=True, **kwargs)
     # Prefills run: each call's first token is its own. Every decode step then returns the
     # first decode step's ids, whatever the prompts.
     assert [c[:2] for c in first] == [c[:2] for c in real]
-    assert [c[1:] for c in first] == [c[1:] for c in second] == [[c[1]] * 5 for c in real]
-    assert [c[0] for c in second] != [c[0] for c in real]
+    assert [c[1:] for c in first] == [c[1:] for c in second.completions] == [[c[1]] * 5 for c in real]
+    assert [c[0] for c in second.completions] != [c[0] for c in real]
+    # Asked for log-probs, the sampler's first decode step gives them for every step after it.
+    assert with_logprobs.completions == second.completions
+    logprobs = with_logprobs.logprobs[with_logprobs.completion_mask].reshape(len(PROMPTS), 6)
+    np.testing.assert_array_equal(logprobs[:, 2:], np.repeat(logprobs[:, 1:2], 4, axis=1))
     assert worker.generate(PROMPTS, **kwargs).completions == real

@@ -128,12 +128,19 @@ def profile_steps():
 def stubbed_device():
     """While open, every engine in this process takes its decode steps' device outputs from the
     first call of the same shape: a decode forward returns the logits its first forward of that
-    batch width computed, the sampler that forward's sampled ids, and a decode chunk its first
-    chunk's of that width and length, none of them running. What a decode step then costs is
-    the host's alone (the scheduler's Python, the batch's metadata and its transfers, the
-    sampled ids brought back): the share of a step no faster chip removes. Prefills run as
-    usual. For benchmarks only: the sampled ids repeat and the KV pool is not written. Process-
-    wide."""
+    batch width computed, the sampler that forward's sampled ids (and log-probs), and a decode
+    chunk its first chunk's of that width and length, none of them running. What a decode step
+    then costs is the host's work around the device's: the scheduler's Python, the batch's
+    metadata built and put on the device, the sampled ids read. A lower bound on the host's
+    share of a step, the part no faster chip removes: the calls stubbed are not dispatched
+    either (a one-step forward's and sampler's jit dispatch, a chunk's batch, plan and loop
+    dispatch), and the ids read are the same arrays each step.
+
+    Prefills run as usual. For benchmarks only: the sampled ids repeat, and the KV of decoded
+    tokens is not written although the prefix cache keeps their prefixes (restart the worker,
+    or send no prompt that extends a completion generated here). Process-wide; open it outside
+    :func:`profile_steps`, whose timing wrappers would otherwise see only each shape's first
+    call."""
     install_workarounds()
     from sgl_jax.srt.model_executor.model_runner import ModelRunner
 
@@ -164,8 +171,19 @@ def stubbed_device():
         def stub_sample(self, logits_output, *args, **kwargs):
             if not getattr(decoding, "active", False):
                 return sample(self, logits_output, *args, **kwargs)
-            key = ("sample", id(self), logits_output.next_token_logits.shape)
-            return first_of_shape(key, lambda: (sample(self, logits_output, *args, **kwargs), 0))[0]
+            # The log-probs the scheduler asked for are left on the runner (patches.py): kept
+            # with the ids and left there again.
+            fetch = bool(self.__dict__.get("_rollout_fetch_logprobs"))
+            key = ("sample", id(self), logits_output.next_token_logits.shape, fetch)
+
+            def first():
+                ids = sample(self, logits_output, *args, **kwargs)
+                return (ids, self.__dict__.get("_rollout_token_logprobs")), 0
+
+            (ids, token_logprobs), _ = first_of_shape(key, first)
+            if fetch:
+                self._rollout_token_logprobs = token_logprobs
+            return ids
 
         def stub_chunk(worker, mwb, metadata, plan, max_steps):
             key = ("chunk", id(worker), len(mwb.seq_lens), plan[0], max_steps)
