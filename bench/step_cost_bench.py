@@ -10,8 +10,9 @@ steps: the host's scheduling, the forward's dispatch and the sampler's, which no
 removes. Median of ``repeats`` pairs after a warm-up pair; then the engine's own split of the
 steps of one more long call (``rollout.engine.profile_steps``: forward, sampler, host); then
 the same pairs with the device stubbed (``rollout.engine.stubbed_device``: each decode forward,
-sampler and chunk returns the outputs of its first call of that shape), whose fixed cost is the
-host's alone, the share of a step to project onto a faster chip. Each
+sampler and chunk returns the outputs of its first call of that shape, not dispatched), whose
+fixed cost is the host's work around the device's: a lower bound on the share of a step to
+project onto a faster chip. Each
 ``--decode-steps`` value is a worker of its own (``WorkerConfig.decode_steps``: decode steps per
 dispatch), measured in this run one after another; the first is the baseline of the ratios.
 """
