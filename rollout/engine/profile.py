@@ -77,18 +77,31 @@ _profile_lock = threading.RLock()  # nested profiles on one thread wrap each oth
 
 
 @contextlib.contextmanager
-def profile_steps():
-    """Yield a :class:`StepTimes` filled by every forward and sampling step until exit."""
+def _steps_replaced(replace):
+    """Every engine's ``ModelRunner.forward``, ``ModelRunner.sample`` and decode chunk
+    (``multistep.run_chunk``) replaced until exit by the three that ``replace(forward, sample,
+    run_chunk)`` makes from the ones in place."""
     install_workarounds()
     from sgl_jax.srt.model_executor.model_runner import ModelRunner
 
     from . import multistep
 
-    times = StepTimes()
     with _profile_lock:
-        forward, sample = ModelRunner.forward, ModelRunner.sample
-        steps = threading.local()  # each engine's scheduler thread: its step in progress
+        originals = ModelRunner.forward, ModelRunner.sample, multistep.run_chunk
+        ModelRunner.forward, ModelRunner.sample, multistep.run_chunk = replace(*originals)
+        try:
+            yield
+        finally:
+            ModelRunner.forward, ModelRunner.sample, multistep.run_chunk = originals
 
+
+@contextlib.contextmanager
+def profile_steps():
+    """Yield a :class:`StepTimes` filled by every forward and sampling step until exit."""
+    times = StepTimes()
+    steps = threading.local()  # each engine's scheduler thread: its step in progress
+
+    def timed(forward, sample, run_chunk):
         def timed_forward(self, forward_batch, *args, **kwargs):
             mode = "decode" if forward_batch.forward_mode.is_decode() else "extend"
             steps.current = step = Step(mode, time.perf_counter())
@@ -105,8 +118,6 @@ def profile_steps():
                 step.sample_s += time.perf_counter() - start
             return out
 
-        run_chunk = multistep.run_chunk
-
         def timed_chunk(worker, mwb, metadata, plan, max_steps):
             step = Step("decode", time.perf_counter(), steps=plan[0])
             times.steps.append(step)
@@ -115,13 +126,10 @@ def profile_steps():
             step.forward_s = time.perf_counter() - step.start
             return out
 
-        ModelRunner.forward, ModelRunner.sample = timed_forward, timed_sample
-        multistep.run_chunk = timed_chunk
-        try:
-            yield times
-        finally:
-            ModelRunner.forward, ModelRunner.sample = forward, sample
-            multistep.run_chunk = run_chunk
+        return timed_forward, timed_sample, timed_chunk
+
+    with _steps_replaced(timed):
+        yield times
 
 
 @contextlib.contextmanager
@@ -141,11 +149,6 @@ def stubbed_device():
     or send no prompt that extends a completion generated here). Process-wide; open it outside
     :func:`profile_steps`, whose timing wrappers would otherwise see only each shape's first
     call."""
-    install_workarounds()
-    from sgl_jax.srt.model_executor.model_runner import ModelRunner
-
-    from . import multistep
-
     outputs: dict = {}
     decoding = threading.local()  # the scheduler thread's step: whether its forward was stubbed
 
@@ -158,9 +161,7 @@ def stubbed_device():
         outputs[key] = jax.block_until_ready(out)
         return out, misses
 
-    with _profile_lock:
-        forward, sample, run_chunk = ModelRunner.forward, ModelRunner.sample, multistep.run_chunk
-
+    def stubbed(forward, sample, run_chunk):
         def stub_forward(self, forward_batch, *args, **kwargs):
             decoding.active = forward_batch.forward_mode.is_decode()
             if not decoding.active:
@@ -189,10 +190,7 @@ def stubbed_device():
             key = ("chunk", id(worker), len(mwb.seq_lens), plan[0], max_steps)
             return first_of_shape(key, lambda: run_chunk(worker, mwb, metadata, plan, max_steps))
 
-        ModelRunner.forward, ModelRunner.sample = stub_forward, stub_sample
-        multistep.run_chunk = stub_chunk
-        try:
-            yield
-        finally:
-            ModelRunner.forward, ModelRunner.sample = forward, sample
-            multistep.run_chunk = run_chunk
+        return stub_forward, stub_sample, stub_chunk
+
+    with _steps_replaced(stubbed):
+        yield
