@@ -34,6 +34,10 @@ from .workarounds import DISABLE_ENV, disabled_workarounds, workaround_enabled
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
 LOGPROB_SINKS = "_rollout_logprob_sinks"
+# ModelRunner attributes: whether the scheduler's run_batch wrapper wants this step's log-probs,
+# and the (log-probs, kept counts) the sampler leaves there for it.
+_FETCH_LOGPROBS = "_rollout_fetch_logprobs"
+_TOKEN_LOGPROBS = "_rollout_token_logprobs"
 
 logger = logging.getLogger(__name__)
 
@@ -188,17 +192,33 @@ def _sample_keeping_logprobs(self, logits_output, sampling_metadata, positions):
     transfer (the scheduler's own device_get of the ids then has nothing left to wait for).
     """
     ids, logprobs, kept = self.jitted_sampler(logits_output, sampling_metadata, positions)
-    if self.__dict__.get("_rollout_fetch_logprobs"):
-        ids, self._rollout_token_logprobs = jax.device_get((ids, (logprobs, kept)))
+    if logprobs_requested(self):
+        ids, token_logprobs = jax.device_get((ids, (logprobs, kept)))
+        leave_token_logprobs(self, token_logprobs)
     return ids
+
+
+def logprobs_requested(runner) -> bool:
+    """Whether the run_batch wrapper below asked for the log-probs of the step ``runner`` runs."""
+    return bool(runner.__dict__.get(_FETCH_LOGPROBS))
+
+
+def leave_token_logprobs(runner, token_logprobs) -> None:
+    """Leave a step's (log-probs, kept counts) on ``runner`` for the run_batch wrapper below."""
+    runner.__dict__[_TOKEN_LOGPROBS] = token_logprobs
+
+
+def left_token_logprobs(runner):
+    """What :func:`leave_token_logprobs` left on ``runner`` for this step (None if nothing)."""
+    return runner.__dict__.get(_TOKEN_LOGPROBS)
 
 
 def deliver_token_logprobs(scheduler, logprobs, kept) -> None:
     """Hand a step's log-probs and kept counts (host arrays, one per row) to the run_batch
     wrapper below, where it asked for them (a decode chunk's steps, multistep.py)."""
     runner = scheduler.tp_worker.worker.model_runner
-    if runner.__dict__.get("_rollout_fetch_logprobs"):
-        runner._rollout_token_logprobs = (logprobs, kept)
+    if logprobs_requested(runner):
+        leave_token_logprobs(runner, (logprobs, kept))
 
 
 def _run_batch_collecting_logprobs(original):
@@ -206,14 +226,14 @@ def _run_batch_collecting_logprobs(original):
         sinks = self.__dict__.get(LOGPROB_SINKS) or {}
         rows = [sinks.get(req.rid) for req in batch.reqs]
         runner = self.tp_worker.worker.model_runner
-        runner._rollout_fetch_logprobs = any(sink is not None for sink in rows)
+        runner.__dict__[_FETCH_LOGPROBS] = any(sink is not None for sink in rows)
         try:
             result = original(self, batch)
         finally:
-            fetched = runner._rollout_fetch_logprobs
-            runner._rollout_fetch_logprobs = False
+            fetched = runner.__dict__[_FETCH_LOGPROBS]
+            runner.__dict__[_FETCH_LOGPROBS] = False
         if fetched:
-            logprobs, kept = runner.__dict__.pop("_rollout_token_logprobs")
+            logprobs, kept = runner.__dict__.pop(_TOKEN_LOGPROBS)
             extend = batch.forward_mode.is_extend()
             for i, (req, sink) in enumerate(zip(batch.reqs, rows)):
                 # process_batch_result (no overlap scheduler) appends an output token to every

@@ -23,7 +23,7 @@ import time
 
 import jax
 
-from .patches import install_workarounds
+from .patches import install_workarounds, leave_token_logprobs, left_token_logprobs, logprobs_requested
 
 
 @dataclasses.dataclass
@@ -174,16 +174,16 @@ def stubbed_device():
                 return sample(self, logits_output, *args, **kwargs)
             # The log-probs the scheduler asked for are left on the runner (patches.py): kept
             # with the ids and left there again.
-            fetch = bool(self.__dict__.get("_rollout_fetch_logprobs"))
+            fetch = logprobs_requested(self)
             key = ("sample", id(self), logits_output.next_token_logits.shape, fetch)
 
             def first():
                 ids = sample(self, logits_output, *args, **kwargs)
-                return (ids, self.__dict__.get("_rollout_token_logprobs")), 0
+                return (ids, left_token_logprobs(self)), 0
 
             (ids, token_logprobs), _ = first_of_shape(key, first)
             if fetch:
-                self._rollout_token_logprobs = token_logprobs
+                leave_token_logprobs(self, token_logprobs)
             return ids
 
         def stub_chunk(worker, mwb, metadata, plan, max_steps):
