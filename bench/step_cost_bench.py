@@ -1,6 +1,6 @@
 """The fixed cost of a decode step: what a step costs when the model's math is nearly free.
 
-    python -m bench.step_cost_bench [--rows 64] [--new-tokens 256] [--repeats 3] [--decode-steps 1 16]
+    python -m bench.step_cost_bench [--rows 64] [--new-tokens 256] [--repeats 3] [--decode-steps 1 16] [--ops 12]
 
 A model of hidden 64, 2 layers, 2 heads, 1 KV head, head_dim 16, float32 (its forward is a few
 microseconds of arithmetic), ``rows`` rows of 14-token prompts (16 prompts x n=4 at 64 rows),
@@ -15,6 +15,9 @@ fixed cost is the host's work around the device's: a lower bound on the share of
 project onto a faster chip. Each
 ``--decode-steps`` value is a worker of its own (``WorkerConfig.decode_steps``: decode steps per
 dispatch), measured in this run one after another; the first is the baseline of the ratios.
+``--ops N`` traces one more long call (``bench.op_profile``) and prints the N operations of the
+largest self time per decode step on XLA's threads: fusions, dots and loops by their HLO names,
+and the thunk executor's own work between them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from bench.op_profile import traced_ops
 from models import TinyModelSpec, write_tiny_model
 from rollout import RolloutWorker, WorkerConfig
 from rollout.engine import profile_steps, stubbed_device
@@ -53,6 +57,7 @@ class StepCostConfig:
     new_tokens: int = 256
     repeats: int = 3
     decode_steps: tuple[int, ...] = (1, 16)
+    ops: int = 0  # operations to list from a traced call (0: no trace)
 
 
 def timed_call(worker: RolloutWorker, rows: int, new_tokens: int, seed: int) -> float:
@@ -101,6 +106,10 @@ def measure(config: StepCostConfig, decode_steps: int) -> dict:
             with profile_steps() as times:
                 timed_call(worker, config.rows, config.new_tokens + 1, next(seeds))
             chunks = worker.engine.decode_chunk_stats
+            ops = None
+            if config.ops:
+                with traced_ops() as ops:
+                    timed_call(worker, config.rows, config.new_tokens + 1, next(seeds))
             with stubbed_device():
                 host_long, host_short = timed_pairs(worker, config, seeds)
     steps = per_step(config, long_calls, short_calls)
@@ -115,6 +124,12 @@ def measure(config: StepCostConfig, decode_steps: int) -> dict:
         "host_steps_s": host_steps,
         "split": None if split is None else dataclasses.asdict(split) | {"host_s": split.host_s},
         "chunks": None if chunks is None else dataclasses.asdict(chunks),
+        "ops": None
+        if ops is None
+        else {
+            "busy_s_per_step": ops.total_s / config.new_tokens,
+            "top": [(name, s / config.new_tokens, n) for name, s, n in ops.top(config.ops)],
+        },
     }
 
 
@@ -142,6 +157,13 @@ def main(config: StepCostConfig) -> None:
                 f"{s['forward_s'] * 1e3:.2f} + sampler {s['sample_s'] * 1e3:.2f} + host {s['host_s'] * 1e3:.2f} ms"
                 + (" (a chunk's forwards and sampling are one loop: both under forward)" if k > 1 else "")
             )
+        if r["ops"]:
+            print(
+                f"  a traced call's operations, self time per decode step (XLA's threads busy "
+                f"{r['ops']['busy_s_per_step'] * 1e3:.2f} ms):"
+            )
+            for name, seconds, count in r["ops"]["top"]:
+                print(f"    {seconds * 1e3:6.3f} ms  {count / config.new_tokens:5.1f} x  {name}")
 
 
 def parse_args() -> StepCostConfig:
@@ -151,9 +173,14 @@ def parse_args() -> StepCostConfig:
     parser.add_argument("--new-tokens", type=int, default=d.new_tokens)
     parser.add_argument("--repeats", type=int, default=d.repeats)
     parser.add_argument("--decode-steps", type=int, nargs="+", default=list(d.decode_steps))
+    parser.add_argument("--ops", type=int, default=d.ops, help="operations to list from a traced call (0: none)")
     args = parser.parse_args()
     return StepCostConfig(
-        rows=args.rows, new_tokens=args.new_tokens, repeats=args.repeats, decode_steps=tuple(args.decode_steps)
+        rows=args.rows,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        decode_steps=tuple(args.decode_steps),
+        ops=args.ops,
     )
 
 
