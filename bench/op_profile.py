@@ -6,15 +6,16 @@
         ...
 
 ``jax.profiler`` traces the stretch (Python tracer off) and writes it as a Perfetto JSON trace as
-well, which is read here, so nothing beyond jax is needed (no xprof, no TensorBoard). Only the
-threads that run compiled programs are read (XLA's, named ``tf_XLA...``): there every complete
-event is an operation (a fusion, a dot, a while loop, a conditional: its HLO name) or the thunk
-executor's own work between them (``ThunkExecutor::Execute``); the host's dispatches and waits
-are on the Python threads (``rollout.engine.stubbed_device`` measures the host's share). Events
-nest: a while loop's body runs inside it and the operations inside the executor, so each is
-given its self time, its duration less its children's; events that wait (named so) are idle
-time and left out. An HLO name is unique within its program only: profile one program's steady
-state (a decode step) and read the names against its optimized HLO
+well, which is read here, so nothing beyond jax is needed (no xprof, no TensorBoard). Two kinds of
+event are read, on whichever thread ran them (XLA's pools, or the calling thread for a program
+cheap enough to run inline): each operation of a compiled program (a fusion, a dot, a while loop,
+a conditional), named ``<program>/<HLO name>`` from the event's ``hlo_module`` and ``hlo_op``, and
+the thunk executor's own work between them (``ThunkExecutor::Execute``). The host's dispatches and
+waits are left out (``rollout.engine.stubbed_device`` measures the host's share). Events nest: a
+while loop's body runs inside it and the operations inside the executor, so each is given its self
+time, its duration less that of the events read that it encloses. Self times are CPU time summed
+over threads: with several of XLA's threads at work their sum can pass the stretch's wall time.
+Read an operation against its program's optimized HLO
 (``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``).
 """
 
@@ -29,6 +30,8 @@ import tempfile
 from pathlib import Path
 
 import jax
+
+EXECUTOR = "ThunkExecutor::Execute"
 
 
 @dataclasses.dataclass
@@ -47,45 +50,59 @@ class OpTimes:
     def total_s(self) -> float:
         return sum(self.self_s.values())
 
+    def minus(self, other: OpTimes) -> OpTimes:
+        """This stretch less ``other`` (e.g. a long call less a short one: what the long one's
+        extra steps cost), name by name."""
+        names = self.self_s.keys() | other.self_s.keys()
+        return OpTimes(
+            {name: self.self_s.get(name, 0.0) - other.self_s.get(name, 0.0) for name in names},
+            {name: self.counts.get(name, 0) - other.counts.get(name, 0) for name in names},
+        )
 
-# The threads of XLA's CPU client that run compiled programs (its execute and compute pools).
-XLA_THREADS = "tf_XLA"
+
+def _operation(event: dict) -> str | None:
+    """The name an event is counted under, or None if it is neither an operation of a compiled
+    program nor the executor's own work (waits included)."""
+    if event.get("ph") != "X" or "dur" not in event:
+        return None
+    args = event.get("args") or {}
+    if "hlo_module" in args:
+        return f"{args['hlo_module']}/{args.get('hlo_op', event['name'])}"
+    name = event["name"]
+    if name.startswith(EXECUTOR) and "wait" not in name.lower():
+        return name
+    return None
 
 
-def self_times(events: list[dict], thread_prefix: str = XLA_THREADS) -> OpTimes:
-    """The self time of each complete event (``"ph": "X"``, microseconds) of a Chrome/Perfetto
-    trace on the threads whose name starts with ``thread_prefix``, summed by name: an event's
-    duration less that of the events nested in it on its thread. Waits are left out."""
-    thread_names = {
-        (e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name"
-    }
+def self_times(events: list[dict]) -> OpTimes:
+    """The self time of each operation of a Chrome/Perfetto trace's events (microseconds; see
+    the module's docstring for which are read), summed by name: an event's duration less that of
+    the events read that it encloses on its thread."""
     by_thread = collections.defaultdict(list)
     for event in events:
-        thread = event.get("pid"), event.get("tid")
-        if event.get("ph") == "X" and "dur" in event and thread_names.get(thread, "").startswith(thread_prefix):
-            by_thread[thread].append(event)
+        name = _operation(event)
+        if name is not None:
+            by_thread[event.get("pid"), event.get("tid")].append((event["ts"], event["dur"], name))
     self_us: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.Counter()
     for thread_events in by_thread.values():
-        thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
-        open_events: list[dict] = []  # the enclosing events of the one being read, outermost first
-        for event in thread_events:
-            while open_events and open_events[-1]["ts"] + open_events[-1]["dur"] <= event["ts"]:
+        thread_events.sort(key=lambda e: (e[0], -e[1]))  # an enclosing event before what it encloses
+        open_events: list[tuple] = []  # the events enclosing the one being read, outermost first
+        for start, duration, name in thread_events:
+            while open_events and open_events[-1][0] + open_events[-1][1] <= start:
                 open_events.pop()
             if open_events:
-                self_us[open_events[-1]["name"]] -= event["dur"]
-            self_us[event["name"]] += event["dur"]
-            counts[event["name"]] += 1
-            open_events.append(event)
-    busy = {name: us / 1e6 for name, us in self_us.items() if "wait" not in name.lower()}
-    return OpTimes(busy, {name: counts[name] for name in busy})
+                self_us[open_events[-1][2]] -= duration
+            self_us[name] += duration
+            counts[name] += 1
+            open_events.append((start, duration, name))
+    return OpTimes({name: us / 1e6 for name, us in self_us.items()}, dict(counts))
 
 
 @contextlib.contextmanager
 def traced_ops():
-    """Trace the block with ``jax.profiler``; the yielded :class:`OpTimes` is filled at its end."""
+    """Trace the block with ``jax.profiler``; the yielded :class:`OpTimes` is filled at its end.
+    Raises ``RuntimeError`` if the trace holds no operation of a compiled program."""
     ops = OpTimes()
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # the runtime's and XLA's events only
@@ -100,4 +117,6 @@ def traced_ops():
             trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     filled = self_times(events)
+    if not any(name != EXECUTOR for name in filled.self_s):
+        raise RuntimeError(f"the trace of {len(events)} events holds no operation of a compiled program")
     ops.self_s, ops.counts = filled.self_s, filled.counts

@@ -15,9 +15,10 @@ fixed cost is the host's work around the device's: a lower bound on the share of
 project onto a faster chip. Each
 ``--decode-steps`` value is a worker of its own (``WorkerConfig.decode_steps``: decode steps per
 dispatch), measured in this run one after another; the first is the baseline of the ratios.
-``--ops N`` traces one more long call (``bench.op_profile``) and prints the N operations of the
-largest self time per decode step on XLA's threads: fusions, dots and loops by their HLO names,
-and the thunk executor's own work between them.
+``--ops N`` traces one more pair (``bench.op_profile``) and prints the N operations of the largest
+self time per decode step (the long call's less the short one's, over ``new_tokens`` steps, as
+the fixed cost is taken): fusions, dots and loops by program and HLO name, and the thunk
+executor's own work between them; CPU time summed over XLA's threads.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class StepCostConfig:
     new_tokens: int = 256
     repeats: int = 3
     decode_steps: tuple[int, ...] = (1, 16)
-    ops: int = 0  # operations to list from a traced call (0: no trace)
+    ops: int = 0  # operations to list from a traced pair of calls (0: no trace)
 
 
 def timed_call(worker: RolloutWorker, rows: int, new_tokens: int, seed: int) -> float:
@@ -108,8 +109,11 @@ def measure(config: StepCostConfig, decode_steps: int) -> dict:
             chunks = worker.engine.decode_chunk_stats
             ops = None
             if config.ops:
-                with traced_ops() as ops:
+                with traced_ops() as long_ops:
                     timed_call(worker, config.rows, config.new_tokens + 1, next(seeds))
+                with traced_ops() as short_ops:
+                    timed_call(worker, config.rows, 1, next(seeds))
+                ops = long_ops.minus(short_ops)
             with stubbed_device():
                 host_long, host_short = timed_pairs(worker, config, seeds)
     steps = per_step(config, long_calls, short_calls)
@@ -127,7 +131,7 @@ def measure(config: StepCostConfig, decode_steps: int) -> dict:
         "ops": None
         if ops is None
         else {
-            "busy_s_per_step": ops.total_s / config.new_tokens,
+            "self_s_per_step": ops.total_s / config.new_tokens,
             "top": [(name, s / config.new_tokens, n) for name, s, n in ops.top(config.ops)],
         },
     }
@@ -159,8 +163,8 @@ def main(config: StepCostConfig) -> None:
             )
         if r["ops"]:
             print(
-                f"  a traced call's operations, self time per decode step (XLA's threads busy "
-                f"{r['ops']['busy_s_per_step'] * 1e3:.2f} ms):"
+                f"  a traced pair's operations, self time per decode step (in all "
+                f"{r['ops']['self_s_per_step'] * 1e3:.2f} ms, summed over threads):"
             )
             for name, seconds, count in r["ops"]["top"]:
                 print(f"    {seconds * 1e3:6.3f} ms  {count / config.new_tokens:5.1f} x  {name}")
@@ -173,7 +177,7 @@ def parse_args() -> StepCostConfig:
     parser.add_argument("--new-tokens", type=int, default=d.new_tokens)
     parser.add_argument("--repeats", type=int, default=d.repeats)
     parser.add_argument("--decode-steps", type=int, nargs="+", default=list(d.decode_steps))
-    parser.add_argument("--ops", type=int, default=d.ops, help="operations to list from a traced call (0: none)")
+    parser.add_argument("--ops", type=int, default=d.ops, help="operations to list from a traced pair (0: none)")
     args = parser.parse_args()
     return StepCostConfig(
         rows=args.rows,
