@@ -27,6 +27,17 @@ from rollout.engine.attention import paged_attention
 REPO = Path(__file__).resolve().parents[1]
 
 
+def one_padding_bucket_each(settings: dict) -> None:
+    """One padding size for a forward's batch rows and one for its prefill tokens, where
+    ``settings`` names none: the engine pads every forward up to the smallest of its sizes that
+    fits and always adds its largest, so each smaller size is one more program to compile (a few
+    seconds each on these CPUs), while a tiny model's padded rows cost next to nothing."""
+    chunk = settings.get("chunked_prefill_size")
+    tokens = min(settings["max_prefill_tokens"], chunk) if chunk and chunk > 0 else settings["max_prefill_tokens"]
+    settings.setdefault("precompile_bs_paddings", (settings["max_running_requests"],))
+    settings.setdefault("precompile_token_paddings", (tokens,))
+
+
 def tiny_worker_config(model_dir, **overrides) -> WorkerConfig:
     """Small engine limits that start fast on a 2-core CPU, on the first dp_size x tp_size
     of the 4 fake devices unless ``devices`` is given."""
@@ -40,6 +51,7 @@ def tiny_worker_config(model_dir, **overrides) -> WorkerConfig:
         chunked_prefill_size=512,
     )
     settings.update(overrides)
+    one_padding_bucket_each(settings)
     if "devices" not in settings:
         settings["devices"] = tuple(jax.devices()[: settings.get("dp_size", 1) * settings.get("tp_size", 1)])
     return WorkerConfig(**settings)
@@ -65,6 +77,11 @@ def serve_process(model_dir, *flags, env=None):
         "256",
         "--max-running-requests",
         "4",
+        # One padding size each (one_padding_bucket_each): the engine adds its largest prefill.
+        "--precompile-bs-paddings",
+        "4",
+        "--precompile-token-paddings",
+        "512",
         *flags,
     ]
     env = {**os.environ, "XLA_FLAGS": "", **(env or {})}
@@ -235,6 +252,7 @@ def tiny_options(model_dir, devices=None, tp_size=None, **overrides) -> EngineOp
         devices=devices,
     )
     settings.update(overrides)
+    one_padding_bucket_each(settings)
     return EngineOptions(**settings)
 
 

@@ -21,7 +21,8 @@ PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 
 @pytest.fixture(scope="module")
 def worker(qwen2_dir):
-    with RolloutWorker(tiny_worker_config(qwen2_dir)) as w:
+    # Two prefill sizes: the short prompts here take the first, so a long one compiles anew.
+    with RolloutWorker(tiny_worker_config(qwen2_dir, precompile_token_paddings=(64, 512))) as w:
         w.generate(PROMPTS, max_new_tokens=4, temperature=0.0)  # compile outside the tests
         yield w
 
