@@ -85,11 +85,11 @@ lint: $(VENV)/.installed
 
 test-oldest: $(VENV)/.installed lint
 	@$(VENV)/bin/python -c 'import jax, flax; print(f"== oldest: jax {jax.__version__}, flax {flax.__version__}")'
-	$(VENV)/bin/python -m pytest -q --durations=0 --durations-min=5 -m "not example_path and not one_end and not example_run_newest"
+	$(VENV)/bin/python -m pytest -q --durations=0 --durations-min=5 -m "not example_path and not one_end and not example_run_newest and not newest_end"
 
 test-newest: $(NEWEST)/.installed
 	@$(NEWEST)/bin/python -c 'import jax, flax; print(f"== newest: jax {jax.__version__}, flax {flax.__version__}")'
-	$(NEWEST)/bin/python -m pytest -q --durations=0 --durations-min=5 -m "not pinning and not example_run"
+	$(NEWEST)/bin/python -m pytest -q --durations=0 --durations-min=5 -m "not pinning and not example_run and not oldest_end"
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.sync_bench

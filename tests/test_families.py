@@ -64,7 +64,10 @@ class Served:
     worker: RolloutWorker
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(c, id=c.id, marks=getattr(pytest.mark, f"{c.end}_end")) for c in CASES],
+)
 def served(request, tmp_path_factory):
     case = request.param
     model_dir = write_tiny_model(tmp_path_factory.mktemp(case.id), case.spec(), with_tokenizer=False)
