@@ -1,8 +1,9 @@
 """The contract every registered model family (``models.FAMILIES``) must meet, one module-scoped
-engine per case: greedy tokens and log-probs equal the family's Flax model after ``sync_params``,
-``load_hf`` and ``load_checkpoint``; a tree placed by ``param_shardings()`` copies only the
-leaves its table transforms; another family's tree is a SyncError naming the first mismatching
-path. Unsupported configs, refused before anything starts: tests/unit/test_registry.py. What
+engine per case, each case at one end of the JAX range (``Case.end``): greedy tokens and
+log-probs equal the family's Flax model after ``sync_params``, ``load_hf`` and
+``load_checkpoint``; a tree placed by ``param_shardings()`` copies only the leaves its table
+transforms; another family's tree is a SyncError naming the first mismatching path.
+Unsupported configs, refused before anything starts: tests/unit/test_registry.py. What
 tests/test_sync.py and tests/test_logprobs.py already check for every Qwen variant (exact leaf
 values, KV-head repeats, validation, sampling filters) is not repeated here.
 """
