@@ -77,7 +77,8 @@ def serve_process(model_dir, *flags, env=None):
         "256",
         "--max-running-requests",
         "4",
-        # One padding size each (one_padding_bucket_each): the engine adds its largest prefill.
+        # One row size (one_padding_bucket_each); prefills take 512 or the engine's largest, its
+        # chunked prefill of 2048 tokens, where its defaults would compile six sizes.
         "--precompile-bs-paddings",
         "4",
         "--precompile-token-paddings",

@@ -18,11 +18,9 @@ SWAP_AT = 7  # the swap lands after this many tokens of the running request
 
 @pytest.fixture(scope="module")
 def worker(qwen2_dir):
-    # One padding bucket for decode batches and one for prefills: the load test's batches,
-    # whatever sizes the timing gives them, compile nothing after a short warm-up.
-    config = tiny_worker_config(
-        qwen2_dir, max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(512,)
-    )
+    # One padding bucket for decode batches and one for prefills (tiny_worker_config's): the load
+    # test's batches, whatever sizes the timing gives them, compile nothing after a short warm-up.
+    config = tiny_worker_config(qwen2_dir, max_running_requests=64)
     with RolloutWorker(config) as w:
         yield w
 

@@ -18,11 +18,9 @@ PROMPTS = [[5, 17, 42, 8], [9, 3], [100, 101, 102, 103, 104, 105, 7], [12]]
 
 
 def _config(qwen2_dir, **overrides):
-    # Shapes compiled at start-up (the chunk's loop included): one decode and one prefill bucket,
-    # so both workers run every batch at the same padded shapes.
-    return tiny_worker_config(
-        qwen2_dir, precompile=True, precompile_bs_paddings=(16,), precompile_token_paddings=(512,), **overrides
-    )
+    # Shapes compiled at start-up (the chunk's loop included): one decode and one prefill bucket
+    # (tiny_worker_config's), so both workers run every batch at the same padded shapes.
+    return tiny_worker_config(qwen2_dir, precompile=True, **overrides)
 
 
 @pytest.fixture(scope="module")
