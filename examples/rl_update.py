@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 def make_optimizer(
@@ -52,8 +53,7 @@ def make_train_step(
     applies nothing (``stats["kl_stop"]`` is 1): the caller then stops.
     """
 
-    @partial(jax.jit, donate_argnums=0)
-    def train_step(trees, minibatch, frozen=None):
+    def step(trees, minibatch, frozen=None):
         trained = {name: trees[name] for name in optimizers}
         loss = loss_fn if frozen is None else partial(loss_fn, frozen=frozen)
         (_, stats), grads = jax.value_and_grad(loss, has_aux=True)(trained, minibatch)
@@ -68,7 +68,35 @@ def make_train_step(
             stats["kl_stop"] = stop.astype(jnp.float32)
         return new, stats
 
+    # One program per placement of ``trees``, whose outputs keep that placement. Left to XLA, the
+    # outputs came back on other shardings than the inputs' (a mesh of its own for the params
+    # placed on the engine's, a mesh for Adam's step count), so the next step compiled the
+    # whole step again.
+    steps = {}
+
+    def train_step(trees, minibatch, frozen=None):
+        placement = _placement(trees)
+        shardings, treedef = jax.tree_util.tree_flatten(placement)
+        key = (treedef, tuple(shardings))
+        if key not in steps:
+            out_shardings = None if placement is None else (placement, None)
+            steps[key] = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+        return steps[key](trees if placement is None else jax.device_put(trees, placement), minibatch, frozen)
+
     return train_step
+
+
+def _placement(trees):
+    """Each leaf's sharding, where a leaf made without a device (Adam's fresh step count) is
+    replicated over the devices of the placed ones; None if no leaf is placed."""
+    placed = [leaf for leaf in jax.tree_util.tree_leaves(trees) if isinstance(leaf, jax.Array) and leaf.committed]
+    if not placed:
+        return None
+    devices = np.array(sorted(placed[0].sharding.device_set, key=lambda device: device.id))
+    replicated = NamedSharding(Mesh(devices, ("devices",)), PartitionSpec())
+    return jax.tree_util.tree_map(
+        lambda leaf: leaf.sharding if isinstance(leaf, jax.Array) and leaf.committed else replicated, trees
+    )
 
 
 def run_updates(

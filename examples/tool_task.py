@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import functools
 import json
 import operator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from examples.grpo_math import token_logprobs
+from examples.rl_update import make_train_step
 from examples.tasks import Problem, gsm8k_problems, gsm8k_reward
 from rollout.episodes import EpisodeLimits, StepResult, ToolEnvironment, TurnFrames
 
@@ -251,30 +250,28 @@ def warm_start(model, params, tokenizer, *, steps: int, seed: int, batch_size: i
     frames = TurnFrames(tokenizer)
     rng = np.random.default_rng([seed, 7])
     optimizer = optax.adam(learning_rate)
-    state = optimizer.init(params)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, state, tokens, attention, positions, mask):
-        def loss_fn(params):
-            logits = model.apply({"params": params}, tokens, attention, positions)
-            logprobs = token_logprobs(logits.astype(jnp.float32), tokens)
-            return -(logprobs * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    def loss_fn(trained, batch):
+        logits = model.apply({"params": trained["params"]}, batch["tokens"], batch["attention"], batch["positions"])
+        logprobs = token_logprobs(logits.astype(jnp.float32), batch["tokens"])
+        mask = batch["mask"][:, 1:]
+        loss = -(logprobs * mask).sum() / mask.sum()
+        return loss, {"loss": loss}
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, state = optimizer.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    loss = jnp.nan
+    step = make_train_step(loss_fn, {"params": ("opt_state", optimizer)})
+    trees = {"params": params, "opt_state": optimizer.init(params)}
     for _ in range(steps):
         shown = [demonstration(frames, tokenizer, p) for p in product_problems(rng, batch_size)]
         width = max(len(d.tokens) for d in shown)
-        tokens = np.zeros((batch_size, width), np.int32)
-        attention = np.zeros((batch_size, width), bool)
-        mask = np.zeros((batch_size, width), np.float32)
+        batch = {
+            "tokens": np.zeros((batch_size, width), np.int32),
+            "attention": np.zeros((batch_size, width), bool),
+            "mask": np.zeros((batch_size, width), np.float32),
+        }
         for row, d in enumerate(shown):
-            tokens[row, : len(d.tokens)] = d.tokens
-            attention[row, : len(d.tokens)] = True
-            mask[row, : len(d.tokens)] = d.loss_mask
-        positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
-        params, state, loss = step(params, state, tokens, attention, positions, mask)
-    return params, float(loss)
+            batch["tokens"][row, : len(d.tokens)] = d.tokens
+            batch["attention"][row, : len(d.tokens)] = True
+            batch["mask"][row, : len(d.tokens)] = d.loss_mask
+        batch["positions"] = np.broadcast_to(np.arange(width, dtype=np.int32), (batch_size, width))
+        trees, stats = step(trees, batch)
+    return trees["params"], float(stats["loss"])

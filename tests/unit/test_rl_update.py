@@ -1,9 +1,12 @@
-"""examples/rl_update.py: the optimizer's warmup and decay."""
+"""examples/rl_update.py: the optimizer's warmup and decay, the train step's placement."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from examples.rl_update import make_optimizer
+from examples.rl_update import make_optimizer, make_train_step
+from rollout.compiles import counting_compiles
 
 
 def test_warmup_ramps_adams_steps_from_zero():
@@ -25,3 +28,32 @@ def test_warmup_ramps_adams_steps_from_zero():
     decayed = steps(make_optimizer(1e-2, warmup_updates=2, decay_updates=4), 7)
     cosine = 0.5 * (1 + np.cos(np.pi * np.arange(5) / 4))
     np.testing.assert_allclose(decayed, 1e-2 * np.concatenate([[0, 0.5], cosine]), rtol=1e-3, atol=1e-9)
+
+
+def test_the_train_step_compiles_once_and_keeps_the_trees_placement():
+    """Params sharded on a mesh of their own (as the engine places them) and Adam's fresh state
+    (its step count made without a device): every step's outputs keep the inputs' shardings, so
+    the second and later steps run the first one's program. Left to XLA, the outputs came back
+    on other shardings and the second step compiled the whole step again."""
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "tensor"))
+    params = {
+        "kernel": jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, PartitionSpec(None, "tensor"))),
+        "bias": jax.device_put(jnp.zeros(8), NamedSharding(mesh, PartitionSpec())),
+    }
+    optimizer = make_optimizer(1e-2)
+    placement = jax.tree_util.tree_map(lambda leaf: leaf.sharding, params)
+
+    def loss_fn(trained, batch):
+        out = batch["x"] @ trained["params"]["kernel"] + trained["params"]["bias"]
+        return jnp.mean(out**2), {"approx_kl": jnp.float32(0)}
+
+    step = make_train_step(loss_fn, {"params": ("opt_state", optimizer)})
+    trees = {"params": params, "opt_state": optimizer.init(params)}
+    batch = {"x": jnp.ones((3, 4))}
+    trees, _ = step(trees, batch)
+    with counting_compiles() as compiles:
+        for _ in range(3):
+            trees, stats = step(trees, batch)
+    assert int(compiles) == 0
+    assert jax.tree_util.tree_map(lambda leaf: leaf.sharding, trees["params"]) == placement
+    assert float(stats["grad_norm"]) > 0
