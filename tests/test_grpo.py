@@ -96,9 +96,12 @@ def test_tiny_grpo_learns_and_the_ablation_does_not(tmp_path):
     """The preset learns (GAIN) and keeps a learning signal: no step after the first 10 has most
     of its groups without reward spread (at most a quarter of them seen, seeds 0-3). The policy
     starts near uniform over its 32 tokens (entropy of the sampled tokens ~3.1, log 32 = 3.47)
-    and sharpens (~1.5 after 30 steps). An ablation that never re-syncs (same prompts, same
-    seed) must stay within 0.06 of where it started."""
-    trained = run_grpo(tmp_path / "trained", *SHAPED, "--steps", str(STEPS))
+    and sharpens (~1.5 after 30 steps). It runs with the engine's log-probs, TIS and the periodic
+    consistency check: in fp32 engine and trainer agree, so the logged mismatch is float
+    rounding and the TIS weights are 1 (the update is the plain one). An ablation that never
+    re-syncs (same prompts, same seed) must stay within 0.06 of where it started."""
+    engine_logprobs = ("--tis-cap", "2", "--check-consistency-every", "10")
+    trained = run_grpo(tmp_path / "trained", *SHAPED, *engine_logprobs, "--steps", str(STEPS))
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
     assert all(r["bytes_copied"] == 0 for r in trained), "params placed like the engine: zero-copy syncs"
     assert mean_reward(trained[-5:]) - mean_reward(trained[:5]) > GAIN
@@ -106,28 +109,18 @@ def test_tiny_grpo_learns_and_the_ablation_does_not(tmp_path):
         assert all(np.isfinite(r[key]) for r in trained), key
     assert max(r["frac_reward_zero_std"] for r in trained[10:]) < 0.5
     assert trained[0]["entropy"] > 2.5 and np.mean([r["entropy"] for r in trained[-5:]]) < trained[0]["entropy"] - 0.8
+    assert all(r["mismatch_max"] < 1e-4 and abs(r["mismatch_kl"]) < 1e-8 for r in trained)
+    assert all(r["tis_weight"] == pytest.approx(1.0, abs=1e-3) and r["tis_capped"] == 0 for r in trained)
+    assert [r["step"] for r in trained if "consistency_max" in r] == [1, 11, 21]
 
     ablation = run_grpo(tmp_path / "ablation", *SHAPED, "--steps", str(STEPS), "--no-resync")
     assert abs(mean_reward(ablation[-5:]) - mean_reward(ablation[:5])) < 0.06
     assert mean_reward(ablation[-5:]) < mean_reward(trained[-5:]) - GAIN
 
     # Resume: the same output dir continues from the last checkpoint with the trained weights.
-    resumed = run_grpo(tmp_path / "trained", *SHAPED, "--steps", str(STEPS + 5))
+    resumed = run_grpo(tmp_path / "trained", *SHAPED, *engine_logprobs, "--steps", str(STEPS + 5))
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 6))
     assert mean_reward(resumed[-5:]) > mean_reward(trained[:5]) + GAIN
-
-
-@pytest.mark.example_run
-def test_tiny_grpo_with_engine_logprobs_and_tis_learns(tmp_path):
-    """Same bar as the plain run; in fp32 engine and trainer agree, so the logged mismatch is
-    float rounding and the TIS weights are 1."""
-    records = run_grpo(
-        tmp_path / "tis", *SHAPED, "--steps", str(STEPS), "--tis-cap", "2", "--check-consistency-every", "10"
-    )
-    assert mean_reward(records[-5:]) - mean_reward(records[:5]) > GAIN
-    assert all(r["mismatch_max"] < 1e-4 and abs(r["mismatch_kl"]) < 1e-8 for r in records)
-    assert all(r["tis_weight"] == pytest.approx(1.0, abs=1e-3) and r["tis_capped"] == 0 for r in records)
-    assert [r["step"] for r in records if "consistency_max" in r] == [1, 11, 21]
 
 
 @pytest.mark.example_run_newest
