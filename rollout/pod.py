@@ -7,8 +7,9 @@ Before any collective, each process publishes a cheap fingerprint of its call (n
 structure) in the JAX distributed runtime's key-value store and reads every other process's,
 waiting at most ``timeout_s``: a disagreement or a process that never arrives is a
 :class:`PodError` naming the processes, instead of a collective that hangs or mixes trees.
-The processes such an error named as not arriving are remembered (:func:`gone_processes`), so
-that ``rollout.launch.leave`` ends this process without waiting for them.
+The processes such an error named as not arriving are remembered (:func:`gone_processes`): a
+later call fails at once naming them, and ``rollout.launch.leave`` ends this process without
+waiting for them.
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ class Pod:
         ``timeout_s`` (a process that skipped the call, is stuck, or was lost)."""
         if not self.multi_process:
             return [payload]
+        gone = sorted(_gone - {self.process_index})
+        if gone:
+            # Once a call found processes missing, the others' call counts no longer line up:
+            # every later call would wait its whole timeout to fail the same way.
+            raise PodError(
+                f"{call}: process(es) {gone} were lost earlier (an earlier call's PodError named them); "
+                "this job can make no more weight or KV calls. Restart the job and resume from the last "
+                "checkpoint (docs/pods.md).",
+                tuple(gone),
+            )
         self._calls += 1
         prefix = f"{self.namespace}/{self._calls}/"
         mine = f"{call}|{fingerprint}|{payload}"

@@ -99,7 +99,10 @@ def test_a_process_killed_mid_sync_is_named_within_the_bound_and_the_survivor_le
     bound = pod_program.LOSS_TIMEOUT_S + 15  # the roll call's wait, plus the failed collective
     for key in ("killed_mid_sync", "next_call_after_loss"):
         assert survivor[key]["processes"] == [1] and "[1]" in survivor[key]["message"], survivor[key]
-        assert survivor[key]["seconds"] < bound, survivor[key]
+    assert survivor["killed_mid_sync"]["seconds"] < bound, survivor["killed_mid_sync"]
+    # The next call does not wait for the lost process again.
+    assert survivor["next_call_after_loss"]["seconds"] < pod_program.LOSS_TIMEOUT_S / 2, survivor
+    assert "were lost earlier" in survivor["next_call_after_loss"]["message"]
     # Generation is per process: the survivor's engines still serve.
     assert survivor["greedy_after_loss"] == survivor["greedy"]
     # Then rollout.launch.leave(0) ends it with status 0 (above) at once, not after JAX's
