@@ -75,28 +75,41 @@ def make_train_step(
     steps = {}
 
     def train_step(trees, minibatch, frozen=None):
-        placement = _placement(trees)
-        shardings, treedef = jax.tree_util.tree_flatten(placement)
-        key = (treedef, tuple(shardings))
+        trees = _placed(trees)
+        leaves, treedef = jax.tree_util.tree_flatten(trees)
+        if all(_is_placed(leaf) for leaf in leaves):
+            key = (treedef, tuple(leaf.sharding for leaf in leaves))
+            out_shardings = (treedef.unflatten(key[1]), None)
+        else:  # nothing placed (plain arrays): the outputs go where the step puts them
+            key, out_shardings = None, None
         if key not in steps:
-            out_shardings = None if placement is None else (placement, None)
             steps[key] = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
-        return steps[key](trees if placement is None else jax.device_put(trees, placement), minibatch, frozen)
+        return steps[key](trees, minibatch, frozen)
 
     return train_step
 
 
-def _placement(trees):
-    """Each leaf's sharding, where a leaf made without a device (Adam's fresh step count) is
-    replicated over the devices of the placed ones; None if no leaf is placed."""
-    placed = [leaf for leaf in jax.tree_util.tree_leaves(trees) if isinstance(leaf, jax.Array) and leaf.committed]
-    if not placed:
-        return None
+def _is_placed(leaf) -> bool:
+    return isinstance(leaf, jax.Array) and leaf.committed
+
+
+def _placed(trees):
+    """``trees`` with each leaf made without a device (Adam's fresh step count) replicated over
+    the devices of the placed leaves; as given where every leaf or none is placed."""
+    leaves = jax.tree_util.tree_leaves(trees)
+    placed = [leaf for leaf in leaves if _is_placed(leaf)]
+    if not placed or len(placed) == len(leaves):
+        return trees
     devices = np.array(sorted(placed[0].sharding.device_set, key=lambda device: device.id))
     replicated = NamedSharding(Mesh(devices, ("devices",)), PartitionSpec())
-    return jax.tree_util.tree_map(
-        lambda leaf: leaf.sharding if isinstance(leaf, jax.Array) and leaf.committed else replicated, trees
-    )
+
+    def place(leaf):
+        if _is_placed(leaf):
+            return leaf
+        host = np.asarray(leaf)  # every process holds the same value; the devices may span processes
+        return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
+
+    return jax.tree_util.tree_map(place, trees)
 
 
 def run_updates(
