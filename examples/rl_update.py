@@ -51,6 +51,10 @@ def make_train_step(
     gradient is taken with respect to it. With ``target_kl``,
     a step whose starting policy is already further than ``target_kl`` from the rollout's
     applies nothing (``stats["kl_stop"]`` is 1): the caller then stops.
+
+    The returned trees are placed as the given ones (one program per placement), so later steps
+    run the first step's program; a leaf made without a device (Adam's fresh step count) is first
+    replicated over the devices of the placed ones.
     """
 
     def step(trees, minibatch, frozen=None):
@@ -68,10 +72,9 @@ def make_train_step(
             stats["kl_stop"] = stop.astype(jnp.float32)
         return new, stats
 
-    # One program per placement of ``trees``, whose outputs keep that placement. Left to XLA, the
-    # outputs came back on other shardings than the inputs' (a mesh of its own for the params
-    # placed on the engine's, a mesh for Adam's step count), so the next step compiled the
-    # whole step again.
+    # Left to XLA, the outputs came back on other shardings than the inputs' (a mesh of its own
+    # for the params placed on the engine's, a mesh for Adam's step count), so the next step
+    # compiled the whole step again.
     steps = {}
 
     def train_step(trees, minibatch, frozen=None):
