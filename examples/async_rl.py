@@ -27,10 +27,10 @@ from examples.rl_loop import (
     RLConfig,
     Rollout,
     Setup,
-    _save,
     _summary,
     rollout_arrays,
     rollout_metrics,
+    save_train_state,
     set_up,
     step_seed,
     sync_policy,
@@ -134,7 +134,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
-                _save(manager, state)
+                save_train_state(manager, state)
         manager.wait_until_finished()
     wall_s = time.perf_counter() - start
     summary = _summary(config, output_dir, history, algorithm)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from examples.rl_update import replicated_beside
 
 CRITIC_MODES = ("separate", "shared")
 
@@ -43,12 +44,8 @@ def init_critic(mode: str, policy_model: nn.Module, policy_params: dict, seed: i
     """The critic's initial params (placed like the policy's) and, for ``separate``, its model."""
     if mode not in CRITIC_MODES:
         raise ValueError(f"critic must be one of {CRITIC_MODES}, got {mode!r}")
-    leaf = jax.tree_util.tree_leaves(policy_params)[0]
-    # Replicated over the policy's devices: a jitted step takes both trees together.
-    replicated = jax.sharding.NamedSharding(
-        jax.sharding.Mesh(np.array(sorted(leaf.sharding.device_set, key=lambda d: d.id)), ("devices",)),
-        jax.sharding.PartitionSpec(),
-    )
+    # Replicated over the policy's devices, in its mesh's order: a jitted step takes both trees together.
+    replicated = replicated_beside(jax.tree_util.tree_leaves(policy_params)[0].sharding)
     hidden = jnp.zeros((1, 1, policy_model.config.hidden_size), jnp.float32)
     head = jax.device_put(ValueHead().init(jax.random.key(seed), hidden)["params"], replicated)
     if mode == "shared":

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from examples.rl_update import place_fresh_leaves
 from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
 from examples.tool_task import TOOL_PIECES, ToolTask, warm_start
 from models import (
@@ -487,7 +488,7 @@ def _train(config: RLConfig, setup: Setup) -> dict:
                 progress.update(1)
                 progress.set_postfix(_postfix(record, algorithm))
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
-                _save(manager, state)
+                save_train_state(manager, state)
     finally:
         if metrics_file is not None:
             metrics_file.close()
@@ -708,6 +709,9 @@ def restore_or_init(manager, trees: dict[str, Any]) -> TrainState:
     import orbax.checkpoint as ocp
 
     latest = manager.latest_step()
+    # Placed as the train step places them: a fresh step count restored where it was made (one
+    # device) would sit apart from params on several.
+    trees = place_fresh_leaves(trees)
     if latest is None:
         return TrainState(trees, 0)
     abstract = jax.tree_util.tree_map(
@@ -720,7 +724,7 @@ def restore_or_init(manager, trees: dict[str, Any]) -> TrainState:
     return TrainState(restored, step)
 
 
-def _save(manager, state: TrainState) -> None:
+def save_train_state(manager, state: TrainState) -> None:
     import orbax.checkpoint as ocp
 
     manager.save(state.step, args=ocp.args.StandardSave({**state.trees, "step": state.step}))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 
 def make_optimizer(
@@ -43,7 +43,7 @@ LossFn = Callable[[dict[str, Any], dict[str, jax.Array]], tuple[jax.Array, dict[
 def make_train_step(
     loss_fn: LossFn, optimizers: dict[str, tuple[str, optax.GradientTransformation]], target_kl: float | None = None
 ):
-    """A jitted ``train_step(trees, minibatch, frozen=None) -> (trees, stats)``.
+    """``train_step(trees, minibatch, frozen=None) -> (trees, stats)``, jitted.
 
     ``optimizers`` maps each trained tree's key in ``trees`` to (the key of its optimizer state,
     the optimizer). ``trees`` is donated: the step overwrites it in place. ``frozen`` (a LoRA
@@ -53,8 +53,7 @@ def make_train_step(
     applies nothing (``stats["kl_stop"]`` is 1): the caller then stops.
 
     The returned trees are placed as the given ones (one program per placement), so later steps
-    run the first step's program; a leaf made without a device (Adam's fresh step count) is first
-    replicated over the devices of the placed ones.
+    run the first step's program; fresh leaves are placed first (:func:`place_fresh_leaves`).
     """
 
     def step(trees, minibatch, frozen=None):
@@ -72,22 +71,21 @@ def make_train_step(
             stats["kl_stop"] = stop.astype(jnp.float32)
         return new, stats
 
-    # Left to XLA, the outputs came back on other shardings than the inputs' (a mesh of its own
-    # for the params placed on the engine's, a mesh for Adam's step count), so the next step
-    # compiled the whole step again.
-    steps = {}
+    # Without out_shardings XLA picks the outputs' shardings (for params placed on the engine's
+    # mesh, a mesh of its own), and the next step, given those, compiles the whole step again.
+    programs = {}
 
     def train_step(trees, minibatch, frozen=None):
-        trees = _placed(trees)
+        trees = place_fresh_leaves(trees)
         leaves, treedef = jax.tree_util.tree_flatten(trees)
         if all(_is_placed(leaf) for leaf in leaves):
-            key = (treedef, tuple(leaf.sharding for leaf in leaves))
-            out_shardings = (treedef.unflatten(key[1]), None)
-        else:  # nothing placed (plain arrays): the outputs go where the step puts them
-            key, out_shardings = None, None
-        if key not in steps:
-            steps[key] = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
-        return steps[key](trees, minibatch, frozen)
+            shardings = tuple(leaf.sharding for leaf in leaves)
+            placement, out_shardings = (treedef, shardings), (treedef.unflatten(shardings), None)
+        else:  # not all placed (plain arrays): the outputs go where the step puts them
+            placement, out_shardings = None, None
+        if placement not in programs:
+            programs[placement] = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+        return programs[placement](trees, minibatch, frozen)
 
     return train_step
 
@@ -96,18 +94,31 @@ def _is_placed(leaf) -> bool:
     return isinstance(leaf, jax.Array) and leaf.committed
 
 
-def _placed(trees):
-    """``trees`` with each leaf made without a device (Adam's fresh step count) replicated over
-    the devices of the placed leaves; as given where every leaf or none is placed."""
+def replicated_beside(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
+    """A sharding that replicates over ``sharding``'s devices in its order (a jitted call wants
+    its inputs' devices in one order; a TPU mesh orders them along the chips' ring, not by id);
+    None for a sharding without a mesh."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    if isinstance(sharding, SingleDeviceSharding):
+        return sharding
+    return None
+
+
+def place_fresh_leaves(trees):
+    """``trees`` with each array made without a device (Adam's fresh step count) replicated
+    beside the first placed leaf (:func:`replicated_beside`); as given where every leaf or none
+    is placed, or the placed leaf's sharding has no mesh."""
     leaves = jax.tree_util.tree_leaves(trees)
     placed = [leaf for leaf in leaves if _is_placed(leaf)]
     if not placed or len(placed) == len(leaves):
         return trees
-    devices = np.array(sorted(placed[0].sharding.device_set, key=lambda device: device.id))
-    replicated = NamedSharding(Mesh(devices, ("devices",)), PartitionSpec())
+    replicated = replicated_beside(placed[0].sharding)
+    if replicated is None:
+        return trees
 
     def place(leaf):
-        if _is_placed(leaf):
+        if not isinstance(leaf, jax.Array) or leaf.committed:
             return leaf
         host = np.asarray(leaf)  # every process holds the same value; the devices may span processes
         return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])

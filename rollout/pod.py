@@ -92,7 +92,8 @@ class Pod:
     def agree(self, call: str, fingerprint: str = "", payload: str = "") -> list[str]:
         """Every process's ``payload`` (process order), once all of them made the same ``call``
         with the same ``fingerprint``. PodError naming the processes otherwise, after at most
-        ``timeout_s`` (a process that skipped the call, is stuck, or was lost)."""
+        ``timeout_s`` (a process that skipped the call, is stuck, or was lost), or at once when
+        an earlier call named processes missing (:func:`gone_processes`)."""
         if not self.multi_process:
             return [payload]
         gone = sorted(_gone - {self.process_index})
