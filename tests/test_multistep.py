@@ -23,10 +23,33 @@ def _config(qwen2_dir, **overrides):
     return tiny_worker_config(qwen2_dir, precompile=True, **overrides)
 
 
+# A batch of each of the sampler's draws (rollout/engine/patches.py: one program each).
+DRAWS = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=1.0, seed=1),
+    "filtered": dict(temperature=1.0, top_p=0.9, seed=1),
+}
+
+
 @pytest.fixture(scope="module")
-def plain(qwen2_dir):
+def plain_and_its_first_compiles(qwen2_dir):
     with RolloutWorker(_config(qwen2_dir)) as w:
-        yield w
+        # Right after start-up, before any other call: what a batch of each draw compiles.
+        first = {
+            name: w.generate(PROMPTS, max_new_tokens=3, ignore_eos=True, **kw).compiles for name, kw in DRAWS.items()
+        }
+        yield w, first
+
+
+@pytest.fixture(scope="module")
+def plain(plain_and_its_first_compiles):
+    return plain_and_its_first_compiles[0]
+
+
+def test_a_precompiled_engine_compiles_nothing_for_any_draw(plain_and_its_first_compiles):
+    """The precompile's made-up batches filter (top-k, top-p, min-p); it compiles the greedy and
+    the unfiltered draw's programs too, for the same batch sizes."""
+    assert plain_and_its_first_compiles[1] == dict.fromkeys(DRAWS, 0)
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,10 @@ LOGPROB_SINKS = "_rollout_logprob_sinks"
 # and the (log-probs, kept counts) the sampler leaves there for it.
 _FETCH_LOGPROBS = "_rollout_fetch_logprobs"
 _TOKEN_LOGPROBS = "_rollout_token_logprobs"
+# ModelRunner attribute: set while the engine precompiles (every draw's program is compiled then).
+_PRECOMPILING = "_rollout_precompiling"
+# SamplingMetadata attribute: its batch's (top_ks, top_ps, min_ps, is_all_greedy) on the host.
+_HOST_SAMPLING = "_rollout_host_sampling"
 
 logger = logging.getLogger(__name__)
 
@@ -148,50 +152,130 @@ def _draw_with_logprobs(operands):
     nothing was filtered). When no sampling row filters (top-k, top-p, min-p), the draw reads
     the tempered logits directly in two passes; otherwise the shared filters
     (models.sampling_log_probs) run first. Greedy rows (top_k 1) take the argmax either way."""
+    logits, _, top_ks, top_ps, min_ps = operands[:5]
+    greedy = top_ks == 1
+    filtering = ~greedy & ((top_ks < logits.shape[-1]) | (top_ps < 1.0) | (min_ps > 0.0))
+    return jax.lax.cond(jnp.any(filtering), _draw_filtered, _draw_unfiltered, operands)
+
+
+def _draw_unfiltered(operands):
+    """:func:`_draw_with_logprobs` where no row filters: two passes over the tempered logits."""
+    logits, temperatures, top_ks, _, _, seeds, positions, rng = operands
+    uniforms = _uniforms(seeds, positions, rng, logits.shape[0])
+    ids, log_mass = draw_tokens_and_log_mass(logits, uniforms, top_ks == 1, temperatures)
+    chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0].astype(jnp.float32)
+    return ids, chosen * (1.0 / temperatures.reshape(-1)) - log_mass, _all_kept(logits)
+
+
+def _draw_filtered(operands):
+    """:func:`_draw_with_logprobs` where some row filters: the shared filters, then the draw."""
     logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, rng = operands
-    vocab = logits.shape[-1]
     uniforms = _uniforms(seeds, positions, rng, logits.shape[0])
     greedy = top_ks == 1
-    filtering = ~greedy & ((top_ks < vocab) | (top_ps < 1.0) | (min_ps > 0.0))
+    tempered, kept = sampling_log_probs(logits, temperatures, top_ks, top_ps, min_ps)
+    ids = draw_tokens(kept, uniforms, greedy)
+    # The trainer applies the same cut from the count (models.completion_log_probs): its own
+    # top-p over logits that differ in the last bits could keep one token more or less.
+    counts = jnp.sum(jnp.isfinite(kept), axis=-1, dtype=jnp.int32)
+    logprobs = sampled_token_log_probs(tempered, kept, ids, top_ks)
+    # Greedy rows as in a batch where no row filters: their log-probs and counts must not
+    # depend on their neighbours (their top_k of 1 would keep one token here).
+    _, greedy_logprobs, all_kept = _greedy_with_logprobs((logits, temperatures))
+    return ids, jnp.where(greedy, greedy_logprobs, logprobs), jnp.where(greedy, all_kept, counts)
 
-    def unfiltered(_):
-        ids, log_mass = draw_tokens_and_log_mass(logits, uniforms, greedy, temperatures)
-        chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0].astype(jnp.float32)
-        return ids, chosen * (1.0 / temperatures.reshape(-1)) - log_mass, _all_kept(logits)
 
-    def filtered(_):
-        tempered, kept = sampling_log_probs(logits, temperatures, top_ks, top_ps, min_ps)
-        ids = draw_tokens(kept, uniforms, greedy)
-        # The trainer applies the same cut from the count (models.completion_log_probs): its own
-        # top-p over logits that differ in the last bits could keep one token more or less.
-        counts = jnp.sum(jnp.isfinite(kept), axis=-1, dtype=jnp.int32)
-        logprobs = sampled_token_log_probs(tempered, kept, ids, top_ks)
-        # Greedy rows as in a batch where no row filters: their log-probs and counts must not
-        # depend on their neighbours (their top_k of 1 would keep one token here).
-        _, greedy_logprobs, all_kept = _greedy_with_logprobs((logits, temperatures))
-        return ids, jnp.where(greedy, greedy_logprobs, logprobs), jnp.where(greedy, all_kept, counts)
+# The draws a batch can need, by name: its rows all greedy, some sampled and none filtering, or
+# some filtering (top-k, top-p, min-p). Each is a program of its own where the host knows which
+# (:func:`_draw_kind`); a program holding all three behind conds took 1.8 s to compile against
+# 0.3-0.6 s for either of the first two (16 rows, jax 0.12 CPU), for every batch size.
+_DRAWS = {"greedy": _greedy_with_logprobs, "sample": _draw_unfiltered, "filter": _draw_filtered}
 
-    return jax.lax.cond(jnp.any(filtering), filtered, unfiltered, None)
+
+def _sample(sampler, logits_output, m, positions, draw: str | None = None):
+    """(token ids [B], their log-probs [B], kept counts [B]) of a batch's logits, by ``sampler``
+    (the engine's ``Sampler``: its penalties and RNG); ``draw`` names the draw (:data:`_DRAWS`),
+    or None to choose on the device."""
+    logits = logits_output.next_token_logits
+    logits = jnp.reshape(logits, (-1, logits.shape[-1]))
+    logits = sampler.apply_penalties(logits, m)
+    _, rng = jax.random.split(sampler.rngs.params())
+    operands = (logits, m.temperatures, m.top_ks, m.top_ps, m.min_ps, m.sampling_seeds, positions, rng)
+    if draw is not None:
+        return _DRAWS[draw](operands)
+    return jax.lax.cond(m.is_all_greedy, _greedy_with_logprobs, _draw_with_logprobs, operands)
 
 
 def _sample_with_logprobs(self, logits_output, sampling_metadata, positions):
-    """``Sampler.__call__`` replacement: (token ids [B], their log-probs [B], kept counts [B])."""
-    logits = logits_output.next_token_logits
-    logits = jnp.reshape(logits, (-1, logits.shape[-1]))
-    logits = self.apply_penalties(logits, sampling_metadata)
-    _, rng = jax.random.split(self.rngs.params())
-    m = sampling_metadata
-    operands = (logits, m.temperatures, m.top_ks, m.top_ps, m.min_ps, m.sampling_seeds, positions, rng)
-    return jax.lax.cond(m.is_all_greedy, _greedy_with_logprobs, _draw_with_logprobs, operands)
+    """``Sampler.__call__`` replacement, the draw chosen on the device (a decode chunk's loop)."""
+    return _sample(self, logits_output, sampling_metadata, positions)
+
+
+@functools.partial(jax.jit, static_argnames=("sampler_state_def", "draw"))
+def _jitted_draw(sampler_def, sampler_state_def, sampler_leaves, logits_output, metadata, positions, draw):
+    """The engine's ``jitted_sampler`` (its arguments), with the draw a static argument."""
+    from flax import nnx
+
+    sampler = nnx.merge(sampler_def, jax.tree_util.tree_unflatten(sampler_state_def, sampler_leaves))
+    return _sample(sampler, logits_output, metadata, positions, draw)
+
+
+def _draw_kind(metadata, vocab: int) -> str | None:
+    """Which of :data:`_DRAWS` a batch needs, from the host copy of its sampling parameters that
+    :func:`_metadata_knowing_its_draw` left (None where there is none): the tests the device
+    made before, on the same values (padded rows are greedy, so the unpadded ones decide)."""
+    host = metadata.__dict__.get(_HOST_SAMPLING)
+    if host is None:
+        return None
+    top_ks, top_ps, min_ps, all_greedy = host
+    if all_greedy:
+        return "greedy"
+    filtering = (top_ks != 1) & ((top_ks < vocab) | (top_ps < 1.0) | (min_ps > 0.0))
+    return "filter" if filtering.any() else "sample"
+
+
+def _metadata_knowing_its_draw(build):
+    """``SamplingMetadata.from_model_worker_batch`` wrapper: the metadata keeps its batch's
+    sampling parameters as they were on the host (before they went to the device)."""
+
+    @functools.wraps(build)
+    def from_model_worker_batch(cls, batch, *args, **kwargs):
+        metadata = build(cls, batch, *args, **kwargs)
+        info = batch.sampling_info
+        metadata.__dict__[_HOST_SAMPLING] = (info.top_ks, info.top_ps, info.min_ps, bool(info.is_all_greedy))
+        return metadata
+
+    return classmethod(from_model_worker_batch)
+
+
+def _precompiling_every_draw(run_precompile):
+    """``ModelWorker.run_precompile`` wrapper: its forwards compile every draw's program for
+    their batch sizes, not just the one their made-up batch needs, so that nothing compiles
+    later whichever sampling parameters a batch brings."""
+
+    @functools.wraps(run_precompile)
+    def run_precompile_every_draw(self, *args, **kwargs):
+        self.model_runner.__dict__[_PRECOMPILING] = True
+        try:
+            return run_precompile(self, *args, **kwargs)
+        finally:
+            self.model_runner.__dict__[_PRECOMPILING] = False
+
+    return run_precompile_every_draw
 
 
 def _sample_keeping_logprobs(self, logits_output, sampling_metadata, positions):
     """``ModelRunner.sample`` replacement: the token ids, as the scheduler expects.
 
+    The batch's draw is read on the host (:func:`_draw_kind`) and runs as a program of its own.
     When the scheduler asked for this batch's log-probs, both arrays come to the host in one
     transfer (the scheduler's own device_get of the ids then has nothing left to wait for).
     """
-    ids, logprobs, kept = self.jitted_sampler(logits_output, sampling_metadata, positions)
+    draw = _draw_kind(sampling_metadata, logits_output.next_token_logits.shape[-1])
+    sample = functools.partial(_jitted_draw, *self.jitted_sampler.args, logits_output, sampling_metadata, positions)
+    if draw is not None and self.__dict__.get(_PRECOMPILING):
+        for other in _DRAWS.keys() - {draw}:
+            sample(draw=other)
+    ids, logprobs, kept = sample(draw=draw)
     if logprobs_requested(self):
         ids, token_logprobs = jax.device_get((ids, (logprobs, kept)))
         leave_token_logprobs(self, token_logprobs)
@@ -249,12 +333,17 @@ def _run_batch_collecting_logprobs(original):
 
 def _patch_sampler() -> None:
     from sgl_jax.srt.layers import sampler
-    from sgl_jax.srt.managers import scheduler
+    from sgl_jax.srt.managers import scheduler, tp_worker
     from sgl_jax.srt.model_executor import model_runner
+    from sgl_jax.srt.sampling.sampling_batch_info import SamplingMetadata
 
     if workaround_enabled("sampler"):
         sampler.Sampler.__call__ = _sample_with_logprobs
         model_runner.ModelRunner.sample = _sample_keeping_logprobs
+        for name in ("from_model_worker_batch", "from_model_worker_batch_for_precompile"):
+            build = SamplingMetadata.__dict__[name].__func__
+            setattr(SamplingMetadata, name, _metadata_knowing_its_draw(build))
+        tp_worker.ModelWorker.run_precompile = _precompiling_every_draw(tp_worker.ModelWorker.run_precompile)
         scheduler.Scheduler.run_batch = _run_batch_collecting_logprobs(scheduler.Scheduler.run_batch)
 
 

@@ -130,9 +130,11 @@ WORKAROUNDS: dict[str, str] = {
         "each token by inverse CDF (draw.py: one uniform per row, not the Gumbel noise per "
         "vocabulary entry of jax.random.categorical) at a uniform keyed by (request seed, "
         "position) (fresh samples per call, the same samples for the same seed, whatever the "
-        "batch), and returns its log-prob with it, always (one compiled program). Requests that "
-        "ask for log-probs get them on the scheduler thread, fetched in the same device_get as "
-        "the token ids."
+        "batch), and returns its log-prob with it, always. ModelRunner.sample runs one program "
+        "per draw a batch needs (all greedy, sampled, some row filtering), named on the host "
+        "from the batch's parameters, so each batch size compiles only what its batches use; "
+        "the precompile compiles all three. Requests that ask for log-probs get them on the "
+        "scheduler thread, fetched in the same device_get as the token ids."
     ),
     "flax-eager-sharding": (
         "With flax >= 0.12.1 (flax.config.flax_always_shard_variable, default on) every "

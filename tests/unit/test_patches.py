@@ -1,6 +1,7 @@
 """rollout/engine/patches.py without an engine: patched sglang-jax functions called directly."""
 
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +58,62 @@ def test_device_memory_is_measured_on_the_engines_devices_without_clearing_cache
     monkeypatch.setattr(start_up, "_start_up", start_up.StartUp("engine 1", (FakeGpu(3000), FakeGpu(5000))))
     assert model_runner.get_available_device_memory("gpu") == 3000
     assert cleared == []
+
+
+def _host_sampling(top_ks, top_ps=None, min_ps=None, all_greedy=False):
+    """A stand-in for a SamplingMetadata whose batch's parameters the host kept."""
+    rows = len(top_ks)
+    metadata = types.SimpleNamespace()
+    metadata.__dict__[patches._HOST_SAMPLING] = (
+        np.asarray(top_ks, np.int32),
+        np.asarray([1.0] * rows if top_ps is None else top_ps, np.float32),
+        np.asarray([0.0] * rows if min_ps is None else min_ps, np.float32),
+        all_greedy,
+    )
+    return metadata
+
+
+def test_a_batch_runs_the_draw_its_host_parameters_name():
+    vocab, everything = 50, 2**30
+    kind = patches._draw_kind
+    assert kind(_host_sampling([1, 1], all_greedy=True), vocab) == "greedy"
+    assert kind(_host_sampling([everything, 1]), vocab) == "sample"  # a greedy row beside a sampled one
+    assert kind(_host_sampling([vocab, everything]), vocab) == "sample"  # a top-k that keeps every token
+    assert kind(_host_sampling([1, everything], top_ps=[0.5, 1.0]), vocab) == "sample"  # greedy: no top-p
+    assert kind(_host_sampling([everything, vocab - 1]), vocab) == "filter"
+    assert kind(_host_sampling([everything], top_ps=[0.9]), vocab) == "filter"
+    assert kind(_host_sampling([everything], min_ps=[0.1]), vocab) == "filter"
+    assert kind(types.SimpleNamespace(), vocab) is None  # no host copy: chosen on the device
+
+
+def test_each_draw_gives_what_the_device_chosen_draw_gives():
+    """Per batch, the program of the draw the host names returns what the one program that
+    chose on the device returns (greedy rows beside sampled and filtering ones included)."""
+    rows, vocab = 6, 300
+    logits = jax.random.normal(jax.random.key(0), (rows, vocab)) * 3
+    everything = 2**30
+    batches = {
+        "greedy": ([1] * rows, [1.0] * rows, True),
+        "sample": ([everything, 1, everything, everything, 1, everything], [1.0, 0.5, 1.0, 1.0, 1.0, 1.0], False),
+        "filter": ([everything, 1, 20, everything, everything, 5], [1.0, 1.0, 1.0, 0.7, 1.0, 1.0], False),
+    }
+    for name, (top_ks, top_ps, all_greedy) in batches.items():
+        assert patches._draw_kind(_host_sampling(top_ks, top_ps, all_greedy=all_greedy), vocab) == name
+        operands = (
+            logits,
+            jnp.full((rows, 1), 0.7),
+            jnp.asarray(top_ks, jnp.int32),
+            jnp.asarray(top_ps, jnp.float32),
+            jnp.zeros(rows),
+            jnp.arange(rows, dtype=jnp.int32) * 7,
+            jnp.full(rows, 3, jnp.int32),
+            None,
+        )
+        chosen = jax.jit(
+            lambda ops, greedy=all_greedy: jax.lax.cond(
+                greedy, patches._greedy_with_logprobs, patches._draw_with_logprobs, ops
+            )
+        )(operands)
+        named = jax.jit(patches._DRAWS[name])(operands)
+        for a, b in zip(chosen, named):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
