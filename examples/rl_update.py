@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from trainer_bridge import replicated_beside
 
 
 def make_optimizer(
@@ -94,21 +95,10 @@ def _is_placed(leaf) -> bool:
     return isinstance(leaf, jax.Array) and leaf.committed
 
 
-def replicated_beside(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
-    """A sharding that replicates over ``sharding``'s devices in its order (a jitted call wants
-    its inputs' devices in one order; a TPU mesh orders them along the chips' ring, not by id);
-    None for a sharding without a mesh."""
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec())
-    if isinstance(sharding, SingleDeviceSharding):
-        return sharding
-    return None
-
-
 def place_fresh_leaves(trees):
     """``trees`` with each array made without a device (Adam's fresh step count) replicated
-    beside the first placed leaf (:func:`replicated_beside`); as given where every leaf or none
-    is placed, or the placed leaf's sharding has no mesh."""
+    beside the first placed leaf (:func:`trainer_bridge.replicated_beside`); as given where
+    every leaf or none is placed, or the placed leaf's sharding has no mesh."""
     leaves = jax.tree_util.tree_leaves(trees)
     placed = [leaf for leaf in leaves if _is_placed(leaf)]
     if not placed or len(placed) == len(leaves):

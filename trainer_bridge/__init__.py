@@ -35,6 +35,7 @@ from .sync import (
     non_finite_leaves,
     plan_key,
     relabel,
+    replicated_beside,
 )
 from .tree import flatten_params, unflatten_params, unwrap_params
 
@@ -70,6 +71,7 @@ __all__ = [
     "non_finite_leaves",
     "plan_key",
     "relabel",
+    "replicated_beside",
     "safetensors_files",
     "unflatten_params",
     "unwrap_params",

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from models import EngineTransform, ParamMapping
 
-from .sync import SyncError
+from .sync import SyncError, replicated_beside
 from .tree import flatten_params, unflatten_params
 
 # Every linear projection of the dense families (attention and MLP).
@@ -210,12 +210,8 @@ def merge_adapters(base: Mapping[str, object], adapters: Sequence[Adapter], conf
 def _beside(factor, kernel):
     """The factor replicated on its kernel's devices: the trainer may keep adapters elsewhere
     than the base (they are small)."""
-    sharding = getattr(kernel, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.device_put(factor, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return jax.device_put(factor, sharding)
-    return factor
+    sharding = replicated_beside(getattr(kernel, "sharding", None))
+    return factor if sharding is None else jax.device_put(factor, sharding)
 
 
 @functools.lru_cache(maxsize=16)

@@ -139,6 +139,18 @@ def relabel(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(tuple(array.shape), sharding, [by_device[d] for d in devices])
 
 
+def replicated_beside(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+    """A sharding that replicates over ``sharding``'s devices in its mesh's order: where a small
+    array used beside ``sharding``'s goes (an adapter beside its kernel, an optimizer's step
+    count beside the params). A jitted call wants its inputs' devices in one order, and a TPU
+    mesh orders them along the chips' ring, not by id. None for a sharding without a mesh."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    return None
+
+
 def _on_engine_devices(x, engine_sharding: jax.sharding.Sharding):
     """``x`` as an input the engine's jitted copy accepts: a jitted call needs its inputs on
     the devices of its outputs. An array that also lives on other devices (a trainer mesh
