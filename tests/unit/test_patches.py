@@ -97,6 +97,10 @@ def test_each_draw_gives_what_the_device_chosen_draw_gives():
         "sample": ([everything, 1, everything, everything, 1, everything], [1.0, 0.5, 1.0, 1.0, 1.0, 1.0], False),
         "filter": ([everything, 1, 20, everything, everything, 5], [1.0, 1.0, 1.0, 0.7, 1.0, 1.0], False),
     }
+    # One program for the three batches (same shapes), as the engine's sampler was.
+    chosen_on_the_device = jax.jit(
+        lambda ops, greedy: jax.lax.cond(greedy, patches._greedy_with_logprobs, patches._draw_with_logprobs, ops)
+    )
     for name, (top_ks, top_ps, all_greedy) in batches.items():
         assert patches._draw_kind(_host_sampling(top_ks, top_ps, all_greedy=all_greedy), vocab) == name
         operands = (
@@ -109,11 +113,7 @@ def test_each_draw_gives_what_the_device_chosen_draw_gives():
             jnp.full(rows, 3, jnp.int32),
             None,
         )
-        chosen = jax.jit(
-            lambda ops, greedy=all_greedy: jax.lax.cond(
-                greedy, patches._greedy_with_logprobs, patches._draw_with_logprobs, ops
-            )
-        )(operands)
+        chosen = chosen_on_the_device(operands, jnp.asarray(all_greedy))
         named = jax.jit(patches._DRAWS[name])(operands)
         for a, b in zip(chosen, named):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
