@@ -43,6 +43,10 @@ and transformers; same model dir, bfloat16, on the GPU when torch sees one), the
 user makes first: ``--torch-modes`` eager (its dynamic cache) and compiled (a static cache and
 ``torch.compile``, CUDA graphs on a GPU).
 
+``--trace DIR`` keeps a ``jax.profiler`` trace (Perfetto JSON, no Python tracer) of one more
+decode-heavy call of 17 new tokens (its prefill, then 16 decode steps) per variant, under
+``DIR/<variant>``, and prints its operations of the largest self time (``bench.op_profile``).
+
 ``--variants baseline`` runs the same figures with ``ROLLOUT_DISABLE_WORKAROUNDS`` naming the
 speed workarounds (``SPEED_WORKAROUNDS``), ``--variants without:NAME`` with that one workaround
 off, ``--variants steps:K`` with ``WorkerConfig(decode_steps=K)`` (K decode steps per dispatch;
@@ -72,9 +76,11 @@ from safetensors.numpy import save_file
 
 from bench.attention_bench import QWEN25_05B_HEAD_DIM, QWEN25_05B_SHAPE
 from bench.common import QWEN25_3B_SHAPE, QWEN25_15B_SHAPE, PeakRss, gib, median_seconds
+from bench.op_profile import perfetto_trace, self_times, trace_events
 from models import TinyModelSpec, random_hf_weights, table_logits
 from rollout import RolloutWorker, WorkerConfig, counting_compiles
 from rollout.engine import StepSplit, attention, patches, profile_steps, workarounds
+from rollout.engine.types import engine_compiler_options
 
 # name: (HF shape, head_dim)
 SHAPES = {
@@ -83,7 +89,7 @@ SHAPES = {
     "3b": (QWEN25_3B_SHAPE, 128),
 }
 # The workarounds this bench's baseline variant switches off.
-SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions", "bf16-logits", "bf16-matmul-precision")
+SPEED_WORKAROUNDS: tuple[str, ...] = ("kv-pool-conversions", "bf16-logits", "bf16-matmul-precision", "gpu-dot-merger")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +136,7 @@ class GenerateBenchConfig:
     torch_modes: tuple[str, ...] = ("eager", "compiled")
     dummy_weights: bool = False
     decode_steps: int = 1  # a child's WorkerConfig.decode_steps (variant steps:K)
+    trace: str | None = None  # a directory: one traced decode-heavy call per variant kept there
 
 
 def model_dir(root: Path, shape: str, layers: int, weights: bool = True) -> Path:
@@ -192,7 +199,9 @@ def _head(rows, head, float32_head):
     return table_logits(rows, head) if float32_head else rows @ head.T
 
 
-@functools.partial(jax.jit, static_argnames=("logit_rows", "float32_head"))
+# The bound's matmuls compile as the engine's forward does (types.engine_compiler_options: on a
+# GPU, sibling dots stay apart rather than concatenating their weights every call).
+@functools.partial(jax.jit, static_argnames=("logit_rows", "float32_head"), compiler_options=engine_compiler_options())
 def _ordered_matmuls(weights, head, x, logit_rows, float32_head):
     """Every matmul of one forward in the forward's order: each layer's q/k/v from its input,
     o from q (attention's place), gate and up from o, down from their product (the MLP's),
@@ -211,7 +220,7 @@ def _ordered_matmuls(weights, head, x, logit_rows, float32_head):
     return _head(x[:logit_rows], head, float32_head), side, x
 
 
-@functools.partial(jax.jit, static_argnames="float32_head")
+@functools.partial(jax.jit, static_argnames="float32_head", compiler_options=engine_compiler_options())
 def _unordered_matmuls(weights, head, x, attn, mlp, head_rows, float32_head):
     """Every matmul of one forward, each on its own input: XLA may run any of them side by
     side (in a profile on this 2-core VM the head's 46-49 ms dot ran on one core while the
@@ -339,8 +348,8 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
     pieces = {
         "embedding": (jax.jit(lambda table, ids: jnp.take(table, ids, axis=0)), (head, ids)),
         "attention": (jax.jit(attend, donate_argnums=0), None),
-        "projections": (jax.jit(projections), (weights, x, q)),
-        "mlp": (jax.jit(mlp), (weights, x)),
+        "projections": (jax.jit(projections, compiler_options=engine_compiler_options()), (weights, x, q)),
+        "mlp": (jax.jit(mlp, compiler_options=engine_compiler_options()), (weights, x)),
         "lm_head": (jax.jit(table_logits), (x, head)),
         "sampler top-p 0.9": (jax.jit(lambda logits: sampler(logits, 0.9)), (logits,)),
     }
@@ -436,6 +445,8 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
                 # None where no step of the mode had a next one (a prefill of one chunk).
                 profiled = times.split("decode" if batch.decodes else "extend")
                 entry["profile"] = None if profiled is None else dataclasses.asdict(profiled)
+                if config.trace and name == "decode":
+                    entry["traced_ops"] = traced_call(worker, batch, vocab, Path(config.trace))
                 result[name] = entry
         result["peak_rss"] = rss.peak
     print(json.dumps(result), flush=True)  # the generate figures, should the split's part fail
@@ -463,6 +474,20 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     return result
 
 
+TRACED_NEW_TOKENS = 17  # a prefill, then 16 decode steps: one chunk of 16 with decode_steps=16
+
+
+def traced_call(worker, batch: Batch, vocab: int, log_dir: Path) -> list | str:
+    """One call of ``batch`` with TRACED_NEW_TOKENS new tokens, traced into ``log_dir``: its
+    operations of the largest self time (name, seconds, events), or why none were read."""
+    with perfetto_trace(log_dir) as found:
+        timed_generate(worker, batch, vocab, TRACED_NEW_TOKENS)
+    try:
+        return self_times(trace_events(found[0])).top(25)
+    except (IndexError, OSError, ValueError, KeyError) as exc:  # the trace file stays for reading
+        return f"the trace was not read: {exc!r}"
+
+
 def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig) -> dict:
     env = dict(os.environ)
     if variant == "baseline":
@@ -484,6 +509,7 @@ def run_child(shape: str, layers: int, variant: str, config: GenerateBenchConfig
     ]
     args += ["--dummy-weights"] if config.dummy_weights else []
     args += ["--decode-steps", variant.removeprefix("steps:")] if variant.startswith("steps:") else []
+    args += ["--trace", str(Path(config.trace) / variant.replace(":", "-"))] if config.trace else []
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{shape} {variant} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -559,6 +585,12 @@ def report(shape: str, layers: int, variant: str, r: dict) -> None:
                 f"    the decode step's matmuls under 'highest' precision {e['decode_matmuls_highest'] * 1e3:.2f} ms "
                 f"(x{e['decode_matmuls_highest'] / e['decode_matmuls']:.2f} the default's)"
             )
+        if isinstance(e.get("traced_ops"), str):
+            print(f"    traced call: {e['traced_ops']}")
+        elif e.get("traced_ops"):
+            print(f"    traced call of {TRACED_NEW_TOKENS} new tokens, operations of the largest self time:")
+            for op, seconds, count in e["traced_ops"]:
+                print(f"      {seconds * 1e3:9.2f} ms {count:6d}x {op}")
         if name == "decode":
             split = e["split"]
             pieces = {k: v for k, v in split.items() if k != "sampler top-p 0.9"}
@@ -619,6 +651,7 @@ def parse_args():
         action="store_true",
         help="serve the engine's dummy initialisation instead of written random weights",
     )
+    parser.add_argument("--trace", help="a directory: keep a profiler trace of one decode-heavy call per variant")
     parser.add_argument("--decode-steps", type=int, default=d.decode_steps, help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -632,6 +665,7 @@ def parse_args():
         torch_modes=tuple(args.torch_modes.split(",")),
         dummy_weights=args.dummy_weights,
         decode_steps=args.decode_steps,
+        trace=args.trace,
     )
     return config, args.child
 

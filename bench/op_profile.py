@@ -100,22 +100,36 @@ def self_times(events: list[dict]) -> OpTimes:
 
 
 @contextlib.contextmanager
+def perfetto_trace(log_dir: str | Path):
+    """Trace the block with ``jax.profiler`` (the runtime's and XLA's events, no Python tracer)
+    into ``log_dir``; yields a list that holds the Perfetto trace file's path when the block ends."""
+    found: list[Path] = []
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    jax.profiler.start_trace(str(log_dir), create_perfetto_trace=True, profiler_options=options)
+    try:
+        yield found
+    finally:
+        jax.profiler.stop_trace()
+        found.extend(Path(log_dir).rglob("perfetto_trace.json.gz"))
+
+
+def trace_events(trace_file: Path) -> list[dict]:
+    with gzip.open(trace_file) as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+@contextlib.contextmanager
 def traced_ops():
     """Trace the block with ``jax.profiler``; the yielded :class:`OpTimes` is filled at its end.
     Raises ``RuntimeError`` if the trace holds no operation of a compiled program."""
     ops = OpTimes()
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0  # the runtime's and XLA's events only
     with tempfile.TemporaryDirectory() as log_dir:
-        jax.profiler.start_trace(log_dir, create_perfetto_trace=True, profiler_options=options)
-        try:
+        with perfetto_trace(log_dir) as found:
             yield ops
-        finally:
-            jax.profiler.stop_trace()
-        (trace_file,) = Path(log_dir).rglob("perfetto_trace.json.gz")
-        with gzip.open(trace_file) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        (trace_file,) = found
+        events = trace_events(trace_file)
     filled = self_times(events)
     if not any(name != EXECUTOR for name in filled.self_s):
         raise RuntimeError(f"the trace of {len(events)} events holds no operation of a compiled program")

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker
-from rollout.engine import EngineError, EngineHandle, stubbed_device
+from rollout.engine import EngineError, EngineHandle, multistep, stubbed_device
+from rollout.engine.types import forward_cells
 from tests.helpers import perturbed_params, swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -149,6 +150,19 @@ def test_a_cancelled_call_leaves_no_slot_of_its_chunks(chunked):
     # abort lands at the next step boundary as it does without chunks.
     assert engine.forward_count - start < 200 // 4
     assert chunked.generate([PROMPTS[1]], max_new_tokens=5, ignore_eos=True).completions[0]
+
+
+def test_the_engines_programs_are_compiled_with_sibling_dots_apart(chunked):
+    """Workaround gpu-dot-merger: the forward the engine calls and the decode chunk carry the
+    option that keeps XLA's GPU backend from concatenating sibling weights every call
+    (tests/unit/test_patches.py checks that such options reach XLA's compile)."""
+    options = {"xla_gpu_dot_merger_threshold_mb": 0}
+    runner = chunked.engine.testing.model_runner
+    forward = forward_cells(runner)["jitted_run_model"].cell_contents
+    assert getattr(forward, "compiler_options", None) == options
+    assert multistep.chunk_program().compiler_options == options
+    out = chunked.generate(PROMPTS, max_new_tokens=STEPS + 1, temperature=0.0, ignore_eos=True)
+    assert out.compiles == 0  # the precompile compiled these programs
 
 
 def test_precompiled_chunks_compile_nothing(chunked):

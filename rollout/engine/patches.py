@@ -30,6 +30,7 @@ from .routing import patch_routing_output
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
 from .tpu_kernels import patch_kernel_jax_names
+from .types import forward_cells, jit_with_engine_options
 from .workarounds import DISABLE_ENV, disabled_workarounds, workaround_enabled
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
@@ -539,11 +540,31 @@ def _initialize_keeping_16_bit_precision(initialize):
     return initialize_keeping_precision
 
 
+def _jit_forward_under_engine_options(initialize_jit):
+    """``ModelRunner.initialize_jit`` wrapper: the forward it jits is jitted again with 0.0.2's
+    own arguments (model_runner.py) under the engine's XLA compile options (workaround
+    ``gpu-dot-merger``). The wrapper the engine calls reads the jit from its closure cell."""
+
+    @functools.wraps(initialize_jit)
+    def initialize_jit_under_options(self):
+        initialize_jit(self)
+        cell = forward_cells(self)["jitted_run_model"]
+        cell.cell_contents = jit_with_engine_options(
+            cell.cell_contents.__wrapped__, donate_argnames=["token_to_kv_pool"], static_argnames=["model_state_def"]
+        )
+
+    return initialize_jit_under_options
+
+
 def _patch_model_precision() -> None:
     from sgl_jax.srt.model_executor import model_runner
 
     if workaround_enabled("bf16-matmul-precision"):
         model_runner.ModelRunner.initialize = _initialize_keeping_16_bit_precision(model_runner.ModelRunner.initialize)
+    if workaround_enabled("gpu-dot-merger"):
+        model_runner.ModelRunner.initialize_jit = _jit_forward_under_engine_options(
+            model_runner.ModelRunner.initialize_jit
+        )
 
 
 def _patch_model_loading() -> None:

@@ -9,6 +9,8 @@ import numpy as np
 
 from trainer_bridge import LoraConfig
 
+from .workarounds import workaround_enabled
+
 # Seconds without progress on a running forward after which the watchdog fails the engine.
 DEFAULT_WATCHDOG_TIMEOUT_S = 1800.0
 
@@ -161,6 +163,22 @@ def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
 def device_nbytes(array: jax.Array) -> int:
     """Bytes an array occupies summed over its devices (replicas count once per device)."""
     return sum(device_buffers(array).values())
+
+
+def engine_compiler_options() -> dict[str, int]:
+    """XLA compile options of the engine's forward and decode chunks. With workaround
+    ``gpu-dot-merger``, XLA's GPU backend leaves sibling dots (q/k/v, gate/up) apart rather than
+    concatenating their weights every call; another backend ignores a GPU option."""
+    return {"xla_gpu_dot_merger_threshold_mb": 0} if workaround_enabled("gpu-dot-merger") else {}
+
+
+def jit_with_engine_options(fn, **jit_kwargs):
+    """``jax.jit(fn, **jit_kwargs)`` under :func:`engine_compiler_options`, which the result
+    keeps as its ``compiler_options`` attribute."""
+    options = engine_compiler_options()
+    jitted = jax.jit(fn, compiler_options=options, **jit_kwargs)
+    jitted.compiler_options = options
+    return jitted
 
 
 def forward_cells(runner) -> dict:

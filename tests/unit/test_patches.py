@@ -1,14 +1,16 @@
 """rollout/engine/patches.py without an engine: patched sglang-jax functions called directly."""
 
+import functools
 import sys
-import types
+import types as stdlib_types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from models import table_logits
-from rollout.engine import patches, start_up
+from rollout.engine import patches, start_up, types
 
 
 def test_duplicate_pytree_registration_import():
@@ -63,7 +65,7 @@ def test_device_memory_is_measured_on_the_engines_devices_without_clearing_cache
 def _host_sampling(top_ks, top_ps=None, min_ps=None, all_greedy=False):
     """A stand-in for a SamplingMetadata whose batch's parameters the host kept."""
     rows = len(top_ks)
-    metadata = types.SimpleNamespace()
+    metadata = stdlib_types.SimpleNamespace()
     metadata.__dict__[patches._HOST_SAMPLING] = (
         np.asarray(top_ks, np.int32),
         np.asarray([1.0] * rows if top_ps is None else top_ps, np.float32),
@@ -83,7 +85,7 @@ def test_a_batch_runs_the_draw_its_host_parameters_name():
     assert kind(_host_sampling([everything, vocab - 1]), vocab) == "filter"
     assert kind(_host_sampling([everything], top_ps=[0.9]), vocab) == "filter"
     assert kind(_host_sampling([everything], min_ps=[0.1]), vocab) == "filter"
-    assert kind(types.SimpleNamespace(), vocab) is None  # no host copy: chosen on the device
+    assert kind(stdlib_types.SimpleNamespace(), vocab) is None  # no host copy: chosen on the device
 
 
 def test_each_draw_gives_what_the_device_chosen_draw_gives():
@@ -117,3 +119,36 @@ def test_each_draw_gives_what_the_device_chosen_draw_gives():
         named = jax.jit(patches._DRAWS[name])(operands)
         for a, b in zip(chosen, named):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class _Runner:
+    """0.0.2's ModelRunner.initialize_jit in miniature: a jitted forward, called through a
+    wrapper that reads it from its closure."""
+
+    def initialize_jit(self):
+        @functools.partial(jax.jit, donate_argnames=["token_to_kv_pool"], static_argnames=["model_state_def"])
+        def jitted_run_model(model_state_def, x, token_to_kv_pool):
+            return x * model_state_def, token_to_kv_pool + 1
+
+        def run_model_wrapper(x, pool):
+            return jitted_run_model(2.0, x, pool)
+
+        self.jitted_run_model = run_model_wrapper
+
+
+def test_the_engines_forward_is_jitted_again_under_the_engine_compile_options(monkeypatch):
+    """Workaround gpu-dot-merger: the options reach XLA's compile of the forward the engine
+    calls (an invalid value fails it, naming the option) and the forward computes what it did."""
+    runner = _Runner()
+    patches._jit_forward_under_engine_options(_Runner.initialize_jit)(runner)
+    options = types.engine_compiler_options()
+    assert runner.jitted_run_model.__closure__[0].cell_contents.compiler_options == options
+    out, pool = runner.jitted_run_model(jnp.arange(3.0), jnp.zeros(2))
+    np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
+    np.testing.assert_array_equal(pool, [1.0, 1.0])
+
+    monkeypatch.setattr(types, "engine_compiler_options", lambda: {"xla_gpu_dot_merger_threshold_mb": "many"})
+    broken = _Runner()
+    patches._jit_forward_under_engine_options(_Runner.initialize_jit)(broken)
+    with pytest.raises(Exception, match="xla_gpu_dot_merger_threshold_mb"):
+        broken.jitted_run_model(jnp.arange(3.0), jnp.zeros(2))
