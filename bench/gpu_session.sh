@@ -31,7 +31,7 @@ mkdir -p "$out"
 export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
 # XLA's default command buffer kinds plus while loops and conditionals: a loop of data-dependent
 # trip count (the paged attention's walk over KV chunks) is otherwise driven from the host, which
-# reads its predicate back after every iteration (948 reads in a 16-step chunk of the 1.5B shape).
+# reads its predicate back after every iteration (896 reads in a 16-step chunk of the 1.5B shape).
 GRAPHS="$XLA_FLAGS --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 
 run() { # run LIMIT_SECONDS COMMAND...: bounded and timed; a failure does not stop the parts after it
