@@ -22,7 +22,7 @@ for in the time at hand: the speed is the same, the tokens are not comparable):
    ``chunked_prefill_size`` tokens, each prompt once and, for n > 1, one token per sample,
    then one decode step per new token after the first), the
    faster of bfloat16 and float32 output for the head; for decode also the weights' bytes over
-   the memory bandwidth of a jitted read of as many float32 bytes, and the floor: those bytes
+   the memory bandwidth of a jitted sum over one float32 array of as many bytes, and the floor: those bytes
    plus the KV the step reads (every row's mean context) over the same bandwidth; and the
    step's matmuls under 'highest' precision, the one 0.0.2 sets on GPU. The bound is measured right
    after each timed call; printed: the median of the per-call ratios measured time / bound.
@@ -200,8 +200,11 @@ def _head(rows, head, float32_head):
 
 
 # The bound's matmuls compile as the engine's forward does (types.engine_compiler_options: on a
-# GPU, sibling dots stay apart rather than concatenating their weights every call).
-@functools.partial(jax.jit, static_argnames=("logit_rows", "float32_head"), compiler_options=engine_compiler_options())
+# GPU, sibling dots stay apart rather than concatenated every call where cuBLAS runs them).
+BOUND_OPTIONS = engine_compiler_options(jax.default_backend())
+
+
+@functools.partial(jax.jit, static_argnames=("logit_rows", "float32_head"), compiler_options=BOUND_OPTIONS)
 def _ordered_matmuls(weights, head, x, logit_rows, float32_head):
     """Every matmul of one forward in the forward's order: each layer's q/k/v from its input,
     o from q (attention's place), gate and up from o, down from their product (the MLP's),
@@ -220,7 +223,7 @@ def _ordered_matmuls(weights, head, x, logit_rows, float32_head):
     return _head(x[:logit_rows], head, float32_head), side, x
 
 
-@functools.partial(jax.jit, static_argnames="float32_head", compiler_options=engine_compiler_options())
+@functools.partial(jax.jit, static_argnames="float32_head", compiler_options=BOUND_OPTIONS)
 def _unordered_matmuls(weights, head, x, attn, mlp, head_rows, float32_head):
     """Every matmul of one forward, each on its own input: XLA may run any of them side by
     side (in a profile on this 2-core VM the head's 46-49 ms dot ran on one core while the
@@ -253,14 +256,16 @@ def _matmul_seconds(
     return median_seconds(run, repeats)
 
 
-def read_bandwidth(arrays, repeats: int) -> float:
-    """Bytes per second of a jitted pass reading float32 arrays of the same sizes once (a sum of
-    bfloat16 arrays measures XLA's conversions on some backends, not the memory)."""
-    arrays = [jnp.ones(x.nbytes // 4, jnp.float32) for x in arrays]
-    total = jax.jit(lambda xs: sum(jnp.sum(x) for x in xs))
-    run = lambda: jax.block_until_ready(total(arrays))  # noqa: E731
+def read_bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes per second of a jitted sum reading one float32 array of ``nbytes`` once: the
+    device's read speed. A sum of bfloat16 measures XLA's conversions on some backends, and
+    a sum per weight (hundreds of small reductions) read at 1.49 TB/s on an H200 where one copy
+    of 55 MB ran at ~4 TB/s."""
+    array = jnp.ones(nbytes // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    run = lambda: jax.block_until_ready(total(array))  # noqa: E731
     run()
-    return sum(x.nbytes for x in arrays) / median_seconds(run, repeats)
+    return nbytes / median_seconds(run, repeats)
 
 
 def prefill_chunks(batch: Batch, chunk: int) -> list[tuple[int, int]]:
@@ -348,8 +353,8 @@ def decode_split(shape: str, weights, head, batch: Batch, pool_slots: int, repea
     pieces = {
         "embedding": (jax.jit(lambda table, ids: jnp.take(table, ids, axis=0)), (head, ids)),
         "attention": (jax.jit(attend, donate_argnums=0), None),
-        "projections": (jax.jit(projections, compiler_options=engine_compiler_options()), (weights, x, q)),
-        "mlp": (jax.jit(mlp, compiler_options=engine_compiler_options()), (weights, x)),
+        "projections": (jax.jit(projections, compiler_options=BOUND_OPTIONS), (weights, x, q)),
+        "mlp": (jax.jit(mlp, compiler_options=BOUND_OPTIONS), (weights, x)),
         "lm_head": (jax.jit(table_logits), (x, head)),
         "sampler top-p 0.9": (jax.jit(lambda logits: sampler(logits, 0.9)), (logits,)),
     }
@@ -452,9 +457,9 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     print(json.dumps(result), flush=True)  # the generate figures, should the split's part fail
     arrays = [w for layer in weights for w in layer.values()] + [head]
     if any(b.decodes for b in batches):
-        bandwidth = read_bandwidth(arrays, reps)
-        result["bandwidth"] = bandwidth
         weight_bytes = sum(x.nbytes for x in arrays)
+        bandwidth = read_bandwidth(weight_bytes, reps)
+        result["bandwidth"] = bandwidth
         for name in config.batches:
             if BATCHES[name].decodes:
                 result[name]["bytes_step"] = weight_bytes / bandwidth
@@ -474,13 +479,15 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
     return result
 
 
-TRACED_NEW_TOKENS = 17  # a prefill, then 16 decode steps: one chunk of 16 with decode_steps=16
+TRACED_NEW_TOKENS = 17  # the prefill forwards, then 16 decode steps: one chunk of 16 with decode_steps=16
 
 
 def traced_call(worker, batch: Batch, vocab: int, log_dir: Path) -> list | str:
-    """One call of ``batch`` with TRACED_NEW_TOKENS new tokens, traced into ``log_dir``: its
-    operations of the largest self time (name, seconds, events), or why none were read."""
-    with perfetto_trace(log_dir) as found:
+    """One call of ``batch`` with TRACED_NEW_TOKENS new tokens, traced into a new folder under
+    ``log_dir``: its operations of the largest self time (name, seconds, events), or why none
+    were read."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with perfetto_trace(tempfile.mkdtemp(dir=log_dir)) as found:
         timed_generate(worker, batch, vocab, TRACED_NEW_TOKENS)
     try:
         return self_times(trace_events(found[0])).top(25)

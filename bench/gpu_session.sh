@@ -10,7 +10,7 @@
 # Parts (by default "1.5b graphs", about 420 s at most; times measured on an H200, 2026-11-29):
 #   1.5b     bench.generate_bench at the Qwen2.5-1.5B shape, full depth, decode_steps=16, 64
 #            and 256 rows, a profiler trace of a 64-row call, then PyTorch compiled on the
-#            64-row batch (took 201 s)
+#            64-row batch (took 201 s with Triton's GEMMs off)
 #   graphs   the 64-row batch, decode_steps=16, with XLA's CUDA graphs taking in while loops
 #            and conditionals (GRAPHS below): the engine's start-up alone took over 90 s
 #   fixed    bench.step_cost_bench (a nearly free model: the fixed cost of a step), 1 and 16
@@ -18,17 +18,18 @@
 #   1.5b-one the 64-row batch with one decode step per dispatch, a profiler trace
 #   3b       the Qwen2.5-3B shape, full depth, decode_steps=16, 64 rows
 # Everything printed goes to OUT_DIR/log too; the traces are copied to OUT_DIR.
-set -u
+set -u -o pipefail
 out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [1.5b graphs fixed 1.5b-one 3b]}
 shift
 parts=${*:-1.5b graphs}
 mkdir -p "$out"
 
-# On an H200 with jax 0.11.2 (2026-11-29) XLA's GEMM autotuner crashed the process while it
-# tried Triton configurations for the engine's bf16 forward (CUDA_ERROR_ILLEGAL_INSTRUCTION, in
-# every run with a persistent compilation cache; one run without a cache had not reached that
-# point when it was stopped). With Triton's GEMMs off every run passed: cuBLAS runs the dots.
-export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
+# No persistent compilation cache: on an H200 with jax 0.11.2 (2026-11-29) XLA's GEMM autotuner
+# crashed every process that had one (CUDA_ERROR_ILLEGAL_INSTRUCTION while it timed Triton
+# configurations of the engine's bf16 extend forward; jax then also keeps XLA's per-fusion
+# autotune results), where a process without one went past that point. Should it crash anyway,
+# run with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (cuBLAS runs every dot), as that run did.
+export XLA_FLAGS=${XLA_FLAGS:-}
 # XLA's default command buffer kinds plus while loops and conditionals: a loop of data-dependent
 # trip count (the paged attention's walk over KV chunks) is otherwise driven from the host, which
 # reads its predicate back after every iteration (896 reads in a 16-step chunk of the 1.5B shape).
@@ -69,9 +70,11 @@ main() {
         *) echo "unknown part $part" ;;
         esac
     done
-    for trace in /tmp/traces/*/; do
-        [ -d "$trace" ] || continue
-        find "$trace" -name '*perfetto_trace.json.gz' -exec cp {} "$out/trace-$(basename "$trace").json.gz" \;
+    local count=0
+    for trace in $(find /tmp/traces -name '*perfetto_trace.json.gz' 2>/dev/null); do
+        count=$((count + 1))
+        local variant=${trace#/tmp/traces/}
+        cp "$trace" "$out/trace-$count-${variant%%/*}.json.gz"
     done
     ls -la "$out"
 }

@@ -17,6 +17,10 @@ time, its duration less that of the events read that it encloses. Self times are
 over threads: with several of XLA's threads at work their sum can pass the stretch's wall time.
 Read an operation against its program's optimized HLO
 (``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``).
+
+An accelerator's kernels and copies (the events of a ``/device:...`` process) are read apart:
+named ``<program>/<kernel>``, each counted whole. A stream's events can overlap (a kernel starts
+before the one before it ends), so nothing there is taken as enclosing anything.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 import jax
 
 EXECUTOR = "ThunkExecutor::Execute"
+DEVICE_PROCESS = "/device:"
 
 
 @dataclasses.dataclass
@@ -77,14 +82,28 @@ def _operation(event: dict) -> str | None:
 def self_times(events: list[dict]) -> OpTimes:
     """The self time of each operation of a Chrome/Perfetto trace's events (microseconds; see
     the module's docstring for which are read), summed by name: an event's duration less that of
-    the events read that it encloses on its thread."""
+    the events read that it encloses on its thread; a device's events whole."""
+    devices = {
+        event.get("pid")
+        for event in events
+        if event.get("ph") == "M"
+        and event.get("name") == "process_name"
+        and str((event.get("args") or {}).get("name", "")).startswith(DEVICE_PROCESS)
+    }
     by_thread = collections.defaultdict(list)
+    self_us: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.Counter()
     for event in events:
+        if event.get("pid") in devices:
+            if event.get("ph") == "X" and "dur" in event:
+                module = (event.get("args") or {}).get("hlo_module")
+                name = f"{module}/{event['name']}" if module else event["name"]
+                self_us[name] += event["dur"]
+                counts[name] += 1
+            continue
         name = _operation(event)
         if name is not None:
             by_thread[event.get("pid"), event.get("tid")].append((event["ts"], event["dur"], name))
-    self_us: dict[str, float] = collections.defaultdict(float)
-    counts: dict[str, int] = collections.Counter()
     for thread_events in by_thread.values():
         thread_events.sort(key=lambda e: (e[0], -e[1]))  # an enclosing event before what it encloses
         open_events: list[tuple] = []  # the events enclosing the one being read, outermost first

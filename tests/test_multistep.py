@@ -9,7 +9,7 @@ import pytest
 
 from rollout import RolloutWorker
 from rollout.engine import EngineError, EngineHandle, multistep, stubbed_device
-from rollout.engine.types import forward_cells
+from rollout.engine.types import engine_compiler_options, forward_cells
 from tests.helpers import perturbed_params, swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -152,17 +152,19 @@ def test_a_cancelled_call_leaves_no_slot_of_its_chunks(chunked):
     assert chunked.generate([PROMPTS[1]], max_new_tokens=5, ignore_eos=True).completions[0]
 
 
-def test_the_engines_programs_are_compiled_with_sibling_dots_apart(chunked):
-    """Workaround gpu-dot-merger: the forward the engine calls and the decode chunk carry the
-    option that keeps XLA's GPU backend from concatenating sibling weights every call
-    (tests/unit/test_patches.py checks that such options reach XLA's compile)."""
-    options = {"xla_gpu_dot_merger_threshold_mb": 0}
+def test_the_engines_programs_are_jitted_under_the_engine_compile_options(chunked):
+    """Workaround gpu-dot-merger's wiring: the forward the engine calls and the decode chunk are
+    jitted under ``engine_compiler_options`` of their devices (none on a CPU; on a GPU the option
+    that keeps XLA from merging sibling dots, tests/unit/test_patches.py), and the engine still
+    compiles nothing in steady state."""
     runner = chunked.engine.testing.model_runner
     forward = forward_cells(runner)["jitted_run_model"].cell_contents
-    assert getattr(forward, "compiler_options", None) == options
-    assert multistep.chunk_program().compiler_options == options
-    out = chunked.generate(PROMPTS, max_new_tokens=STEPS + 1, temperature=0.0, ignore_eos=True)
-    assert out.compiles == 0  # the precompile compiled these programs
+    assert getattr(forward, "compiler_options", None) == engine_compiler_options("cpu") == {}
+    assert multistep.chunk_program("cpu").compiler_options == {}
+    assert engine_compiler_options("gpu") == {"xla_gpu_dot_merger_threshold_mb": 0}
+    chunked.generate(PROMPTS, max_new_tokens=STEPS + 1, temperature=0.0, ignore_eos=True)
+    again = chunked.generate(PROMPTS, max_new_tokens=STEPS + 1, temperature=0.0, ignore_eos=True)
+    assert again.compiles == 0
 
 
 def test_precompiled_chunks_compile_nothing(chunked):

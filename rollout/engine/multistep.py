@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .types import engine_compiler_options, forward_cells, jit_with_engine_options
+from .types import engine_compiler_options, forward_cells, jit_with_options, mesh_platform
 
 # Scheduler attribute holding its DecodeChunks.
 _STATE = "_rollout_decode_chunks"
@@ -424,7 +424,7 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int):
     cells = forward_cells(runner)
     sampler_def, sampler_state_def, sampler_leaves = runner.jitted_sampler.args
     with jtu.count_pjit_cpp_cache_miss() as count, jax.set_mesh(runner.mesh):
-        kv, tokens, logprobs, kept = chunk_program()(
+        kv, tokens, logprobs, kept = chunk_program(mesh_platform(runner.mesh))(
             cells["model_def"].cell_contents,
             cells["model_state_def"].cell_contents,
             cells["model_state_leaves"].cell_contents,
@@ -443,15 +443,17 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int):
     return (tokens, logprobs, kept), misses
 
 
-def chunk_program():
-    """The jitted decode chunk under the engine's XLA compile options (types.engine_compiler_options)."""
-    return _chunk_program(tuple(engine_compiler_options().items()))
+def chunk_program(platform: str):
+    """The jitted decode chunk under the engine's XLA compile options on ``platform``
+    (types.engine_compiler_options)."""
+    return _chunk_program(tuple(sorted(engine_compiler_options(platform).items())))
 
 
 @functools.cache
 def _chunk_program(options: tuple):  # the options as a hashable tuple: one program per set
-    return jit_with_engine_options(
+    return jit_with_options(
         _decode_chunk,
+        dict(options),
         static_argnames=("model_state_def", "sampler_state_def", "max_steps"),
         donate_argnames=("kv_pool",),
     )

@@ -30,7 +30,7 @@ from .routing import patch_routing_output
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
 from .tpu_kernels import patch_kernel_jax_names
-from .types import forward_cells, jit_with_engine_options
+from .types import engine_compiler_options, forward_cells, jit_with_options, mesh_platform
 from .workarounds import DISABLE_ENV, disabled_workarounds, workaround_enabled
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
@@ -91,6 +91,7 @@ def install_workarounds() -> None:
             patch_routing_output()
         _patch_model_loading()
         _patch_model_precision()
+        _patch_forward_compile_options()
         patch_unmerged_lora()
         _installed = True
 
@@ -549,8 +550,11 @@ def _jit_forward_under_engine_options(initialize_jit):
     def initialize_jit_under_options(self):
         initialize_jit(self)
         cell = forward_cells(self)["jitted_run_model"]
-        cell.cell_contents = jit_with_engine_options(
-            cell.cell_contents.__wrapped__, donate_argnames=["token_to_kv_pool"], static_argnames=["model_state_def"]
+        cell.cell_contents = jit_with_options(
+            cell.cell_contents.__wrapped__,
+            engine_compiler_options(mesh_platform(self.mesh)),
+            donate_argnames=["token_to_kv_pool"],
+            static_argnames=["model_state_def"],
         )
 
     return initialize_jit_under_options
@@ -561,6 +565,11 @@ def _patch_model_precision() -> None:
 
     if workaround_enabled("bf16-matmul-precision"):
         model_runner.ModelRunner.initialize = _initialize_keeping_16_bit_precision(model_runner.ModelRunner.initialize)
+
+
+def _patch_forward_compile_options() -> None:
+    from sgl_jax.srt.model_executor import model_runner
+
     if workaround_enabled("gpu-dot-merger"):
         model_runner.ModelRunner.initialize_jit = _jit_forward_under_engine_options(
             model_runner.ModelRunner.initialize_jit

@@ -165,17 +165,22 @@ def device_nbytes(array: jax.Array) -> int:
     return sum(device_buffers(array).values())
 
 
-def engine_compiler_options() -> dict[str, int]:
-    """XLA compile options of the engine's forward and decode chunks. With workaround
-    ``gpu-dot-merger``, XLA's GPU backend leaves sibling dots (q/k/v, gate/up) apart rather than
-    concatenating their weights every call; another backend ignores a GPU option."""
-    return {"xla_gpu_dot_merger_threshold_mb": 0} if workaround_enabled("gpu-dot-merger") else {}
+def engine_compiler_options(platform: str) -> dict[str, int]:
+    """XLA compile options of the engine's forward and decode chunks on devices of ``platform``
+    (a jax device's ``platform``): on a GPU, with workaround ``gpu-dot-merger``, XLA leaves
+    sibling dots (q/k/v, gate/up) apart; none elsewhere."""
+    if platform in ("gpu", "cuda", "rocm") and workaround_enabled("gpu-dot-merger"):
+        return {"xla_gpu_dot_merger_threshold_mb": 0}
+    return {}
 
 
-def jit_with_engine_options(fn, **jit_kwargs):
-    """``jax.jit(fn, **jit_kwargs)`` under :func:`engine_compiler_options`, which the result
-    keeps as its ``compiler_options`` attribute."""
-    options = engine_compiler_options()
+def mesh_platform(mesh) -> str:
+    return mesh.devices.flat[0].platform
+
+
+def jit_with_options(fn, options: dict, **jit_kwargs):
+    """``jax.jit(fn, compiler_options=options, **jit_kwargs)``, which keeps ``options`` as its
+    ``compiler_options`` attribute."""
     jitted = jax.jit(fn, compiler_options=options, **jit_kwargs)
     jitted.compiler_options = options
     return jitted

@@ -117,13 +117,15 @@ WORKAROUNDS: dict[str, str] = {
     ),
     "gpu-dot-merger": (
         "Not sglang-jax's: XLA's GPU backend merges dots that share an operand into one dot "
-        "(its DotMerger pass, operands up to 32 MB), so the model's separate gate and up "
-        "projections (and q, k, v) become one dot over their weights concatenated at run time: "
-        "a copy of those weights every layer of every forward. On an H200 (jax 0.11.2, "
-        "Qwen2.5-1.5B shape, 64-row decode chunks) that copy was 28 us a layer, 12.3 of the "
-        "chunk's 58.6 ms of kernels. The engine's forward and the decode chunks are compiled "
-        "with xla_gpu_dot_merger_threshold_mb=0 (types.engine_compiler_options); other "
-        "backends ignore the option."
+        "(its DotMerger pass, for dots under a size threshold, 32 MB by default), so the model's "
+        "separate gate and up projections (and q, k, v) become one dot over their weights "
+        "concatenated at run time. Where cuBLAS runs that dot (Triton's GEMMs off, as they had to "
+        "be on an H200 whose autotuner crashed, docs/benchmarks.md) the concatenation is a copy "
+        "of those weights every layer of every forward: 27 us a layer at the Qwen2.5-1.5B shape "
+        "(jax 0.11.2, 64-row decode chunks), 12.3 of a chunk's 58.6 ms of kernels. With Triton's "
+        "GEMMs XLA fuses it into the GEMM. On a GPU the engine's forward and the decode chunks "
+        "are compiled with xla_gpu_dot_merger_threshold_mb=0 (types.engine_compiler_options): "
+        "the two dots read the same bytes as the merged one."
     ),
     "sampler": (
         "0.0.2's sampler is wrong in four ways. Off TPU, _apply_min_p_filter receives 3 operands "

@@ -77,3 +77,28 @@ def test_a_trace_without_compiled_programs_is_an_error():
     with pytest.raises(RuntimeError, match="no operation of a compiled program"):
         with traced_ops():
             pass
+
+
+def test_a_devices_kernels_are_counted_whole_by_kernel_name():
+    """A GPU stream's kernels can overlap (one starts before the one before it ends): none
+    encloses another. They are named by program and kernel, the host's events as before."""
+    device = {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}
+    host = {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}
+
+    def kernel(name, ts, dur, module="jit_chunk"):
+        return {"ph": "X", "pid": 7, "tid": 14, "name": name, "ts": ts, "dur": dur, "args": {"hlo_module": module}}
+
+    events = [
+        device,
+        host,
+        kernel("wrapped_concatenate", 0, 30),
+        kernel("gemm", 25, 20),  # starts before the concatenate ends
+        kernel("gemm", 60, 20),
+        {"ph": "X", "pid": 7, "tid": 14, "name": "MemcpyD2H", "ts": 90, "dur": 2},
+        _event(3, "fusion.1", 0, 10, "jit_step"),
+    ]
+    ops = self_times(events)
+    assert ops.self_s == pytest.approx(
+        {"jit_chunk/wrapped_concatenate": 30e-6, "jit_chunk/gemm": 40e-6, "MemcpyD2H": 2e-6, "jit_step/fusion.1": 10e-6}
+    )
+    assert ops.counts["jit_chunk/gemm"] == 2

@@ -123,7 +123,9 @@ def test_each_draw_gives_what_the_device_chosen_draw_gives():
 
 class _Runner:
     """0.0.2's ModelRunner.initialize_jit in miniature: a jitted forward, called through a
-    wrapper that reads it from its closure."""
+    wrapper that reads it from its closure; its mesh's devices say they are GPUs."""
+
+    mesh = stdlib_types.SimpleNamespace(devices=np.array([stdlib_types.SimpleNamespace(platform="gpu")]))
 
     def initialize_jit(self):
         @functools.partial(jax.jit, donate_argnames=["token_to_kv_pool"], static_argnames=["model_state_def"])
@@ -137,17 +139,22 @@ class _Runner:
 
 
 def test_the_engines_forward_is_jitted_again_under_the_engine_compile_options(monkeypatch):
-    """Workaround gpu-dot-merger: the options reach XLA's compile of the forward the engine
-    calls (an invalid value fails it, naming the option) and the forward computes what it did."""
+    """Workaround gpu-dot-merger: on a GPU the forward the engine calls is jitted again with
+    0.0.2's own arguments (the pool donated, the state's treedef static) under the option that
+    keeps sibling dots apart, the option reaches XLA's compile (an invalid value fails it, naming
+    the option), and the forward computes what it did."""
     runner = _Runner()
     patches._jit_forward_under_engine_options(_Runner.initialize_jit)(runner)
-    options = types.engine_compiler_options()
-    assert runner.jitted_run_model.__closure__[0].cell_contents.compiler_options == options
+    forward = runner.jitted_run_model.__closure__[0].cell_contents
+    assert forward.compiler_options == {"xla_gpu_dot_merger_threshold_mb": 0}
+    lowered = forward.lower(2.0, jnp.arange(3.0), jnp.zeros(2))
+    assert [arg.donated for arg in jax.tree.leaves(lowered.args_info)] == [False, True]
     out, pool = runner.jitted_run_model(jnp.arange(3.0), jnp.zeros(2))
     np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
     np.testing.assert_array_equal(pool, [1.0, 1.0])
+    assert types.engine_compiler_options("cpu") == {} and types.engine_compiler_options("tpu") == {}
 
-    monkeypatch.setattr(types, "engine_compiler_options", lambda: {"xla_gpu_dot_merger_threshold_mb": "many"})
+    monkeypatch.setattr(patches, "engine_compiler_options", lambda platform: {"xla_gpu_dot_merger_threshold_mb": "x"})
     broken = _Runner()
     patches._jit_forward_under_engine_options(_Runner.initialize_jit)(broken)
     with pytest.raises(Exception, match="xla_gpu_dot_merger_threshold_mb"):
