@@ -44,7 +44,7 @@ user makes first: ``--torch-modes`` eager (its dynamic cache) and compiled (a st
 ``torch.compile``, CUDA graphs on a GPU).
 
 ``--trace DIR`` keeps a ``jax.profiler`` trace (Perfetto JSON, no Python tracer) of one more
-decode-heavy call of 17 new tokens (its prefill, then 16 decode steps) per variant, under
+decode-heavy call of 17 new tokens (its prefill forwards, then 16 decode steps) per variant, under
 ``DIR/<variant>``, and prints its operations of the largest self time (``bench.op_profile``).
 
 ``--variants baseline`` runs the same figures with ``ROLLOUT_DISABLE_WORKAROUNDS`` naming the

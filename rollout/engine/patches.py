@@ -494,7 +494,7 @@ def _patch_native_attention() -> None:
         # The engine's KV write (workaround kv-pool-conversions: through an integer view); the
         # fused layer it returns is what the caller persists.
         pool = token_to_kv_pool.kv_buffer[layer.layer_id - token_to_kv_pool.start_layer]
-        platform = token_to_kv_pool.mesh.devices.flat[0].platform
+        platform = mesh_platform(token_to_kv_pool.mesh)
         integer_view = (
             workaround_enabled("kv-pool-conversions") and pool.dtype.itemsize == 2 and converts_16bit_rows(platform)
         )
