@@ -26,6 +26,9 @@ from .workarounds import workaround_enabled
 
 logger = logging.getLogger(__name__)
 
+# How often a call waiting for its answer checks that the engine is still alive.
+LIVENESS_CHECK_S = 0.05
+
 
 class RequestLoop:
     """Generation for one engine (a part of :class:`EngineHandle`). ``check_alive`` raises the
@@ -298,7 +301,11 @@ class RequestLoop:
         task = asyncio.ensure_future(coroutine)
         try:
             while True:
-                done, _ = await asyncio.wait({task, self._result_task}, timeout=0.05)
+                # FIRST_COMPLETED: by default asyncio.wait waits for all, and the result task runs
+                # for the engine's life, so every answer waited out the timeout (up to 50 ms).
+                done, _ = await asyncio.wait(
+                    {task, self._result_task}, timeout=LIVENESS_CHECK_S, return_when=asyncio.FIRST_COMPLETED
+                )
                 if task in done:
                     return task.result()
                 if self._result_task in done:
