@@ -134,6 +134,12 @@ def set_rows(table: jax.Array, index: jax.Array, rows: jax.Array, integer_view: 
     return jax.lax.bitcast_convert_type(_view(table).at[index].set(_view(rows), mode="drop"), table.dtype)
 
 
+def _split_kv(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """K and V of gathered rows [..., 2 * head_dim] (a head's K, then its V)."""
+    head_dim = rows.shape[-1] // 2
+    return rows[..., :head_dim], rows[..., head_dim:]
+
+
 def paged_attention(
     q: jax.Array,
     kv_fused: jax.Array,
@@ -179,17 +185,35 @@ def paged_attention(
     group = num_heads // num_kv_heads
     q = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     if head_major:
-        # One row per slot and KV head (its K then its V): the rows of each head come out
-        # [blocks, kv_heads, kv_chunk, ...], the batched dots' layout (XLA CPU, jax 0.12, one
-        # bf16 layer: decode 1.1-1.8x faster at 512-1024 keys, about even at ~100 keys and in
-        # prefill). A vmap over the KV-head axis keeps it an axis of its own, which tensor
-        # parallelism shards; flattening the heads into the rows instead (row slot * kv_heads
-        # + head) made XLA all-gather the pool every layer.
-        kv_rows = kv_fused.reshape(kv_fused.shape[0], num_kv_heads, 2 * head_dim)
+        # The rows of each KV head come out [blocks, kv_heads, kv_chunk, ...], the batched
+        # dots' layout (XLA CPU, jax 0.12, one bf16 layer: decode 1.1-1.8x faster at 512-1024
+        # keys, about even at ~100 keys and in prefill). A vmap over the KV-head axis keeps it
+        # an axis of its own, which tensor parallelism shards; flattening the heads into the
+        # rows instead (row slot * kv_heads + head) made XLA all-gather the pool every layer.
         gather_heads = jax.vmap(functools.partial(take_rows, integer_view=integer_view), in_axes=(1, None), out_axes=1)
+        if extend_seq_lens is None:
+            # In decode K and V are gathered apart, each straight into its dot's operand: from
+            # rows of both XLA copied K and V out every chunk (XLA CPU, jax 0.12, 64 rows: 18-27%
+            # less attention time in fp32 and bf16). In prefill, where the scores outweigh K
+            # and V, gathering them apart was slower (bf16: 10-35%).
+            kv_parts = kv_fused.reshape(kv_fused.shape[0], num_kv_heads, 2, head_dim)
+
+            def gather_kv(slots):
+                return gather_heads(kv_parts[:, :, 0], slots), gather_heads(kv_parts[:, :, 1], slots)
+
+        else:
+            kv_rows = kv_fused.reshape(kv_fused.shape[0], num_kv_heads, 2 * head_dim)
+
+            def gather_kv(slots):
+                return _split_kv(gather_heads(kv_rows, slots))
+
     else:
         # One row per slot: a row gather is far cheaper than a gather of [heads, head_dim] blocks.
         kv_rows = kv_fused.reshape(kv_fused.shape[0], 2 * num_kv_heads * head_dim)
+
+        def gather_kv(slots):
+            return _split_kv(take_rows(kv_rows, slots, integer_view).reshape(*slots.shape, num_kv_heads, 2 * head_dim))
+
     kv_dims = "bhcd" if head_major else "bchd"
 
     seq_lens = seq_lens.astype(jnp.int32)
@@ -232,6 +256,9 @@ def paged_attention(
     # (batch dims major, the contracted one minor), with no transposed copy of the score-sized
     # tensors per chunk (1.5-2.5x faster prefill attention on XLA CPU, same results).
     q_b = jnp.transpose(q_b, (0, 2, 1, 3, 4))
+    q_rows = q_b.reshape(num_blocks, num_kv_heads, q_block * group, head_dim)
+    mask_shape = (num_blocks, num_kv_heads, q_block, group, kv_chunk)
+    rows_shape = (num_blocks, num_kv_heads, q_block * group, kv_chunk)
     start_b = blocks(q_start)
     # Each block reads the contiguous run of cache_loc from its first request's start to the
     # furthest key any of its tokens sees.
@@ -255,19 +282,18 @@ def paged_attention(
             :, None, :, None, :
         ]  # [blocks, 1, q_block, 1, kv_chunk]
         slots = jnp.where(loc > 0, loc, 0)
-        if head_major:
-            kv_c = gather_heads(kv_rows, slots).reshape(num_blocks, num_kv_heads, kv_chunk, 2, head_dim)
-        else:
-            kv_c = take_rows(kv_rows, slots, integer_view).reshape(num_blocks, kv_chunk, num_kv_heads, 2, head_dim)
-        s = jnp.einsum(f"bhqgd,{kv_dims}->bhqgc", q_b, kv_c[..., 0, :], preferred_element_type=jnp.float32)
+        k_c, v_c = gather_kv(slots)
+        # The dots see a block's tokens and group as one axis: with both apart, XLA transposed
+        # each chunk's K before the dot.
+        s = jnp.einsum(f"bhtd,{kv_dims}->bhtc", q_rows, k_c, preferred_element_type=jnp.float32).reshape(mask_shape)
         s = jnp.where(mask, s * scale, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
         denom = denom * correction + jnp.sum(p, axis=-1)
         pv = jnp.einsum(
-            f"bhqgc,{kv_dims}->bhqgd", p.astype(kv_c.dtype), kv_c[..., 1, :], preferred_element_type=jnp.float32
-        )
+            f"bhtc,{kv_dims}->bhtd", p.astype(v_c.dtype).reshape(rows_shape), v_c, preferred_element_type=jnp.float32
+        ).reshape(acc.shape)
         return m_new, denom, acc * correction[..., None] + pv
 
     stats = (num_blocks, num_kv_heads, q_block, group)
