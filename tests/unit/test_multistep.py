@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from rollout.engine.multistep import _plan
+from rollout.engine.multistep import DecodeChunks, _plan
 from rollout.engine.runtime import SchedulerControl
 from tests.helpers import HEAD_DIM, HEADS, KV_HEADS, attend
 
@@ -79,3 +79,47 @@ def test_only_boundary_calls_that_may_change_weights_or_kv_end_the_chunks():
         control.run_boundary_calls()
         assert future.result() == fn()
         assert released == ([] if keeps else [True])
+
+
+class _Pool:
+    """A page-size-1 KV allocator of ``free`` slots (0.0.2's interface)."""
+
+    page_size = 1
+
+    def __init__(self, free: int):
+        self.next_slot, self.free = 1, free
+
+    def available_size(self):
+        return self.free
+
+    def alloc(self, n):
+        if n > self.free:
+            return None
+        self.free -= n
+        self.next_slot += n
+        return np.arange(self.next_slot - n, self.next_slot)
+
+
+def test_a_chunk_evicts_the_prefix_cache_once_for_all_its_steps():
+    """Once the prefix cache fills the pool every allocation must evict, and each of 0.0.2's
+    evictions walks the whole radix tree: a chunk makes room for all its steps at once."""
+    rows, steps = 16, 8
+    pool = _Pool(free=100)  # room for 6 of the 7 steps to allocate
+    evictions = []
+
+    def evict_if_needed(tokens):  # ScheduleBatch._evict_tree_cache_if_needed, over a large cache
+        if pool.available_size() < tokens:
+            evictions.append(tokens)
+            pool.free += tokens
+
+    scheduler = types.SimpleNamespace(
+        token_to_kv_pool_allocator=pool,
+        req_to_token_pool=types.SimpleNamespace(req_to_token=np.zeros((rows, 64), np.int32)),
+    )
+    chunks = DecodeChunks(scheduler, SchedulerControl("test"), steps)
+    reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(rows)]
+    batch = types.SimpleNamespace(_evict_tree_cache_if_needed=evict_if_needed)
+    step0 = np.arange(1000, 1000 + rows)  # prepare_for_decode's
+    slots = chunks._allocate(batch, reqs, np.arange(rows), np.full(rows, 5), step0, None, steps)
+    assert slots.shape == (steps, rows) and len(np.unique(slots)) == steps * rows
+    assert evictions == [rows * (steps - 1)]
