@@ -16,8 +16,9 @@ whole pool around each of them every forward, they go through a same-width unsig
 view instead (bit-identical); where it does not (jax 0.12, TPU, GPU) the view would only add a
 copy, so it is not used. Which holds is probed once per platform (:func:`converts_16bit_rows`).
 
-With ``head_major`` each KV head's rows are gathered apart, so both einsums find their operands
-in the layout of a batched dot, with no transposed copy of the gathered K and V per chunk. The
+With ``head_major`` each KV head's rows are gathered apart (in decode its K and V apart too), so
+both einsums find their operands in the layout of a batched dot, with no transposed copy of the
+gathered K per chunk (in decode no copy of K or V at all). The
 engine uses it where the backend runs those batched dots on the pool's dtype (XLA's CPU backend
 in jax 0.8 cannot on 16-bit floats), probed once per platform and dtype
 (:func:`runs_head_major_dots`); otherwise, and by default, rows of whole slots are gathered.
@@ -186,16 +187,17 @@ def paged_attention(
     q = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     if head_major:
         # The rows of each KV head come out [blocks, kv_heads, kv_chunk, ...], the batched
-        # dots' layout (XLA CPU, jax 0.12, one bf16 layer: decode 1.1-1.8x faster at 512-1024
-        # keys, about even at ~100 keys and in prefill). A vmap over the KV-head axis keeps it
+        # dots' layout (XLA CPU, jax 0.12, one bf16 layer in 16-step loops: decode 1.1-1.6x
+        # faster at 96-1000 keys, even in prefill). A vmap over the KV-head axis keeps it
         # an axis of its own, which tensor parallelism shards; flattening the heads into the
         # rows instead (row slot * kv_heads + head) made XLA all-gather the pool every layer.
         gather_heads = jax.vmap(functools.partial(take_rows, integer_view=integer_view), in_axes=(1, None), out_axes=1)
         if extend_seq_lens is None:
             # In decode K and V are gathered apart, each straight into its dot's operand: from
-            # rows of both XLA copied K and V out every chunk (XLA CPU, jax 0.12, 64 rows: 18-27%
-            # less attention time in fp32 and bf16). In prefill, where the scores outweigh K
-            # and V, gathering them apart was slower (bf16: 10-35%).
+            # rows of both XLA copied K and V out every chunk (XLA CPU, jax 0.12, 64 rows, slots
+            # as decode allocates them: 15-29% less attention time in fp32 and bf16; spread at
+            # random over a pool larger than the caches, 2% more at 500-1000 keys). In prefill,
+            # where the scores outweigh K and V, gathering them apart was slower (bf16: 10-35%).
             kv_parts = kv_fused.reshape(kv_fused.shape[0], num_kv_heads, 2, head_dim)
 
             def gather_kv(slots):
@@ -258,7 +260,7 @@ def paged_attention(
     q_b = jnp.transpose(q_b, (0, 2, 1, 3, 4))
     q_rows = q_b.reshape(num_blocks, num_kv_heads, q_block * group, head_dim)
     mask_shape = (num_blocks, num_kv_heads, q_block, group, kv_chunk)
-    rows_shape = (num_blocks, num_kv_heads, q_block * group, kv_chunk)
+    weights_shape = (num_blocks, num_kv_heads, q_block * group, kv_chunk)
     start_b = blocks(q_start)
     # Each block reads the contiguous run of cache_loc from its first request's start to the
     # furthest key any of its tokens sees.
@@ -283,8 +285,8 @@ def paged_attention(
         ]  # [blocks, 1, q_block, 1, kv_chunk]
         slots = jnp.where(loc > 0, loc, 0)
         k_c, v_c = gather_kv(slots)
-        # The dots see a block's tokens and group as one axis: with both apart, XLA transposed
-        # each chunk's K before the dot.
+        # The dots see a block's tokens and group as one axis: with tokens and group as axes of
+        # their own, XLA transposed each chunk's K before the dot.
         s = jnp.einsum(f"bhtd,{kv_dims}->bhtc", q_rows, k_c, preferred_element_type=jnp.float32).reshape(mask_shape)
         s = jnp.where(mask, s * scale, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -292,7 +294,7 @@ def paged_attention(
         correction = jnp.exp(m - m_new)
         denom = denom * correction + jnp.sum(p, axis=-1)
         pv = jnp.einsum(
-            f"bhtc,{kv_dims}->bhtd", p.astype(v_c.dtype).reshape(rows_shape), v_c, preferred_element_type=jnp.float32
+            f"bhtc,{kv_dims}->bhtd", p.astype(v_c.dtype).reshape(weights_shape), v_c, preferred_element_type=jnp.float32
         ).reshape(acc.shape)
         return m_new, denom, acc * correction[..., None] + pv
 

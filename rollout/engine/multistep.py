@@ -86,7 +86,7 @@ class DecodeChunk:
         """The chunk's rows of ``reqs`` if it computes the next step for every one of them."""
         if self.next_step >= self.steps or not reqs:
             return None
-        rows = list(map(self.row_of.get, map(id, reqs)))  # every step: kept to C-level loops
+        rows = list(map(self.row_of.get, map(id, reqs)))  # runs every scheduler step: map keeps the loop in C
         if None in rows:
             return None
         return np.asarray(rows)
@@ -325,8 +325,10 @@ class DecodeChunks:
         last = slots[0] if last_slots is None else last_slots
         # Room for every step at once: once the prefix cache fills the pool, each eviction
         # walks the whole radix tree (0.0.2's evict collects every leaf), and one per step was
-        # a ninth of the scheduler's time in a chunked decode. Each step still checks.
-        batch._evict_tree_cache_if_needed(len(live) * page_size * (steps - len(slots)))
+        # a ninth of the scheduler's time in a chunked decode. A row's steps take at most
+        # their count rounded up to pages; 0.0.2 evicts what is asked whatever is free, so a
+        # chunk may evict up to that much early. Each step still checks.
+        batch._evict_tree_cache_if_needed(len(live) * (steps - len(slots) + page_size - 1))
         for step in range(len(slots), steps):
             batch._evict_tree_cache_if_needed(len(live) * page_size)
             if page_size == 1:

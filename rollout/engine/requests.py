@@ -309,7 +309,7 @@ class RequestLoop:
                 if task in done:
                     return task.result()
                 if self._result_task in done:
-                    exc = self._result_task.exception()
+                    exc = None if self._result_task.cancelled() else self._result_task.exception()
                     self._control.fail(exc or EngineError("engine result loop ended"))
                 if self._control.error is not None or self._control.stopped.is_set():
                     raise self._control.dead_error()

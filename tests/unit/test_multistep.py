@@ -104,7 +104,7 @@ def test_a_chunk_evicts_the_prefix_cache_once_for_all_its_steps():
     """Once the prefix cache fills the pool every allocation must evict, and each of 0.0.2's
     evictions walks the whole radix tree: a chunk makes room for all its steps at once."""
     rows, steps = 16, 8
-    pool = _Pool(free=100)  # room for 6 of the 7 steps to allocate
+    pool = _Pool(free=0)  # full of the prefix cache: every step's allocation must evict
     evictions = []
 
     def evict_if_needed(tokens):  # ScheduleBatch._evict_tree_cache_if_needed, over a large cache
