@@ -201,6 +201,8 @@ def paged_attention(
             kv_parts = kv_fused.reshape(kv_fused.shape[0], num_kv_heads, 2, head_dim)
 
             def gather_kv(slots):
+                # Sliced here, in the loop's body, where XLA fuses each slice into its gather;
+                # hoisted out of the loop, the slices were copies of the layer's whole pool.
                 return gather_heads(kv_parts[:, :, 0], slots), gather_heads(kv_parts[:, :, 1], slots)
 
         else:

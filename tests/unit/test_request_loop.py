@@ -2,8 +2,6 @@
 call whose engine's result loop ended fails with EngineError."""
 
 import asyncio
-import threading
-import types
 
 import pytest
 
@@ -22,7 +20,7 @@ def request_loop(control) -> RequestLoop:
 def test_an_answer_is_returned_as_soon_as_it_is_ready_not_at_the_next_liveness_check(monkeypatch):
     # With a liveness check an hour apart, an answer held until the check would time out here.
     monkeypatch.setattr(requests, "LIVENESS_CHECK_S", 3600.0)
-    shell = request_loop(types.SimpleNamespace(error=None, stopped=threading.Event()))
+    shell = request_loop(SchedulerControl("test"))
 
     async def answer():
         return "tokens"
