@@ -173,6 +173,17 @@ def test_precompiled_chunks_compile_nothing(chunked):
     assert chunked.engine.decode_chunk_stats.dispatched > 0
 
 
+def test_rows_growing_past_a_kv_walk_sample_the_same_and_compile_nothing(plain, chunked):
+    """Rows that pass 128 keys (a decode KV chunk) mid-call: the chunks from there walk two KV
+    chunks, a static count (attention.decode_kv_walk), compiled at start-up like the first
+    walk; a walk too short for a row would drop its last keys."""
+    prompts = [list(range(1, 121)), list(range(3, 113))]
+    kwargs = dict(n=2, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=7, **LOGS)
+    expected, got = plain.generate(prompts, **kwargs), chunked.generate(prompts, **kwargs)
+    _same(expected, got)
+    assert got.compiles == 0
+
+
 def test_a_stubbed_device_serves_each_chunk_shapes_first_outputs(chunked):
     kwargs = dict(temperature=0.0, max_new_tokens=2 * STEPS + 1, ignore_eos=True)
     real = chunked.generate(PROMPTS, **kwargs).completions

@@ -46,6 +46,21 @@ DEFAULT_KV_CHUNK = 128
 # layer: 2.1 vs 5.7 ms at 96 tokens of context, 17.5 vs 17.0 ms at 1024).
 DEFAULT_DECODE_KV_CHUNK = 128
 
+
+def decode_kv_walk(longest: int, widest: int, kv_chunk: int = DEFAULT_DECODE_KV_CHUNK) -> int:
+    """A static count of the KV chunks a decode batch's attention walks (``kv_walk`` of
+    :func:`paged_attention`) when its longest row has ``longest`` keys and no row can have more
+    than ``widest``: the chunks the longest needs, rounded up to a power of two (so a generation
+    compiles one program per doubling of its context), at most what ``widest`` needs."""
+    needed = max(1, -(-longest // kv_chunk))
+    return min(1 << (needed - 1).bit_length(), max(1, -(-widest // kv_chunk)))
+
+
+def decode_kv_walks(widest: int, kv_chunk: int = DEFAULT_DECODE_KV_CHUNK) -> list[int]:
+    """Every count :func:`decode_kv_walk` gives for rows of at most ``widest`` keys."""
+    return sorted({decode_kv_walk(longest, widest, kv_chunk) for longest in range(1, widest + 1, kv_chunk)})
+
+
 # Masked logits: finite, so a row with nothing visible yet gives exp(0) corrections, not NaN.
 _MASKED = -1e30
 
@@ -159,6 +174,7 @@ def paged_attention(
     decode_kv_chunk: int = DEFAULT_DECODE_KV_CHUNK,
     integer_view: bool = False,
     head_major: bool = False,
+    kv_walk: int | None = None,
 ) -> jax.Array:
     """Attention of each query token to its own request's cached keys and values.
 
@@ -178,6 +194,12 @@ def paged_attention(
 
     ``integer_view``: read KV rows through an integer view (see :func:`converts_16bit_rows`).
     ``head_major``: gather each KV head's rows apart (see :func:`runs_head_major_dots`).
+    ``kv_walk`` (decode only): walk this many chunks of ``decode_kv_chunk`` slots, a static count
+    that must cover the longest row (:func:`decode_kv_walk`; chunks past a row's keys see none).
+    The loop then has a trip count known to the compiler: XLA's GPU backend runs a loop of
+    unknown trip count from the host, copying its predicate back and waiting at every iteration
+    (on an H200, two such copies a layer-step were most of a decode chunk's idle time). None:
+    the count is the longest row's, computed on the device.
 
     Returns [tokens, heads * head_dim] in ``q``'s dtype; padded tokens get zeros.
     """
@@ -269,7 +291,12 @@ def paged_attention(
     seen = end_b > 0
     hi = jnp.max(jnp.where(seen, start_b + end_b, 0), axis=1)
     lo = jnp.minimum(jnp.min(jnp.where(seen, start_b, jnp.iinfo(jnp.int32).max), axis=1), hi)
-    num_chunks = (jnp.max(hi - lo) + kv_chunk - 1) // kv_chunk
+    if kv_walk is None:
+        num_chunks = (jnp.max(hi - lo) + kv_chunk - 1) // kv_chunk
+    elif extend_seq_lens is None:
+        num_chunks = kv_walk
+    else:
+        raise ValueError("kv_walk is a decode batch's: an extend's blocks walk what each needs")
 
     last_loc = cache_loc.shape[0] - 1
     chunk = jnp.arange(kv_chunk, dtype=jnp.int32)

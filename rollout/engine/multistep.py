@@ -24,7 +24,11 @@ between steps:
 Attention across the chunk: the forward's ``cache_loc`` is laid out for each row's length at
 the chunk's last step, and a step sees only the slots its position has reached (later ones are
 given as slot 0, the pool's padding slot, which attention never reads). Each query's keys are
-then those of a one-step forward, in the same chunks of the online softmax.
+then those of a one-step forward, in the same chunks of the online softmax. The attention walks
+a static number of KV chunks (``attention.decode_kv_walk`` of the rows' last lengths: one
+program per doubling of the context), so each layer's loop has a trip count the compiler knows:
+XLA's GPU backend drives a loop of unknown trip count from the host, with a copy of its
+predicate and a wait at every iteration.
 
 Eligible batches: decode, no penalties (frequency/presence penalties accumulate between
 steps on the host), not the engine's own log-probs (``return_logprob``; the worker's sinks are
@@ -34,18 +38,23 @@ recording and one LoRA slot; ``handle`` refuses other combinations at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .attention import decode_kv_walk, decode_kv_walks
 from .types import engine_compiler_options, forward_cells, jit_with_options, mesh_platform
 
 # Scheduler attribute holding its DecodeChunks.
 _STATE = "_rollout_decode_chunks"
+# The KV walk of the decode chunk being traced on this thread (traced_kv_walk).
+_trace = threading.local()
 
 
 @dataclasses.dataclass
@@ -300,7 +309,9 @@ class DecodeChunks:
             return None
         worker = scheduler.tp_worker.worker
         metadata = chunk_metadata(worker, mwb) if metadata is None else metadata
-        pending, misses = run_chunk(worker, mwb, metadata, plan, self.steps)
+        last_lens = plan[-1]
+        kv_walk = decode_kv_walk(int(last_lens.max()), scheduler.req_to_token_pool.req_to_token.shape[1])
+        pending, misses = run_chunk(worker, mwb, metadata, plan, self.steps, kv_walk)
         self.dispatched += 1
         return DecodeChunk(
             reqs, self.control.weight_version, slots, first_lens, mwb, metadata, pending=pending, misses=misses
@@ -406,8 +417,9 @@ def chunk_metadata(worker, mwb) -> tuple:
     )
 
 
-def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int):
-    """Start ``plan``'s steps of ``mwb``'s decode batch on the device: (the sampled ids,
+def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int):
+    """Start ``plan``'s steps of ``mwb``'s decode batch on the device, each layer's attention
+    walking ``kv_walk`` KV chunks (enough for the plan's ``seq_lens``): (the sampled ids,
     log-probs and kept counts [max_steps, padded rows] as device arrays, the compiles it
     caused). The engine's KV buffers become the loop's outputs at once."""
     import jax._src.test_util as jtu
@@ -442,6 +454,7 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int):
             sampling_metadata,
             chunk_plan,
             max_steps=max_steps,
+            kv_walk=kv_walk,
         )
         misses = count()
     runner._set_kv_cache_after_forward(kv, forward_batch)
@@ -459,7 +472,7 @@ def _chunk_program(options: tuple):  # the options as a hashable tuple: one prog
     return jit_with_options(
         _decode_chunk,
         dict(options),
-        static_argnames=("model_state_def", "sampler_state_def", "max_steps"),
+        static_argnames=("model_state_def", "sampler_state_def", "max_steps", "kv_walk"),
         donate_argnames=("kv_pool",),
     )
 
@@ -478,6 +491,7 @@ def _decode_chunk(
     plan: ChunkPlan,
     *,
     max_steps: int,
+    kv_walk: int,
 ):
     from flax import nnx
 
@@ -497,7 +511,8 @@ def _decode_chunk(
         batch.out_cache_loc = plan.out_cache_loc[i]
         batch.cache_loc = jnp.where(plan.visible_from <= i, plan.cache_loc, 0)
         model = nnx.merge(model_def, jax.tree_util.tree_unflatten(model_state_def, model_leaves))
-        logits_output, layers_kv, _ = model(batch, jax.tree_util.tree_unflatten(kv_def, kv), logits_metadata)
+        with _tracing_kv_walk(kv_walk):
+            logits_output, layers_kv, _ = model(batch, jax.tree_util.tree_unflatten(kv_def, kv), logits_metadata)
         sampler = nnx.merge(sampler_def, jax.tree_util.tree_unflatten(sampler_state_def, sampler_leaves))
         new_ids, new_logprobs, new_kept = sampler(logits_output, sampling_metadata, positions)
         new_ids = new_ids.astype(jnp.int32)
@@ -511,6 +526,22 @@ def _decode_chunk(
     return kv, tokens, logprobs, kept
 
 
+@contextlib.contextmanager
+def _tracing_kv_walk(kv_walk: int):
+    previous = getattr(_trace, "kv_walk", None)
+    _trace.kv_walk = kv_walk
+    try:
+        yield
+    finally:
+        _trace.kv_walk = previous
+
+
+def traced_kv_walk() -> int | None:
+    """The static KV walk of the decode chunk whose forward this thread is tracing (the
+    attention's ``kv_walk``), or None outside one."""
+    return getattr(_trace, "kv_walk", None)
+
+
 def install(scheduler, control, steps: int) -> DecodeChunks:
     """Serve ``scheduler``'s decode batches ``steps`` steps per dispatch (scheduler thread or
     before its first batch)."""
@@ -521,8 +552,8 @@ def install(scheduler, control, steps: int) -> DecodeChunks:
 
 
 def precompile(scheduler, steps: int) -> None:
-    """Compile the chunk's loop for each of the engine's decode batch sizes (running none of
-    its steps), as the engine precompiles its one-step forward."""
+    """Compile the chunk's loop for each of the engine's decode batch sizes and KV walks
+    (running none of its steps), as the engine precompiles its one-step forward."""
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 
     worker = scheduler.tp_worker.worker
@@ -535,7 +566,9 @@ def precompile(scheduler, steps: int) -> None:
             np.full(cache_loc_size, np.iinfo(np.int32).max, np.int32),
             np.zeros(bs, np.int32),
         )
-        jax.block_until_ready(run_chunk(worker, mwb, chunk_metadata(worker, mwb), plan, steps)[0])
+        metadata = chunk_metadata(worker, mwb)
+        for kv_walk in decode_kv_walks(scheduler.req_to_token_pool.req_to_token.shape[1]):
+            jax.block_until_ready(run_chunk(worker, mwb, metadata, plan, steps, kv_walk)[0])
 
 
 def patch_scheduler() -> None:

@@ -26,6 +26,7 @@ from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms, row_arg
 from .lora import patch_unmerged_lora
 from .moe import patch_expert_block
 from .multistep import patch_scheduler as patch_decode_chunks
+from .multistep import traced_kv_walk
 from .routing import patch_routing_output
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .start_up import current_start_up
@@ -520,6 +521,7 @@ def _patch_native_attention() -> None:
             page_size=token_to_kv_pool.page_size,
             integer_view=integer_view,
             head_major=runs_head_major_dots(platform, pool.dtype.name),
+            kv_walk=None if extend else traced_kv_walk(),
         )
         return output, kv_fused
 

@@ -76,6 +76,44 @@ def test_decode_matches_dense_reference(page_size, head_major, integer_view):
     np.testing.assert_array_equal(got[~real], 0.0)
 
 
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
+def test_a_static_decode_walk_is_a_loop_of_known_trip_count_with_the_same_output(head_major):
+    """``kv_walk``: the loop over KV chunks has the trip count XLA knows (a GPU then runs it
+    without reading its predicate back every iteration); walking exactly the chunks the
+    longest row needs, or more, gives the output of the walk computed on the device, bit for
+    bit (chunks past a row's keys see none)."""
+    rng = np.random.default_rng(2)
+    _, kv, cache_loc, seq_lens, _, _ = ragged_batch(rng, [6, 1, 13, 0, 0], [1, 1, 1, 0, 0], 1)
+    q = rng.standard_normal((len(seq_lens), HEADS, HEAD_DIM)).astype(np.float32)
+    args = [jax.numpy.asarray(x) for x in (q, kv, cache_loc, seq_lens)]
+    settings = dict(num_heads=HEADS, num_kv_heads=KV_HEADS, scale=0.5, decode_kv_chunk=4, head_major=head_major)
+
+    def compiled(kv_walk):
+        fn = jax.jit(lambda *a: attention.paged_attention(*a, **settings, kv_walk=kv_walk))
+        return fn.lower(*args).compile()
+
+    dynamic = compiled(None)
+    assert "known_trip_count" not in dynamic.as_text()
+    longest = attention.decode_kv_walk(int(seq_lens.max()), 64, kv_chunk=4)
+    assert longest == 4  # 14 keys: 4 chunks of 4
+    for kv_walk in (longest, 7):
+        walked = compiled(kv_walk)
+        assert f'"known_trip_count":{{"n":"{kv_walk}"}}' in walked.as_text()
+        np.testing.assert_array_equal(np.asarray(walked(*args)), np.asarray(dynamic(*args)))
+    extend_lens = jax.numpy.asarray(seq_lens)
+    with pytest.raises(ValueError, match="kv_walk is a decode batch's"):
+        attention.paged_attention(*args, extend_lens, extend_lens, **settings, kv_walk=4)
+
+
+def test_decode_walks_double_up_to_what_the_widest_row_needs():
+    walks = [attention.decode_kv_walk(keys, 2048) for keys in (0, 1, 128, 129, 256, 257, 1024, 1025, 2048)]
+    assert walks == [1, 1, 1, 2, 2, 4, 8, 16, 16]
+    assert attention.decode_kv_walks(2048) == [1, 2, 4, 8, 16]
+    # A width that is no power of two of chunks: its last walk is what it needs.
+    assert attention.decode_kv_walk(270, 270) == 3 and attention.decode_kv_walks(270) == [1, 2, 3]
+    assert attention.decode_kv_walks(100) == [1]
+
+
 def test_only_an_unimplemented_error_makes_the_probe_say_no(monkeypatch):
     """A backend that cannot run the dots says no; any other failure (out of memory, a bug) is
     raised, not cached as a permanent slow path."""
