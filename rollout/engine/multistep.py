@@ -405,15 +405,22 @@ def _plan(mwb, reqs, live, first_lens, slots: np.ndarray, req_to_token: np.ndarr
 
 
 def chunk_metadata(worker, mwb) -> tuple:
-    """The logits and sampling metadata of a decode batch's chunks, on the device: built once
-    for a batch (its sampling info is filtered in place as rows leave; the metadata is not)."""
+    """The logits and sampling metadata of a decode batch's chunks, on the device, and the draw
+    its sampling parameters need (``patches.draw_kind``: a static argument of the chunk, as of
+    the engine's one-step sampler; chosen on the device, it was two conditionals a step, each a
+    wait for the host on a GPU): built once for a batch (its sampling info is filtered in place
+    as rows leave; the metadata is not)."""
     from sgl_jax.srt.layers.logits_processor import LogitsMetadata
     from sgl_jax.srt.sampling.sampling_batch_info import SamplingMetadata
 
-    mesh = worker.model_runner.mesh
+    from .patches import draw_kind
+
+    runner = worker.model_runner
+    sampling = SamplingMetadata.from_model_worker_batch(mwb, len(mwb.seq_lens) - mwb.real_bs, runner.mesh)
     return (
-        LogitsMetadata.from_model_worker_batch(mwb, mesh),
-        SamplingMetadata.from_model_worker_batch(mwb, len(mwb.seq_lens) - mwb.real_bs, mesh),
+        LogitsMetadata.from_model_worker_batch(mwb, runner.mesh),
+        sampling,
+        draw_kind(sampling, runner.model_config.vocab_size),
     )
 
 
@@ -437,7 +444,7 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int):
         )
     )
     forward_batch = ForwardBatch.init_new(mwb, runner)
-    logits_metadata, sampling_metadata = metadata
+    logits_metadata, sampling_metadata, draw = metadata
     cells = forward_cells(runner)
     sampler_def, sampler_state_def, sampler_leaves = runner.jitted_sampler.args
     with jtu.count_pjit_cpp_cache_miss() as count, jax.set_mesh(runner.mesh):
@@ -455,6 +462,7 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int):
             chunk_plan,
             max_steps=max_steps,
             kv_walk=kv_walk,
+            draw=draw,
         )
         misses = count()
     runner._set_kv_cache_after_forward(kv, forward_batch)
@@ -472,7 +480,7 @@ def _chunk_program(options: tuple):  # the options as a hashable tuple: one prog
     return jit_with_options(
         _decode_chunk,
         dict(options),
-        static_argnames=("model_state_def", "sampler_state_def", "max_steps", "kv_walk"),
+        static_argnames=("model_state_def", "sampler_state_def", "max_steps", "kv_walk", "draw"),
         donate_argnames=("kv_pool",),
     )
 
@@ -492,6 +500,7 @@ def _decode_chunk(
     *,
     max_steps: int,
     kv_walk: int,
+    draw: str | None,
 ):
     from flax import nnx
 
@@ -514,7 +523,7 @@ def _decode_chunk(
         with _tracing_kv_walk(kv_walk):
             logits_output, layers_kv, _ = model(batch, jax.tree_util.tree_unflatten(kv_def, kv), logits_metadata)
         sampler = nnx.merge(sampler_def, jax.tree_util.tree_unflatten(sampler_state_def, sampler_leaves))
-        new_ids, new_logprobs, new_kept = sampler(logits_output, sampling_metadata, positions)
+        new_ids, new_logprobs, new_kept = sampler(logits_output, sampling_metadata, positions, draw)
         new_ids = new_ids.astype(jnp.int32)
         kv = [jax.lax.with_sharding_constraint(layer, kv_pool.kv_sharding) for layer in layers_kv]
         outputs = (tokens.at[i].set(new_ids), logprobs.at[i].set(new_logprobs), kept.at[i].set(new_kept))
@@ -552,9 +561,11 @@ def install(scheduler, control, steps: int) -> DecodeChunks:
 
 
 def precompile(scheduler, steps: int) -> None:
-    """Compile the chunk's loop for each of the engine's decode batch sizes and KV walks
+    """Compile the chunk's loop for each of the engine's decode batch sizes, draws and KV walks
     (running none of its steps), as the engine precompiles its one-step forward."""
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+
+    from .patches import DRAW_KINDS
 
     worker = scheduler.tp_worker.worker
     for bs, cache_loc_size in zip(worker.precompile_bs_paddings, worker.precompile_cache_loc_paddings):
@@ -566,9 +577,11 @@ def precompile(scheduler, steps: int) -> None:
             np.full(cache_loc_size, np.iinfo(np.int32).max, np.int32),
             np.zeros(bs, np.int32),
         )
-        metadata = chunk_metadata(worker, mwb)
-        for kv_walk in decode_kv_walks(scheduler.req_to_token_pool.req_to_token.shape[1]):
-            jax.block_until_ready(run_chunk(worker, mwb, metadata, plan, steps, kv_walk)[0])
+        logits_metadata, sampling_metadata, _ = chunk_metadata(worker, mwb)
+        for draw in DRAW_KINDS:
+            for kv_walk in decode_kv_walks(scheduler.req_to_token_pool.req_to_token.shape[1]):
+                metadata = (logits_metadata, sampling_metadata, draw)
+                jax.block_until_ready(run_chunk(worker, mwb, metadata, plan, steps, kv_walk)[0])
 
 
 def patch_scheduler() -> None:

@@ -189,10 +189,11 @@ def _draw_filtered(operands):
 
 # The draws a batch can need, by name: its rows all greedy, some sampled and none filtering, or
 # some filtering (top-k, top-p, min-p). Each is a program of its own where the host knows which
-# (:func:`_draw_kind`): the draw that chooses between filtering or not on the device took
+# (:func:`draw_kind`): the draw that chooses between filtering or not on the device took
 # 1.8-2.0 s to compile against 0.3 s for the greedy one and 0.5 s for the unfiltered draw alone
 # (8-64 rows, vocabulary 320, jax 0.12 CPU), at every batch size.
 _DRAWS = {"greedy": _greedy_with_logprobs, "sample": _draw_unfiltered, "filter": _draw_filtered}
+DRAW_KINDS = tuple(_DRAWS)
 
 
 def _sample(sampler, logits_output, m, positions, draw: str | None = None):
@@ -209,9 +210,10 @@ def _sample(sampler, logits_output, m, positions, draw: str | None = None):
     return jax.lax.cond(m.is_all_greedy, _greedy_with_logprobs, _draw_with_logprobs, operands)
 
 
-def _sample_with_logprobs(self, logits_output, sampling_metadata, positions):
-    """``Sampler.__call__`` replacement, the draw chosen on the device (a decode chunk's loop)."""
-    return _sample(self, logits_output, sampling_metadata, positions)
+def _sample_with_logprobs(self, logits_output, sampling_metadata, positions, draw: str | None = None):
+    """``Sampler.__call__`` replacement: the draw named (a decode chunk's, :func:`draw_kind`),
+    or chosen on the device."""
+    return _sample(self, logits_output, sampling_metadata, positions, draw)
 
 
 @functools.partial(jax.jit, static_argnames=("sampler_state_def", "draw"))
@@ -223,7 +225,7 @@ def _jitted_draw(sampler_def, sampler_state_def, sampler_leaves, logits_output, 
     return _sample(sampler, logits_output, metadata, positions, draw)
 
 
-def _draw_kind(metadata, vocab: int) -> str | None:
+def draw_kind(metadata, vocab: int) -> str | None:
     """Which of :data:`_DRAWS` a batch needs, from the host copy of its sampling parameters that
     :func:`_metadata_knowing_its_draw` left (None where there is none): the tests the draw
     chosen on the device makes, on the same values (padded rows are greedy, so the unpadded
@@ -271,11 +273,11 @@ def _precompiling_every_draw(run_precompile):
 def _sample_keeping_logprobs(self, logits_output, sampling_metadata, positions):
     """``ModelRunner.sample`` replacement: the token ids, as the scheduler expects.
 
-    The batch's draw is read on the host (:func:`_draw_kind`) and runs as a program of its own.
+    The batch's draw is read on the host (:func:`draw_kind`) and runs as a program of its own.
     When the scheduler asked for this batch's log-probs, both arrays come to the host in one
     transfer (the scheduler's own device_get of the ids then has nothing left to wait for).
     """
-    draw = _draw_kind(sampling_metadata, logits_output.next_token_logits.shape[-1])
+    draw = draw_kind(sampling_metadata, logits_output.next_token_logits.shape[-1])
     sample = functools.partial(_jitted_draw, *self.jitted_sampler.args, logits_output, sampling_metadata, positions)
     if draw is not None and self.__dict__.get(_PRECOMPILING):
         for other in _DRAWS.keys() - {draw}:

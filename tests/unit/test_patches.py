@@ -77,7 +77,7 @@ def _host_sampling(top_ks, top_ps=None, min_ps=None, all_greedy=False):
 
 def test_a_batch_runs_the_draw_its_host_parameters_name():
     vocab, everything = 50, 2**30
-    kind = patches._draw_kind
+    kind = patches.draw_kind
     assert kind(_host_sampling([1, 1], all_greedy=True), vocab) == "greedy"
     assert kind(_host_sampling([everything, 1]), vocab) == "sample"  # a greedy row beside a sampled one
     assert kind(_host_sampling([vocab, everything]), vocab) == "sample"  # a top-k that keeps every token
@@ -104,7 +104,7 @@ def test_each_draw_gives_what_the_device_chosen_draw_gives():
         lambda ops, greedy: jax.lax.cond(greedy, patches._greedy_with_logprobs, patches._draw_with_logprobs, ops)
     )
     for name, (top_ks, top_ps, all_greedy) in batches.items():
-        assert patches._draw_kind(_host_sampling(top_ks, top_ps, all_greedy=all_greedy), vocab) == name
+        assert patches.draw_kind(_host_sampling(top_ks, top_ps, all_greedy=all_greedy), vocab) == name
         operands = (
             logits,
             jnp.full((rows, 1), 0.7),
