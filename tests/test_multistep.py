@@ -3,7 +3,9 @@ the same tokens, log-probs and versions as one step per dispatch, with every sch
 (finish, stop, abort, in-flight swap) still landing at its step."""
 
 import asyncio
+import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -182,6 +184,37 @@ def test_rows_growing_past_a_kv_walk_sample_the_same_and_compile_nothing(plain, 
     expected, got = plain.generate(prompts, **kwargs), chunked.generate(prompts, **kwargs)
     _same(expected, got)
     assert got.compiles == 0
+
+
+@pytest.mark.parametrize("draw", ["greedy", "sampled"])
+def test_a_chunks_only_loop_of_unknown_trip_count_is_its_steps_and_it_has_no_conditional(chunked, monkeypatch, draw):
+    """What a GPU runs without waiting for the host: XLA's GPU backend copies the predicate of a
+    loop of unknown trip count, and the branch index of a conditional, to the host and waits,
+    at every iteration. In a chunk's program (as compiled for the CPU here) the attention's
+    loops have known trip counts (its KV walk), the draw is the batch's, and the penalties'
+    conditional is left out. (A filtering draw keeps the shared filters' conditionals.)"""
+    calls = []
+    program = multistep.chunk_program
+
+    def recording(platform):
+        def call(*args, **kwargs):
+            calls.append((args, kwargs))
+            return program(platform)(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(multistep, "chunk_program", recording)
+    chunked.generate(PROMPTS[:1], max_new_tokens=STEPS + 1, ignore_eos=True, **DRAWS[draw])
+    (args, kwargs), *_ = calls
+
+    def spec(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+
+    args, kwargs = jax.tree.map(spec, (args, kwargs))
+    text = program("cpu").lower(*args, **kwargs).compile().as_text()
+    unknown = [loop for loop in re.findall(r".* while\(.*", text) if "known_trip_count" not in loop]
+    assert len(unknown) == 1 and 'op_name="jit(_decode_chunk)/while"' in unknown[0]  # the steps' loop
+    assert " conditional(" not in text
 
 
 def test_a_stubbed_device_serves_each_chunk_shapes_first_outputs(chunked):

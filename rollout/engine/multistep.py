@@ -523,7 +523,8 @@ def _decode_chunk(
         with _tracing_kv_walk(kv_walk):
             logits_output, layers_kv, _ = model(batch, jax.tree_util.tree_unflatten(kv_def, kv), logits_metadata)
         sampler = nnx.merge(sampler_def, jax.tree_util.tree_unflatten(sampler_state_def, sampler_leaves))
-        new_ids, new_logprobs, new_kept = sampler(logits_output, sampling_metadata, positions, draw)
+        # No penalties: a batch with penalties is not chunked (they accumulate on the host).
+        new_ids, new_logprobs, new_kept = sampler(logits_output, sampling_metadata, positions, draw, penalties=False)
         new_ids = new_ids.astype(jnp.int32)
         kv = [jax.lax.with_sharding_constraint(layer, kv_pool.kv_sharding) for layer in layers_kv]
         outputs = (tokens.at[i].set(new_ids), logprobs.at[i].set(new_logprobs), kept.at[i].set(new_kept))

@@ -196,13 +196,15 @@ _DRAWS = {"greedy": _greedy_with_logprobs, "sample": _draw_unfiltered, "filter":
 DRAW_KINDS = tuple(_DRAWS)
 
 
-def _sample(sampler, logits_output, m, positions, draw: str | None = None):
+def _sample(sampler, logits_output, m, positions, draw: str | None = None, penalties: bool = True):
     """(token ids [B], their log-probs [B], kept counts [B]) of a batch's logits, by ``sampler``
     (the engine's ``Sampler``: its penalties and RNG); ``draw`` names the draw (:data:`_DRAWS`),
-    or None to choose on the device."""
+    or None to choose on the device. ``penalties`` False: the batch has none (a decode chunk's),
+    so the sampler's conditional on whether it has is left out (on a GPU, a wait for the host)."""
     logits = logits_output.next_token_logits
     logits = jnp.reshape(logits, (-1, logits.shape[-1]))
-    logits = sampler.apply_penalties(logits, m)
+    if penalties:
+        logits = sampler.apply_penalties(logits, m)
     _, rng = jax.random.split(sampler.rngs.params())
     operands = (logits, m.temperatures, m.top_ks, m.top_ps, m.min_ps, m.sampling_seeds, positions, rng)
     if draw is not None:
@@ -210,10 +212,12 @@ def _sample(sampler, logits_output, m, positions, draw: str | None = None):
     return jax.lax.cond(m.is_all_greedy, _greedy_with_logprobs, _draw_with_logprobs, operands)
 
 
-def _sample_with_logprobs(self, logits_output, sampling_metadata, positions, draw: str | None = None):
+def _sample_with_logprobs(
+    self, logits_output, sampling_metadata, positions, draw: str | None = None, penalties: bool = True
+):
     """``Sampler.__call__`` replacement: the draw named (a decode chunk's, :func:`draw_kind`),
     or chosen on the device."""
-    return _sample(self, logits_output, sampling_metadata, positions, draw)
+    return _sample(self, logits_output, sampling_metadata, positions, draw, penalties)
 
 
 @functools.partial(jax.jit, static_argnames=("sampler_state_def", "draw"))
