@@ -103,7 +103,7 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely(worker, probs):
     check(sampled_frequencies(worker, len(p), min_p=min_p), order, np.where(ratio >= min_p, p, 0.0))
 
 
-@pytest.mark.parametrize("vocab", [7, 1500])
+@pytest.mark.parametrize("vocab", [7, 100, 1500])
 def test_inverse_cdf_draw_gives_each_token_its_probability(vocab):
     """Stratified quantiles (i + 0.5) / N land on each token N x p times, +-1: the exact
     distribution, with excluded (-inf) tokens and the padding of the last block never drawn."""

@@ -21,8 +21,13 @@ import jax.numpy as jnp
 def block_size(vocab: int) -> int:
     """Tokens per block: a power of two near sqrt(vocab), so both running sums are short; one
     that divides the vocabulary if there is one within 4x below (then no ragged last block
-    is cut off and summed apart: 128 for Qwen's 151936 tokens, 256 for Llama 3's 128256)."""
+    is cut off and summed apart: 128 for Qwen's 151936 tokens, 256 for Llama 3's 128256). At
+    least 64 where the vocabulary has that many: XLA's CPU backend ran the pairwise block sums
+    of 32-token blocks at ~4 ns a token (vocabulary 320, 64 rows, jax 0.12: 83 us, 17 us in
+    64-token blocks; the whole draw 115 against 92 us)."""
     target = 1 << max(0, math.ceil(math.log2(math.sqrt(vocab))))
+    if vocab >= 64:
+        target = max(target, 64)
     for size in (target, target // 2, target // 4):
         if size >= 1 and vocab % size == 0:
             return size

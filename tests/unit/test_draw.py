@@ -8,11 +8,12 @@ import pytest
 from rollout.engine.draw import row_argmax_and_max
 
 
-@pytest.mark.parametrize("vocab", [7, 1500, 4096])
+@pytest.mark.parametrize("vocab", [7, 100, 1500, 4096])
 def test_blocked_argmax_is_jnp_argmax(vocab):
     """The first largest entry of each row (its first NaN, if any), as jnp.argmax gives it, and
     the row's max: ties inside a block, across blocks and with the ragged last block (1500 is
-    23 blocks of 64 and 28 more; 7 is blocks of 1), rows of -inf and of NaN."""
+    23 blocks of 64 and 28 more; 100 one block of 64 and 36 more; 7 is blocks of 1), rows of
+    -inf and of NaN."""
     rng = np.random.default_rng(vocab)
     rows = rng.normal(0.0, 1.0, (9, vocab)).astype(np.float32)
     last = vocab - 1
