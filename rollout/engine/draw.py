@@ -17,6 +17,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .reductions import pairwise
+
 
 def block_size(vocab: int) -> int:
     """Tokens per block: a power of two near sqrt(vocab), so both running sums are short; one
@@ -63,7 +65,7 @@ def draw_tokens_and_log_mass(
         return jnp.exp((x - peak) * scale)
 
     # Block masses straight from the scores (the exp is fused into the sums).
-    masses = _pairwise(probs(scores[:, : full * block]).reshape(rows, full, block), jnp.add)
+    masses = pairwise(probs(scores[:, : full * block]).reshape(rows, full, block), jnp.add)
     if full * block < vocab:
         masses = jnp.concatenate([masses, probs(scores[:, full * block :]).sum(-1, keepdims=True)], axis=1)
     blocks = masses.shape[1]
@@ -104,7 +106,7 @@ def row_argmax_and_max(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
     block = block_size(vocab)
     full = vocab // block
     blocks = scores[:, : full * block].reshape(rows, full, block)
-    block_maxes = _pairwise(blocks, jnp.maximum)  # NaN if any
+    block_maxes = pairwise(blocks, jnp.maximum)  # NaN if any
     top_block = jnp.argmax(block_maxes, axis=-1)
     inside = jnp.take_along_axis(blocks, top_block[:, None, None], axis=1)[:, 0]
     top = top_block * block + jnp.argmax(inside, axis=-1)
@@ -117,20 +119,6 @@ def row_argmax_and_max(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
         top = jnp.where(take[:, 0], tail_top, top)
         peak = jnp.where(take, tail_peak, peak)
     return top.astype(jnp.int32), peak
-
-
-def _pairwise(x: jax.Array, combine) -> jax.Array:
-    """``x`` reduced over its power-of-two last axis by ``combine`` (``jnp.add``, ``jnp.maximum``)
-    of its halves, pairwise. XLA's CPU backend runs a reduction over a short minor axis slower
-    than these elementwise ops, which fuse with their producer (the exp of the block masses)
-    into one pass: ~2.5x for a sum, ~20x for a max at jax 0.8. Pairwise sums also round less."""
-    size = x.shape[-1]
-    if size & (size - 1):
-        raise ValueError(f"pairwise reductions need a power-of-two axis, got {size}")
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = combine(x[..., :half], x[..., half:])
-    return x[..., 0]
 
 
 def keyed_uniforms(seeds: jax.Array, positions: jax.Array) -> jax.Array:
