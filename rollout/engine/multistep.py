@@ -569,6 +569,7 @@ def precompile(scheduler, steps: int) -> None:
     from .patches import DRAW_KINDS
 
     worker = scheduler.tp_worker.worker
+    walks = decode_kv_walks(scheduler.req_to_token_pool.req_to_token.shape[1])
     for bs, cache_loc_size in zip(worker.precompile_bs_paddings, worker.precompile_cache_loc_paddings):
         mwb = worker.generate_model_worker_batch(bs, bs, ForwardMode.DECODE, cache_loc_size)
         plan = (
@@ -580,7 +581,7 @@ def precompile(scheduler, steps: int) -> None:
         )
         logits_metadata, sampling_metadata, _ = chunk_metadata(worker, mwb)
         for draw in DRAW_KINDS:
-            for kv_walk in decode_kv_walks(scheduler.req_to_token_pool.req_to_token.shape[1]):
+            for kv_walk in walks:
                 metadata = (logits_metadata, sampling_metadata, draw)
                 jax.block_until_ready(run_chunk(worker, mwb, metadata, plan, steps, kv_walk)[0])
 
