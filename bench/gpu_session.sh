@@ -7,21 +7,22 @@
 #
 # Needs the engine's wheels in .whl/ (docs/benchmarks.md, "On a GPU": the GPU image lacks
 # sglang-jax and has other versions of its dependencies), installed here into /tmp/site.
-# Parts (by default "1.5b graphs", about 420 s at most; times measured on an H200, 2026-11-29):
+# Parts (by default "1.5b 3b", about 480 s at most; times measured on an H200, 2026-11-29):
 #   1.5b     bench.generate_bench at the Qwen2.5-1.5B shape, full depth, decode_steps=16, 64
 #            and 256 rows, a profiler trace of a 64-row call, then PyTorch compiled on the
 #            64-row batch (took 201 s with Triton's GEMMs off)
 #   graphs   the 64-row batch, decode_steps=16, with XLA's CUDA graphs taking in while loops
-#            and conditionals (GRAPHS below): the engine's start-up alone took over 90 s
+#            and conditionals (GRAPHS below): the engine's start-up alone took over 90 s (since
+#            2026-11-30 a chunk's only such loop is its steps: the prefills' walks remain)
 #   fixed    bench.step_cost_bench (a nearly free model: the fixed cost of a step), 1 and 16
 #            decode steps per dispatch, then the same under GRAPHS (the first took over 50 s)
 #   1.5b-one the 64-row batch with one decode step per dispatch, a profiler trace
 #   3b       the Qwen2.5-3B shape, full depth, decode_steps=16, 64 rows
 # Everything printed goes to OUT_DIR/log too; the traces are copied to OUT_DIR.
 set -u -o pipefail
-out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [1.5b graphs fixed 1.5b-one 3b]}
+out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [1.5b 3b graphs fixed 1.5b-one]}
 shift
-parts=${*:-1.5b graphs}
+parts=${*:-1.5b 3b}
 mkdir -p "$out"
 
 # No persistent compilation cache: on an H200 with jax 0.11.2 (2026-11-29) XLA's GEMM autotuner
@@ -31,8 +32,10 @@ mkdir -p "$out"
 # run with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (cuBLAS runs every dot), as that run did.
 export XLA_FLAGS=${XLA_FLAGS:-}
 # XLA's default command buffer kinds plus while loops and conditionals: a loop of data-dependent
-# trip count (the paged attention's walk over KV chunks) is otherwise driven from the host, which
-# reads its predicate back after every iteration (896 reads in a 16-step chunk of the 1.5B shape).
+# trip count is otherwise driven from the host, which reads its predicate back after every
+# iteration (896 reads in a 16-step chunk of the 1.5B shape on 2026-11-29, from the paged
+# attention's walks over KV chunks; a chunk's walks have had a static trip count since
+# 2026-11-30, the prefill forwards' still have none).
 GRAPHS="$XLA_FLAGS --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 
 run() { # run LIMIT_SECONDS COMMAND...: bounded and timed; a failure does not stop the parts after it
