@@ -57,7 +57,9 @@ def test_a_precompiled_engine_compiles_nothing_for_any_draw(plain_and_its_first_
 
 @pytest.fixture(scope="module")
 def chunked(qwen2_dir):
-    with RolloutWorker(_config(qwen2_dir, decode_steps=STEPS)) as w:
+    # Static chunks, a GPU's by default (EngineOptions.static_decode_chunks); the paged and the
+    # small-pool engines below run the CPU's default, the walk and draw chosen on the device.
+    with RolloutWorker(_config(qwen2_dir, decode_steps=STEPS, static_decode_chunks=True)) as w:
         yield w
 
 
@@ -190,9 +192,10 @@ def test_rows_growing_past_a_kv_walk_sample_the_same_and_compile_nothing(plain, 
 def test_a_chunks_only_loop_of_unknown_trip_count_is_its_steps_and_it_has_no_conditional(chunked, monkeypatch, draw):
     """What a GPU runs without waiting for the host: XLA's GPU backend copies the predicate of a
     loop of unknown trip count, and the branch index of a conditional, to the host and waits,
-    at every iteration. In a chunk's program (as compiled for the CPU here) the attention's
-    loops have known trip counts (its KV walk), the draw is the batch's, and the penalties'
-    conditional is left out. (A filtering draw keeps the shared filters' conditionals.)"""
+    at every iteration. In a static chunk's program (a GPU's by default, compiled for the CPU
+    here) the attention's loops have known trip counts (its KV walk), the draw is the batch's,
+    and the penalties' conditional is left out. (A filtering draw keeps the shared filters'
+    conditionals.)"""
     calls = []
     program = multistep.chunk_program
 

@@ -29,7 +29,7 @@ from .sessions import SessionStats
 from .start_up import engine_start_up
 from .state import ModelState
 from .testing import EngineTesting
-from .types import EngineError, EngineOptions, ForwardMemory, GenerateOutput, engine_name
+from .types import EngineError, EngineOptions, ForwardMemory, GenerateOutput, engine_name, static_decode_chunks
 from .workarounds import workaround_enabled
 
 logger = logging.getLogger(__name__)
@@ -125,10 +125,11 @@ class EngineHandle:
                 raise ValueError(f"record_routing: {options.model_path} is not a mixture-of-experts model")
             self._control.routing = RoutingRecorder()
         if options.decode_steps > 1:
-            multistep.install(self._scheduler, self._control, options.decode_steps)
+            static = static_decode_chunks(options, device)
+            multistep.install(self._scheduler, self._control, options.decode_steps, static)
             if options.precompile:
                 try:
-                    self.call(lambda: multistep.precompile(self._scheduler, options.decode_steps))
+                    self.call(lambda: multistep.precompile(self._scheduler, options.decode_steps, static))
                 except BaseException:
                     self.close()
                     raise

@@ -24,11 +24,15 @@ between steps:
 Attention across the chunk: the forward's ``cache_loc`` is laid out for each row's length at
 the chunk's last step, and a step sees only the slots its position has reached (later ones are
 given as slot 0, the pool's padding slot, which attention never reads). Each query's keys are
-then those of a one-step forward, in the same chunks of the online softmax. The attention walks
-a static number of KV chunks (``attention.decode_kv_walk`` of the rows' last lengths: one
-program per doubling of the context), so each layer's loop has a trip count the compiler knows:
-XLA's GPU backend drives a loop of unknown trip count from the host, with a copy of its
-predicate and a wait at every iteration.
+then those of a one-step forward, in the same chunks of the online softmax.
+
+Static chunks (``EngineOptions.static_decode_chunks``, by default on GPU): XLA's GPU backend
+drives a loop of unknown trip count, and a conditional, from the host, with a copy of its
+predicate and a wait at every iteration. There each layer's attention walks a number of KV
+chunks fixed at dispatch (``attention.decode_kv_walk`` of the rows' last lengths: one program
+per doubling of the context) and the draw is chosen on the host (``patches.draw_kind``), so the
+chunk's steps are its only loop of unknown trip count. Elsewhere one program per batch size
+walks what the rows need and chooses the draw on the device.
 
 Eligible batches: decode, no penalties (frequency/presence penalties accumulate between
 steps on the host), not the engine's own log-probs (``return_logprob``; the worker's sinks are
@@ -119,10 +123,11 @@ class DecodeChunks:
     tokens, so the device computes it while the scheduler takes the first one's steps: the
     host's work overlaps the device's."""
 
-    def __init__(self, scheduler, control, steps: int):
+    def __init__(self, scheduler, control, steps: int, static: bool):
         self.scheduler = scheduler
         self.control = control
         self.steps = steps
+        self.static = static  # EngineOptions.static_decode_chunks as resolved for the platform
         self.chunk: DecodeChunk | None = None
         self.ahead: DecodeChunk | None = None
         # The rows of the chunk's next step once the scheduler's batch was prepared for it.
@@ -308,9 +313,11 @@ class DecodeChunks:
             self._free(slots if step0_slots is None else slots[1:])
             return None
         worker = scheduler.tp_worker.worker
-        metadata = chunk_metadata(worker, mwb) if metadata is None else metadata
-        last_lens = plan[-1]
-        kv_walk = decode_kv_walk(int(last_lens.max()), scheduler.req_to_token_pool.req_to_token.shape[1])
+        metadata = chunk_metadata(worker, mwb, self.static) if metadata is None else metadata
+        kv_walk = None
+        if self.static:
+            last_lens = plan[-1]
+            kv_walk = decode_kv_walk(int(last_lens.max()), scheduler.req_to_token_pool.req_to_token.shape[1])
         pending, misses = run_chunk(worker, mwb, metadata, plan, self.steps, kv_walk)
         self.dispatched += 1
         return DecodeChunk(
@@ -404,12 +411,12 @@ def _plan(mwb, reqs, live, first_lens, slots: np.ndarray, req_to_token: np.ndarr
     return steps, out_cache_loc, cache_loc, visible_from, seq_lens
 
 
-def chunk_metadata(worker, mwb) -> tuple:
-    """The logits and sampling metadata of a decode batch's chunks, on the device, and the draw
-    its sampling parameters need (``patches.draw_kind``: a static argument of the chunk, as of
-    the engine's one-step sampler; chosen on the device, it was two conditionals a step, each a
-    wait for the host on a GPU): built once for a batch (its sampling info is filtered in place
-    as rows leave; the metadata is not)."""
+def chunk_metadata(worker, mwb, static: bool) -> tuple:
+    """The logits and sampling metadata of a decode batch's chunks, on the device, and for
+    ``static`` chunks the draw its sampling parameters need (``patches.draw_kind``, a static
+    argument of the chunk's program as of the engine's one-step sampler; None: chosen on the
+    device, two conditionals a step): built once for a batch (its sampling info is filtered in
+    place as rows leave; the metadata is not)."""
     from sgl_jax.srt.layers.logits_processor import LogitsMetadata
     from sgl_jax.srt.sampling.sampling_batch_info import SamplingMetadata
 
@@ -420,13 +427,14 @@ def chunk_metadata(worker, mwb) -> tuple:
     return (
         LogitsMetadata.from_model_worker_batch(mwb, runner.mesh),
         sampling,
-        draw_kind(sampling, runner.model_config.vocab_size),
+        draw_kind(sampling, runner.model_config.vocab_size) if static else None,
     )
 
 
-def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int):
+def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int | None):
     """Start ``plan``'s steps of ``mwb``'s decode batch on the device, each layer's attention
-    walking ``kv_walk`` KV chunks (enough for the plan's ``seq_lens``): (the sampled ids,
+    walking ``kv_walk`` KV chunks (enough for the plan's ``seq_lens``; None: what the rows
+    need, counted on the device): (the sampled ids,
     log-probs and kept counts [max_steps, padded rows] as device arrays, the compiles it
     caused). The engine's KV buffers become the loop's outputs at once."""
     import jax._src.test_util as jtu
@@ -499,7 +507,7 @@ def _decode_chunk(
     plan: ChunkPlan,
     *,
     max_steps: int,
-    kv_walk: int,
+    kv_walk: int | None,
     draw: str | None,
 ):
     from flax import nnx
@@ -537,7 +545,7 @@ def _decode_chunk(
 
 
 @contextlib.contextmanager
-def _tracing_kv_walk(kv_walk: int):
+def _tracing_kv_walk(kv_walk: int | None):
     previous = getattr(_trace, "kv_walk", None)
     _trace.kv_walk = kv_walk
     try:
@@ -548,28 +556,30 @@ def _tracing_kv_walk(kv_walk: int):
 
 def traced_kv_walk() -> int | None:
     """The static KV walk of the decode chunk whose forward this thread is tracing (the
-    attention's ``kv_walk``), or None outside one."""
+    attention's ``kv_walk``), or None (outside one, or in a chunk that is not static)."""
     return getattr(_trace, "kv_walk", None)
 
 
-def install(scheduler, control, steps: int) -> DecodeChunks:
-    """Serve ``scheduler``'s decode batches ``steps`` steps per dispatch (scheduler thread or
-    before its first batch)."""
-    chunks = DecodeChunks(scheduler, control, steps)
+def install(scheduler, control, steps: int, static: bool) -> DecodeChunks:
+    """Serve ``scheduler``'s decode batches ``steps`` steps per dispatch, in static chunks if
+    ``static`` (scheduler thread or before its first batch)."""
+    chunks = DecodeChunks(scheduler, control, steps, static)
     setattr(scheduler, _STATE, chunks)
     control.decode_chunks = chunks
     return chunks
 
 
-def precompile(scheduler, steps: int) -> None:
-    """Compile the chunk's loop for each of the engine's decode batch sizes, draws and KV walks
-    (running none of its steps), as the engine precompiles its one-step forward."""
+def precompile(scheduler, steps: int, static: bool) -> None:
+    """Compile the chunk's loop for each of the engine's decode batch sizes (static chunks: and
+    each draw and KV walk), running none of its steps, as the engine precompiles its one-step
+    forward."""
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 
     from .patches import DRAW_KINDS
 
     worker = scheduler.tp_worker.worker
-    walks = decode_kv_walks(scheduler.req_to_token_pool.req_to_token.shape[1])
+    walks = decode_kv_walks(scheduler.req_to_token_pool.req_to_token.shape[1]) if static else [None]
+    draws = DRAW_KINDS if static else [None]
     for bs, cache_loc_size in zip(worker.precompile_bs_paddings, worker.precompile_cache_loc_paddings):
         mwb = worker.generate_model_worker_batch(bs, bs, ForwardMode.DECODE, cache_loc_size)
         plan = (
@@ -579,8 +589,8 @@ def precompile(scheduler, steps: int) -> None:
             np.full(cache_loc_size, np.iinfo(np.int32).max, np.int32),
             np.zeros(bs, np.int32),
         )
-        logits_metadata, sampling_metadata, _ = chunk_metadata(worker, mwb)
-        for draw in DRAW_KINDS:
+        logits_metadata, sampling_metadata, _ = chunk_metadata(worker, mwb, static)
+        for draw in draws:
             for kv_walk in walks:
                 metadata = (logits_metadata, sampling_metadata, draw)
                 jax.block_until_ready(run_chunk(worker, mwb, metadata, plan, steps, kv_walk)[0])

@@ -69,6 +69,14 @@ class EngineOptions:
     # its Python leaves the path between forwards. 1: one forward per scheduler step (0.0.2's).
     # Needs the native attention backend; not with record_routing or max_loras > 1.
     decode_steps: int = 1
+    # Decode chunks whose loop waits on the host only between its steps: each layer's attention
+    # walks a number of KV chunks fixed at dispatch, and the draw (greedy, sampled, filtered) is
+    # chosen on the host, for one program per batch size, draw and doubling of the rows'
+    # context (compiled at start-up with precompile, else when first met) in place of one per
+    # batch size. XLA's GPU backend drives a loop of unknown trip count, and a conditional, from
+    # the host, copying its predicate back and waiting at every iteration; TPU and CPU run them
+    # inside the program. None: on GPU only (static_decode_chunks).
+    static_decode_chunks: bool | None = None
 
     def __post_init__(self):
         if self.devices is None:
@@ -172,6 +180,14 @@ def engine_compiler_options(platform: str) -> dict[str, int]:
     if platform in ("gpu", "cuda", "rocm") and workaround_enabled("gpu-dot-merger"):
         return {"xla_gpu_dot_merger_threshold_mb": 0}
     return {}
+
+
+def static_decode_chunks(options: EngineOptions, platform: str) -> bool:
+    """Whether an engine on ``platform`` runs static decode chunks (``options.static_decode_chunks``,
+    None: where XLA drives loops and conditionals from the host, a GPU)."""
+    if options.static_decode_chunks is not None:
+        return options.static_decode_chunks
+    return platform in ("gpu", "cuda", "rocm")
 
 
 def mesh_platform(mesh) -> str:

@@ -5,6 +5,7 @@ import pytest
 
 from rollout.engine import EngineError, EngineOptions
 from rollout.engine.handle import check_decode_steps, default_attention_backend
+from rollout.engine.types import static_decode_chunks
 
 
 @pytest.mark.parametrize(
@@ -31,3 +32,15 @@ def test_engines_that_cannot_run_decode_chunks_are_refused_with_the_reason(overr
 
 def test_decode_chunks_run_on_the_paged_native_attention():
     check_decode_steps(EngineOptions(model_path="unused", decode_steps=8), "native")
+
+
+@pytest.mark.parametrize(
+    ("device", "static"), [("gpu", True), ("cuda", True), ("rocm", True), ("tpu", False), ("cpu", False)]
+)
+def test_decode_chunks_are_static_where_xla_drives_loops_from_the_host(device, static):
+    """A GPU's XLA waits on the host at every iteration of a loop of unknown trip count: its
+    chunks fix their KV walk and draw at dispatch; TPU and CPU keep one program per batch size.
+    A config's own choice wins everywhere."""
+    assert static_decode_chunks(EngineOptions(model_path="unused"), device) is static
+    for chosen in (True, False):
+        assert static_decode_chunks(EngineOptions(model_path="unused", static_decode_chunks=chosen), device) is chosen
