@@ -404,6 +404,9 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
             chunked_prefill_size=config.chunked_prefill_size,
             max_prefill_tokens=config.chunked_prefill_size,
             max_running_requests=max(64, rows),
+            # What the batches need: static decode chunks (a GPU's) compile one program per KV
+            # walk up to the context, so no more walks than the batches reach.
+            context_length=max(b.prompt_tokens + b.new_tokens for b in batches) + config.decode_steps,
             decode_steps=config.decode_steps,
             # Every extend token bucket and the decode batch compiled at start-up, as a long RL
             # run has them after its first steps: the first extend of a call packs a varying

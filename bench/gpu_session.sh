@@ -7,10 +7,11 @@
 #
 # Needs the engine's wheels in .whl/ (docs/benchmarks.md, "On a GPU": the GPU image lacks
 # sglang-jax and has other versions of its dependencies), installed here into /tmp/site.
-# Parts (by default "1.5b 3b", about 480 s at most; times measured on an H200, 2026-11-29):
+# Parts (by default "1.5b", 400 s at most; times measured on an H200, 2026-11-29):
 #   1.5b     bench.generate_bench at the Qwen2.5-1.5B shape, full depth, decode_steps=16, 64
 #            and 256 rows, a profiler trace of a 64-row call, then PyTorch compiled on the
-#            64-row batch (took 201 s with Triton's GEMMs off)
+#            64-row batch (took 201 s with Triton's GEMMs off, when the engine compiled one decode
+#            chunk per batch size; its static chunks compile 6 a batch size: 3 draws x 2 walks)
 #   graphs   the 64-row batch, decode_steps=16, with XLA's CUDA graphs taking in while loops
 #            and conditionals (GRAPHS below): the engine's start-up alone took over 90 s (since
 #            2026-11-30 a chunk's only such loop is its steps: the prefills' walks remain)
@@ -22,7 +23,7 @@
 set -u -o pipefail
 out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [1.5b 3b graphs fixed 1.5b-one]}
 shift
-parts=${*:-1.5b 3b}
+parts=${*:-1.5b}
 mkdir -p "$out"
 
 # No persistent compilation cache: on an H200 with jax 0.11.2 (2026-11-29) XLA's GEMM autotuner
@@ -60,7 +61,7 @@ main() {
     for part in $parts; do
         case $part in
         1.5b)
-            run 240 "${generate[@]}" --variants steps:16 --batches decode,decode256 --trace /tmp/traces \
+            run 400 "${generate[@]}" --variants steps:16 --batches decode,decode256 --trace /tmp/traces \
                 --torch-python python3 --torch-modes compiled
             ;;
         graphs) run 180 env XLA_FLAGS="$GRAPHS" "${generate[@]}" --variants steps:16 --batches decode ;;

@@ -177,15 +177,25 @@ def test_precompiled_chunks_compile_nothing(chunked):
     assert chunked.engine.decode_chunk_stats.dispatched > 0
 
 
-def test_rows_growing_past_a_kv_walk_sample_the_same_and_compile_nothing(plain, chunked):
-    """Rows that pass 128 keys (a decode KV chunk) mid-call: the chunks from there walk two KV
-    chunks, a static count (attention.decode_kv_walk), compiled at start-up like the first
-    walk; a walk too short for a row would drop its last keys."""
-    prompts = [list(range(1, 121)), list(range(3, 113))]
+def test_rows_growing_past_a_kv_walk_sample_the_same_and_compile_nothing(plain, chunked, monkeypatch):
+    """Rows that pass 128 keys (a decode KV chunk) mid-call, inside a chunk (the longest row
+    decodes from 123 keys, 4 steps a chunk): from that chunk on they walk two KV chunks, a
+    static count from the rows' lengths at the chunk's last step (attention.decode_kv_walk),
+    compiled at start-up like the first walk; a walk too short for a row drops its last keys."""
+    walks = []
+    run_chunk = multistep.run_chunk
+
+    def recording(*args):
+        walks.append(args[-1])
+        return run_chunk(*args)
+
+    monkeypatch.setattr(multistep, "run_chunk", recording)
+    prompts = [list(range(1, 123)), list(range(3, 115))]
     kwargs = dict(n=2, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=7, **LOGS)
     expected, got = plain.generate(prompts, **kwargs), chunked.generate(prompts, **kwargs)
     _same(expected, got)
     assert got.compiles == 0
+    assert walks[0] == 1 and walks[-1] == 2
 
 
 @pytest.mark.parametrize("draw", ["greedy", "sampled"])

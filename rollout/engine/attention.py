@@ -5,7 +5,8 @@ sglang-jax 0.0.2's native backend gathers every slot of ``cache_loc`` (padded to
 [heads, tokens, max_running_requests x context_length]. Here each block of query tokens walks
 only the span of ``cache_loc`` that its own requests occupy, ``kv_chunk`` slots at a time, with an
 online (flash-attention style) softmax. The trip count is the longest span present in the batch,
-a traced value, so shapes stay static and nothing recompiles per request; the working memory is
+a traced value (or, in decode, a static ``kv_walk`` that covers it), so shapes stay static and
+nothing recompiles per request; the working memory is
 about ``tokens x heads x kv_chunk`` whatever the engine's padding limits.
 
 Pure JAX (no sglang-jax import); ``patches`` installs it into the engine's native backend.
@@ -205,6 +206,8 @@ def paged_attention(
 
     Returns [tokens, heads * head_dim] in ``q``'s dtype; padded tokens get zeros.
     """
+    if kv_walk is not None and extend_seq_lens is not None:
+        raise ValueError("kv_walk is a decode batch's: an extend's blocks walk what each needs")
     num_tokens = q.shape[0]
     head_dim = kv_fused.shape[-1]
     group = num_heads // num_kv_heads
@@ -295,10 +298,8 @@ def paged_attention(
     lo = jnp.minimum(jnp.min(jnp.where(seen, start_b, jnp.iinfo(jnp.int32).max), axis=1), hi)
     if kv_walk is None:
         num_chunks = (jnp.max(hi - lo) + kv_chunk - 1) // kv_chunk
-    elif extend_seq_lens is None:
-        num_chunks = kv_walk
     else:
-        raise ValueError("kv_walk is a decode batch's: an extend's blocks walk what each needs")
+        num_chunks = kv_walk
 
     last_loc = cache_loc.shape[0] - 1
     chunk = jnp.arange(kv_chunk, dtype=jnp.int32)

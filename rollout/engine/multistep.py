@@ -31,8 +31,9 @@ drives a loop of unknown trip count, and a conditional, from the host, with a co
 predicate and a wait at every iteration. There each layer's attention walks a number of KV
 chunks fixed at dispatch (``attention.decode_kv_walk`` of the rows' last lengths: one program
 per doubling of the context) and the draw is chosen on the host (``patches.draw_kind``), so the
-chunk's steps are its only loop of unknown trip count. Elsewhere one program per batch size
-walks what the rows need and chooses the draw on the device.
+chunk's steps are its only loop of unknown trip count (a filtering draw keeps the filters'
+conditionals). Elsewhere one program per batch size walks what the rows need and chooses the
+draw on the device.
 
 Eligible batches: decode, no penalties (frequency/presence penalties accumulate between
 steps on the host), not the engine's own log-probs (``return_logprob``; the worker's sinks are
@@ -317,7 +318,7 @@ class DecodeChunks:
         kv_walk = None
         if self.static:
             last_lens = plan[-1]
-            kv_walk = decode_kv_walk(int(last_lens.max()), scheduler.req_to_token_pool.req_to_token.shape[1])
+            kv_walk = decode_kv_walk(int(last_lens.max()), _widest_row(scheduler))
         pending, misses = run_chunk(worker, mwb, metadata, plan, self.steps, kv_walk)
         self.dispatched += 1
         return DecodeChunk(
@@ -560,6 +561,12 @@ def traced_kv_walk() -> int | None:
     return getattr(_trace, "kv_walk", None)
 
 
+def _widest_row(scheduler) -> int:
+    """The most keys a row can have: its token table's width (the context length and a few), or
+    the KV pool's slots if fewer."""
+    return min(scheduler.req_to_token_pool.req_to_token.shape[1], scheduler.token_to_kv_pool_allocator.size)
+
+
 def install(scheduler, control, steps: int, static: bool) -> DecodeChunks:
     """Serve ``scheduler``'s decode batches ``steps`` steps per dispatch, in static chunks if
     ``static`` (scheduler thread or before its first batch)."""
@@ -578,7 +585,7 @@ def precompile(scheduler, steps: int, static: bool) -> None:
     from .patches import DRAW_KINDS
 
     worker = scheduler.tp_worker.worker
-    walks = decode_kv_walks(scheduler.req_to_token_pool.req_to_token.shape[1]) if static else [None]
+    walks = decode_kv_walks(_widest_row(scheduler)) if static else [None]
     draws = DRAW_KINDS if static else [None]
     for bs, cache_loc_size in zip(worker.precompile_bs_paddings, worker.precompile_cache_loc_paddings):
         mwb = worker.generate_model_worker_batch(bs, bs, ForwardMode.DECODE, cache_loc_size)

@@ -73,9 +73,10 @@ class EngineOptions:
     # walks a number of KV chunks fixed at dispatch, and the draw (greedy, sampled, filtered) is
     # chosen on the host, for one program per batch size, draw and doubling of the rows'
     # context (compiled at start-up with precompile, else when first met) in place of one per
-    # batch size. XLA's GPU backend drives a loop of unknown trip count, and a conditional, from
-    # the host, copying its predicate back and waiting at every iteration; TPU and CPU run them
-    # inside the program. None: on GPU only (static_decode_chunks).
+    # batch size (a filtering draw keeps the filters' conditionals). XLA's GPU backend drives a
+    # loop of unknown trip count, and a conditional, from the host, copying its predicate back
+    # and waiting at every iteration; TPU and CPU run them inside the program. None: on GPU
+    # only (static_decode_chunks).
     static_decode_chunks: bool | None = None
 
     def __post_init__(self):

@@ -50,10 +50,11 @@ def test_extend_matches_dense_reference(page_size, causal, q_block, kv_chunk, he
     np.testing.assert_array_equal(got[real:], 0.0)
 
 
+@pytest.mark.parametrize("static_walk", [False, True], ids=["", "static-walk"])
 @pytest.mark.parametrize("integer_view", [False, True], ids=["", "integer-view"])
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_decode_matches_dense_reference(page_size, head_major, integer_view):
+def test_decode_matches_dense_reference(page_size, head_major, integer_view, static_walk):
     rng = np.random.default_rng(1)
     _, kv, cache_loc, seq_lens, _, _ = ragged_batch(rng, [6, 1, 13, 0, 0], [1, 1, 1, 0, 0], page_size)
     q = rng.standard_normal((len(seq_lens), HEADS, HEAD_DIM)).astype(np.float32)
@@ -67,6 +68,7 @@ def test_decode_matches_dense_reference(page_size, head_major, integer_view):
         decode_kv_chunk=4,
         head_major=head_major,
         integer_view=integer_view,
+        kv_walk=attention.decode_kv_walk(int(seq_lens.max()), 64, kv_chunk=4) if static_walk else None,
     )
     # A decode token is an extend of one token after seq_len - 1 cached ones.
     ones = (seq_lens > 0).astype(np.int32)
