@@ -116,7 +116,7 @@ def test_a_chunk_evicts_the_prefix_cache_once_for_all_its_steps():
         token_to_kv_pool_allocator=pool,
         req_to_token_pool=types.SimpleNamespace(req_to_token=np.zeros((rows, 64), np.int32)),
     )
-    chunks = DecodeChunks(scheduler, SchedulerControl("test"), steps)
+    chunks = DecodeChunks(scheduler, SchedulerControl("test"), steps, static=False)
     reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(rows)]
     batch = types.SimpleNamespace(_evict_tree_cache_if_needed=evict_if_needed)
     step0 = np.arange(1000, 1000 + rows)  # prepare_for_decode's
