@@ -142,6 +142,11 @@ class RLConfig:
     # Supervised steps on worked episodes before RL (tool presets: the tool-call format); a resume
     # runs them again (deterministic), as its KL reference is the warm-started policy.
     warm_start_steps: int = 0
+    # Decode steps per dispatch (WorkerConfig.decode_steps): the engines run this many decode
+    # steps in one compiled loop, the scheduler's Python beside the device rather than between
+    # forwards. Needs the native attention backend (the default off TPU); not with
+    # routing_replay. The samples are those of 1 (docs/worker.md).
+    decode_steps: int = 1
     # > 1: start this many processes of one JAX job on this machine (CPU runs, tests). A job is
     # otherwise joined from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID: each
     # process generates its share of every step's prompts and the update runs over all of them.
@@ -169,7 +174,15 @@ class RLConfig:
     def __post_init__(self):
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"preset must be one of {PRESET_NAMES}, got {self.preset!r}")
-        for name in ("steps", "prompts_per_step", "max_prompt_tokens", "max_new_tokens", "ppo_epochs", "kv_tokens"):
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "max_prompt_tokens",
+            "max_new_tokens",
+            "ppo_epochs",
+            "kv_tokens",
+            "decode_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.minibatches <= self.prompts_per_step * self.samples_per_prompt:
@@ -372,6 +385,29 @@ class Setup(NamedTuple):
     trainer_devices: list | None  # where the trainer's params live when the engines are elsewhere
 
 
+def worker_config(config: RLConfig, model_dir: Path, engine_devices: list | None = None) -> WorkerConfig:
+    """The rollout worker of a run: its engines on ``engine_devices`` (None: every local device,
+    ``config.dp_size`` engines), the KV pool and batch the run's steps need."""
+    return WorkerConfig(
+        model_path=str(model_dir),
+        dtype=config.dtype,
+        load_format="dummy",
+        tp_size=config.tp_size,
+        dp_size=config.dp_size if engine_devices is None else len(engine_devices) // config.tp_size,
+        devices=None if engine_devices is None else tuple(engine_devices),
+        # The engine takes prompt + completion <= context_length - 2 tokens whole.
+        max_total_tokens=config.kv_tokens,
+        context_length=config.max_prompt_tokens + config.max_new_tokens + 2,
+        max_running_requests=config.prompts_per_step * config.samples_per_prompt,
+        seed=config.seed,
+        max_prefill_tokens=max(4096, config.max_prompt_tokens * 8),
+        chunked_prefill_size=4096,
+        record_routing=config.routing_replay,
+        unmerged_lora=config.unmerged_lora,
+        decode_steps=config.decode_steps,
+    )
+
+
 @contextlib.contextmanager
 def set_up(
     config: RLConfig,
@@ -406,25 +442,7 @@ def set_up(
         config, output_dir if jax.process_count() == 1 else output_dir / f"process-{jax.process_index()}"
     )
     trainer_devices, engine_devices = split_devices(config.tp_size) if split_devices else (None, None)
-    worker = RolloutWorker(
-        WorkerConfig(
-            model_path=str(model_dir),
-            dtype=config.dtype,
-            load_format="dummy",
-            tp_size=config.tp_size,
-            dp_size=config.dp_size if engine_devices is None else len(engine_devices) // config.tp_size,
-            devices=None if engine_devices is None else tuple(engine_devices),
-            # The engine takes prompt + completion <= context_length - 2 tokens whole.
-            max_total_tokens=config.kv_tokens,
-            context_length=config.max_prompt_tokens + config.max_new_tokens + 2,
-            max_running_requests=config.prompts_per_step * config.samples_per_prompt,
-            seed=config.seed,
-            max_prefill_tokens=max(4096, config.max_prompt_tokens * 8),
-            chunked_prefill_size=4096,
-            record_routing=config.routing_replay,
-            unmerged_lora=config.unmerged_lora,
-        )
-    )
+    worker = RolloutWorker(worker_config(config, model_dir, engine_devices))
     try:
         model = flax_model_for(json.loads((model_dir / "config.json").read_text()), config.dtype)
         hf_params = load_hf_params(model_dir)

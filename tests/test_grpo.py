@@ -237,6 +237,31 @@ def test_qwen25_3b_tools_preset_path_on_a_local_stand_in(chat_dir, tmp_path):
     assert 0 <= record["tool_call_success"] <= 1 and np.isfinite(record["entropy"])
 
 
+@pytest.mark.example_path
+def test_decode_chunks_leave_a_multi_turn_run_unchanged(chat_dir, tmp_path):
+    """--decode-steps 8: the engines decode 8 steps per dispatch through the multi-turn episodes
+    of the qwen2.5-3b-tools preset on its stand-in (turns of 16 tokens that stop early, prompts
+    that continue a session's cached turns) and the run logs what the one-step run logs, to the
+    bit (the chunks' tokens and log-probs are the one-step forward's on CPU:
+    tests/test_multistep.py), but its timings and prefill_saved: which turns share a prefill,
+    and so find each other's prompts in the cache or not, follows when each episode's next turn
+    arrives (two one-step runs read 0.41 and 0.66 on one step)."""
+    local = ["--preset", "qwen2.5-3b-tools", "--model", str(chat_dir), "--dataset", str(GSM8K_SAMPLE)]
+    cpu = (
+        "--prompts-per-step 2 --group-size 2 --max-prompt-tokens 700 --max-new-tokens 48 --turn-tokens 16 "
+        "--max-turns 2 --dtype float32 --tp-size 1 --kv-tokens 8192 --steps 2 --temperature 1.5"
+    ).split()
+    timed = {"elapsed_s", "sync_s", "generate_s", "train_s", "prefill_saved"}
+
+    def untimed(records):
+        return [{k: v for k, v in r.items() if k not in timed} for r in records]
+
+    one_step = run_grpo(tmp_path / "one", *local, *cpu)
+    chunked = run_grpo(tmp_path / "chunked", *local, *cpu, "--decode-steps", "8")
+    assert untimed(chunked) == untimed(one_step)
+    assert sum(r["completion_tokens"] for r in one_step) > 0
+
+
 @pytest.mark.example_run_newest
 def test_lora_grpo_keeps_learning_and_trains_and_checkpoints_only_the_adapters(tmp_path):
     """--lora-rank 8 on the shaped tiny task: it learns as the full-parameter run does (GAIN; at

@@ -1,4 +1,4 @@
-"""examples/rl_loop.py: an output dir is bound to one run; the fixed evaluation."""
+"""examples/rl_loop.py: an output dir is bound to one run; the fixed evaluation; the worker a run starts."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from examples.grpo import PRESETS
-from examples.rl_loop import EVAL_STREAM, Task, _evaluate, claim_output_dir, step_seed
+from examples.rl_loop import EVAL_STREAM, Task, _evaluate, claim_output_dir, step_seed, worker_config
 
 
 def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monkeypatch):
@@ -32,6 +32,18 @@ def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monk
     (other / "checkpoints" / "1").mkdir(parents=True)
     monkeypatch.chdir(chat_dir.parent)
     claim_output_dir(dataclasses.replace(config, model=chat_dir.name), other)
+
+
+def test_decode_steps_reach_the_worker_and_are_not_part_of_a_runs_identity(tmp_path):
+    """--decode-steps is how the engines run, not what they sample: a resume may change it."""
+    config = dataclasses.replace(PRESETS["tiny"], decode_steps=8)
+    assert worker_config(config, tmp_path).decode_steps == 8
+    assert worker_config(PRESETS["tiny"], tmp_path).decode_steps == 1
+    claim_output_dir(config, tmp_path)
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)
+    claim_output_dir(dataclasses.replace(config, decode_steps=1), tmp_path)
+    with pytest.raises(ValueError, match="decode_steps must be >= 1, got 0"):
+        dataclasses.replace(config, decode_steps=0)
 
 
 def test_lr_decay_spans_the_train_steps_after_the_warm_up():
