@@ -4,6 +4,7 @@
 
 import json
 import logging
+import threading
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from rollout.errors import WorkerClosed, WorkerUnavailable
 from rollout.server import Server, ServerConfig
 from rollout.server.app import build_app
 from rollout.server.errors import api_error
-from rollout.server.protocol import MAX_JSON_DEPTH
+from rollout.server.protocol import MAX_JSON_DEPTH, ApiError, parse_body
 
 ADMIN = {"Authorization": "Bearer admin"}
 
@@ -184,6 +185,28 @@ def test_nesting_up_to_the_limit_is_parsed_and_brackets_in_strings_do_not_count(
     assert (
         "not valid JSON" in error(post(http, "/v1/completions", b'{"model": "tiny", "prompt": [1, 2'), 400)["message"]
     )
+
+
+@pytest.mark.parametrize("tail", [b"", b"\\", b"[[{"], ids=["end", "lone backslash", "brackets"])
+def test_an_unterminated_string_of_escaped_quotes_is_refused_in_one_pass(tail):
+    """A string left open, full of escaped quotes: the depth scan once restarted at each quote
+    and scanned to the end, so a 1 MiB body held the event loop for about an hour. Run on a
+    thread given a minute (a linear scan takes milliseconds), so a regression fails, not hangs."""
+    body = b'{"model": "tiny", "prompt": "' + b'\\"' * 500_000 + tail
+    outcome = []
+
+    def parse():
+        try:
+            parse_body(body)
+        except ApiError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=parse, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the body's scan is not linear"
+    (refused,) = outcome
+    assert refused.status == 400 and "not valid JSON" in refused.message
 
 
 # ---- the other fields ------------------------------------------------------------------------------
