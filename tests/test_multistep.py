@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker
-from rollout.engine import EngineError, EngineHandle, multistep, stubbed_device
+from rollout.engine import EngineError, EngineHandle, multistep, profile_steps, stubbed_device
 from rollout.engine.types import engine_compiler_options, forward_cells
 from tests.helpers import perturbed_params, swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import load_hf_params
@@ -185,9 +185,9 @@ def test_rows_growing_past_a_kv_walk_sample_the_same_and_compile_nothing(plain, 
     walks = []
     run_chunk = multistep.run_chunk
 
-    def recording(*args):
-        walks.append(args[-1])
-        return run_chunk(*args)
+    def recording(worker, mwb, metadata, plan, max_steps, kv_walk, first_ids=None):
+        walks.append(kv_walk)
+        return run_chunk(worker, mwb, metadata, plan, max_steps, kv_walk, first_ids)
 
     monkeypatch.setattr(multistep, "run_chunk", recording)
     prompts = [list(range(1, 123)), list(range(3, 115))]
@@ -246,6 +246,15 @@ def test_a_stubbed_device_serves_each_chunk_shapes_first_outputs(chunked):
     assert [c[0] for c in second] != [c[0] for c in real]
     assert chunked.engine.decode_chunk_stats.dispatched == dispatched + 4
     assert chunked.generate(PROMPTS, **kwargs).completions == real
+
+
+def test_profile_steps_times_each_chunk_as_its_steps(chunked):
+    """A chunk is one profiled decode step of its count of steps, timed to its outputs."""
+    with profile_steps() as times:
+        chunked.generate(PROMPTS, temperature=1.0, max_new_tokens=2 * STEPS + 1, ignore_eos=True, seed=3)
+    chunks = [step for step in times.steps if step.mode == "decode"]
+    assert [step.steps for step in chunks] == [STEPS, STEPS]
+    assert all(step.forward_s > 0 for step in chunks)
 
 
 def test_an_engine_that_cannot_chunk_is_refused_before_it_starts(qwen2_dir):

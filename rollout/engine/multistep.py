@@ -96,6 +96,11 @@ class DecodeChunk:
             self.tokens, self.logprobs, self.kept = (np.asarray(x)[: self.steps, :rows] for x in fetched)
             self.pending = None
 
+    def last_ids(self) -> jax.Array:
+        """The ids its last step samples, [padded rows] (0 past its rows), on the device (before
+        :meth:`fetch`): the chunk continuing from them is dispatched without waiting for this one."""
+        return _last_ids(self.pending[0], np.int32(self.steps - 1), np.int32(len(self.reqs)))
+
     def rows_for(self, reqs: list) -> np.ndarray | None:
         """The chunk's rows of ``reqs`` if it computes the next step for every one of them."""
         if self.next_step >= self.steps or not reqs:
@@ -156,8 +161,9 @@ class DecodeChunks:
             if rows is not None:  # the next chunk takes over, and the one after it starts
                 self.chunk, self.ahead = self.ahead, None
                 self._free_left_rows(self.chunk, rows)
-                self.chunk.fetch()
+                # Queued behind the chunk before waiting for it: the device never idles between them.
                 self._dispatch_ahead(batch)
+                self.chunk.fetch()
         if rows is None:
             self.release()
         return rows
@@ -266,15 +272,16 @@ class DecodeChunks:
         chunk = self._launch(batch, mwb, list(batch.reqs), rows, first_lens, batch.out_cache_loc, None, steps)
         if chunk is None:
             return None
-        chunk.fetch()
         self.chunk = chunk
         self._dispatch_ahead(batch)
+        chunk.fetch()
         chunk.next_step = 1
         return self._result(batch, chunk, 0, rows)
 
     def _dispatch_ahead(self, batch) -> None:
-        """Start the chunk that continues the current one from its last tokens, for the rows
-        it still serves (the others are computed as padding, with no KV slot)."""
+        """Start the chunk that continues the current one from its last tokens (on the device,
+        fetched or not), for the rows it still serves (the others are computed as padding, with
+        no KV slot)."""
         chunk = self.chunk
         live, done = chunk.live_rows(), chunk.steps
         if not len(live) or self._admission_possible(batch):
@@ -284,12 +291,12 @@ class DecodeChunks:
         if steps < 1:
             return
         rows, padded = len(chunk.reqs), len(chunk.mwb.seq_lens)
-        input_ids = np.zeros(padded, chunk.mwb.input_ids.dtype)
-        input_ids[:rows] = chunk.tokens[-1]
         positions = np.zeros(padded, chunk.mwb.positions.dtype)
         positions[:rows] = chunk.mwb.positions[:rows] + done
-        mwb = dataclasses.replace(chunk.mwb, input_ids=input_ids, positions=positions)
-        ahead = self._launch(batch, mwb, chunk.reqs, live, first_lens, None, chunk.slots[-1], steps, chunk.metadata)
+        mwb = dataclasses.replace(chunk.mwb, positions=positions)
+        ahead = self._launch(
+            batch, mwb, chunk.reqs, live, first_lens, None, chunk.slots[-1], steps, chunk.metadata, chunk.last_ids()
+        )
         if ahead is not None:
             ahead.row_of = {id(chunk.reqs[row]): row for row in live}
         self.ahead = ahead
@@ -303,8 +310,11 @@ class DecodeChunks:
             batch.batch_is_full or len(batch.reqs) >= scheduler.max_running_requests
         )
 
-    def _launch(self, batch, mwb, reqs, live, first_lens, step0_slots, last_slots, steps, metadata=None):
-        """Allocate the chunk's KV slots and start its loop on the device (not waiting)."""
+    def _launch(
+        self, batch, mwb, reqs, live, first_lens, step0_slots, last_slots, steps, metadata=None, first_ids=None
+    ):
+        """Allocate the chunk's KV slots and start its loop on the device (not waiting), from
+        ``first_ids`` (device ids; None: ``mwb``'s)."""
         slots = self._allocate(batch, reqs, live, first_lens, step0_slots, last_slots, steps)
         if slots is None:
             return None
@@ -319,7 +329,7 @@ class DecodeChunks:
         if self.static:
             last_lens = plan[-1]
             kv_walk = decode_kv_walk(int(last_lens.max()), _widest_row(scheduler))
-        pending, misses = run_chunk(worker, mwb, metadata, plan, self.steps, kv_walk)
+        pending, misses = run_chunk(worker, mwb, metadata, plan, self.steps, kv_walk, first_ids)
         self.dispatched += 1
         return DecodeChunk(
             reqs, self.control.weight_version, slots, first_lens, mwb, metadata, pending=pending, misses=misses
@@ -432,8 +442,9 @@ def chunk_metadata(worker, mwb, static: bool) -> tuple:
     )
 
 
-def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int | None):
-    """Start ``plan``'s steps of ``mwb``'s decode batch on the device, each layer's attention
+def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int | None, first_ids=None):
+    """Start ``plan``'s steps of ``mwb``'s decode batch on the device, from ``first_ids`` (the
+    input ids, on the device or not; None: ``mwb``'s), each layer's attention
     walking ``kv_walk`` KV chunks (enough for the plan's ``seq_lens``; None: what the rows
     need, counted on the device): (the sampled ids,
     log-probs and kept counts [max_steps, padded rows] as device arrays, the compiles it
@@ -453,6 +464,8 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int |
         )
     )
     forward_batch = ForwardBatch.init_new(mwb, runner)
+    if first_ids is not None:
+        forward_batch.input_ids = jax.device_put(first_ids, forward_batch.input_ids.sharding)
     logits_metadata, sampling_metadata, draw = metadata
     cells = forward_cells(runner)
     sampler_def, sampler_state_def, sampler_leaves = runner.jitted_sampler.args
@@ -476,6 +489,12 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int |
         misses = count()
     runner._set_kv_cache_after_forward(kv, forward_batch)
     return (tokens, logprobs, kept), misses
+
+
+@jax.jit
+def _last_ids(tokens: jax.Array, step: jax.Array, rows: jax.Array) -> jax.Array:
+    """``tokens[step]``, 0 past ``rows`` (traced: one program per padded width)."""
+    return jnp.where(jnp.arange(tokens.shape[1]) < rows, tokens[step], 0)
 
 
 def chunk_program(platform: str):
@@ -579,7 +598,7 @@ def install(scheduler, control, steps: int, static: bool) -> DecodeChunks:
 def precompile(scheduler, steps: int, static: bool) -> None:
     """Compile the chunk's loop for each of the engine's decode batch sizes (static chunks: and
     each draw and KV walk), running none of its steps, as the engine precompiles its one-step
-    forward."""
+    forward, and the pick of a chunk's last ids that the chunk ahead starts from."""
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 
     from .patches import DRAW_KINDS
@@ -600,7 +619,8 @@ def precompile(scheduler, steps: int, static: bool) -> None:
         for draw in draws:
             for kv_walk in walks:
                 metadata = (logits_metadata, sampling_metadata, draw)
-                jax.block_until_ready(run_chunk(worker, mwb, metadata, plan, steps, kv_walk)[0])
+                tokens = jax.block_until_ready(run_chunk(worker, mwb, metadata, plan, steps, kv_walk)[0])[0]
+        jax.block_until_ready(_last_ids(tokens, np.int32(0), np.int32(bs)))  # a chunk ahead's input ids
 
 
 def patch_scheduler() -> None:

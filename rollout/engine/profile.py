@@ -118,10 +118,10 @@ def profile_steps():
                 step.sample_s += time.perf_counter() - start
             return out
 
-        def timed_chunk(worker, mwb, metadata, plan, max_steps, kv_walk):
+        def timed_chunk(worker, mwb, metadata, plan, *args):
             step = Step("decode", time.perf_counter(), steps=plan[0])
             times.steps.append(step)
-            out = run_chunk(worker, mwb, metadata, plan, max_steps, kv_walk)
+            out = run_chunk(worker, mwb, metadata, plan, *args)
             jax.block_until_ready(out[0])
             step.forward_s = time.perf_counter() - step.start
             return out
@@ -186,9 +186,9 @@ def stubbed_device():
                 leave_token_logprobs(self, token_logprobs)
             return ids
 
-        def stub_chunk(worker, mwb, metadata, plan, max_steps, kv_walk):
+        def stub_chunk(worker, mwb, metadata, plan, max_steps, *args):
             key = ("chunk", id(worker), len(mwb.seq_lens), plan[0], max_steps)
-            return first_of_shape(key, lambda: run_chunk(worker, mwb, metadata, plan, max_steps, kv_walk))
+            return first_of_shape(key, lambda: run_chunk(worker, mwb, metadata, plan, max_steps, *args))
 
         return stub_forward, stub_sample, stub_chunk
 
