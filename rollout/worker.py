@@ -95,6 +95,8 @@ class RolloutWorker:
         self._closed = False
         self.weight_version = 0
         self._kv_dropped = False
+        # Why generate calls are refused while the KV cache stays dropped (drop_kv(hold=True)).
+        self._kv_hold_reason: str | None = None
         self._stale_reason: str | None = None
         self._tokenizer = _load_tokenizer(config.model_path)
         self.pad_token_id = _pad_token_id(self._tokenizer)
@@ -183,10 +185,10 @@ class RolloutWorker:
     @property
     def unavailable_reason(self) -> str | None:
         """None when a generate can start now; else why not (a weight swap, KV change or
-        train step in progress, or weights stale after a train step)."""
+        train step in progress, weights stale after a train step, or a KV cache held dropped)."""
         if self._closed:
             return "the worker is closed"
-        return self._gate.exclusive_reason or self._stale_reason
+        return self._gate.exclusive_reason or self._stale_reason or self._kv_hold_reason
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -544,18 +546,21 @@ class RolloutWorker:
 
     # ---- KV cache and memory -----------------------------------------------------------------
 
-    def drop_kv(self) -> KvReport:
+    def drop_kv(self, *, hold: str | None = None) -> KvReport:
         """Free every engine's KV cache buffers (and prefix cache) until :meth:`rebuild_kv`.
 
-        Waits for running generate calls. ``generate`` while dropped rebuilds first.
-        Dropping twice frees nothing more.
+        Waits for running generate calls. ``generate`` while dropped rebuilds first; with
+        ``hold`` (a reason, e.g. a server's "the KV cache was dropped through /admin/drop_kv")
+        it is refused instead (``WorkerUnavailable(hold)``) until :meth:`rebuild_kv`, calls
+        already waiting to start included. Dropping twice frees nothing more.
         """
         self._check_open()
         self._group.pod.agree("drop_kv")
-        return self._drop_kv()
+        return self._drop_kv(hold)
 
-    def _drop_kv(self) -> KvReport:
+    def _drop_kv(self, hold: str | None = None) -> KvReport:
         with self._closed_is_clear(), self._gate.exclusive("the KV cache is being dropped"), self._state_lock:
+            self._kv_hold_reason = hold or self._kv_hold_reason
             if self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
@@ -566,13 +571,18 @@ class RolloutWorker:
         return report
 
     def rebuild_kv(self) -> KvReport:
-        """Recreate the KV caches with their original shapes, dtype and sharding (no recompile)."""
+        """Recreate the KV caches with their original shapes, dtype and sharding (no recompile),
+        lifting a ``drop_kv(hold=...)``."""
         self._check_open()
         self._group.pod.agree("rebuild_kv")
-        return self._rebuild_kv()
+        return self._rebuild_kv(lift_hold=True)
 
-    def _rebuild_kv(self) -> KvReport:
+    def _rebuild_kv(self, lift_hold: bool = False) -> KvReport:
         with self._closed_is_clear(), self._gate.exclusive("the KV cache is being rebuilt"), self._state_lock:
+            if lift_hold:
+                self._kv_hold_reason = None
+            elif self._kv_hold_reason is not None:  # held since the caller found it dropped
+                raise WorkerUnavailable(self._kv_hold_reason)
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
@@ -783,7 +793,7 @@ class RolloutWorker:
                 await self._gate.aenter()
             if not self._kv_dropped:
                 break
-            self._gate.leave()  # dropped again meanwhile: rebuild first
+            self._gate.leave()  # dropped again meanwhile: rebuild first (refused if held)
         try:
             self._check_weights_alive()
         except BaseException:

@@ -1,5 +1,6 @@
 """KV cache drop / rebuild, memory accounting, the train-step context."""
 
+import asyncio
 import functools
 import gc
 
@@ -9,6 +10,7 @@ import psutil
 import pytest
 
 from rollout import RolloutWorker, counting_compiles
+from rollout.errors import WorkerUnavailable
 from rollout.kv import live_device_buffers, live_device_bytes
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
@@ -77,6 +79,48 @@ def test_generate_while_dropped_rebuilds_first(worker):
     batch = greedy(worker)
     assert not worker.kv_dropped
     assert batch.completions == reference.completions and batch.compiles == 0
+
+
+def test_a_held_drop_refuses_generate_until_rebuilt(worker):
+    """drop_kv(hold=reason) (a server's /admin/drop_kv): the cache stays dropped, generate is a
+    WorkerUnavailable with the reason, a train step's release keeps the hold, rebuild_kv lifts it."""
+    reference = greedy(worker)
+    worker.drop_kv(hold="held for the test")
+    try:
+        assert worker.unavailable_reason == "held for the test"
+        with pytest.raises(WorkerUnavailable, match="held for the test"):
+            greedy(worker)
+        assert worker.kv_dropped
+    finally:
+        assert worker.rebuild_kv().bytes > 0
+    assert worker.unavailable_reason is None
+    assert greedy(worker).completions == reference.completions
+
+
+def test_a_call_waiting_to_start_when_a_held_drop_lands_is_refused(worker):
+    """The server's race: a request that found the cache present, then waited at the gate behind
+    the drop (a stream holds it), must be refused once the drop lands, not rebuild the cache."""
+
+    async def scenario():
+        stream = worker.astream(PROMPTS[:1], temperature=0.0, max_new_tokens=4, ignore_eos=True)
+        await anext(stream)  # admitted: the drop waits for it
+        drop = asyncio.create_task(asyncio.to_thread(worker.drop_kv, hold="held for the test"))
+        while worker.unavailable_reason != "the KV cache is being dropped":
+            await asyncio.sleep(0.001)
+        waiting = asyncio.create_task(worker.agenerate(PROMPTS, temperature=0.0, max_new_tokens=2))
+        await asyncio.sleep(0)  # it finds the cache present and waits at the gate
+        assert not worker.kv_dropped and not waiting.done()
+        async for _ in stream:
+            pass
+        await drop
+        with pytest.raises(WorkerUnavailable, match="held for the test"):
+            await waiting
+
+    try:
+        asyncio.run(scenario())
+        assert worker.kv_dropped
+    finally:
+        worker.rebuild_kv()
 
 
 def test_train_step_context_releases_trainer_buffers_and_requires_a_sync(worker, qwen2_dir):

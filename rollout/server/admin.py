@@ -141,17 +141,13 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
     async def drop_kv(request: Request):
         authorize(request)
         async with admin.lock:
-            report = await run(backend.drop_kv)
-            state.kv_held = True
-            return report
+            return await run(backend.drop_kv)
 
     @router.post("/rebuild_kv")
     async def rebuild_kv(request: Request):
         authorize(request)
         async with admin.lock:
-            report = await run(backend.rebuild_kv)
-            state.kv_held = False
-            return report
+            return await run(backend.rebuild_kv)
 
     @router.get("/memory")
     async def memory(request: Request):

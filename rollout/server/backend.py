@@ -10,6 +10,9 @@ from typing import Any, Protocol
 
 from ..batch import RolloutBatch, StreamChunk
 
+# Why generation is refused while /admin/drop_kv holds the KV cache dropped.
+KV_HELD = "the KV cache was dropped through /admin/drop_kv"
+
 
 class Backend(Protocol):
     """Generation, weight and KV operations the HTTP routes call.
@@ -39,7 +42,7 @@ class Backend(Protocol):
     ) -> dict: ...
     def adapter_names(self) -> list[str]: ...
     def unload_lora(self, name: str) -> bool: ...
-    def drop_kv(self) -> dict: ...
+    def drop_kv(self) -> dict: ...  # held dropped: generate calls refused with KV_HELD until rebuild_kv
     def rebuild_kv(self) -> dict: ...
     def memory(self) -> dict: ...
 
@@ -114,7 +117,9 @@ class WorkerBackend:
         return self.worker.unload_adapters(name)
 
     def drop_kv(self) -> dict:
-        return dataclasses.asdict(self.worker.drop_kv())
+        # Held by the worker, not the routes: a request past the routes' check that reached the
+        # worker after the drop would otherwise have rebuilt the cache.
+        return dataclasses.asdict(self.worker.drop_kv(hold=KV_HELD))
 
     def rebuild_kv(self) -> dict:
         return dataclasses.asdict(self.worker.rebuild_kv())

@@ -18,7 +18,7 @@ def health_router(state: SharedState) -> APIRouter:
 
     @router.get("/ready")
     async def ready():
-        reason = state.unavailable_reason()
+        reason = state.backend.unavailable_reason
         if reason is None and not state.backend.kv_present:
             reason = "the KV cache is dropped"
         if reason is not None:

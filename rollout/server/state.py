@@ -13,14 +13,12 @@ from .protocol import ApiError, check_bearer, invalid, parse_body
 
 
 class SharedState:
-    """The backend and settings of one app, the served model's name, and whether the KV
-    cache is held dropped by the admin routes (which the generation routes answer 503 to)."""
+    """The backend and settings of one app, and the served model's name."""
 
     def __init__(self, backend: Backend, config: ServerConfig):
         self.backend, self.config = backend, config
         self.model_name = config.served_model_name or backend.model_name
         self.created = int(time.time())
-        self.kv_held = False  # /admin/drop_kv ran and /admin/rebuild_kv did not yet
 
     def check_api_key(self, request: Request) -> None:
         if self.config.api_key is not None:
@@ -66,16 +64,10 @@ class SharedState:
         card["owned_by"] = "sglang-jax-rollout"
         return card if adapter is None else {**card, "parent": self.model_name}
 
-    def unavailable_reason(self) -> str | None:
-        """Why generation requests get 503 now (None: they run). A KV cache dropped through
-        /admin/drop_kv stays dropped until rebuilt; one the worker dropped (a train step) is
-        rebuilt by the first generate once the worker allows generating again."""
-        reason = self.backend.unavailable_reason
-        if reason is None and self.kv_held and not self.backend.kv_present:
-            reason = "the KV cache was dropped through /admin/drop_kv"
-        return reason
-
     def check_available(self) -> None:
-        reason = self.unavailable_reason()
+        """A 503 saying why generation cannot start now. A KV cache dropped through
+        /admin/drop_kv stays dropped until rebuilt (the backend holds it); one the worker dropped
+        (a train step) is rebuilt by the first generate once the worker allows generating again."""
+        reason = self.backend.unavailable_reason
         if reason is not None:
             raise unavailable_error(reason)

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from rollout.errors import WorkerClosed, WorkerUnavailable
 from rollout.server import Server, ServerConfig
 from rollout.server.app import build_app
+from rollout.server.backend import KV_HELD
 from rollout.server.errors import api_error
 from rollout.server.protocol import MAX_JSON_DEPTH, ApiError, parse_body
 
@@ -47,12 +48,12 @@ class StubBackend:
     def adapter_names(self):
         return []
 
-    def drop_kv(self):
-        self.kv_present = False
+    def drop_kv(self):  # as WorkerBackend: held dropped
+        self.kv_present, self.unavailable_reason = False, KV_HELD
         return {}
 
     def rebuild_kv(self):
-        self.kv_present = True
+        self.kv_present, self.unavailable_reason = True, None
         return {}
 
 
