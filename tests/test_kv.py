@@ -1,6 +1,7 @@
 """KV cache drop / rebuild, memory accounting, the train-step context."""
 
 import asyncio
+import concurrent.futures
 import functools
 import gc
 
@@ -71,6 +72,19 @@ def test_drop_and_rebuild_free_and_restore_exactly_the_kv_bytes(worker):
     again = greedy(worker)
     assert again.completions == reference.completions
     assert again.compiles == 0
+
+
+def test_memory_read_while_forwards_donate_the_kv_buffers(worker):
+    """memory() from another thread than the engine's, whose every forward donates the KV
+    buffers: the KV bytes are the pool's each time (a read of a donated buffer was an error)."""
+    kv_size = worker.memory().kv_bytes
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(worker.generate, PROMPTS * 8, temperature=1.0, max_new_tokens=48, ignore_eos=True)
+        reads = 0
+        while not running.done() or reads == 0:
+            assert worker.memory().kv_bytes == kv_size
+            reads += 1
+        running.result()
 
 
 def test_generate_while_dropped_rebuilds_first(worker):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -162,16 +163,25 @@ class ForwardMemory:
 
 
 def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
-    """The device buffers behind an array: (device id, buffer address) -> bytes."""
-    return {
-        (shard.device.id, shard.data.unsafe_buffer_pointer()): int(shard.data.nbytes)
-        for shard in array.addressable_shards
-    }
+    """The device buffers behind an array: (device id, buffer address) -> bytes; none once it
+    is deleted, also while this runs (donated to a forward on the engine's thread)."""
+    try:
+        return {
+            (shard.device.id, shard.data.unsafe_buffer_pointer()): int(shard.data.nbytes)
+            for shard in array.addressable_shards
+        }
+    except RuntimeError:  # "Array has been deleted"
+        if array.is_deleted():
+            return {}
+        raise
 
 
 def device_nbytes(array: jax.Array) -> int:
-    """Bytes an array occupies summed over its devices (replicas count once per device)."""
-    return sum(device_buffers(array).values())
+    """Bytes an array occupies summed over its devices (replicas count once per device), from
+    its shape and sharding: the same whether a forward on another thread has just donated it
+    (the KV buffers, every forward) or not."""
+    shard = math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+    return shard * len(array.sharding.addressable_devices)
 
 
 def engine_compiler_options(platform: str) -> dict[str, int]:
