@@ -10,7 +10,7 @@ import os
 from fastapi import APIRouter, Request
 
 from ..weight_tools import check_swap_mode, perturb_seed
-from .protocol import ApiError, check_bearer, invalid
+from .protocol import ApiError, check_bearer, finite_number, invalid
 from .state import SharedState
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,12 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
             )
         seed, scale, num_leaves = body.get("seed", 0), body.get("scale", 1e-3), body.get("num_leaves", 1)
         seed = perturb_seed(seed)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        number = finite_number(scale)
+        if number is None:
             raise invalid("scale", f"'scale' must be a number, got {scale!r}")
         async with admin.lock:
             before = await run(backend.weights_checksum)
-            report = await run(backend.perturb_weights, seed, float(scale), num_leaves, in_flight)
+            report = await run(backend.perturb_weights, seed, number, num_leaves, in_flight)
             after = await run(backend.weights_checksum)
         return {**report, "checksum_before": before["checksum"], "checksum_after": after["checksum"]}
 

@@ -154,11 +154,23 @@ class GenerationRequest:
     tool_calls: bool = False
 
 
+def finite_number(value) -> float | None:
+    """``value`` as a float if it is a JSON number a float holds (not a bool, not an integer
+    past float's range, whose conversion raised an OverflowError, a 500), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _number(body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if finite_number(value) is None:
         raise invalid(name, f"'{name}' must be a number, got {value!r}")
     if value > high or value < low or (low_open and value == low):
         bounds = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
@@ -213,7 +225,7 @@ def _common(
     options = body.get("stream_options")
     if options is not None and not stream:
         raise invalid("stream_options", "'stream_options' is only allowed with 'stream': true")
-    options = options or {}
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise invalid("stream_options", "'stream_options' must be an object")
     include_usage = options.get("include_usage", False)

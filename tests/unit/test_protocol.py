@@ -237,6 +237,27 @@ def test_every_refused_top_logprobs_gets_one_truthful_message(http, value):
     )
 
 
+HUGE = 10**400  # an integer JSON allows and no float holds (its conversion raised OverflowError, a 500)
+NUMBERS = [
+    ("temperature", "/v1/completions", {**COMPLETION, "temperature": HUGE}),
+    ("temperature", "/v1/chat/completions", {**CHAT, "temperature": -HUGE}),
+    ("top_p", "/v1/completions", {**COMPLETION, "top_p": HUGE}),
+    ("scale", "/admin/perturb_weights", {"scale": HUGE}),
+]
+
+
+@pytest.mark.parametrize("param,path,body", NUMBERS, ids=[f"{n[0]} {n[1]}" for n in NUMBERS])
+def test_an_integer_past_floats_range_is_a_400_naming_the_field(http, param, path, body):
+    found = error(post(http, path, body, headers=ADMIN), 400)
+    assert found["param"] == param and found["message"].startswith(f"'{param}' must be a number")
+
+
+@pytest.mark.parametrize("value", [[], 0, False, ""])
+def test_stream_options_that_are_not_an_object_are_a_400(http, value):
+    found = error(post(http, "/v1/completions", {**COMPLETION, "stream": True, "stream_options": value}), 400)
+    assert found["param"] == "stream_options" and found["message"] == "'stream_options' must be an object"
+
+
 # ---- 503s ------------------------------------------------------------------------------------------
 
 # The worker's reasons (RolloutWorker.unavailable_reason, WorkerUnavailable.reason) -> code, words.
