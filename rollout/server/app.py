@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 
@@ -41,6 +43,7 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
     for kind in (*KNOWN_ERRORS, Exception):
         app.add_exception_handler(kind, any_error)
 
+    app.add_middleware(_CancelledAtShutdown)
     app.add_middleware(_RequestLog)
     app.include_router(health_router(state))
     app.include_router(openai_router(state))
@@ -80,3 +83,49 @@ class _RequestLog:
                 completion,
                 time.perf_counter() - start,
             )
+
+
+class _CancelledAtShutdown:
+    """A request still running when the drain timeout passes is cancelled by uvicorn, which then
+    answered a plain-text 500: it gets the 503 ``worker_closed`` error instead (as JSON, or as
+    its stream's last event once the stream began), and its task ends there."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = {"started": False, "ended": False, "stream": False}
+
+        async def tracking(message):
+            if message["type"] == "http.response.start":
+                sent["started"] = True
+                sent["stream"] = any(
+                    v.startswith(b"text/event-stream") for k, v in message["headers"] if k == b"content-type"
+                )
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["ended"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except asyncio.CancelledError:
+            if sent["ended"]:
+                raise
+            error = ApiError(
+                503,
+                "the server is shutting down: the request was still running when the drain timeout "
+                "(ServerConfig.drain_timeout_s) passed",
+                type="service_unavailable",
+                code="worker_closed",
+            )
+            body = json.dumps(error.body()).encode()
+            if not sent["started"]:
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                await send({"type": "http.response.start", "status": 503, "headers": headers})
+            elif sent["stream"]:
+                body = b"data: " + body + b"\n\n"
+            else:
+                body = b""
+            await send({"type": "http.response.body", "body": body, "more_body": False})

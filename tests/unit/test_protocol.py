@@ -2,6 +2,8 @@
 (issue 34). Malformed bodies are 400s naming the field before anything reaches the worker; a
 503 says why generation is paused; the start-up log names the served model."""
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import threading
@@ -11,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
+from rollout.batch import StreamChunk
 from rollout.errors import WorkerClosed, WorkerUnavailable
 from rollout.server import Server, ServerConfig
 from rollout.server.app import build_app
@@ -324,3 +327,43 @@ def test_the_start_up_log_names_the_served_model_and_its_path(backend, caplog):
         url = server.url
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("serving"))
     assert line == f"serving model 'qwen' (from /models/chat) on {url}"
+
+
+class NeverEndingBackend(StubBackend):
+    """Requests that run until cancelled: a generate that never returns, a stream that sends
+    one chunk and then nothing (``started`` is set when a request reaches either)."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.started = threading.Event()
+
+    async def generate(self, prompts, **sampling):
+        self.started.set()
+        await asyncio.Event().wait()
+
+    async def stream(self, prompts, **sampling):
+        yield StreamChunk(0, 0, 0, [5], None, weight_version=0)
+        self.started.set()
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_request_that_outlives_the_drain_timeout_gets_a_503_saying_the_server_stopped(backend, stream):
+    """uvicorn cancels it (it answered a plain-text 500): a JSON 503 worker_closed, or, once its
+    stream began, that error as the stream's last event."""
+    never_ending = NeverEndingBackend(backend.tokenizer)
+    server = Server(never_ending, ServerConfig(port=0, served_model_name="tiny", drain_timeout_s=0.1))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(
+            httpx.post, server.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=60
+        )
+        assert never_ending.started.wait(timeout=60)
+        server.close()
+        response = answer.result()
+    if stream:
+        assert response.status_code == 200
+        last = json.loads(response.text.strip().split("\n\n")[-1].removeprefix("data: "))
+    else:
+        assert response.status_code == 503 and response.headers["content-type"] == "application/json"
+        last = response.json()
+    assert last["error"]["code"] == "worker_closed" and "drain timeout" in last["error"]["message"]
