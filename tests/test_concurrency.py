@@ -1,6 +1,9 @@
 """Concurrent generate calls, weight swaps that wait only for running calls, compile counting."""
 
 import asyncio
+import contextlib
+import gc
+import logging
 import threading
 import time
 
@@ -95,6 +98,29 @@ def test_astream_yields_tokens_as_they_come_and_matches_generate(worker):
     assert finished == dict.fromkeys(range(expected.size), "length")
     assert len(chunks) > expected.size, "tokens arrive in several chunks per row"
     assert {c.weight_version for c in chunks} == {worker.weight_version}
+
+
+def test_a_stream_closed_once_its_rows_ended_leaves_no_task_unretrieved(worker, caplog):
+    """A server closes a stream at its rows' last chunks: 0.0.2's side of it, cancelled then,
+    left one task per row whose StopAsyncIteration nobody retrieved (an asyncio ERROR in the
+    log after every ordinary stream). Its tasks are gone by the next call's answer."""
+
+    async def until_every_row_ended():
+        ended = set()
+        async with contextlib.aclosing(
+            worker.astream(PROMPTS, temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=2)
+        ) as chunks:
+            async for chunk in chunks:
+                ended |= {chunk.row} if chunk.finish_reason else set()
+                if len(ended) == 2 * len(PROMPTS):
+                    break
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for _ in range(3):
+            asyncio.run(until_every_row_ended())
+        worker.generate(PROMPTS, max_new_tokens=2, temperature=0.0)
+        gc.collect()
+    assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
 
 
 def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params, monkeypatch):

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 # How often a call waiting for its answer checks that the engine is still alive.
 LIVENESS_CHECK_S = 0.05
+# How long a stream whose rows all ended waits for the engine's side of it to end (at once,
+# unless the engine failed meanwhile) before cancelling it.
+ROWS_ENDED_WAIT_S = 5.0
 
 
 class RequestLoop:
@@ -114,11 +117,20 @@ class RequestLoop:
 
         future = self._submit(pump())
         future.add_done_callback(lambda _: deliver(None))
+        finished = set()
         try:
             while (update := await updates.get()) is not None:
+                if update[1].finish_reason:
+                    finished.add(update[0])
                 yield update
             future.result()
         finally:
+            if len(finished) == len(prompts) * params.n and not future.done():
+                # Every row ended: the pump is only taking 0.0.2's last wait of each row, whose
+                # tasks, left by a cancel, ended unretrieved ("ERROR asyncio: Task exception was
+                # never retrieved ... StopAsyncIteration" after a server's ordinary streams).
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.wrap_future(future), ROWS_ENDED_WAIT_S)
             future.cancel()
 
     def _request(self, prompts, params: SamplingParams, seeds, *, stream: bool = False):
