@@ -30,8 +30,12 @@ def _param(field: str, prompt_field: str) -> str:
 
 
 def _message(message: str, prompt_field: str) -> str:
+    """The worker's message in the request's words: its ``prompts[i]`` is the request's
+    ``prompt[i]``, or for a chat (one prompt) the template's rendering of ``messages``; the
+    word "prompts" alone stays English."""
     message = message.replace("max_new_tokens", "max_tokens")
-    return re.sub(r"\bprompts(?=\[|\b)", prompt_field, message)
+    indexed = "the chat template's rendering of messages" if prompt_field == "messages" else rf"{prompt_field}[\1]"
+    return re.sub(r"\bprompts\[(\d+)\]", indexed, message)
 
 
 # Why the worker cannot generate (RolloutWorker.unavailable_reason, WorkerUnavailable.reason,

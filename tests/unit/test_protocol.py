@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from rollout.batch import StreamChunk
-from rollout.errors import WorkerClosed, WorkerUnavailable
+from rollout.errors import InvalidRequest, LimitExceeded, WorkerClosed, WorkerUnavailable
 from rollout.server import Server, ServerConfig
 from rollout.server.app import build_app
 from rollout.server.backend import KV_HELD
@@ -259,6 +259,36 @@ def test_an_integer_past_floats_range_is_a_400_naming_the_field(http, param, pat
 def test_stream_options_that_are_not_an_object_are_a_400(http, value):
     found = error(post(http, "/v1/completions", {**COMPLETION, "stream": True, "stream_options": value}), 400)
     assert found["param"] == "stream_options" and found["message"] == "'stream_options' must be an object"
+
+
+WORDED = [
+    (
+        "prompt",
+        InvalidRequest("prompts[3]", "prompts[3] has 900 tokens; the engine accepts prompts of at most 256"),
+        "prompt",
+        "prompt[3] has 900 tokens; the engine accepts prompts of at most 256",
+    ),
+    (
+        "messages",
+        InvalidRequest("max_new_tokens", "prompts[0] has 90 tokens and max_new_tokens=200: 290 do not fit"),
+        "max_tokens",
+        "the chat template's rendering of messages has 90 tokens and max_tokens=200: 290 do not fit",
+    ),
+    (
+        "prompt",
+        LimitExceeded("prompts", "prompts", 300, "ServerConfig.max_prompts_per_request", 64),
+        "prompt",
+        "the request asks for 300 prompts, more than ServerConfig.max_prompts_per_request=64",
+    ),
+]
+
+
+@pytest.mark.parametrize("prompt_field,exc,param,message", WORDED, ids=["prompt", "chat", "limit"])
+def test_the_workers_words_become_the_requests(prompt_field, exc, param, message):
+    """Its prompts[i] is the request's prompt[i], or a chat's rendered messages (one prompt, not
+    messages[0]); "prompts" as a word stays English."""
+    error = api_error(exc, prompt_field=prompt_field)
+    assert (error.param, error.message) == (param, message)
 
 
 # ---- 503s ------------------------------------------------------------------------------------------
