@@ -1,5 +1,6 @@
 """RolloutWorker.generate on a tiny Qwen2 (with tokenizer) and a tiny Qwen3 (token ids only)."""
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -245,6 +246,49 @@ def test_eos_stop_keeps_the_eos_token(worker):
     assert all(len(c) == 48 for c in full.completions)
     for short, long in zip(batch.completions, full.completions):
         assert long[: len(short)] == short
+
+
+def test_stop_token_ids_end_a_completion_under_ignore_eos(worker):
+    """ignore_eos drops the model's EOS from the stop ids, not the caller's (0.0.2 tested no stop
+    id under ignore_eos: the rows ran to max_new_tokens)."""
+    greedy = dict(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    full = worker.generate(PROMPTS, **greedy)
+    stop = full.completions[0][3]
+    stopped = worker.generate(PROMPTS, stop_token_ids=[stop], **greedy)
+    for row, completion in enumerate(full.completions):
+        end = completion.index(stop) + 1 if stop in completion else len(completion)
+        assert stopped.completions[row] == completion[:end]
+        assert stopped.finish_reasons[row] == ("stop" if stop in completion else "length")
+
+
+def test_calls_retracted_in_a_tight_kv_pool_all_return(qwen2_dir):
+    """Six calls of 3 samples each in a 128-token pool: decode runs out of slots and retracts
+    requests, which must be admitted again for the tokens they have left (one retracted after
+    59 of its 60 tokens waited forever: 0.0.2 counted its sampled tokens and all 60 new ones)."""
+    lengths = (3, 9, 17, 40, 60, 8)
+
+    async def calls(worker):
+        return await asyncio.wait_for(
+            asyncio.gather(
+                *[
+                    worker.agenerate(
+                        [list(range(5 + i, 12 + 2 * i))],
+                        n=3,
+                        temperature=1.0,
+                        max_new_tokens=m,
+                        ignore_eos=True,
+                        seed=i,
+                    )
+                    for i, m in enumerate(lengths)
+                ]
+            ),
+            timeout=300,  # a regression fails here instead of hanging the suite
+        )
+
+    with RolloutWorker(tiny_worker_config(qwen2_dir, max_total_tokens=128)) as worker:
+        batches = asyncio.run(calls(worker))
+        assert [[len(c) for c in b.completions] for b in batches] == [[m] * 3 for m in lengths]
+        assert worker.engine.testing.kv_tokens_held() == 0
 
 
 def test_a_calls_requests_share_one_prefill_however_slowly_they_are_sent(worker, monkeypatch):

@@ -29,6 +29,7 @@ from .multistep import patch_scheduler as patch_decode_chunks
 from .multistep import traced_kv_walk
 from .routing import patch_routing_output
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
+from .scheduling import patch_scheduling
 from .start_up import current_start_up
 from .tpu_kernels import patch_kernel_jax_names
 from .types import engine_compiler_options, forward_cells, jit_with_options, mesh_platform
@@ -94,6 +95,7 @@ def install_workarounds() -> None:
         _patch_model_precision()
         _patch_forward_compile_options()
         patch_unmerged_lora()
+        patch_scheduling()
         _installed = True
 
 

@@ -246,6 +246,18 @@ WORKAROUNDS: dict[str, str] = {
         "old names (pl.ANY, pltpu.MemorySpace, dtypes.itemsize_bits); JAX is left as it is. "
         "Always on (at jax 0.8 it changes nothing)."
     ),
+    "retracted-admission": (
+        "PrefillAdder.add_one_req budgets a request's input plus its whole max_new_tokens; for "
+        "a request retracted for memory the input already holds the tokens it sampled, so one "
+        "retracted late in a tight KV pool never fit again and waited forever (generate never "
+        "returned). Its admission counts max_new_tokens less what it sampled "
+        "(rollout/engine/scheduling.py)."
+    ),
+    "stop-ids-with-ignore-eos": (
+        "Req.check_finished tests the stop token ids only without ignore_eos: a call with stop "
+        "ids and ignore_eos ran to max_new_tokens. They are tested with ignore_eos too (the "
+        "worker adds the model's EOS ids to them only without it)."
+    ),
     "xla-stale-packed-weights": (
         "Not sglang-jax's: XLA's CPU backend in jaxlib 0.8 packs the weight operand of an f32 "
         "dot for XNNPACK once and reuses it while the buffer's address stays the same, so a "

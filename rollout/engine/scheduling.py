@@ -1,0 +1,58 @@
+"""How 0.0.2's scheduler admits and ends requests: two fixes.
+
+- ``retracted-admission``: a request retracted for memory (its KV freed, its sampled tokens
+  kept) is admitted again only if its input, the sampled tokens included, plus its whole
+  ``max_new_tokens`` fits the pool, while it has only ``max_new_tokens`` less what it sampled
+  left: one retracted late in a tight pool waited forever (``generate`` never returned). Its
+  admission counts the tokens it has left.
+- ``stop-ids-with-ignore-eos``: ``Req.check_finished`` tests the stop token ids only without
+  ``ignore_eos``, so a call with both ran to ``max_new_tokens``. The worker adds the model's
+  EOS ids to the stop ids itself unless ``ignore_eos``, so the stop ids are tested in both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .workarounds import workaround_enabled
+
+
+def patch_scheduling() -> None:
+    from sgl_jax.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN, Req
+    from sgl_jax.srt.managers.schedule_policy import PrefillAdder
+
+    if workaround_enabled("retracted-admission"):
+        PrefillAdder.add_one_req = _counting_tokens_left(PrefillAdder.add_one_req)
+    if workaround_enabled("stop-ids-with-ignore-eos"):
+        Req.check_finished = _ending_on_stop_ids(Req.check_finished, FINISH_MATCHED_TOKEN)
+
+
+def _counting_tokens_left(add_one_req):
+    @functools.wraps(add_one_req)
+    def add_one_req_counting_tokens_left(self, req):
+        params, sampled = req.sampling_params, len(req.output_ids)
+        # 0.0.2's path for ignore_eos without a prefix cache counts what a request sampled.
+        if not sampled or (params.ignore_eos and getattr(self.tree_cache, "disable", True)):
+            return add_one_req(self, req)
+        asked = params.max_new_tokens
+        params.max_new_tokens = max(asked - sampled, 0)  # read for this request's budget only
+        try:
+            return add_one_req(self, req)
+        finally:
+            params.max_new_tokens = asked
+
+    return add_one_req_counting_tokens_left
+
+
+def _ending_on_stop_ids(check_finished, finish_matched_token):
+    @functools.wraps(check_finished)
+    def check_finished_on_stop_ids(self):
+        check_finished(self)
+        params = self.sampling_params
+        if self.finished() or not params.ignore_eos or not params.stop_token_ids or not self.output_ids:
+            return
+        last = int(self.output_ids[-1])
+        if last in params.stop_token_ids:
+            self.finished_reason = finish_matched_token(matched=last)
+
+    return check_finished_on_stop_ids
