@@ -405,8 +405,10 @@ def measure(shape: str, layers: int, config: GenerateBenchConfig) -> dict:
             max_prefill_tokens=config.chunked_prefill_size,
             max_running_requests=max(64, rows),
             # What the batches need: static decode chunks (a GPU's) compile one program per KV
-            # walk up to the context, so no more walks than the batches reach.
-            context_length=max(b.prompt_tokens + b.new_tokens for b in batches) + config.decode_steps,
+            # walk up to the context, so no more walks than the batches reach. 0.0.2 takes
+            # prompts of up to context_length - 7 tokens, prompt + completion up to - 2.
+            context_length=max(max(b.prompt_tokens + 7, b.prompt_tokens + b.new_tokens + 2) for b in batches)
+            + config.decode_steps,
             decode_steps=config.decode_steps,
             # Every extend token bucket and the decode batch compiled at start-up, as a long RL
             # run has them after its first steps: the first extend of a call packs a varying
