@@ -8,10 +8,13 @@ sampled ids fed to the next. The KV slots of steps 1..K-1 are allocated before t
 as it does without chunks, one step per loop iteration (finish checks, stop strings, aborts,
 streaming, weight versions, log-prob sinks, boundary calls), except that a step the chunk
 already computed takes its ids from the chunk (its KV slots are the chunk's, its forward is
-skipped). The next chunk is dispatched as soon as one's ids are on the host, from its last
-tokens: the device computes it while the scheduler takes the steps of the one before, so the
-host's work overlaps the device's. Everything the scheduler decides between steps still lands
-between steps:
+skipped). A chunk is dispatched with the one that continues it, from its last tokens on the
+device, before they are fetched; when the scheduler has taken its steps the next one takes
+over and the one after that is dispatched at once, from the next one's last tokens: the
+device runs each chunk right after the one before it while the scheduler takes that one's
+steps, so the host's work overlaps the device's and the device never waits for the host to
+fetch one chunk and dispatch the next. Everything the scheduler decides between steps still
+lands between steps:
 
 - a request that finished or was aborted leaves the batch as before; the chunk's slots it did
   not reach are freed;
