@@ -95,7 +95,7 @@ class RolloutWorker:
         self._closed = False
         self.weight_version = 0
         self._kv_dropped = False
-        # Why generate calls are refused while the KV cache stays dropped (drop_kv(hold=True)).
+        # Why generate calls are refused while the KV cache stays dropped (drop_kv(hold=reason)).
         self._kv_hold_reason: str | None = None
         self._stale_reason: str | None = None
         self._tokenizer = _load_tokenizer(config.model_path)

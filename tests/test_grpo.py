@@ -238,14 +238,14 @@ def test_qwen25_3b_tools_preset_path_on_a_local_stand_in(chat_dir, tmp_path):
 
 
 @pytest.mark.example_path
-def test_decode_chunks_leave_a_multi_turn_run_unchanged(chat_dir, tmp_path):
-    """--decode-steps 8: the engines decode 8 steps per dispatch through the multi-turn episodes
-    of the qwen2.5-3b-tools preset on its stand-in (turns of 16 tokens that stop early, prompts
-    that continue a session's cached turns) and the run logs what the one-step run logs, to the
-    bit (the chunks' tokens and log-probs are the one-step forward's on CPU:
-    tests/test_multistep.py), but its timings and prefill_saved: which turns share a prefill,
-    and so find each other's prompts in the cache or not, follows when each episode's next turn
-    arrives (two one-step runs read 0.41 and 0.66 on one step)."""
+def test_decode_chunks_leave_a_tool_preset_run_unchanged(chat_dir, tmp_path):
+    """--decode-steps 8: the engines decode 8 steps per dispatch through the episodes of the
+    qwen2.5-3b-tools preset on its stand-in (sessions, turns of 16 tokens; the random model
+    writes no tool call, so an episode is one turn) and the run logs what the one-step run
+    logs, to the bit (the chunks' tokens and log-probs are the one-step forward's on CPU:
+    tests/test_multistep.py), but its timings and prefill_saved: which episodes share a
+    prefill, and so find each other's prompts in the cache or not, follows when each arrives
+    (two one-step runs read 0.41 and 0.66 on one step)."""
     local = ["--preset", "qwen2.5-3b-tools", "--model", str(chat_dir), "--dataset", str(GSM8K_SAMPLE)]
     cpu = (
         "--prompts-per-step 2 --group-size 2 --max-prompt-tokens 700 --max-new-tokens 48 --turn-tokens 16 "
