@@ -164,14 +164,15 @@ class ForwardMemory:
 
 def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
     """The device buffers behind an array: (device id, buffer address) -> bytes; none once it
-    is deleted, also while this runs (donated to a forward on the engine's thread)."""
+    is deleted, also while this runs (donated to a forward on the engine's thread, which the
+    array may not say yet: jax 0.12 then raised "called on deleted or donated buffer")."""
     try:
         return {
             (shard.device.id, shard.data.unsafe_buffer_pointer()): int(shard.data.nbytes)
             for shard in array.addressable_shards
         }
-    except RuntimeError:  # "Array has been deleted"
-        if array.is_deleted():
+    except RuntimeError as exc:  # jax.errors.JaxRuntimeError is one
+        if array.is_deleted() or "deleted" in str(exc):
             return {}
         raise
 

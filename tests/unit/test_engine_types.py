@@ -32,3 +32,6 @@ def test_an_arrays_bytes_count_each_devices_shard_and_survive_its_donation():
     assert len(device_buffers(split)) == 4
     split.delete()
     assert device_nbytes(split) == 4 * 8 * 3 * 2 and device_buffers(split) == {}
+    kv = jnp.zeros((8, 6))
+    jax.jit(lambda x: x + 1, donate_argnums=0)(kv)
+    assert device_nbytes(kv) == 8 * 6 * 4 and device_buffers(kv) == {}
