@@ -282,9 +282,9 @@ class DecodeChunks:
         return self._result(batch, chunk, 0, rows)
 
     def _dispatch_ahead(self, batch) -> None:
-        """Start the chunk that continues the current one from its last tokens (on the device,
-        fetched or not), for the rows it still serves (the others are computed as padding, with
-        no KV slot)."""
+        """Start the chunk that continues the current one from its last tokens, on the device
+        (call it before fetching the current one), for the rows it still serves (the others are
+        computed as padding, with no KV slot)."""
         chunk = self.chunk
         live, done = chunk.live_rows(), chunk.steps
         if not len(live) or self._admission_possible(batch):
