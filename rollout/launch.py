@@ -161,17 +161,18 @@ def launch_local(
     num_processes: int,
     *,
     devices_per_process: int | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = math.inf,
     grace_s: float = 0.0,
     env: Mapping[str, str] | None = None,
 ) -> list[ProcessResult]:
     """Run ``python argv...`` as ``num_processes`` processes of one JAX job on this machine
     (coordinator on a free loopback port) and wait for all of them, at most ``timeout_s``
-    (``math.inf``: no limit). Once a process fails (a non-zero exit status or a signal), the
-    others may go on for ``grace_s`` (to handle their ``PodError`` and ``leave()``), then they are
-    stopped: SIGTERM, SIGKILL 5 s later. The results are in process order; a stopped process's
-    ``stopped`` names the process that failed first and how. ``devices_per_process`` fakes that
-    many host-platform devices in each process (``--xla_force_host_platform_device_count``)."""
+    (by default no limit: a training run takes what it takes). Once a process fails (a non-zero
+    exit status or a signal), the others may go on for ``grace_s`` (to handle their ``PodError``
+    and ``leave()``), then they are stopped: SIGTERM, SIGKILL 5 s later. The results are in
+    process order; a stopped process's ``stopped`` names the process that failed first and how.
+    ``devices_per_process`` fakes that many host-platform devices in each process
+    (``--xla_force_host_platform_device_count``)."""
     base = {**os.environ, **(env or {})}
     base.update({COORDINATOR_ENV: f"127.0.0.1:{free_port()}", NUM_PROCESSES_ENV: str(num_processes)})
     if devices_per_process is not None:

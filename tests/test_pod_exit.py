@@ -4,12 +4,14 @@ rollout.launch``. Small jobs without engines (``tests/pod_leave_program.py``, or
 Python), so each launch takes seconds."""
 
 import json
+import math
 import subprocess
 import sys
 import time
 
 import pytest
 
+from rollout import launch
 from rollout.launch import exit_status, launch_local
 from tests import pod_leave_program
 
@@ -75,3 +77,13 @@ def test_the_launch_command_names_the_failed_process_and_exits_with_its_status(t
         done.stdout
     )
     assert "--- process 1 (exit status 3) ---\n" in done.stdout, done.stdout
+
+
+def test_launch_local_sets_no_time_limit_by_default(monkeypatch):
+    # examples.grpo/ppo --local-processes N launch with the default: a training run must not be
+    # stopped after some fixed time (it was 600 s).
+    limits = []
+    supervise = launch._supervise
+    monkeypatch.setattr(launch, "_supervise", lambda *args: (limits.append(args[3]), supervise(*args))[1])
+    runs = launch_local(["-c", "pass"], 1)
+    assert limits == [math.inf] and exit_status(runs) == 0
