@@ -320,8 +320,6 @@ class RequestValidator:
             with self._rng_lock:
                 call_seed = int(self._rng.integers(MAX_SAMPLING_SEED))
         params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
-        offset = options.get("prompt_offset", 0)
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"prompt_offset must be a non-negative int, got {offset!r}")
+        offset = as_int("prompt_offset", options.get("prompt_offset", 0), minimum=0)
         seeds = row_seeds(call_seed, len(prompt_ids), params.n, first_prompt=offset)
         return GenerateRequest(prompt_ids, params, seeds, pad_to)

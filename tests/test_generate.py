@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from rollout import RolloutWorker, SamplingParams
+from rollout import InvalidRequest, RolloutWorker, SamplingParams
 from rollout.engine import profile_steps, stubbed_device
 from tests.helpers import tiny_worker_config
 
@@ -129,10 +129,13 @@ def test_stop_token_ends_the_completion(worker):
         ([[1, 2]], {"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5"),
         ([[1, 2]], {"stop_token_ids": [5.9]}, r"stop_token_ids\[0\] must be an int, got 5.9"),
         ([[1, 2]], {"ignore_eos": "yes"}, "ignore_eos must be a bool"),
+        ([[1, 2]], {"prompt_offset": -1}, "prompt_offset must be >= 0, got -1"),
+        ([[1, 2]], {"prompt_offset": 1.5}, "prompt_offset must be an int, got 1.5"),
     ],
 )
-def test_bad_input_is_a_clear_value_error(worker, prompts, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_input_is_a_clear_invalid_request(worker, prompts, kwargs, message):
+    # InvalidRequest (a ValueError): what the server maps to a 400 and callers catch by type.
+    with pytest.raises(InvalidRequest, match=message):
         worker.generate(prompts, **kwargs)
 
 
@@ -146,8 +149,8 @@ def test_numpy_integers_are_accepted_everywhere(worker):
     kwargs = dict(
         n=np.int64(2), max_new_tokens=np.int32(4), top_k=np.int64(5), seed=np.uint32(3), ignore_eos=np.bool_(True)
     )
-    batch = worker.generate([np.array([5, 17, 42], np.int64)], **kwargs)
-    plain = worker.generate([[5, 17, 42]], n=2, max_new_tokens=4, top_k=5, seed=3, ignore_eos=True)
+    batch = worker.generate([np.array([5, 17, 42], np.int64)], prompt_offset=np.int64(1), **kwargs)
+    plain = worker.generate([[5, 17, 42]], n=2, max_new_tokens=4, top_k=5, seed=3, ignore_eos=True, prompt_offset=1)
     assert batch.completions == plain.completions and batch.size == 2
 
 
