@@ -29,7 +29,7 @@ class RolloutBatch:
     positions: np.ndarray  # [B, T] int32, position of each token in its own sequence
     prompt_width: int
     n: int
-    weight_version: int  # every row of a call is generated with this one weight version
+    weight_version: int  # the version when the call was admitted (per token: token_versions)
     seeds: np.ndarray  # [B] int64, the sampling seed of each row
     # XLA compilations in the process during the call (JAX compile events); 0 proves none.
     compiles: int = 0

@@ -140,12 +140,13 @@ class ToolEnvironment:
     """An environment that runs the model's tool calls.
 
     A turn with tool calls (``<tool_call>`` blocks, :func:`rollout.chat.parse_tool_calls`) is
-    answered with one ``tool`` message per call, in the calls' order: the function's result
-    (``functions[name](**arguments)``, plain or async; not a string: JSON), or an error the
-    model can read and correct: a malformed block, an unknown function, arguments it does not
-    take, an exception it raised. The episode never fails on the model's calls. A turn without
-    tool calls is the final answer: the episode ends with ``reward(turn)`` (plain or async).
-    Counts what happened (``calls``, ``failed_calls``), for metrics.
+    answered with ``tool`` messages the model can read and correct from: first an error per
+    malformed block, then one per well-formed call in the calls' order, its function's result
+    (``functions[name](**arguments)``, plain or async; not a string: JSON) or an error (an
+    unknown function, arguments it does not take, an exception it raised). The episode never
+    fails on the model's calls. A turn without tool calls is the final answer: the episode ends
+    with ``reward(turn)`` (plain or async). Counts what happened (``calls``, ``failed_calls``),
+    for metrics.
     """
 
     def __init__(self, functions: Mapping[str, Callable], reward: Callable[[Turn], Any]):
