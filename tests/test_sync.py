@@ -109,12 +109,17 @@ def test_aliasable_tree_moves_zero_bytes_and_shares_buffers(tp_worker, hf_flat):
 
 
 def test_no_recompilation_after_sync(tp_worker, hf_flat):
+    def sampled():
+        return tp_worker.generate(PROMPTS[:4], temperature=1.0, max_new_tokens=12, ignore_eos=True)
+
+    # Both calls' programs compiled before the first sync (the sampler's draw compiles on first
+    # use: alone, this module would otherwise count it).
     greedy(tp_worker)
+    sampled()
     scaled = {k: v * 1.01 for k, v in hf_flat.items()}
     for tree in (scaled, hf_flat, engine_placed(tp_worker, hf_flat)):
         tp_worker.sync_params(unflatten_params(tree))
-        batch = tp_worker.generate(PROMPTS[:4], temperature=1.0, max_new_tokens=12, ignore_eos=True)
-        assert batch.compiles == 0
+        assert sampled().compiles == 0
         assert greedy(tp_worker).compiles == 0
 
 
@@ -276,6 +281,34 @@ def test_cast_refused_when_disabled(tp_worker, hf_flat):
     with pytest.raises(SyncError, match=r"'model\.\S+' has dtype bfloat16, expected float32 \(casting is disabled\)"):
         tp_worker.sync_params(unflatten_params(bf16), allow_cast=False)
     assert tp_worker.weight_version == version
+
+
+def test_trees_on_the_engines_devices_in_another_order_or_on_several_sets_sync_exactly(tp_worker, hf_flat):
+    tp_worker.sync_params(unflatten_params(hf_flat))
+    expected = greedy(tp_worker).completions
+    engine_mesh = tp_worker.engine.mesh
+    backwards = Mesh(engine_mesh.devices.reshape(-1)[::-1].reshape(engine_mesh.devices.shape), engine_mesh.axis_names)
+    placed = engine_placed(tp_worker, hf_flat)
+    outside = Mesh(np.array([d for d in jax.devices() if d not in set(engine_mesh.devices.flat)]), ("outside",))
+    trees = {
+        # The engine's specs on its devices in the reverse order: a jitted copy takes one order.
+        "reversed": {p: jax.device_put(x, NamedSharding(backwards, x.sharding.spec)) for p, x in placed.items()},
+        # One leaf on one engine device, one on the other devices: the finiteness check's sums
+        # cannot be one call.
+        "scattered": placed
+        | {
+            "model.norm.scale": jax.device_put(hf_flat["model.norm.scale"], jax.devices()[0]),
+            "model.layers_1.mlp.up_proj.kernel": jax.device_put(
+                hf_flat["model.layers_1.mlp.up_proj.kernel"], NamedSharding(outside, P())
+            ),
+        },
+    }
+    silenced = unflatten_params(hf_flat | {"model.norm.scale": np.zeros_like(hf_flat["model.norm.scale"])})
+    for name, tree in trees.items():
+        tp_worker.sync_params(silenced)
+        assert greedy(tp_worker).completions != expected, name
+        tp_worker.sync_params(unflatten_params(tree), check_finite=True)
+        assert greedy(tp_worker).completions == expected, name
 
 
 def test_deleted_and_donated_buffers(tp_worker, hf_flat):

@@ -151,18 +151,24 @@ def replicated_beside(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sh
     return None
 
 
+def device_order(sharding: jax.sharding.Sharding) -> tuple:
+    """The devices of ``sharding`` in the order a jitted call lays them out (a mesh's order):
+    a call's inputs and outputs must all have the same (jax 0.8-0.12's ``_device_assignment``)."""
+    return tuple(sharding._device_assignment)
+
+
 def _on_engine_devices(x, engine_sharding: jax.sharding.Sharding):
     """``x`` as an input the engine's jitted copy accepts: a jitted call needs its inputs on
-    the devices of its outputs. An array that also lives on other devices (a trainer mesh
-    spanning several engines) is taken whole onto the engine's devices: relabeled where each
-    of them already holds all of it, gathered otherwise."""
-    if not isinstance(x, jax.Array) or x.sharding.device_set == engine_sharding.device_set:
+    the devices of its outputs, in their order. An array elsewhere (a trainer mesh spanning
+    several engines, or the engine's devices in another order) is taken whole onto the
+    engine's devices: relabeled where each of them already holds all of it, gathered
+    otherwise."""
+    if not isinstance(x, jax.Array) or device_order(x.sharding) == device_order(engine_sharding):
         return x
     if isinstance(engine_sharding, NamedSharding):
         whole = NamedSharding(engine_sharding.mesh, PartitionSpec())
     else:
-        devices = sorted(engine_sharding.device_set, key=lambda d: d.id)
-        whole = NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())
+        whole = NamedSharding(Mesh(np.array(device_order(engine_sharding)), ("devices",)), PartitionSpec())
     if same_slices(x, whole):
         return relabel(x, whole)
     return jax.device_put(x, whole)
@@ -274,12 +280,20 @@ _all_finite = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
 def non_finite_leaves(leaves: Sequence[jax.Array], *, one_call: bool = True) -> list[int]:
     """The indices of the real-valued leaves holding a NaN or an inf (one read of every leaf).
 
-    ``one_call``: every leaf in one compiled call, the fewest dispatches, compiled once per
-    tree signature (a sync's fixed tree); else one call per leaf, compiled once per leaf shape
-    and dtype (for sets of leaves that vary, or that do not share devices)."""
-    if not leaves:
-        return []
-    sums = _leaf_sums(*leaves) if one_call else jax.device_get([_leaf_sum(x) for x in leaves])
+    ``one_call``: the leaves on each set of devices in one compiled call (a jitted call takes
+    its inputs on one set), the fewest dispatches, compiled once per tree signature (a sync's
+    fixed tree); else one call per leaf, compiled once per leaf shape and dtype (for sets of
+    leaves that vary)."""
+    if not one_call:
+        sums = jax.device_get([_leaf_sum(x) for x in leaves])
+    else:
+        groups: dict[tuple, list[int]] = {}
+        for i, x in enumerate(leaves):  # uncommitted arrays and numpy go where jit puts them
+            committed = isinstance(x, jax.Array) and x.committed
+            groups.setdefault(device_order(x.sharding) if committed else (), []).append(i)
+        sums = np.empty(len(leaves), np.float32)
+        for members in groups.values():
+            sums[members] = np.asarray(_leaf_sums(*(leaves[i] for i in members)))
     suspects = np.flatnonzero(~np.isfinite(np.asarray(sums))).tolist()
     return [i for i in suspects if not bool(_all_finite(leaves[i]))]
 
