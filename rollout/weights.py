@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -297,6 +298,8 @@ class EngineWeights:
         replicated = self.replicated()
         targets = {}
         for path, meta in saved.items():
+            if not jnp.issubdtype(meta.dtype, jnp.floating):  # a restore would cast it silently
+                raise SyncError(f"checkpoint {item_dir}: '{path}' has dtype {meta.dtype}, expected a floating dtype")
             engine_leaf, shape = expected[path], tuple(meta.shape)
             if engine_leaf is not None and shape == engine_leaf.shape:
                 targets[path] = jax.ShapeDtypeStruct(shape, engine_leaf.dtype, sharding=engine_leaf.sharding)

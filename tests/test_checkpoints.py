@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -110,6 +111,22 @@ def test_bad_checkpoints_leave_the_worker_serving(worker, params, qwen3_dir, tmp
         SyncError, match=r"'model\.layers_1\.mlp\.down_proj\.kernel' has shape \(256, 256\), expected \(512, 256\)"
     ):
         worker.load_checkpoint(wrong_shape)
+    assert_still_serving(worker, expected, version)
+
+    flat = flatten_params(params)
+    kernel = "model.layers_0.self_attn.q_proj.kernel"
+    flat[kernel] = np.ones(flat[kernel].shape, np.int32)  # a restore would cast it silently
+    integer = orbax_save(tmp_path / "integer", unflatten_params(flat))
+    with pytest.raises(
+        SyncError, match=r"'model\.layers_0\.self_attn\.q_proj\.kernel' has dtype int32, expected a floating dtype"
+    ):
+        worker.load_checkpoint(integer)
+    assert_still_serving(worker, expected, version)
+
+    with pytest.raises(CheckpointError, match="step must be an int, got '1'"):
+        worker.load_checkpoint(integer, step="1")
+    with pytest.raises(CheckpointError, match="is a file; load_hf takes the model's directory"):
+        worker.load_hf(qwen3_dir / "config.json")
     assert_still_serving(worker, expected, version)
 
     corrupt = orbax_save(tmp_path / "corrupt", params)

@@ -6,6 +6,7 @@ whose numbered step directories hold the params (as the manager's ``default`` it
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
     """The directory holding the param tree: ``path`` itself, or step ``step`` (default the
     latest) of a CheckpointManager root."""
     path = Path(path)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+        raise CheckpointError(f"step must be an int, got {step!r} ({type(step).__name__})")
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not path.is_dir():

@@ -19,6 +19,8 @@ _INDEX = "model.safetensors.index.json"
 def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
     """HF tensor name -> the file holding it (single file or sharded with an index json)."""
     model_dir = Path(model_dir)
+    if model_dir.exists() and not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir} is a file; load_hf takes the model's directory")
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     index = model_dir / _INDEX
