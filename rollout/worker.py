@@ -37,6 +37,7 @@ from trainer_bridge import (
     is_adapter_tree,
     load_hf_params,
     merge_adapters,
+    non_finite_leaves,
     resolve_checkpoint,
     restore_tree,
     saved_layout,
@@ -377,7 +378,13 @@ class RolloutWorker:
             )
             if lora:
                 kernels = [m.trainer for m in self.mappings if m.trainer.endswith(".kernel")]
-                flat = merge_adapters(flat, collect_adapters(adapter_flat, flat, kernels, lora[1]), lora[1])
+                adapters = collect_adapters(adapter_flat, flat, kernels, lora[1])
+                if check_finite:  # named here: a merged kernel's NaN would name the kernel
+                    paths, factors = list(adapter_flat), list(adapter_flat.values())
+                    bad = [paths[i] for i in non_finite_leaves(factors)]
+                    if bad:
+                        raise SyncError(f"non-finite values (nan/inf) in: {', '.join(bad[:8])}")
+                flat = merge_adapters(flat, adapters, lora[1])
             trees, gathered = self._group.localize(flat, call)
             prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
             with self._swapping(reason, in_flight):

@@ -183,6 +183,10 @@ def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(ser
     del broken[dropped]
     with pytest.raises(SyncError, match=re.escape(f"'{dropped.removesuffix('_b')}_a' has no lora_b beside it")):
         worker.sync_params(base, adapters=unflatten_params(broken), lora=config)
+    nan = flatten_params(adapters)
+    nan[dropped] = np.full(nan[dropped].shape, np.nan, np.float32)
+    with pytest.raises(SyncError, match=re.escape(f"non-finite values (nan/inf) in: {dropped}")):  # not its kernel
+        worker.sync_params(base, adapters=unflatten_params(nan), lora=config)
     with pytest.raises(SyncError, match=re.escape("start it with WorkerConfig(unmerged_lora=LoraConfig(...))")):
         worker.sync_adapters(adapters)
     with pytest.raises(SyncError, match="holds LoRA adapters alone; loading them onto the served base needs"):

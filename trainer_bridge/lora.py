@@ -90,6 +90,7 @@ def collect_adapters(
         module, _, name = path.rpartition(".")
         if name not in _FACTOR_OF_NAME:
             raise SyncError(f"adapters: '{path}' is not a LoRA factor (leaf names: {sorted(_FACTOR_OF_NAME)})")
+        _check_factor(path, leaf)
         pair, factor = factors.setdefault(module, {}), _FACTOR_OF_NAME[name]
         if factor in pair:
             raise SyncError(f"adapters: '{path}' and '{pair[factor][0]}' are both the {factor.upper()} of '{module}'")
@@ -127,6 +128,17 @@ def collect_adapters(
         if kernel.rsplit(".", 2)[-2] in config.target_modules and kernel not in adapted:
             raise SyncError(f"adapters: no adapter for '{kernel}' (its module is in LoraConfig.target_modules)")
     return found
+
+
+def _check_factor(path: str, leaf) -> None:
+    """A factor is a live array of a floating dtype (as a base leaf must be), else SyncError."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not hasattr(leaf, "shape"):
+        raise SyncError(f"adapters: '{path}' is a {type(leaf).__name__}, expected an array")
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise SyncError(f"adapters: '{path}' has been deleted (donated to a train step?); pass live adapters")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise SyncError(f"adapters: '{path}' has dtype {dtype}, expected a floating dtype")
 
 
 def is_adapter_tree(flat: Mapping[str, object]) -> bool:

@@ -59,6 +59,12 @@ def adapter_tree(names=("lora_a", "lora_b"), rank=RANK):
 CONFIG = LoraConfig(rank=RANK, alpha=4.0, target_modules=TARGETS)
 
 
+def deleted(value):
+    array = jnp.asarray(value)
+    array.delete()
+    return array
+
+
 def merged(adapters, base=None, config=CONFIG):
     base = base_tree() if base is None else base
     return merge_adapters(base, collect_adapters(adapters, base, KERNELS, config), config)
@@ -138,8 +144,34 @@ def drop(flat, suffix):
             LoraConfig(rank=RANK, alpha=4.0, target_modules=TARGETS + ("gate_proj",)),
             "LoraConfig.target_modules: 'gate_proj' is not a projection this model has as a kernel",
         ),
+        (
+            adapter_tree() | {"model.layers_1.self_attn.o_proj.lora_b": np.ones((RANK, HIDDEN), np.int32)},
+            CONFIG,
+            "'model.layers_1.self_attn.o_proj.lora_b' has dtype int32, expected a floating dtype",
+        ),
+        (
+            adapter_tree() | {"model.layers_0.self_attn.q_proj.lora_a": "weights.npy"},
+            CONFIG,
+            "'model.layers_0.self_attn.q_proj.lora_a' is a str, expected an array",
+        ),
+        (
+            adapter_tree() | {"model.layers_0.mlp.down_proj.lora_a": deleted(np.zeros((INTER, RANK), np.float32))},
+            CONFIG,
+            "'model.layers_0.mlp.down_proj.lora_a' has been deleted (donated to a train step?)",
+        ),
     ],
-    ids=["unknown-leaf", "a-without-b", "no-base-kernel", "not-targeted", "wrong-rank", "missing", "no-such-module"],
+    ids=[
+        "unknown-leaf",
+        "a-without-b",
+        "no-base-kernel",
+        "not-targeted",
+        "wrong-rank",
+        "missing",
+        "no-such-module",
+        "integer",
+        "not-an-array",
+        "deleted",
+    ],
 )
 def test_a_bad_adapter_tree_is_a_sync_error_naming_the_path(adapters, config, message):
     with pytest.raises(SyncError) as error:
