@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .tree import flatten_params, unflatten_params
 
@@ -94,6 +95,9 @@ def restore_params(path: str | Path, target: Mapping, *, step: int | None = None
             raise CheckpointError(
                 f"checkpoint {item_dir}: '{key}' has shape {tuple(saved[key].shape)}, expected {tuple(leaf.shape)}"
             )
+        if jnp.issubdtype(saved[key].dtype, jnp.floating) != jnp.issubdtype(leaf.dtype, jnp.floating):
+            # A restore casts to the target's dtype: integers would come back as weights, silently.
+            raise CheckpointError(f"checkpoint {item_dir}: '{key}' has dtype {saved[key].dtype}, expected {leaf.dtype}")
     return restore_tree(item_dir, target)
 
 

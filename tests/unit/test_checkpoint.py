@@ -7,7 +7,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.helpers import orbax_save
-from trainer_bridge import flatten_params, load_hf_params, restore_params
+from trainer_bridge import CheckpointError, flatten_params, load_hf_params, restore_params, unflatten_params
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +30,11 @@ def test_trainer_resume_restores_onto_trainer_shardings(params, tmp_path):
     ):
         assert got.sharding == spec.sharding, key
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=key)
+
+
+def test_a_resume_refuses_integers_saved_where_the_trainer_has_weights(params, tmp_path):
+    flat = flatten_params(params)
+    key = "model.layers_0.mlp.up_proj.kernel"
+    path = orbax_save(tmp_path / "integer", unflatten_params(flat | {key: np.ones(flat[key].shape, np.int32)}))
+    with pytest.raises(CheckpointError, match=rf"'{key}' has dtype int32, expected float32"):
+        restore_params(path, params)
