@@ -588,7 +588,13 @@ def _roll_out(
     ``offset``: the index of ``problems[0]`` among the step's prompts (episodes run in one
     process). ``for_training`` False: without what only the update reads (log-probs, routing)."""
     if isinstance(task, ToolTask):
-        return task.roll_out(worker, problems, seed=seed, return_logprobs=for_training and config.wants_logprobs)
+        return task.roll_out(
+            worker,
+            problems,
+            seed=seed,
+            return_logprobs=for_training and config.wants_logprobs,
+            return_routing=for_training and config.routing_replay,
+        )
     batch = worker.generate(
         [p.prompt for p in problems],
         n=config.samples_per_prompt,

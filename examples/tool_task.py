@@ -92,11 +92,12 @@ def product_problems(rng: np.random.Generator, count: int) -> list[Problem]:
 
 def digit_reward(text: str, answer: str) -> float:
     """1 for exactly the answer; a number of the answer's length gets up to 0.5, a share for
-    each digit in its place: a signal from the first steps, pointing at the tool's result."""
+    each digit in its place: a signal from the first steps, pointing at the tool's result. Only
+    ASCII digits count (str.isdigit also takes superscripts and other scripts' digits)."""
     text = text.strip()
     if text == answer:
         return 1.0
-    if len(text) != len(answer) or not text.isdigit():
+    if len(text) != len(answer) or not (text.isascii() and text.isdigit()):
         return 0.0
     return 0.5 * sum(a == b for a, b in zip(text, answer)) / len(answer)
 
@@ -196,8 +197,9 @@ class ToolTask:
             return lambda turn: digit_reward(turn.parsed.content, problem.answer)
         return lambda turn: gsm8k_reward(turn.parsed.content, problem.answer)
 
-    def roll_out(self, worker, problems: list[Problem], *, seed: int, return_logprobs: bool):
-        """The step's episodes: (their RolloutBatch, rewards, episode metrics)."""
+    def roll_out(self, worker, problems: list[Problem], *, seed: int, return_logprobs: bool, return_routing: bool):
+        """The step's episodes: (their RolloutBatch, rewards, episode metrics); ``return_routing``:
+        the batch's ``routed_experts`` (each episode's, from its last turn) for routing replay."""
         config = self.config
         environments = [
             CalculatorEnvironment(p.answer if self.tiny else None, self.reward(p))
@@ -215,6 +217,7 @@ class ToolTask:
             completion_width=config.max_new_tokens,
             temperature=config.temperature,
             return_logprobs=return_logprobs,
+            return_routing=return_routing,
         )
         return out.batch, out.rewards, episode_metrics(environments, out.episodes)
 

@@ -30,6 +30,8 @@ import dataclasses
 import inspect
 import json
 import logging
+import math
+import numbers
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -39,7 +41,7 @@ import numpy as np
 from .batch import RolloutBatch, pack_rollouts
 from .chat import ParsedTurn, parse_tool_calls, render_chat
 from .errors import InvalidRequest
-from .sampling import MAX_SAMPLING_SEED, row_seeds
+from .sampling import MAX_SAMPLING_SEED, SamplingParams, as_int, pad_width, row_seeds, token_id_list
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ logger = logging.getLogger(__name__)
 DONE = "done"  # the environment said so
 MAX_TURNS = "max_turns"
 LENGTH = "length"  # no room for another turn (EpisodeLimits.max_total_tokens or the context)
-ENV_ERROR = "env_error"  # the environment raised, timed out or answered something else than a StepResult
+ENV_ERROR = "env_error"  # the environment raised, timed out, or answered no well-formed StepResult
 CONTEXT_EXCEEDED = "context_exceeded"  # overflow="error": the next turn would not fit
 STATUSES = (DONE, MAX_TURNS, LENGTH, ENV_ERROR, CONTEXT_EXCEEDED)
 
@@ -65,11 +67,13 @@ class EpisodeLimits:
     room: ``"truncate"`` samples what fits (and the episode ends with status ``"length"`` once
     nothing fits, without the observation that left no room), ``"error"`` ends the episode with
     status ``"context_exceeded"`` and a message saying by how much, before the turn (or the
-    observation) that would not fit. The answer to the last allowed turn is not appended.
+    observation) that would not fit. Either way the first turn must fit: a first prompt that
+    leaves it no room (one token; ``max_new_tokens`` with ``"error"``) is refused up front
+    (``InvalidRequest``). The answer to the last allowed turn is not appended.
     ``env_timeout_s``: one ``step`` of the environment (None: no limit); a step that takes
-    longer ends its episode with status ``"env_error"`` (a thread running a synchronous step
-    cannot be stopped: it finishes in the background on a thread of the run's own, its result
-    unused).
+    longer ends its episode with status ``"env_error"`` at once: an async step is cancelled and
+    left to end on its own, a thread running a synchronous step cannot be stopped (it finishes
+    in the background on a thread of the run's own); either's late result is unused.
     ``pin_prefix``: keep each conversation pinned in the prefix cache between turns.
     """
 
@@ -119,9 +123,10 @@ class StepResult:
     """The environment's answer to a turn.
 
     ``observation``: text (framed by the chat template as a ``role`` message), token ids (the
-    content's tokens, framed the same way), a list of messages (``{"role", "content"}`` dicts,
-    e.g. one ``tool`` message per tool call, rendered together), or None (nothing to append:
-    only with ``done``). ``reward`` adds to the episode's reward.
+    content's tokens, ints in the vocabulary, framed the same way), a list of messages
+    (``{"role", "content"}`` dicts, e.g. one ``tool`` message per tool call, rendered together),
+    or None (nothing to append: only with ``done``). ``reward`` (a finite number) adds to the
+    episode's reward; ``done`` is a bool. Anything else ends the episode with ``"env_error"``.
     """
 
     observation: str | Sequence[int] | Sequence[Mapping[str, Any]] | None = None
@@ -143,10 +148,10 @@ class ToolEnvironment:
     answered with ``tool`` messages the model can read and correct from: first an error per
     malformed block, then one per well-formed call in the calls' order, its function's result
     (``functions[name](**arguments)``, plain or async; not a string: JSON) or an error (an
-    unknown function, arguments it does not take, an exception it raised). The episode never
-    fails on the model's calls. A turn without tool calls is the final answer: the episode ends
-    with ``reward(turn)`` (plain or async). Counts what happened (``calls``, ``failed_calls``),
-    for metrics.
+    unknown function, arguments it does not take, an exception it raised, a result JSON cannot
+    encode). The episode never fails on the model's calls. A turn without tool calls is the
+    final answer: the episode ends with ``reward(turn)`` (plain or async). Counts what happened
+    (``calls``, ``failed_calls``), for metrics.
     """
 
     def __init__(self, functions: Mapping[str, Callable], reward: Callable[[Turn], Any]):
@@ -173,10 +178,10 @@ class ToolEnvironment:
             return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(self.functions))})"
         try:
             result = await _maybe_await(function(**call.arguments))
+            return result if isinstance(result, str) else json.dumps(result)
         except Exception as exc:  # the model reads what went wrong, as it would from a real tool
             self.failed_calls += 1
             return f"error: {call.name}: {type(exc).__name__}: {exc}"
-        return result if isinstance(result, str) else json.dumps(result)
 
 
 async def _maybe_await(value):
@@ -212,6 +217,11 @@ class EpisodeResult:
     reward: float
     status: str  # one of STATUSES
     error: str | None = None  # why, for env_error and context_exceeded
+    # [len(token_ids), MoE layers, top_k] (return_routing): the routing the last turn's generate
+    # returned for the whole conversation it saw (each token's from the forward that computed its
+    # KV, the KV that turn attended to) and its sampled tokens, -1 where no forward took the token
+    # as input (the last sampled token).
+    routed_experts: np.ndarray | None = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -289,20 +299,24 @@ class TurnFrames:
         return list(end)
 
     def observation(self, result: StepResult) -> list[int]:
-        """An observation's tokens, with the template's delimiters and the next generation prompt."""
+        """An observation's tokens, with the template's delimiters and the next generation prompt.
+        Raises TypeError or ValueError naming what the observation is not."""
         content = result.observation
-        if not self.templated:
-            if isinstance(content, str):
-                if self._tokenizer is None:
-                    raise TypeError("a text observation needs a model with a tokenizer: return token ids")
-                return self._encode(content)
-            return [int(t) for t in content]
         if isinstance(content, str):
-            return self._encode(self._between([{"role": result.role, "content": content}]))
-        if len(content) and isinstance(content[0], Mapping):
+            if self.templated:
+                return self._encode(self._between([{"role": result.role, "content": content}]))
+            if self._tokenizer is None:
+                raise TypeError("a text observation needs a model with a tokenizer: return token ids")
+            return self._encode(content)
+        if _is_messages(content):
+            if not self.templated:
+                raise TypeError("an observation of messages needs a tokenizer with a chat template")
             return self._encode(self._between([dict(m) for m in content]))
+        ids = _content_token_ids(content)
+        if not self.templated:
+            return ids
         before, after = self._frame(result.role)
-        return self._encode(before) + [int(t) for t in content] + self._encode(after)
+        return self._encode(before) + ids + self._encode(after)
 
     def _frame(self, role: str) -> tuple[str, str]:
         if role not in self._frames:
@@ -342,13 +356,13 @@ async def run_episode(
     """One episode on ``worker`` (see :meth:`rollout.RolloutWorker.arun_episodes`). Cancelling
     it aborts its turn in the engine (the turn's KV is freed) and releases its pinned prefix.
     ``threads`` runs a synchronous ``env.step`` (None: a thread of the episode's own)."""
+    limits = _checked_limits(limits)
     frames = frames or TurnFrames(worker.tokenizer, tools)
-    if seed is None:
-        seed = int(np.random.default_rng().integers(MAX_SAMPLING_SEED))
-    stop = list(sampling.pop("stop_token_ids", None) or ()) + frames.turn_stop
-    prompt_ids = frames.prompt(prompt) if _is_messages(prompt) else _token_ids(prompt)
+    prompt_ids = _first_prompt(worker, frames, limits, prompt, "prompt")
+    sampling = _turn_sampling(frames, sampling)
+    seed = _call_seed(seed)
     with _own_threads(threads, 2) as threads:
-        episode = _Episode(worker, frames, limits, dict(sampling, stop_token_ids=stop), seed, threads)
+        episode = _Episode(worker, frames, limits, sampling, seed, threads)
         return await episode.run(prompt_ids, env)
 
 
@@ -367,40 +381,38 @@ async def run_episodes(
 ) -> EpisodeBatch:
     """``n`` episodes of every prompt, all at once; ``make_env(i, j)`` is the environment of
     sample ``j`` of prompt ``i``. Episode ``(i, j)`` draws from a seed derived from ``(seed,
-    i, j)`` (``seed=None``: a fresh one)."""
-    if not prompts:
-        raise InvalidRequest("prompts", "prompts is empty")
+    i, j)`` (``seed=None``: a fresh one). Every argument is checked (InvalidRequest naming it)
+    and every environment made before the first episode starts; a first prompt whose first turn
+    cannot run (longer than the engine takes, or leaving no room under ``limits``) is refused."""
+    n = as_int("n", n, minimum=1)
+    limits = _checked_limits(limits)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise InvalidRequest("prompts", "prompts must be a non-empty list of prompts (messages or token ids)")
     frames = TurnFrames(worker.tokenizer, tools)
-    if seed is None:
-        seed = int(np.random.default_rng().integers(MAX_SAMPLING_SEED))
-    seeds = row_seeds(seed, len(prompts), n)
+    prompt_ids = [_first_prompt(worker, frames, limits, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+    prompt_width = pad_width(pad_prompts_to, prompt_ids)
+    if completion_width is not None:
+        completion_width = as_int("completion_width", completion_width, minimum=1)
+        _check_completion_width(worker, limits, prompt_ids, completion_width)
+    sampling = _turn_sampling(frames, sampling)
+    seeds = row_seeds(_call_seed(seed), len(prompts), n)
+    envs = [make_env(i, j) for i in range(len(prompts)) for j in range(n)]
     # A thread per episode for synchronous steps (a hung one holds its own) and one for releases.
-    with _own_threads(None, len(prompts) * n + 1) as threads:
-        tasks = [
-            asyncio.ensure_future(
-                run_episode(
-                    worker,
-                    prompt,
-                    make_env(i, j),
-                    limits=limits,
-                    frames=frames,
-                    seed=int(seeds[i, j]),
-                    threads=threads,
-                    **sampling,
-                )
-            )
-            for i, prompt in enumerate(prompts)
-            for j in range(n)
-        ]
+    with _own_threads(None, len(envs) + 1) as threads:
+        tasks = []
         try:
+            for row, env in enumerate(envs):
+                i, j = divmod(row, n)
+                episode = _Episode(worker, frames, limits, sampling, int(seeds[i, j]), threads)
+                tasks.append(asyncio.ensure_future(episode.run(prompt_ids[i], env)))
             results = await asyncio.gather(*tasks)
         except BaseException:  # one episode's error (or a cancellation) ends the others too
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _settle(tasks)  # their pins released while the run's threads still run
             raise
     batch = pack_episodes(
-        results, n=n, pad_token_id=worker.pad_token_id, prompt_width=pad_prompts_to, completion_width=completion_width
+        results, n=n, pad_token_id=worker.pad_token_id, prompt_width=prompt_width, completion_width=completion_width
     )
     return EpisodeBatch(results, batch, n)
 
@@ -416,7 +428,8 @@ def pack_episodes(
     """Episodes (prompt-major, ``n`` per prompt) as a :class:`RolloutBatch`: the first prompt
     left-padded in the prompt region, the rest of the conversation after it, ``completion_mask``
     True exactly where the model sampled (the loss mask), ``finish_reasons`` the episodes'
-    statuses, ``weight_version`` the oldest version that sampled a token of the batch."""
+    statuses, ``weight_version`` the oldest version that sampled a token of the batch,
+    ``routed_experts`` the episodes' (with ``return_routing``) aligned with ``tokens``."""
     prompts = [e.token_ids[: e.prompt_length] for e in episodes[::n]]
 
     def after_prompt(values):
@@ -438,12 +451,109 @@ def pack_episodes(
         logprobs=after_prompt([e.logprobs for e in episodes]) if with_logprobs else None,
         token_versions=after_prompt([e.token_versions for e in episodes]),
         kept_counts=after_prompt([e.kept_counts for e in episodes]) if with_logprobs else None,
+        routed_experts=[e.routed_experts for e in episodes],
     )
     mask = np.zeros_like(batch.completion_mask)
     for row, episode in enumerate(episodes):
         rest = episode.loss_mask[episode.prompt_length :]
         mask[row, batch.prompt_width : batch.prompt_width + len(rest)] = rest
     return dataclasses.replace(batch, completion_mask=mask)
+
+
+def _checked_limits(limits) -> EpisodeLimits:
+    if not isinstance(limits, EpisodeLimits):
+        raise InvalidRequest("limits", f"limits must be an EpisodeLimits, got {limits!r} ({type(limits).__name__})")
+    return limits
+
+
+def _call_seed(seed) -> int:
+    if seed is None:
+        return int(np.random.default_rng().integers(MAX_SAMPLING_SEED))
+    return as_int("seed", seed)
+
+
+def _conversation_cap(worker, limits: EpisodeLimits, prompt_length: int) -> int:
+    """The most tokens an episode's conversation may reach: the limits' and the engine's."""
+    cap = min(limits.max_total_tokens or worker.max_request_tokens, worker.max_request_tokens)
+    if limits.max_response_tokens is not None:
+        cap = min(cap, prompt_length + limits.max_response_tokens)
+    return cap
+
+
+def _first_prompt(worker, frames: TurnFrames, limits: EpisodeLimits, prompt, field: str) -> list[int]:
+    """A first prompt's tokens (messages rendered with the template and tools), refused as
+    InvalidRequest naming ``field`` when its first turn could not run: an episode of it would
+    end before sampling a token, whereas generate refuses such a prompt."""
+    messages = _is_messages(prompt)
+    ids = frames.prompt(prompt) if messages else list(token_id_list(field, prompt, worker.vocab_size))
+    if not ids:
+        raise InvalidRequest(field, f"{field} is empty")
+    if len(ids) > worker.max_prompt_tokens:
+        raise InvalidRequest(
+            field,
+            f"{field} has {len(ids)} tokens{' with the chat template and tools' if messages else ''}; the engine "
+            f"accepts prompts of at most {worker.max_prompt_tokens} tokens (the worker's max_prompt_tokens)",
+        )
+    cap = _conversation_cap(worker, limits, len(ids))
+    first_turn = limits.max_new_tokens if limits.overflow == "error" else 1
+    if len(ids) + first_turn > cap:
+        raise InvalidRequest(
+            field,
+            f"{field} has {len(ids)} tokens: its first turn's {first_turn} more would pass the episode's limit of "
+            f"{cap} (EpisodeLimits.max_total_tokens, max_response_tokens or the worker's max_request_tokens)",
+        )
+    return ids
+
+
+def _check_completion_width(worker, limits: EpisodeLimits, prompt_ids: list[list[int]], width: int) -> None:
+    """The batch's completion region must hold whatever may follow each first prompt."""
+    for i, ids in enumerate(prompt_ids):
+        room = _conversation_cap(worker, limits, len(ids)) - len(ids)
+        if room > width:
+            raise InvalidRequest(
+                "completion_width",
+                f"completion_width={width} cannot hold what may follow prompts[{i}]: up to {room} tokens under the "
+                f"episode's limits; set EpisodeLimits.max_response_tokens to at most {width}",
+            )
+
+
+# Generate options the episode sets for each turn, and what the caller sets instead.
+_TURN_OPTIONS = {
+    "max_new_tokens": "EpisodeLimits.max_new_tokens",
+    "session": "EpisodeLimits.pin_prefix",
+    "n": "run_episodes(n=...)",
+    "pad_prompts_to": "run_episodes(pad_prompts_to=...)",
+    "prompt_offset": "seed",
+}
+
+
+def _turn_sampling(frames: TurnFrames, sampling: dict) -> dict:
+    """Every turn's generate options, checked as generate checks them: the caller's, and the
+    template's end of turn as a stop token."""
+    for name, instead in _TURN_OPTIONS.items():
+        if name in sampling:
+            raise InvalidRequest(name, f"{name} is set for each turn by the episode: use {instead}")
+    unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
+    if unknown:
+        raise TypeError(f"unexpected sampling option(s) for the episode's turns: {', '.join(sorted(unknown))}")
+    params = SamplingParams(**sampling)
+    return dict(sampling, stop_token_ids=list(params.stop_token_ids) + frames.turn_stop)
+
+
+async def _settle(futures) -> None:
+    """Wait until every one of ``futures`` is done, also when this wait is cancelled (the
+    cancellation is raised once they are); their errors are retrieved (not logged as lost)."""
+    pending, cancelled = set(futures), False
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+    for future in futures:
+        if not future.cancelled():
+            future.exception()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class _Episode:
@@ -457,6 +567,7 @@ class _Episode:
         self.logprobs: list[float] = []
         self.kept: list[int] = []
         self.versions: list[int] = []
+        self.routing: np.ndarray | None = None  # the last turn's, for every token but its last sampled one
         self.turns: list[EpisodeTurn] = []
         self.reward = 0.0
 
@@ -467,7 +578,13 @@ class _Episode:
             status, error = await self._loop(env)
         finally:
             if self.session is not None:  # a turn cancelled as it finished may have pinned
-                await asyncio.get_running_loop().run_in_executor(self.threads, _release, self.worker, self.session)
+                release = asyncio.get_running_loop().run_in_executor(self.threads, _release, self.worker, self.session)
+                await _settle([release])  # released before the episode ends, cancelled or not
+                release.result()
+        routed = None
+        if self.routing is not None:
+            routed = np.full((len(self.tokens),) + self.routing.shape[1:], -1, self.routing.dtype)
+            routed[: len(self.routing)] = self.routing
         return EpisodeResult(
             token_ids=self.tokens,
             prompt_length=len(prompt),
@@ -479,13 +596,12 @@ class _Episode:
             reward=self.reward,
             status=status,
             error=error,
+            routed_experts=routed,
         )
 
     async def _loop(self, env: Environment) -> tuple[str, str | None]:
         limits = self.limits
-        cap = min(limits.max_total_tokens or self.worker.max_request_tokens, self.worker.max_request_tokens)
-        if limits.max_response_tokens is not None:
-            cap = min(cap, self.prompt_length + limits.max_response_tokens)
+        cap = _conversation_cap(self.worker, limits, self.prompt_length)
         for index in range(self.limits.max_turns):
             ended = self._no_room(index, cap, [])
             if ended is not None:
@@ -505,6 +621,9 @@ class _Episode:
                 return ENV_ERROR, f"turn {index}: the environment returned no observation and did not say done"
             try:
                 appended = self.frames.close_turn(turn.token_ids) + self.frames.observation(result)
+                outside = [t for t in appended if not 0 <= t < self.worker.vocab_size]
+                if outside:
+                    raise ValueError(f"token ids outside the vocabulary [0, {self.worker.vocab_size}): {outside[:5]}")
             except (TypeError, ValueError) as exc:
                 return ENV_ERROR, f"turn {index}: cannot append the observation: {exc}"
             ended = self._no_room(index + 1, cap, appended)
@@ -550,6 +669,10 @@ class _Episode:
         self.tokens.extend(sampled)
         self.sampled.extend([True] * len(sampled))
         self.versions.extend(int(v) for v in batch.token_versions[0, span])
+        if batch.routed_experts is not None:
+            # The conversation's routing as this turn's forwards found or computed it, then the
+            # turn's own tokens: a later turn's generate returns all of it again.
+            self.routing = batch.routed_experts[0, width - start : width + len(sampled) - 1].copy()
         if batch.logprobs is not None:
             self.logprobs.extend(float(v) for v in batch.logprobs[0, span])
             self.kept.extend(int(v) for v in batch.kept_counts[0, span])
@@ -568,22 +691,35 @@ class _Episode:
         return Turn(index, list(sampled), text, batch.finish_reasons[0], parse_tool_calls(text))
 
     async def _step(self, env: Environment, turn: Turn) -> StepResult:
+        """The environment's checked answer to ``turn``; raises what ends the episode."""
         timeout = self.limits.env_timeout_s
-        if inspect.iscoroutinefunction(env.step):
-            call = env.step(turn)
-        else:  # on a thread of the run's own: the timeout counts from the step's start
-            call = asyncio.get_running_loop().run_in_executor(self.threads, env.step, turn)
+        step = asyncio.ensure_future(self._call_step(env, turn))
         try:
-            result = await asyncio.wait_for(call, timeout)
-        except TimeoutError:
-            raise TimeoutError(
-                f"the environment's step took more than {timeout} s (EpisodeLimits.env_timeout_s)"
-            ) from None
-        if inspect.isawaitable(result):
-            result = await asyncio.wait_for(result, timeout)
+            done, _ = await asyncio.wait({step}, timeout=timeout)
+        finally:
+            # Timed out (or this episode cancelled): asyncio.wait_for would wait for a step that
+            # catches its cancellation and use its late result; it is left to end on its own.
+            if not step.done():
+                step.cancel()
+                step.add_done_callback(_drop_late_step)
+        if not done:
+            raise TimeoutError(f"the environment's step took more than {timeout} s (EpisodeLimits.env_timeout_s)")
+        result = step.result()
         if not isinstance(result, StepResult):
             raise TypeError(f"the environment's step returned {type(result).__name__}, not a StepResult")
+        reward = result.reward
+        if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise TypeError(f"StepResult.reward must be a finite number, got {reward!r} ({type(reward).__name__})")
+        if not isinstance(result.done, (bool, np.bool_)):
+            raise TypeError(f"StepResult.done must be a bool, got {result.done!r} ({type(result.done).__name__})")
         return result
+
+    async def _call_step(self, env: Environment, turn: Turn):
+        if inspect.iscoroutinefunction(env.step):
+            result = await env.step(turn)
+        else:  # on a thread of the run's own: the timeout counts from the step's start
+            result = await asyncio.get_running_loop().run_in_executor(self.threads, env.step, turn)
+        return await _maybe_await(result)
 
     def _append(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)
@@ -612,11 +748,32 @@ def _release(worker, session: str) -> None:
         worker.release_session(session)
 
 
-def _is_messages(prompt) -> bool:
-    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
+def _drop_late_step(step: asyncio.Future) -> None:
+    """A step abandoned (timed out, or its episode cancelled) ended: its result is unused, its
+    error retrieved (asyncio would log it as never retrieved)."""
+    if not step.cancelled() and step.exception() is not None:
+        logger.info("an abandoned environment step ended with %r", step.exception())
 
 
-def _token_ids(prompt) -> list[int]:
-    if isinstance(prompt, str):
-        raise InvalidRequest("prompts", "an episode's prompt is a list of messages or of token ids, not a string")
-    return [int(t) for t in prompt]
+def _is_messages(value) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, (str, bytes))
+        and bool(value)
+        and isinstance(value[0], Mapping)
+    )
+
+
+def _content_token_ids(content) -> list[int]:
+    """A token-id observation's ids: Python or numpy integers (not bools); bytes, floats and
+    other types are refused rather than taken as ids."""
+    if isinstance(content, (bytes, bytearray)) or not isinstance(content, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"an observation is text, token ids or a list of messages, got {type(content).__name__}: {content!r:.80}"
+        )
+    if isinstance(content, np.ndarray) and content.ndim != 1:
+        raise TypeError(f"an observation's token ids are a flat list, got an array of shape {content.shape}")
+    for j, value in enumerate(content):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"observation[{j}] must be an int token id, got {value!r} ({type(value).__name__})")
+    return [int(t) for t in content]

@@ -6,9 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from rollout import InvalidRequest, RolloutWorker
-from rollout.episodes import EpisodeLimits, StepResult, Turn, run_episode
-from tests.helpers import tiny_worker_config
+from models import router_choices
+from rollout import InvalidRequest, RolloutWorker, WorkerUnavailable
+from rollout.episodes import EpisodeLimits, StepResult, Turn, run_episode, run_episodes
+from tests.helpers import flax_model, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 pytestmark = pytest.mark.one_end
@@ -337,3 +338,143 @@ def test_a_conversation_past_its_limit_ends_as_the_caller_chose(episode_worker, 
         assert "10 more would pass the limit of 60" in episode.error
     else:  # the last turn sampled what fitted, then nothing fitted
         assert episode.turns[-1].end - episode.turns[-1].start < 10
+
+
+class Answers:
+    """Answers turn 0 with ``result``, then ends the episode."""
+
+    def __init__(self, result):
+        self.result = result
+
+    async def step(self, turn: Turn):
+        return self.result if turn.index == 0 else StepResult(reward=1.0, done=True)
+
+
+def test_a_malformed_answer_ends_its_own_episode_only(episode_worker):
+    """Each malformed StepResult ends its episode with env_error naming the turn and the fault;
+    the run and the other episodes go on (an out-of-vocabulary id is the environment's fault,
+    not the caller's prompt's; bytes and floats are not taken as token ids)."""
+    bad = [
+        (StepResult(reward=None, done=True), "TypeError: StepResult.reward must be a finite number, got None"),
+        (StepResult(reward="abc", done=True), "TypeError: StepResult.reward must be a finite number, got 'abc' (str)"),
+        (StepResult(reward=float("nan"), done=True), "TypeError: StepResult.reward must be a finite number, got nan"),
+        (StepResult(observation="x", done="no"), "TypeError: StepResult.done must be a bool, got 'no' (str)"),
+        (
+            StepResult(observation={"role": "tool", "content": "4"}),
+            "cannot append the observation: an observation is text, token ids or a list of messages, got dict",
+        ),
+        (StepResult(observation=[10**6]), "cannot append the observation: token ids outside the vocabulary [0, 320)"),
+        (StepResult(observation=b"abc"), "cannot append the observation: an observation is text, token ids or a list"),
+        (StepResult(observation=[7.9, 8.2]), "observation[0] must be an int token id, got 7.9 (float)"),
+    ]
+    envs = [Answers(result) for result, _ in bad] + [Talk(2)]
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=6)
+    out = episode_worker.run_episodes(
+        [[{"role": "user", "content": "hi"}]] * len(envs), lambda i, j: envs[i], limits=limits
+    )
+    for episode, (_, error) in zip(out.episodes, bad):
+        assert episode.status == "env_error" and len(episode.turns) == 1
+        assert episode.error.startswith("turn 0: ") and error in episode.error, episode.error
+        assert episode.reward == 0.0
+    assert (out.episodes[-1].status, out.episodes[-1].reward) == ("done", 1.25)
+    assert episode_worker.session_stats()[0].sessions == 0
+
+
+def test_a_failure_while_setting_up_or_running_leaves_no_episode_behind(episode_worker):
+    """In a long-lived event loop (an async trainer's): when making an environment fails, no
+    episode has started; when an episode's turn fails, the others are cancelled and their pins
+    released before the error reaches the caller. No task is left running either way."""
+    stepped, arrived, hold = [], asyncio.Event(), asyncio.Event()
+    failing, others = [5, 5, 5, 5], [[6, 6, 6, 6], [7, 7, 7, 7]]
+
+    class Holding:
+        async def step(self, turn: Turn):
+            stepped.append(turn.index)
+            if len(stepped) == len(others):
+                arrived.set()
+            await hold.wait()  # pinned, waiting: never set
+
+    class GoesOn:
+        async def step(self, turn: Turn):
+            await arrived.wait()  # the other episodes hold their pins now
+            return StepResult(observation="go on")
+
+    class FailsAtSecondTurn:
+        """The worker, failing the failing episode's second turn."""
+
+        def __getattr__(self, name):
+            return getattr(episode_worker, name)
+
+        async def agenerate(self, prompts, **options):
+            if prompts[0][: len(failing)] == failing and len(prompts[0]) > len(failing):
+                raise WorkerUnavailable("maintenance")
+            return await episode_worker.agenerate(prompts, **options)
+
+    def no_second_env(i, j):
+        if i == 1:
+            raise KeyError("no environment for prompt 1")
+        return Holding()
+
+    async def trainer_loop():
+        limits = EpisodeLimits(max_turns=3, max_new_tokens=6)
+        with pytest.raises(KeyError):
+            await episode_worker.arun_episodes(others, no_second_env, limits=limits, seed=1)
+        assert asyncio.all_tasks() == {asyncio.current_task()} and stepped == []
+        envs = [GoesOn(), Holding(), Holding()]
+        with pytest.raises(WorkerUnavailable):
+            await run_episodes(FailsAtSecondTurn(), [failing] + others, lambda i, j: envs[i], limits=limits, seed=1)
+        assert asyncio.all_tasks() == {asyncio.current_task()} and len(stepped) == 2
+        assert episode_worker.session_stats()[0].sessions == 0
+
+    asyncio.run(trainer_loop())
+    assert episode_worker.engine.testing.kv_tokens_held() == 0
+
+
+@pytest.fixture(scope="module")
+def moe_worker(moe_dir):
+    with RolloutWorker(tiny_worker_config(moe_dir, load_format="auto", record_routing=True)) as w:
+        yield w
+
+
+class TokenTalk:
+    """Answers each turn with token ids (the model has no tokenizer), done after 3 turns."""
+
+    async def step(self, turn: Turn) -> StepResult:
+        if turn.index == 2:
+            return StepResult(reward=1.0, done=True)
+        return StepResult(observation=[30 + turn.index, 31, 32])
+
+
+def test_an_episodes_routing_is_its_whole_conversations(moe_worker, moe_dir):
+    """return_routing: every token a forward took as input, the first prompt, earlier turns and
+    observations included (found in the session's cache by later turns), carries the experts
+    the fp32 Flax model routes it to over the whole conversation; the last sampled token and
+    the padding -1. The batch's routing is the episodes', aligned with its tokens."""
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=6, max_response_tokens=30)
+    out = moe_worker.run_episodes(
+        [[5, 17, 42, 8], [100, 3]],
+        lambda i, j: TokenTalk(),
+        n=2,
+        limits=limits,
+        ignore_eos=True,
+        seed=3,
+        return_routing=True,
+        pad_prompts_to=6,
+        completion_width=30,
+    )
+    batch = out.batch
+    assert all(e.status == "done" and len(e.turns) == 3 for e in out.episodes)
+    assert all(t.cached_tokens > 0 for e in out.episodes for t in e.turns[1:])
+    params = load_hf_params(moe_dir)
+    own = np.asarray(router_choices(flax_model(moe_dir), params, batch.tokens, batch.attention_mask, batch.positions))
+    routed = batch.routed_experts
+    assert routed.shape == batch.tokens.shape + (1, 2)
+    recorded = routed[..., 0, 0] >= 0
+    expected = batch.attention_mask.copy()
+    expected[np.arange(batch.size), batch.prompt_width + batch.completion_lengths - 1] = False
+    np.testing.assert_array_equal(recorded, expected)
+    np.testing.assert_array_equal(routed[recorded], own[recorded])
+    assert np.all(routed[~recorded] == -1)
+    for row, episode in enumerate(out.episodes):
+        start = batch.prompt_width - episode.prompt_length
+        np.testing.assert_array_equal(routed[row, start : start + len(episode.token_ids)], episode.routed_experts)

@@ -1,12 +1,16 @@
 """Episodes without an engine: the chat template's framing, the tool environment, the packing."""
 
 import asyncio
+import gc
+import logging
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from models.tiny import TinyModelSpec, write_tiny_model
+from rollout import InvalidRequest
+from rollout.batch import pack_rollouts
 from rollout.chat import parse_tool_calls
 from rollout.episodes import (
     EpisodeLimits,
@@ -17,6 +21,7 @@ from rollout.episodes import (
     Turn,
     TurnFrames,
     pack_episodes,
+    run_episodes,
 )
 
 
@@ -198,3 +203,185 @@ def test_pack_episodes_lays_them_out_as_the_rl_loop_trains_on():
 def test_limits_are_checked(field, value, message):
     with pytest.raises(ValueError, match=message):
         EpisodeLimits(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "content, kind",
+    [
+        (b"abc", "bytes"),
+        ([7.9, 8.2], "float"),
+        ([5, True], "bool"),
+        ({"role": "tool", "content": "4"}, "dict"),
+        (7, "int"),
+    ],
+)
+def test_only_int_token_ids_are_token_observations(tokenizer, content, kind):
+    """Bytes are not the ids of their byte values, floats are not truncated to ids: the
+    episode's environment answered something else than token ids, and is told which type."""
+    for frames in (TurnFrames(tokenizer), TurnFrames(None)):
+        with pytest.raises(TypeError, match=rf"got {kind}|\({kind}\)"):
+            frames.observation(StepResult(observation=content))
+    assert TurnFrames(None).observation(StepResult(observation=np.array([7, 8]))) == [7, 8]
+
+
+def test_a_tool_result_json_cannot_encode_is_an_error_the_model_reads():
+    env = ToolEnvironment({"s": lambda: {1, 2}, "b": lambda: b"x", "o": lambda: object()}, reward=lambda t: 0.0)
+    calls = "".join(f'<tool_call>{{"name": "{name}", "arguments": {{}}}}</tool_call>' for name in "sbo")
+    result = asyncio.run(env.step(turn(calls)))
+    contents = [m["content"] for m in result.observation]
+    assert [c.split(": TypeError: ")[0] for c in contents] == ["error: s", "error: b", "error: o"]
+    assert all("is not JSON serializable" in c for c in contents)
+    assert (env.calls, env.failed_calls) == (3, 3)
+
+
+class ScriptedWorker:
+    """A worker without an engine: every turn samples [7, 8]; counts its generate calls."""
+
+    vocab_size = 320
+    max_prompt_tokens = 300
+    max_request_tokens = 400
+    pad_token_id = 0
+    closed = False
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.calls = 0
+
+    async def agenerate(self, prompts, *, max_new_tokens, **_):
+        self.calls += 1
+        sampled = [7, 8][:max_new_tokens]
+        return pack_rollouts(
+            prompts,
+            [sampled],
+            n=1,
+            completion_width=max_new_tokens,
+            pad_token_id=0,
+            finish_reasons=["length"],
+            weight_version=0,
+            seeds=np.zeros(1),
+            token_versions=[[0] * len(sampled)],
+            cached_tokens=[0],
+            prefill_tokens=[len(prompts[0])],
+        )
+
+    def release_session(self, session):
+        return False
+
+
+class Done:
+    async def step(self, turn):
+        return StepResult(reward=1.0, done=True)
+
+
+LONG_TOOL = {
+    "type": "function",
+    "function": {"name": "add", "description": "add " * 20, "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@pytest.mark.parametrize(
+    "arguments, field",
+    [
+        (dict(n=0), "n"),
+        (dict(n=-1), "n"),
+        (dict(n=True), "n"),
+        (dict(n=1.5), "n"),
+        (dict(limits=None), "limits"),
+        (dict(seed="7"), "seed"),
+        (dict(pad_prompts_to=3), "pad_prompts_to"),
+        (dict(pad_prompts_to=20.0), "pad_prompts_to"),
+        # Without a response limit, what follows a prompt may fill the engine's request.
+        (dict(completion_width=64), "completion_width"),
+        (dict(completion_width=64, limits=EpisodeLimits(max_response_tokens=65)), "completion_width"),
+        (dict(completion_width=0), "completion_width"),
+        (dict(max_new_tokens=5), "max_new_tokens"),
+        (dict(session="s"), "session"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(prompts=[[5, 6], [5, 7.0]]), "prompts[1]"),
+        (dict(prompts=[[5, 6], [5, 999]]), "prompts[1]"),
+        (dict(prompts=[[5, 6], []]), "prompts[1]"),
+        (dict(prompts=[]), "prompts"),
+        # The first prompt does not fit the engine (the tools block makes it long) ...
+        (dict(prompts=[[5, 6], [5] * 301]), "prompts[1]"),
+        (dict(prompts=[[5], [{"role": "user", "content": "hi"}]], tools=[LONG_TOOL]), "prompts[1]"),
+        # ... or leaves its first turn no room under the limits.
+        (dict(prompts=[[5] * 20], limits=EpisodeLimits(max_total_tokens=20)), "prompts[0]"),
+        (dict(prompts=[[5] * 20], limits=EpisodeLimits(max_total_tokens=50, overflow="error")), "prompts[0]"),
+    ],
+)
+def test_arguments_are_checked_before_any_episode_starts(tokenizer, arguments, field):
+    worker, made = ScriptedWorker(tokenizer), []
+
+    def make_env(i, j):
+        made.append((i, j))
+        return Done()
+
+    arguments = {"prompts": [[5, 6, 7, 8], [9, 10]], **arguments}
+    with pytest.raises(InvalidRequest) as error:
+        asyncio.run(run_episodes(worker, arguments.pop("prompts"), make_env, **arguments))
+    assert error.value.field == field
+    assert made == [] and worker.calls == 0
+
+
+def test_checked_arguments_run():
+    """What the checks let through: numpy integers, a width that holds every episode."""
+    out = asyncio.run(
+        run_episodes(
+            ScriptedWorker(),
+            [np.array([5, 6, 7]), [np.int32(9)]],
+            lambda i, j: Done(),
+            n=np.int64(2),
+            limits=EpisodeLimits(max_response_tokens=16),
+            pad_prompts_to=np.int64(4),
+            completion_width=16,
+        )
+    )
+    assert [e.status for e in out.episodes] == ["done"] * 4 and out.batch.tokens.shape == (4, 20)
+
+
+def test_a_step_past_its_timeout_ends_its_episode_without_waiting_for_the_step(caplog, monkeypatch):
+    """An async step that catches its cancellation and goes on: the episode ends at the
+    timeout, not when the step gives up, and the step's late answer or error is dropped
+    (retrieved: asyncio logs nothing about it)."""
+    # The episode's warning would be kept by the log capture with its TimeoutError, whose
+    # traceback holds the abandoned step: asyncio's complaint would come after the check.
+    monkeypatch.setattr(logging.getLogger("rollout.episodes"), "disabled", True)
+
+    async def main():
+        release, ended, both_ended = asyncio.Event(), [], asyncio.Event()
+
+        class Stubborn:
+            def __init__(self, late):
+                self.late = late
+
+            async def step(self, turn):
+                try:
+                    await asyncio.Event().wait()  # never set: only the timeout ends the wait
+                except asyncio.CancelledError:
+                    await release.wait()  # a clean-up that outlasts the timeout
+                    ended.append(self.late)
+                    if len(ended) == 2:
+                        both_ended.set()
+                    if self.late == "error":
+                        raise RuntimeError("the late step failed") from None
+                    return StepResult(reward=5.0, done=True)
+
+        limits = EpisodeLimits(max_turns=2, max_new_tokens=2, env_timeout_s=0.01)
+        envs = [Stubborn("answer"), Stubborn("error")]
+        run = asyncio.ensure_future(run_episodes(ScriptedWorker(), [[5], [6]], lambda i, j: envs[i], limits=limits))
+        done, _ = await asyncio.wait({run}, timeout=60)  # a bound for the failure only: nothing is released
+        release.set()
+        await both_ended.wait()  # the abandoned steps end now
+        assert run in done
+        return run.result()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        out = asyncio.run(main())
+        gc.collect()
+    for episode in out.episodes:
+        assert episode.status == "env_error" and episode.reward == 0.0
+        assert (
+            episode.error
+            == "turn 0: TimeoutError: the environment's step took more than 0.01 s (EpisodeLimits.env_timeout_s)"
+        )
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

@@ -1,12 +1,16 @@
 """The calculator task of the tiny-tools GRPO preset, without an engine."""
 
+import dataclasses
+import types
+
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from examples.grpo import PRESETS
-from examples.rl_loop import TINY_MODELS
+from examples.rl_loop import TINY_MODELS, _roll_out
 from examples.tool_task import (
+    ToolTask,
     calculator,
     call_text,
     demonstration,
@@ -53,7 +57,17 @@ def test_products_have_four_digits_and_depend_on_the_seed_only():
 
 
 @pytest.mark.parametrize(
-    "text, reward", [("2146", 1.0), (" 2146 ", 1.0), ("2140", 0.375), ("1246", 0.25), ("214", 0.0), ("abcd", 0.0)]
+    "text, reward",
+    [
+        ("2146", 1.0),
+        (" 2146 ", 1.0),
+        ("2140", 0.375),
+        ("1246", 0.25),
+        ("214", 0.0),
+        ("abcd", 0.0),
+        ("\u00b2146", 0.0),  # a superscript two: a digit to str.isdigit, not a number
+        ("\u0662146", 0.0),  # an Arabic-Indic two
+    ],
 )
 def test_the_reward_pays_the_product_and_digits_in_place(text, reward):
     assert digit_reward(text, "2146") == reward
@@ -83,3 +97,23 @@ def test_the_tool_presets_check_their_settings():
         type(config)(**{**vars(config), "async_rollout": True, "tis_cap": 2.0})
     with pytest.raises(ValueError, match="warm_start_steps shows worked tool episodes"):
         type(config)(**{**vars(config), "max_turns": 1})
+
+
+def test_the_tool_task_asks_for_routing_when_the_run_replays_it():
+    """--routing-replay with episodes: the step's episodes return their routing, for the
+    update's forwards; the evaluation, which trains nothing, does not ask for it."""
+    config = dataclasses.replace(PRESETS["tiny-tools"], routing_replay=True, prompts_per_step=2)
+    task = ToolTask(config, tokenizer=None, tiny=True)
+    asked = []
+
+    class Recording:
+        def run_episodes(self, prompts, make_env, *, n, **options):
+            asked.append(options["return_routing"])
+            episodes = [types.SimpleNamespace(turns=[], prefill_tokens=0, status="done")] * (len(prompts) * n)
+            return types.SimpleNamespace(batch="batch", rewards=np.zeros(len(episodes)), episodes=episodes)
+
+    problems = task.sample(2, step=0)
+    assert _roll_out(config, Recording(), task, problems, seed=1)[0] == "batch"
+    _roll_out(config, Recording(), task, problems, seed=1, for_training=False)
+    _roll_out(dataclasses.replace(config, routing_replay=False), Recording(), task, problems, seed=1)
+    assert asked == [True, False, False]
