@@ -5,6 +5,7 @@ variables), leave it (also after a process was lost), or launch N local processe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import math
@@ -155,6 +156,57 @@ def _how(returncode: int) -> str:
 # SIGTERM as a preemption notice and goes on (JAX's preemption notifier).
 _KILL_AFTER_S = 5.0
 
+# What a child runs first on Linux, before the program (``argv[1]``: the launcher's pid): the
+# kernel is to SIGKILL it when the launcher dies (PR_SET_PDEATHSIG), as a launcher killed with
+# SIGKILL cannot stop its children itself; a launcher already gone ends it at once.
+_DIE_WITH_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(128 + signal.SIGKILL)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+
+
+def _child_argv(argv: Sequence[str]) -> list[str]:
+    if sys.platform == "linux":
+        return [sys.executable, "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *argv]
+    return [sys.executable, *argv]
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """While open, SIGTERM or SIGHUP to the launcher raise SystemExit (128 + the signal) where
+    it waits, so that it stops its children on the way out instead of leaving them running.
+    Only on the main thread, where Python delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {signum: signal.signal(signum, leave) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """Stop the processes still running: SIGTERM, then SIGKILL after ``_KILL_AFTER_S``."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + _KILL_AFTER_S
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 
 def launch_local(
     argv: Sequence[str],
@@ -169,7 +221,9 @@ def launch_local(
     (coordinator on a free loopback port) and wait for all of them, at most ``timeout_s``
     (by default no limit: a training run takes what it takes). Once a process fails (a non-zero
     exit status or a signal), the others may go on for ``grace_s`` (to handle their ``PodError``
-    and ``leave()``), then they are stopped: SIGTERM, SIGKILL 5 s later. The results are in
+    and ``leave()``), then they are stopped: SIGTERM, SIGKILL 5 s later; so are they when the
+    launcher is interrupted or gets SIGTERM or SIGHUP, and on Linux they die with a launcher
+    killed outright. The results are in
     process order; a stopped process's ``stopped`` names the process that failed first and how.
     ``devices_per_process`` fakes that many host-platform devices in each process
     (``--xla_force_host_platform_device_count``)."""
@@ -183,20 +237,18 @@ def launch_local(
         ends: queue.Queue[int] = queue.Queue()
         start = time.monotonic()
         try:
-            for i in range(num_processes):
-                with open(Path(logs) / f"{i}.log", "w") as log:  # the child keeps its own copy
-                    env_i = {**base, PROCESS_ID_ENV: str(i)}
-                    procs.append(
-                        subprocess.Popen([sys.executable, *argv], env=env_i, stdout=log, stderr=subprocess.STDOUT)
-                    )
-                # One waiter per child: the launcher wakes on whichever ends first.
-                threading.Thread(target=lambda p=procs[i], i=i: (p.wait(), ends.put(i)), daemon=True).start()
-            seconds, stopped = _supervise(procs, ends, start, timeout_s, grace_s)
+            with _stopped_by_signals():
+                for i in range(num_processes):
+                    with open(Path(logs) / f"{i}.log", "w") as log:  # the child keeps its own copy
+                        env_i = {**base, PROCESS_ID_ENV: str(i)}
+                        procs.append(
+                            subprocess.Popen(_child_argv(argv), env=env_i, stdout=log, stderr=subprocess.STDOUT)
+                        )
+                    # One waiter per child: the launcher wakes on whichever ends first.
+                    threading.Thread(target=lambda p=procs[i], i=i: (p.wait(), ends.put(i)), daemon=True).start()
+                seconds, stopped = _supervise(procs, ends, start, timeout_s, grace_s)
         finally:
-            for proc in procs:  # left running only when the launcher itself was interrupted
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            _stop(procs)  # any still running: the launcher itself was interrupted or signalled
         return [
             ProcessResult(
                 i,

@@ -3,11 +3,15 @@ local launcher stopping the others when one fails, as a function and as ``python
 rollout.launch``. Small jobs without engines (``tests/pod_leave_program.py``, or a few lines of
 Python), so each launch takes seconds."""
 
+import contextlib
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +81,51 @@ def test_the_launch_command_names_the_failed_process_and_exits_with_its_status(t
         done.stdout
     )
     assert "--- process 1 (exit status 3) ---\n" in done.stdout, done.stdout
+
+
+# Each process writes its pid where the test finds it, then waits for ever.
+WAIT_FOREVER = """
+import os, pathlib, threading
+pathlib.Path({pids!r}, os.environ["JAX_PROCESS_ID"]).write_text(str(os.getpid()))
+threading.Event().wait()
+"""
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` is gone (or a zombie no one reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _within(seconds: float, condition) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="children die with a killed launcher on Linux (prctl)")
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_stopping_the_launcher_stops_its_processes(tmp_path, stop):
+    # A stopped `--local-processes N` run used to leave its processes training on their own.
+    code = WAIT_FOREVER.format(pids=str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-m", "rollout.launch", "-n", "2", "--", "-c", code])
+    try:
+        assert _within(LAUNCH_TIMEOUT_S, lambda: all((tmp_path / str(i)).exists() for i in range(2)))
+        pids = [int((tmp_path / str(i)).read_text()) for i in range(2)]
+        launcher.send_signal(stop)
+        assert launcher.wait(timeout=LAUNCH_TIMEOUT_S) == (128 + stop if stop == signal.SIGTERM else -stop)
+        assert _within(LAUNCH_TIMEOUT_S, lambda: all(_ended(pid) for pid in pids)), pids
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for file in tmp_path.iterdir():  # none left running, should the test fail
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(file.read_text()), signal.SIGKILL)
 
 
 def test_launch_local_sets_no_time_limit_by_default(monkeypatch):
