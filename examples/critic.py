@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from examples.rl_update import replicate
 from trainer_bridge import replicated_beside
 
 CRITIC_MODES = ("separate", "shared")
@@ -47,7 +48,9 @@ def init_critic(mode: str, policy_model: nn.Module, policy_params: dict, seed: i
     # Replicated over the policy's devices, in its mesh's order: a jitted step takes both trees together.
     replicated = replicated_beside(jax.tree_util.tree_leaves(policy_params)[0].sharding)
     hidden = jnp.zeros((1, 1, policy_model.config.hidden_size), jnp.float32)
-    head = jax.device_put(ValueHead().init(jax.random.key(seed), hidden)["params"], replicated)
+    head = ValueHead().init(jax.random.key(seed), hidden)["params"]
+    if replicated is not None:  # every process made the same head
+        head = jax.tree_util.tree_map(lambda x: replicate(x, replicated), head)
     if mode == "shared":
         return {"value_head": head}, None
     critic = Critic(policy_model.clone())

@@ -110,10 +110,17 @@ def place_fresh_leaves(trees):
     def place(leaf):
         if not isinstance(leaf, jax.Array) or leaf.committed:
             return leaf
-        host = np.asarray(leaf)  # every process holds the same value; the devices may span processes
-        return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
+        return replicate(leaf, replicated)
 
     return jax.tree_util.tree_map(place, trees)
+
+
+def replicate(value, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``value``, which every process holds the same, as an array replicated by ``sharding``
+    (whose devices may span processes). Not ``jax.device_put``: at jax 0.12 it made of a
+    one-device array put across processes an array whose shards jax cannot list."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def run_updates(

@@ -66,6 +66,11 @@ def test_same_seed_same_samples_as_one_process(pod, one_process):
     assert one_process.engine.decode_chunk_stats is None
 
 
+def test_the_kv_drop_counts_beside_a_trainer_array_device_put_across_processes(pod):
+    for kv in _both(pod, "kv_beside_device_put"):
+        assert kv["dropped"] == kv["rebuilt"] > 0, kv
+
+
 def test_placed_tree_syncs_at_zero_bytes_and_an_fsdp_tree_through_one_reshard(pod):
     assert _both(pod, "placed") == [{"bytes_copied": 0, "bytes_gathered": 0, "version": 1}] * 2
     fsdp = _both(pod, "fsdp")

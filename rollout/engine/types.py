@@ -167,14 +167,22 @@ def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
     is deleted, also while this runs (donated to a forward on the engine's thread, which the
     array may not say yet: jax 0.12 then raised "called on deleted or donated buffer")."""
     try:
-        return {
-            (shard.device.id, shard.data.unsafe_buffer_pointer()): int(shard.data.nbytes)
-            for shard in array.addressable_shards
-        }
+        try:
+            pieces = [shard.data for shard in array.addressable_shards]
+        except ValueError:
+            # jax 0.12 cannot list the shards of an array that jax.device_put made of a
+            # one-device array across processes; each device's piece still reads.
+            pieces = [array.addressable_data(i) for i in range(len(array.sharding.addressable_devices))]
+        return {(_device_of(piece).id, piece.unsafe_buffer_pointer()): int(piece.nbytes) for piece in pieces}
     except RuntimeError as exc:  # jax.errors.JaxRuntimeError is one
         if array.is_deleted() or "deleted" in str(exc):
             return {}
         raise
+
+
+def _device_of(piece: jax.Array):
+    (device,) = piece.devices()
+    return device
 
 
 def device_nbytes(array: jax.Array) -> int:
