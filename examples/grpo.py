@@ -42,6 +42,7 @@ from examples.rl_loop import (
     RLConfig,
     Rollout,
     cli,
+    effective_lora_alpha,
     mismatch_metrics,
     model_inputs,
     routing_probe,
@@ -86,9 +87,7 @@ class GRPOConfig(RLConfig):
     def lora(self) -> LoraConfig | None:
         if not self.lora_rank:
             return None
-        return LoraConfig(
-            rank=self.lora_rank, alpha=2.0 * self.lora_rank if self.lora_alpha is None else self.lora_alpha
-        )
+        return LoraConfig(rank=self.lora_rank, alpha=effective_lora_alpha(self.lora_rank, self.lora_alpha))
 
     @property
     def samples_per_prompt(self) -> int:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -172,6 +174,11 @@ class RLConfig:
         return None
 
     def __post_init__(self):
+        # Comparisons with NaN are all false: a NaN would pass every range check below.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{field.name} must be a finite number, got {value}")
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"preset must be one of {PRESET_NAMES}, got {self.preset!r}")
         for name in (
@@ -182,6 +189,7 @@ class RLConfig:
             "ppo_epochs",
             "kv_tokens",
             "decode_steps",
+            "checkpoint_every",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -291,23 +299,53 @@ RUN_IDENTITY = ("preset", "model", "dataset", "seed", "max_operand", "lora_rank"
 _IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None, "warm_start_steps": 0}
 
 
+def effective_lora_alpha(rank: int, alpha: float | None) -> float | None:
+    """The adapters' alpha: ``alpha``, by default 2 x ``rank``; None without adapters (rank 0)."""
+    if not rank:
+        return None
+    return 2.0 * rank if alpha is None else alpha
+
+
+def _run_identity(get: Callable[[str, Any], Any]) -> dict:
+    """The values of RUN_IDENTITY from ``get(name, default)``; LoRA's alpha as the scale it
+    gives (``--lora-alpha 8`` at rank 4 is the default's run)."""
+    identity = {name: get(name, _IDENTITY_DEFAULTS.get(name)) for name in RUN_IDENTITY}
+    identity["lora_alpha"] = effective_lora_alpha(identity["lora_rank"], identity["lora_alpha"])
+    return identity
+
+
+def holds_checkpoints(output_dir: Path) -> bool:
+    """Whether ``output_dir/checkpoints`` holds a finished checkpoint: a dir named by its step
+    (orbax writes ``<step>.orbax-checkpoint-tmp...`` and renames it when done)."""
+    checkpoints = output_dir / "checkpoints"
+    return checkpoints.is_dir() and any(p.name.isdigit() and p.is_dir() for p in checkpoints.iterdir())
+
+
 def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
     """Records in ``output_dir/run.json`` what decides a run's initial model and prompts; once the
     dir holds a checkpoint, checks a rerun against it: a resume with another seed would restore
     one run's weights and go on with another run's prompts, KL reference and metrics file. (A
     run that failed before its first checkpoint binds nothing: its rerun may fix any setting.)"""
     path = output_dir / "run.json"
-    identity = {
-        name: _local_path_resolved(getattr(config, name, _IDENTITY_DEFAULTS.get(name))) for name in RUN_IDENTITY
-    }
-    checkpoints = output_dir / "checkpoints"
-    if path.exists() and checkpoints.is_dir() and any(checkpoints.iterdir()):
-        recorded = json.loads(path.read_text())
-        changed = [name for name in RUN_IDENTITY if recorded.get(name, _IDENTITY_DEFAULTS.get(name)) != identity[name]]
+    identity = _run_identity(lambda name, default: _local_path_resolved(getattr(config, name, default)))
+    if holds_checkpoints(output_dir):
+        if not path.exists():
+            raise ValueError(
+                f"{output_dir}: this output dir holds checkpoints but no run.json, so whether this "
+                f"run is theirs ({', '.join(RUN_IDENTITY)}) cannot be checked: use another output dir"
+            )
+        try:
+            recorded = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not a run record ({error}): restore it, or use another output dir") from None
+        if not isinstance(recorded, dict):
+            raise ValueError(f"{path}: not a run record (a JSON object): restore it, or use another output dir")
+        recorded = _run_identity(recorded.get)
+        changed = [name for name in RUN_IDENTITY if recorded[name] != identity[name]]
         if changed:
             raise ValueError(
                 f"{path}: this output dir holds checkpoints of a run with "
-                + ", ".join(f"{name}={recorded.get(name)!r}" for name in changed)
+                + ", ".join(f"{name}={recorded[name]!r}" for name in changed)
                 + "; this one has "
                 + ", ".join(f"{name}={identity[name]!r}" for name in changed)
                 + ": resume with the same settings, or use another output dir"
@@ -316,6 +354,50 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
         staged = path.with_suffix(".tmp")
         staged.write_text(json.dumps(identity))
         os.replace(staged, path)  # other processes of the job never read half a file
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: Path):
+    """Holds an exclusive lock on ``output_dir`` (``output_dir/run.lock``) while the block runs:
+    a second run on the same dir would interleave its metrics and checkpoints with this one's.
+    The lock goes with the process, so a killed run leaves none behind."""
+    path = output_dir / "run.lock"
+    with path.open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"{output_dir}: another run is using this output dir ({path} is locked): "
+                "wait for it to end, or use another output dir"
+            ) from None
+        yield
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of ``path`` (metrics.jsonl), none if it does not exist. A last line that does
+    not parse is a record a killed run was writing: left out."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path}: line {number} is not a JSON record") from None
+    return records
+
+
+def keep_metrics_through(path: Path, step: int) -> None:
+    """Rewrites ``path`` (metrics.jsonl) to the records of steps 1..``step`` (the checkpoint a run
+    resumes from; 0: none): the steps after it run again and append their records. Of a step
+    logged twice (a dir written before this rewrite existed), the later record is kept: the
+    run that went on to the checkpoint wrote it. Atomic: a kill leaves the old file or the new."""
+    kept = {r["step"]: r for r in read_metrics(path) if r["step"] <= step}
+    staged = path.with_suffix(".tmp")
+    staged.write_text("".join(json.dumps(kept[s]) + "\n" for s in sorted(kept)), encoding="utf-8")
+    os.replace(staged, path)
 
 
 def _local_path_resolved(value):
@@ -414,11 +496,12 @@ def set_up(
     make_algorithm: Callable[[RLConfig, Policy], Algorithm],
     split_devices: Callable[[int], tuple[list, list]] | None = None,
 ):
-    """The one start-up path of both loops: join the job, claim the output dir (a resume must be
-    the same run), write or find the model, start the rollout worker, build the trainer's model
+    """The one start-up path of both loops: join the job, lock the output dir for the run's life
+    (process 0, which writes run.json and the metrics), claim it (a resume must be the same
+    run), write or find the model, start the rollout worker, build the trainer's model
     of the checkpoint's family (``flax_model_for``: every preset's), load its params, build the
-    algorithm, restore the latest checkpoint, and the task with the worker's tokenizer. The
-    worker is closed on leaving.
+    algorithm, restore the latest checkpoint (metrics.jsonl cut back to its step), and the task
+    with the worker's tokenizer. The worker is closed on leaving.
 
     ``split_devices`` None (the synchronous loop): the engines on every local device
     (``config.dp_size`` of them), the trainer's params placed as the engine places its weights
@@ -430,47 +513,55 @@ def set_up(
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     join()
-    claim_output_dir(config, output_dir)
-    if jax.process_count() > 1 and (config.wants_logprobs or config.check_consistency_every):
-        raise ValueError("return_logprobs, tis_cap and check_consistency_every run in one process only")
-    if config.prompts_per_step % jax.process_count():
-        raise ValueError(
-            f"prompts_per_step={config.prompts_per_step} does not split over {jax.process_count()} processes"
+    # One lock for the job: its other processes share the dir, writing only their own model
+    # copies and, through orbax, their shards of process 0's checkpoints.
+    lead = jax.process_index() == 0
+    with output_dir_lock(output_dir) if lead else contextlib.nullcontext():
+        claim_output_dir(config, output_dir)
+        if jax.process_count() > 1 and (config.wants_logprobs or config.check_consistency_every):
+            raise ValueError("return_logprobs, tis_cap and check_consistency_every run in one process only")
+        if config.prompts_per_step % jax.process_count():
+            raise ValueError(
+                f"prompts_per_step={config.prompts_per_step} does not split over {jax.process_count()} processes"
+            )
+        # Each process writes its own copy of the tiny model (the same bytes): no shared-file race.
+        model_dir = prepare_model(
+            config, output_dir if jax.process_count() == 1 else output_dir / f"process-{jax.process_index()}"
         )
-    # Each process writes its own copy of the tiny model (the same bytes): no shared-file race.
-    model_dir = prepare_model(
-        config, output_dir if jax.process_count() == 1 else output_dir / f"process-{jax.process_index()}"
-    )
-    trainer_devices, engine_devices = split_devices(config.tp_size) if split_devices else (None, None)
-    worker = RolloutWorker(worker_config(config, model_dir, engine_devices))
-    try:
-        model = flax_model_for(json.loads((model_dir / "config.json").read_text()), config.dtype)
-        hf_params = load_hf_params(model_dir)
-        if trainer_devices is None:
-            # Placed as the engine places its weights: syncs alias these buffers instead of copying.
-            shardings = worker.param_shardings()
-        else:
-            replicated = NamedSharding(Mesh(np.array(trainer_devices), ("data",)), PartitionSpec())
-            shardings = jax.tree_util.tree_map(lambda _: replicated, hf_params)
-        # Each process supplies its devices' slices (the shardings may span processes).
-        params = jax.tree_util.tree_map(
-            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: np.asarray(x[i], config.dtype)),
-            hf_params,
-            shardings,
-        )
-        if config.warm_start_steps:  # on a resume too: the KL reference (and a LoRA base) is this policy
-            params, loss = warm_start(model, params, worker.tokenizer, steps=config.warm_start_steps, seed=config.seed)
-            logger.info("warm start: %d supervised steps, loss %.3f", config.warm_start_steps, loss)
-        manager = checkpoint_manager(output_dir)
-        algorithm = make_algorithm(config, Policy(model, params, model_dir))
-        state = restore_or_init(manager, algorithm.init_trees(params))
-        if config.max_turns > 1:
-            task = ToolTask(config, worker.tokenizer, tiny=config.preset in TINY_MODELS)
-        else:
-            task = Task(config, worker.tokenizer)
-        yield Setup(output_dir, worker, algorithm, manager, state, task, trainer_devices)
-    finally:
-        worker.close()
+        trainer_devices, engine_devices = split_devices(config.tp_size) if split_devices else (None, None)
+        worker = RolloutWorker(worker_config(config, model_dir, engine_devices))
+        try:
+            model = flax_model_for(json.loads((model_dir / "config.json").read_text()), config.dtype)
+            hf_params = load_hf_params(model_dir)
+            if trainer_devices is None:
+                # Placed as the engine places its weights: syncs alias these buffers instead of copying.
+                shardings = worker.param_shardings()
+            else:
+                replicated = NamedSharding(Mesh(np.array(trainer_devices), ("data",)), PartitionSpec())
+                shardings = jax.tree_util.tree_map(lambda _: replicated, hf_params)
+            # Each process supplies its devices' slices (the shardings may span processes).
+            params = jax.tree_util.tree_map(
+                lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: np.asarray(x[i], config.dtype)),
+                hf_params,
+                shardings,
+            )
+            if config.warm_start_steps:  # on a resume too: the KL reference (and a LoRA base) is this policy
+                params, loss = warm_start(
+                    model, params, worker.tokenizer, steps=config.warm_start_steps, seed=config.seed
+                )
+                logger.info("warm start: %d supervised steps, loss %.3f", config.warm_start_steps, loss)
+            manager = checkpoint_manager(output_dir)
+            algorithm = make_algorithm(config, Policy(model, params, model_dir))
+            state = restore_or_init(manager, algorithm.init_trees(params))
+            if lead:  # the steps after the checkpoint run again: their records are logged again
+                keep_metrics_through(output_dir / "metrics.jsonl", state.step)
+            if config.max_turns > 1:
+                task = ToolTask(config, worker.tokenizer, tiny=config.preset in TINY_MODELS)
+            else:
+                task = Task(config, worker.tokenizer)
+            yield Setup(output_dir, worker, algorithm, manager, state, task, trainer_devices)
+        finally:
+            worker.close()
 
 
 def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
@@ -789,28 +880,34 @@ def _wandb(config: RLConfig):
 
 
 def _summary(config: RLConfig, output_dir: Path, history: list[dict], algorithm: Algorithm) -> dict:
-    if not history:
+    """The run's figures, logged and plotted: its rewards over the whole run (metrics.jsonl, the
+    steps before a resume included), the time of the steps this process ran (``history``)."""
+    records = read_metrics(output_dir / "metrics.jsonl")
+    if not records:
         return {}
-    window = max(1, min(5, len(history) // 4))
-    first = float(np.mean([r["reward"] for r in history[:window]]))
-    last = float(np.mean([r["reward"] for r in history[-window:]]))
+    window = max(1, min(5, len(records) // 4))
+    first = float(np.mean([r["reward"] for r in records[:window]]))
+    last = float(np.mean([r["reward"] for r in records[-window:]]))
     times = {k: float(sum(r[k] for r in history)) for k in ("sync_s", "generate_s", "train_s")}
-    summary = {"first_reward": first, "last_reward": last, "steps": len(history), **times}
+    summary = {"first_reward": first, "last_reward": last, "steps": len(records), "steps_run": len(history), **times}
     logger.info(
-        "reward %.3f -> %.3f (mean of the first and last %d steps); time sync %.1fs, generate %.1fs, train %.1fs",
+        "reward %.3f -> %.3f (mean of the first and last %d of %d steps); this run's %d steps: sync %.1fs, "
+        "generate %.1fs, train %.1fs",
         first,
         last,
         window,
+        len(records),
+        len(history),
         times["sync_s"],
         times["generate_s"],
         times["train_s"],
     )
-    evaluations = [r["eval_reward"] for r in history if "eval_reward" in r]
+    evaluations = [r["eval_reward"] for r in records if "eval_reward" in r]
     if evaluations:
         summary.update(first_eval_reward=evaluations[0], last_eval_reward=evaluations[-1])
         logger.info("eval reward %s (every %d steps)", " -> ".join(f"{x:.3f}" for x in evaluations), config.eval_every)
     if config.plot:
-        _plot(output_dir / "reward.png", history, algorithm.plot_panels)
+        _plot(output_dir / "reward.png", records, algorithm.plot_panels)
     return summary
 
 
@@ -865,9 +962,23 @@ def parse_args(config_class: type[RLConfig], presets: dict[str, RLConfig], argv=
     return dataclasses.replace(presets[args.preset], **overrides)
 
 
+def check_plotting(config: RLConfig) -> None:
+    """Refuses ``plot`` without matplotlib at start-up: the plot is drawn after the last step."""
+    if not config.plot:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise ValueError(
+            f"plot (reward.png, the default) needs matplotlib ({error}): pass --no-plot, or install "
+            "the examples extra (pip install -e '.[examples]')"
+        ) from None
+
+
 def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
     """Run ``main(config)`` as a command: INFO logs of the loop, a ConsistencyError as the exit
     message. ``--local-processes N`` (outside a job) runs the same command as N processes."""
+    check_plotting(config)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger(__name__).setLevel(logging.INFO)
     if config.local_processes > 1 and not os.environ.get(PROCESS_ID_ENV):

@@ -195,6 +195,24 @@ def test_consistency_check_stops_a_run_whose_engine_serves_another_policy(tmp_pa
 
 
 @pytest.mark.example_path
+def test_a_resume_after_an_interruption_logs_each_step_once(tmp_path):
+    """A run killed after step 3's record, during its checkpoint's write (orbax's temporary dir
+    left, checkpoint 2 the last) and half-way through writing a record: the rerun resumes from
+    step 2, runs step 3 again and leaves metrics.jsonl with steps 1-4 once each."""
+    small = ("--prompts-per-step", "2", "--group-size", "2", "--checkpoint-every", "2")
+    first = run_grpo(tmp_path / "run", *small, "--steps", "3")
+    assert [r["step"] for r in first] == [1, 2, 3]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "3").rename(checkpoints / "3.orbax-checkpoint-tmp")
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 4, "rew')
+    resumed = run_grpo(tmp_path / "run", *small, "--steps", "4")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert resumed[:2] == first[:2]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["2", "4"]
+
+
+@pytest.mark.example_path
 def test_qwen25_3b_preset_path_on_a_local_stand_in(chat_dir, tmp_path):
     """The qwen2.5-3b preset end to end with its downloads replaced by local files: chat
     template from the tokenizer, GSM8K rows and rewards, initial weights from the HF dir, the

@@ -1,14 +1,32 @@
-"""examples/rl_loop.py: an output dir is bound to one run; the fixed evaluation; the worker a run starts."""
+"""examples/rl_loop.py: an output dir is bound to one run (and locked while it runs); its
+metrics across resumes; config checks; the fixed evaluation; the worker a run starts."""
 
 import dataclasses
 import json
+import sys
 import types
 
 import numpy as np
 import pytest
 
-from examples.grpo import PRESETS
-from examples.rl_loop import EVAL_STREAM, Task, _evaluate, claim_output_dir, step_seed, worker_config
+from examples import rl_loop
+from examples.grpo import GRPO, PRESETS, GRPOConfig, parse_args
+from examples.ppo import PPOConfig
+from examples.rl_loop import (
+    EVAL_STREAM,
+    Task,
+    _evaluate,
+    _summary,
+    check_plotting,
+    claim_output_dir,
+    cli,
+    keep_metrics_through,
+    output_dir_lock,
+    read_metrics,
+    set_up,
+    step_seed,
+    worker_config,
+)
 
 
 def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monkeypatch):
@@ -91,3 +109,152 @@ def test_the_evaluation_rolls_out_the_same_problems_with_the_same_seeds_every_ti
     assert calls[0][1] not in {step_seed(config.seed, step) for step in range(config.steps)}
     with pytest.raises(ValueError, match="eval_every must be >= 0"):
         dataclasses.replace(config, eval_every=-1)
+
+
+def test_a_half_written_checkpoint_binds_nothing(tmp_path):
+    """A kill during the first checkpoint's write leaves only orbax's temporary dir: no
+    checkpoint, so a rerun may fix any setting."""
+    config = dataclasses.replace(PRESETS["tiny"], seed=2)
+    claim_output_dir(config, tmp_path)
+    (tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp").mkdir(parents=True)
+    claim_output_dir(dataclasses.replace(config, seed=0), tmp_path)
+    assert json.loads((tmp_path / "run.json").read_text())["seed"] == 0
+    (tmp_path / "checkpoints" / "4").mkdir()
+    with pytest.raises(ValueError, match="seed=0; this one has seed=2"):
+        claim_output_dir(config, tmp_path)
+
+
+def test_a_damaged_or_missing_run_record_is_refused_naming_the_file(tmp_path):
+    """Next to checkpoints, run.json is what says whose they are: without it (or unreadable)
+    the run's identity cannot be checked, so any seed would resume."""
+    config = PRESETS["tiny"]
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    with pytest.raises(ValueError, match=rf"{tmp_path}: this output dir holds checkpoints but no run\.json"):
+        claim_output_dir(config, tmp_path)
+    (tmp_path / "run.json").write_text("")
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'run.json'}: not a run record"):
+        claim_output_dir(config, tmp_path)
+    (tmp_path / "run.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"run\.json: not a run record \(a JSON object\)"):
+        claim_output_dir(config, tmp_path)
+
+
+def test_a_resume_compares_the_lora_alpha_a_run_trains_with(tmp_path):
+    """--lora-alpha 8 at rank 4 is the default's scale (2 x rank): the same run, also against a
+    run.json that recorded the default as null."""
+    config = GRPOConfig(lora_rank=4)
+    claim_output_dir(config, tmp_path)
+    assert json.loads((tmp_path / "run.json").read_text())["lora_alpha"] == 8.0
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)
+    claim_output_dir(dataclasses.replace(config, lora_alpha=8.0), tmp_path)
+    record = json.loads((tmp_path / "run.json").read_text())
+    (tmp_path / "run.json").write_text(json.dumps({**record, "lora_alpha": None}))
+    claim_output_dir(dataclasses.replace(config, lora_alpha=8.0), tmp_path)
+    with pytest.raises(ValueError, match=r"lora_alpha=8\.0; this one has lora_alpha=4\.0"):
+        claim_output_dir(dataclasses.replace(config, lora_alpha=4.0), tmp_path)
+
+
+def test_an_output_dir_takes_one_run_at_a_time(tmp_path):
+    """A second run on a dir in use fails at once, naming the dir, before it writes anything
+    (here the set-up would otherwise go on to start an engine, which this layer refuses)."""
+    config = dataclasses.replace(PRESETS["tiny"], output_dir=str(tmp_path))
+    with output_dir_lock(tmp_path):
+        with pytest.raises(RuntimeError, match=rf"{tmp_path}: another run is using this output dir"):
+            with output_dir_lock(tmp_path):
+                pass
+        with pytest.raises(RuntimeError, match="another run is using this output dir"):
+            with set_up(config, GRPO):
+                pass
+        assert not (tmp_path / "run.json").exists()
+    with output_dir_lock(tmp_path):  # released with its run
+        pass
+
+
+def record(step, reward=0.0):
+    return {"step": step, "reward": reward, "sync_s": 1.0, "generate_s": 2.0, "train_s": 3.0}
+
+
+def write_records(path, steps, tail=""):
+    path.write_text("".join(json.dumps(record(s, reward=s / 10)) + "\n" for s in steps) + tail)
+
+
+def test_a_resume_keeps_the_metrics_of_the_steps_its_checkpoint_holds(tmp_path):
+    """Killed after step 3's record (and half-way through step 4's) with a checkpoint at step 2:
+    the resume runs steps 3 and 4 again, so the file keeps steps 1-2 only, and what it then
+    appends reads back as one record a line."""
+    path = tmp_path / "metrics.jsonl"
+    write_records(path, [1, 2, 3], tail='{"step": 4, "rew')
+    # What appending after such a line gave: a line that is no record, in the middle of the file.
+    glued = tmp_path / "glued.jsonl"
+    write_records(
+        glued, [1, 2, 3], tail='{"step": 4, "rew' + json.dumps(record(3)) + "\n" + json.dumps(record(4)) + "\n"
+    )
+    with pytest.raises(ValueError, match=rf"{glued}: line 4 is not a JSON record"):
+        read_metrics(glued)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    keep_metrics_through(path, 2)
+    with path.open("a") as file:
+        file.write(json.dumps(record(3)) + "\n")
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["glued.jsonl", "metrics.jsonl"]
+    # No checkpoint (killed during the first one's write): nothing is kept.
+    keep_metrics_through(path, 0)
+    assert path.read_text() == ""
+    # A dir logged before the cut existed: a step logged twice keeps the later record, the
+    # resumed run's.
+    path.write_text("".join(json.dumps(record(s, reward=r)) + "\n" for s, r in [(1, 0), (2, 0), (1, 1), (2, 1)]))
+    keep_metrics_through(path, 5)
+    assert [(r["step"], r["reward"]) for r in read_metrics(path)] == [(1, 1), (2, 1)]
+    keep_metrics_through(tmp_path / "none.jsonl", 3)  # no metrics yet: an empty file
+    assert (tmp_path / "none.jsonl").read_text() == ""
+
+
+def test_the_summary_and_the_plot_cover_the_whole_run(tmp_path, monkeypatch):
+    """After a resume, the closing "reward a -> b" and reward.png are the run's (all of
+    metrics.jsonl), not only the steps this process ran; the times are this process's."""
+    write_records(tmp_path / "metrics.jsonl", range(1, 9))
+    plotted = []
+    monkeypatch.setattr(rl_loop, "_plot", lambda path, records, panels: plotted.append(records))
+    config = dataclasses.replace(PRESETS["tiny"], plot=True)
+    resumed = [record(7, 0.7), record(8, 0.8)]
+    summary = _summary(config, tmp_path, resumed, GRPO)
+    assert summary["first_reward"] == pytest.approx(0.15) and summary["last_reward"] == pytest.approx(0.75)
+    assert summary["steps"] == 8 and summary["steps_run"] == 2 and summary["train_s"] == 6.0
+    assert [[r["step"] for r in records] for records in plotted] == [list(range(1, 9))]
+
+
+def test_a_missing_matplotlib_is_refused_at_start_up(monkeypatch):
+    """--plot (the default) draws reward.png after the last step: without matplotlib the
+    command stops before its first step, saying what to do."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    started = []
+    with pytest.raises(ValueError, match=r"needs matplotlib .*--no-plot, or install the examples extra"):
+        cli("grpo", started.append, PRESETS["tiny"])
+    assert not started
+    check_plotting(dataclasses.replace(PRESETS["tiny"], plot=False))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: GRPOConfig(learning_rate=float("nan")),
+        lambda: GRPOConfig(kl_beta=float("nan")),
+        lambda: GRPOConfig(lora_rank=8, lora_alpha=float("inf")),
+        lambda: GRPOConfig(target_kl=float("nan")),
+        lambda: GRPOConfig(tis_cap=float("inf")),
+        lambda: PPOConfig(critic_learning_rate=float("nan")),
+        lambda: PPOConfig(value_clip=float("inf")),
+        lambda: parse_args(["--learning-rate", "nan"]),
+    ],
+)
+def test_float_settings_must_be_finite(make):
+    """NaN passes every range check (all its comparisons are false): --learning-rate nan would
+    log NaN metrics and save NaN checkpoints, --kl-beta nan switch the KL off."""
+    with pytest.raises(ValueError, match=r"\w+ must be a finite number, got (nan|inf|-inf)"):
+        make()
+
+
+def test_checkpoint_every_must_be_at_least_one():
+    """0 would divide by zero after the first step (the last step is always checkpointed)."""
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 1, got 0"):
+        dataclasses.replace(PRESETS["tiny"], checkpoint_every=0)
