@@ -590,6 +590,8 @@ class RolloutWorker:
                 self._kv_hold_reason = None
             elif self._kv_hold_reason is not None:  # held since the caller found it dropped
                 raise WorkerUnavailable(self._kv_hold_reason)
+            elif self._stale_reason is not None:  # a call the weights cannot serve (a train step
+                raise self._stale_error()  # may be running) must not take the KV cache back
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
@@ -810,9 +812,7 @@ class RolloutWorker:
     def _check_weights_alive(self) -> None:
         self._check_open()
         if self._stale_reason is not None:
-            raise WorkerUnavailable(
-                self._stale_reason, f"{self._stale_reason}: call worker.sync_params(params) before generate"
-            )
+            raise self._stale_error()
         freed = self._group.dead_leaves()
         if freed:
             index, dead = next(iter(freed.items()))
@@ -822,6 +822,11 @@ class RolloutWorker:
                 "the trainer donated buffers the engine was using. Call worker.sync_params(params) "
                 "before generate.",
             )
+
+    def _stale_error(self) -> WorkerUnavailable:
+        return WorkerUnavailable(
+            self._stale_reason, f"{self._stale_reason}: call worker.sync_params(params) before generate"
+        )
 
     def _check_open(self) -> None:
         if self._closed:

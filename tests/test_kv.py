@@ -153,6 +153,10 @@ def test_train_step_context_releases_trainer_buffers_and_requires_a_sync(worker,
         assert dropped.bytes > 0 and worker.kv_dropped
         # The engine holds none of the trainer's arrays: the train step owns them.
         assert not any(id(leaf) in trainer_leaves for leaf in worker.engine.weight_leaves())
+        # A call meanwhile (another thread's) is refused without taking the KV cache back.
+        with pytest.raises(WorkerUnavailable, match="train step ran since the last sync_params"):
+            greedy(worker)
+        assert worker.kv_dropped and worker.memory().kv_bytes == 0
         new_params = train_step(params)
     with pytest.raises(RuntimeError, match="train step ran since the last sync_params"):
         greedy(worker)
