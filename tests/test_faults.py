@@ -127,7 +127,7 @@ def test_bad_arguments_are_clear_errors(worker):
 
 
 @pytest.mark.one_end
-def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everywhere(qwen2_dir):
+def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everywhere(qwen2_dir, caplog):
     threads_before = set(threading.enumerate())
     worker = RolloutWorker(tiny_worker_config(qwen2_dir))
     engine = worker.engine
@@ -144,13 +144,30 @@ def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everyw
             except BaseException as exc:  # noqa: BLE001 - the test inspects it
                 outcome["error"] = exc
 
-        caller = threading.Thread(target=long_call)
-        caller.start()
-        wait_until(lambda: engine.requests_in_flight > 0)
+        def long_stream():
+            async def consume():
+                async for _ in worker.astream([PROMPT], n=2, max_new_tokens=240, ignore_eos=True):
+                    pass
+
+            try:
+                asyncio.run(consume())
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                outcome["stream_error"] = exc
+
+        callers = [threading.Thread(target=long_call), threading.Thread(target=long_stream)]
+        for caller in callers:
+            caller.start()
+        wait_until(lambda: engine.requests_in_flight >= 3)
         worker.close()
-        caller.join(timeout=60)
-        assert not caller.is_alive(), "the running call did not return after close()"
+        for caller in callers:
+            caller.join(timeout=60)
+            assert not caller.is_alive(), "a running call did not return after close()"
         assert isinstance(outcome.get("error"), WorkerClosed), outcome
+        assert isinstance(outcome.get("stream_error"), WorkerClosed), outcome
+        # No task left pending with the engine's stopped loop: once collected, asyncio logs
+        # each ("Task was destroyed but it is pending!", the stream's waits in the engine).
+        gc.collect()
+        assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
         assert not [t.name for t in set(threading.enumerate()) - threads_before if t.name.startswith("sglang-jax::")]
         body = {"model": qwen2_dir.name, "prompt": PROMPT, "max_tokens": 2}
         response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)

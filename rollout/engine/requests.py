@@ -342,6 +342,12 @@ class RequestLoop:
             self._result_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._result_task
+            # What else is left (0.0.2's waits on each row of a stream the close cut off) ends
+            # here: a task destroyed pending with the loop is logged as an error.
+            left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(stop_results(), self._loop).result(timeout=10)
