@@ -84,12 +84,6 @@ def main(model_dir: str, out_dir: str) -> None:
     results["sampled"] = worker.generate(PROMPTS[mine], prompt_offset=3 * me, **SAMPLED).completions
     results["greedy"] = worker.generate(PROMPTS[mine], **GREEDY).completions
     results["chunk_steps_served"] = sum(engine.decode_chunk_stats.steps_served for engine in worker.engines)
-    # A trainer's array put across the processes by jax.device_put (jax 0.12 cannot list its
-    # shards): the KV drop's accounting reads every live array, this one too.
-    beside = jax.device_put(np.ones((64, 1), np.float32), NamedSharding(Mesh(np.array(jax.devices()), ("all",)), P()))
-    dropped = worker.drop_kv()
-    results["kv_beside_device_put"] = {"dropped": dropped.bytes, "rebuilt": worker.rebuild_kv().bytes}
-    del beside
     save()
 
     # The trainer's FSDP layout over the global mesh: leading axis split over all 4 devices.

@@ -168,21 +168,23 @@ def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
     array may not say yet: jax 0.12 then raised "called on deleted or donated buffer")."""
     try:
         try:
-            pieces = [shard.data for shard in array.addressable_shards]
+            return {
+                (shard.device.id, shard.data.unsafe_buffer_pointer()): int(shard.data.nbytes)
+                for shard in array.addressable_shards
+            }
         except ValueError:
             # jax 0.12 cannot list the shards of an array that jax.device_put made of a
-            # one-device array across processes; each device's piece still reads.
-            pieces = [array.addressable_data(i) for i in range(len(array.sharding.addressable_devices))]
-        return {(_device_of(piece).id, piece.unsafe_buffer_pointer()): int(piece.nbytes) for piece in pieces}
+            # one-device array across processes with one device each: its one local piece is
+            # the array itself.
+            if len(array.sharding.addressable_devices) != 1:
+                raise
+            (device,) = array.sharding.addressable_devices
+            shard_bytes = math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+            return {(device.id, array.unsafe_buffer_pointer()): shard_bytes}
     except RuntimeError as exc:  # jax.errors.JaxRuntimeError is one
         if array.is_deleted() or "deleted" in str(exc):
             return {}
         raise
-
-
-def _device_of(piece: jax.Array):
-    (device,) = piece.devices()
-    return device
 
 
 def device_nbytes(array: jax.Array) -> int:
