@@ -155,6 +155,8 @@ def _how(returncode: int) -> str:
 # A stopped process gets SIGTERM, then SIGKILL this much later: a process of a JAX job takes
 # SIGTERM as a preemption notice and goes on (JAX's preemption notifier).
 _KILL_AFTER_S = 5.0
+# What a stopped launcher logs of each process's output.
+_OUTPUT_TAIL = 20_000
 
 # What a child runs first on Linux, before the program (``argv[1]``: the launcher's pid): the
 # kernel is to SIGKILL it when the launcher dies (PR_SET_PDEATHSIG), as a launcher killed with
@@ -190,8 +192,8 @@ def _stopped_by_signals():
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for signum, handler in previous.items():  # None: a handler not set from Python
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
@@ -222,8 +224,8 @@ def launch_local(
     (by default no limit: a training run takes what it takes). Once a process fails (a non-zero
     exit status or a signal), the others may go on for ``grace_s`` (to handle their ``PodError``
     and ``leave()``), then they are stopped: SIGTERM, SIGKILL 5 s later; so are they when the
-    launcher is interrupted or gets SIGTERM or SIGHUP, and on Linux they die with a launcher
-    killed outright. The results are in
+    launcher is interrupted or (called from the main thread) gets SIGTERM or SIGHUP, their
+    output then logged, and on Linux they die with a launcher killed outright. The results are in
     process order; a stopped process's ``stopped`` names the process that failed first and how.
     ``devices_per_process`` fakes that many host-platform devices in each process
     (``--xla_force_host_platform_device_count``)."""
@@ -247,8 +249,19 @@ def launch_local(
                     # One waiter per child: the launcher wakes on whichever ends first.
                     threading.Thread(target=lambda p=procs[i], i=i: (p.wait(), ends.put(i)), daemon=True).start()
                 seconds, stopped = _supervise(procs, ends, start, timeout_s, grace_s)
+        except BaseException:  # the launcher itself was interrupted or signalled
+            _stop(procs)
+            for i in range(len(procs)):  # the caller, which prints them from the results, gets none
+                output = (Path(logs) / f"{i}.log").read_text(errors="replace")
+                logger.warning(
+                    "--- process %d, stopped with the launcher (last %d characters) ---\n%s",
+                    i,
+                    _OUTPUT_TAIL,
+                    output[-_OUTPUT_TAIL:],
+                )
+            raise
         finally:
-            _stop(procs)  # any still running: the launcher itself was interrupted or signalled
+            _stop(procs)  # any left running
         return [
             ProcessResult(
                 i,

@@ -83,10 +83,14 @@ def test_the_launch_command_names_the_failed_process_and_exits_with_its_status(t
     assert "--- process 1 (exit status 3) ---\n" in done.stdout, done.stdout
 
 
-# Each process writes its pid where the test finds it, then waits for ever.
+# Each process says it waits, writes its pid where the test finds it (whole, by a rename), then
+# waits for ever.
 WAIT_FOREVER = """
 import os, pathlib, threading
-pathlib.Path({pids!r}, os.environ["JAX_PROCESS_ID"]).write_text(str(os.getpid()))
+print("process", os.environ["JAX_PROCESS_ID"], "waits", flush=True)
+staged = pathlib.Path({pids!r}, os.environ["JAX_PROCESS_ID"] + ".tmp")
+staged.write_text(str(os.getpid()))
+os.replace(staged, staged.with_suffix(""))
 threading.Event().wait()
 """
 
@@ -113,17 +117,22 @@ def _within(seconds: float, condition) -> bool:
 def test_stopping_the_launcher_stops_its_processes(tmp_path, stop):
     # A stopped `--local-processes N` run used to leave its processes training on their own.
     code = WAIT_FOREVER.format(pids=str(tmp_path))
-    launcher = subprocess.Popen([sys.executable, "-m", "rollout.launch", "-n", "2", "--", "-c", code])
+    command = [sys.executable, "-m", "rollout.launch", "-n", "2", "--", "-c", code]
+    launcher = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         assert _within(LAUNCH_TIMEOUT_S, lambda: all((tmp_path / str(i)).exists() for i in range(2)))
         pids = [int((tmp_path / str(i)).read_text()) for i in range(2)]
         launcher.send_signal(stop)
-        assert launcher.wait(timeout=LAUNCH_TIMEOUT_S) == (128 + stop if stop == signal.SIGTERM else -stop)
+        _, stderr = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
+        assert launcher.returncode == (128 + stop if stop == signal.SIGTERM else -stop), stderr
         assert _within(LAUNCH_TIMEOUT_S, lambda: all(_ended(pid) for pid in pids)), pids
+        if stop == signal.SIGTERM:  # their output is not lost with the launcher
+            for i in range(2):
+                assert f"--- process {i}, stopped with the launcher" in stderr and f"process {i} waits" in stderr
     finally:
         launcher.kill()
-        launcher.wait()
-        for file in tmp_path.iterdir():  # none left running, should the test fail
+        launcher.communicate()
+        for file in tmp_path.glob("[0-9]"):  # none left running, should the test fail
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(file.read_text()), signal.SIGKILL)
 
