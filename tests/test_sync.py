@@ -309,6 +309,7 @@ def test_trees_on_the_engines_devices_in_another_order_or_on_several_sets_sync_e
         assert greedy(tp_worker).completions != expected, name
         tp_worker.sync_params(unflatten_params(tree), check_finite=True)
         assert greedy(tp_worker).completions == expected, name
+        assert tp_worker.sync_memory_analysis(unflatten_params(tree)).output_size_in_bytes > 0, name
 
 
 def test_deleted_and_donated_buffers(tp_worker, hf_flat):

@@ -334,15 +334,16 @@ class SyncPlan:
             elif p.action is LeafAction.RELABEL:
                 out[p.engine.index] = relabel(flat[p.trainer_path], p.engine.sharding)
         if self.copies:
-            results = self._copy_fn(*[_on_engine_devices(flat[p.trainer_path], p.engine.sharding) for p in self.copies])
-            for p, array in zip(self.copies, results):
+            for p, array in zip(self.copies, self._copy_fn(*self._copy_inputs(flat))):
                 out[p.engine.index] = array
         return out
 
+    def _copy_inputs(self, flat: Mapping[str, object]) -> list:
+        return [_on_engine_devices(flat[p.trainer_path], p.engine.sharding) for p in self.copies]
+
     def memory_analysis(self, flat: Mapping[str, object]):
         """XLA's compiled memory analysis of the copy function (output and temp bytes)."""
-        arrays = [flat[p.trainer_path] for p in self.copies]
-        return self._copy_fn.lower(*arrays).compile().memory_analysis()
+        return self._copy_fn.lower(*self._copy_inputs(flat)).compile().memory_analysis()
 
     def report(self, version: int, seconds: float) -> SyncReport:
         aliased = [p for p in self.leaves if p.action is not LeafAction.COPY]
