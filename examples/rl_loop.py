@@ -385,7 +385,10 @@ def read_metrics(path: Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if number < len(lines):
-                raise ValueError(f"{path}: line {number} is not a JSON record") from None
+                raise ValueError(
+                    f"{path}: line {number} is not a JSON record (a record a killed run cut short, with the "
+                    "next one written onto it): repair or delete that line, then resume"
+                ) from None
     return records
 
 

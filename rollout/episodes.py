@@ -284,10 +284,13 @@ class TurnFrames:
     def _encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def prompt(self, messages: Sequence[Mapping]) -> list[int]:
-        """The first prompt's tokens: the messages rendered with the generation prompt."""
+    def prompt(self, messages: Sequence[Mapping], field: str = "prompts") -> list[int]:
+        """The first prompt's tokens: the messages rendered with the generation prompt;
+        InvalidRequest naming ``field`` without a chat template."""
         if not self.templated:
-            raise InvalidRequest("prompts", "message prompts need a tokenizer with a chat template: pass token ids")
+            raise InvalidRequest(
+                field, f"{field}: message prompts need a tokenizer with a chat template: pass token ids"
+            )
         return self._encode(self._render(list(messages), True))
 
     def close_turn(self, sampled: Sequence[int]) -> list[int]:
@@ -485,7 +488,7 @@ def _first_prompt(worker, frames: TurnFrames, limits: EpisodeLimits, prompt, fie
     InvalidRequest naming ``field`` when its first turn could not run: an episode of it would
     end before sampling a token, whereas generate refuses such a prompt."""
     messages = _is_messages(prompt)
-    ids = frames.prompt(prompt) if messages else list(token_id_list(field, prompt, worker.vocab_size))
+    ids = frames.prompt(prompt, field) if messages else list(token_id_list(field, prompt, worker.vocab_size))
     if not ids:
         raise InvalidRequest(field, f"{field} is empty")
     if len(ids) > worker.max_prompt_tokens:

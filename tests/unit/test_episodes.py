@@ -323,6 +323,13 @@ def test_arguments_are_checked_before_any_episode_starts(tokenizer, arguments, f
     assert made == [] and worker.calls == 0
 
 
+def test_a_message_prompt_without_a_chat_template_is_named():
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidRequest, match=r"prompts\[1\]: message prompts need a tokenizer") as error:
+        asyncio.run(run_episodes(ScriptedWorker(), [[5], messages], lambda i, j: Done()))
+    assert error.value.field == "prompts[1]"
+
+
 def test_checked_arguments_run():
     """What the checks let through: numpy integers, a width that holds every episode."""
     out = asyncio.run(
