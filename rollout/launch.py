@@ -163,7 +163,7 @@ _OUTPUT_TAIL = 20_000
 # SIGKILL cannot stop its children itself; a launcher already gone ends it at once.
 _DIE_WITH_LAUNCHER = (
     "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    os._exit(128 + signal.SIGKILL)\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
