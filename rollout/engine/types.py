@@ -179,8 +179,7 @@ def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
             if len(array.sharding.addressable_devices) != 1:
                 raise
             (device,) = array.sharding.addressable_devices
-            shard_bytes = math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
-            return {(device.id, array.unsafe_buffer_pointer()): shard_bytes}
+            return {(device.id, array.unsafe_buffer_pointer()): device_nbytes(array)}
     except RuntimeError as exc:  # jax.errors.JaxRuntimeError is one
         if array.is_deleted() or "deleted" in str(exc):
             return {}
