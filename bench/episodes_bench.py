@@ -1,7 +1,7 @@
 """Multi-turn episodes: the prefill the prefix cache and session pins save, and the wall time.
 
     python -m bench.episodes_bench [--prompts 16] [--n 4] [--turns 4] [--new-tokens 16] [--repeats 3]
-                                   [--small-pool TOKENS] [--env-delay S]
+                                   [--small-pool TOKENS] [--env-delay S] [--decode-steps K]
 
 ``prompts`` x ``n`` episodes (64) of ``turns`` turns (4) on the tiny chat model (2-layer Qwen2,
 hidden 256, byte-level BPE, ChatML template; float32): each turn samples ``new_tokens`` tokens
@@ -22,7 +22,9 @@ nothing. ``--small-pool TOKENS`` adds the first two variants again with a pool o
 tokens (sessions may pin half of it, the default), where running turns evict unpinned
 conversations; ``--env-delay S``: each environment step sleeps a random 0..S seconds (a tool
 call; drawn for each step, the same draws in every run), which leaves conversations idle in the
-cache while other episodes' turns need its memory.
+cache while other episodes' turns need its memory; ``--decode-steps K`` adds the default
+variant with ``WorkerConfig(decode_steps=K)`` (turns arrive while others decode: each waits for
+the running chunks' steps, then joins) and reports its chunks.
 
 Per variant: the turns' prefill (the sum of ``EpisodeTurn.prefill_tokens``, by turn: the tokens
 the engine's prefills computed, a turn it retracted when the pool ran out and prefilled again
@@ -44,6 +46,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import jax
@@ -69,6 +72,7 @@ class EpisodesBenchConfig:
     small_pool: int | None = None
     env_delay: float = 0.0
     precompile: bool = True
+    decode_steps: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,7 @@ class Variant:
     prefix_cache: bool
     pin_prefix: bool
     pool: int
+    decode_steps: int = 1
 
 
 class Chat:
@@ -138,6 +143,7 @@ def measure(variant: Variant, model_dir: Path, config: EpisodesBenchConfig) -> d
         chunked_prefill_size=1024,
         prefix_cache=variant.prefix_cache,
         precompile=config.precompile,  # every prefill and decode shape at start-up: none compiles in a timed run
+        decode_steps=variant.decode_steps,
     )
     limits = EpisodeLimits(max_turns=config.turns, max_new_tokens=config.new_tokens, pin_prefix=variant.pin_prefix)
     started = time.perf_counter()
@@ -147,7 +153,7 @@ def measure(variant: Variant, model_dir: Path, config: EpisodesBenchConfig) -> d
 
         def run() -> dict:
             worker.sync_params(params)  # the same weights: flushes the prefix cache
-            forwards = worker.engine.forward_count
+            forwards, chunks = worker.engine.forward_count, worker.engine.decode_chunk_stats
             with counting_compiles() as compiles:
                 start = time.perf_counter()
                 out = worker.run_episodes(
@@ -160,9 +166,11 @@ def measure(variant: Variant, model_dir: Path, config: EpisodesBenchConfig) -> d
                     ignore_eos=True,
                 )
                 seconds = time.perf_counter() - start
+            chunks_after = worker.engine.decode_chunk_stats
             return {
                 "wall_s": seconds,
                 "forwards": worker.engine.forward_count - forwards,
+                "chunks": None if chunks is None else [b - a for a, b in zip(astuple(chunks), astuple(chunks_after))],
                 "compiles": compiles.value,
                 **figures(out),
                 "_tokens": [e.token_ids for e in out.episodes],
@@ -180,6 +188,7 @@ def measure(variant: Variant, model_dir: Path, config: EpisodesBenchConfig) -> d
         "prefix_cache": variant.prefix_cache,
         "pin_prefix": variant.pin_prefix,
         "pool_tokens": variant.pool,
+        "decode_steps": variant.decode_steps,
         "start_up_s": start_up,
         "warm_up_s": warm["wall_s"],
         "warm_up_compiles": warm["compiles"],
@@ -211,6 +220,9 @@ def main(config: EpisodesBenchConfig) -> None:
         Variant("cache, no pins", True, False, POOL),
         Variant("no cache", False, False, POOL),
     ]
+    if config.decode_steps:
+        steps = config.decode_steps
+        variants.append(Variant(f"cache + pins, decode_steps={steps}", True, True, POOL, steps))
     if config.small_pool:
         variants += [
             Variant("cache + pins", True, True, config.small_pool),
@@ -258,6 +270,9 @@ def main(config: EpisodesBenchConfig) -> None:
             f"statuses {r['statuses']}, finish reasons {r['finish_reasons']}",
             f"each run: prefill {r['prefill_tokens_each']}, compiles {r['compiles_each']}",
         ]
+        if r["chunks"] is not None:
+            dispatched, served, discarded = r["chunks"]
+            notes.append(f"chunks dispatched {dispatched}, steps served {served}, row-steps thrown away {discarded}")
         if r["prefix_cache"]:
             notes.append(
                 f"pins made {r['pins_made']}, released for the budget ({r['session_budget_tokens']} tokens): "
@@ -284,9 +299,10 @@ def parse_args() -> EpisodesBenchConfig:
     parser.add_argument("--small-pool", type=int, default=d.small_pool)
     parser.add_argument("--env-delay", type=float, default=d.env_delay)
     parser.add_argument("--no-precompile", action="store_true", help="compile in the warm-up run instead")
+    parser.add_argument("--decode-steps", type=int, default=d.decode_steps, help="add a variant with decode chunks")
     a = parser.parse_args()
     return EpisodesBenchConfig(
-        a.prompts, a.n, a.turns, a.new_tokens, a.repeats, a.small_pool, a.env_delay, not a.no_precompile
+        a.prompts, a.n, a.turns, a.new_tokens, a.repeats, a.small_pool, a.env_delay, not a.no_precompile, a.decode_steps
     )
 
 
