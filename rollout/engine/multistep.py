@@ -18,9 +18,10 @@ lands between steps:
 
 - a request that finished or was aborted leaves the batch as before; the chunk's slots it did
   not reach are freed;
-- a boundary call (an in-flight swap, a session release) or a weight swap ends the chunks (the
-  one served and the one ahead): their unused slots are freed and the next step dispatches a
-  new one under the current weights;
+- a boundary call that may change the weights or the running rows' KV (an in-flight swap; a
+  session's release keeps them) or a weight swap ends the chunks (the one served and the one
+  ahead): their unused slots are freed and the next step dispatches a new one under the
+  current weights;
 - a request that arrives while the chunks compute the next step of every running row waits
   for them to run out (no chunk is dispatched ahead while one waits), then joins in one
   prefill with everything else that arrived: ending the chunks would throw away their steps
