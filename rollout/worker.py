@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
@@ -238,24 +239,26 @@ class RolloutWorker:
         """
         if (adapters is None) != (lora is None):
             raise ValueError("sync_params: adapters and lora (a LoraConfig) go together")
-        merge = None
+        merge, given = None, {}  # given: the unmerged factors' paths in the caller's tree
         if adapters is not None and self.config.unmerged_lora is not None:
             try:
                 flat = flatten_params(params)
             except (TypeError, ValueError) as exc:
                 raise SyncError(str(exc)) from None
-            params = {**flat, **self._unmerged_adapters(adapters, lora, flat)}
+            adapter_flat, given = self._unmerged_adapters(adapters, lora, flat)
+            params = {**flat, **adapter_flat}
         elif adapters is not None:
             merge = (adapters, lora)
-        return self._sync(
-            params,
-            "sync_params",
-            lora=merge,
-            allow_cast=allow_cast,
-            check_finite=check_finite,
-            in_flight=in_flight,
-            recompute_kv=recompute_kv,
-        )
+        with _naming_factors_as_given(given):
+            return self._sync(
+                params,
+                "sync_params",
+                lora=merge,
+                allow_cast=allow_cast,
+                check_finite=check_finite,
+                in_flight=in_flight,
+                recompute_kv=recompute_kv,
+            )
 
     def sync_adapters(
         self,
@@ -276,12 +279,13 @@ class RolloutWorker:
         (``WorkerConfig.max_loras`` > 1; the name's slot if it has one), for the calls that
         ask for them (``generate(..., lora=name)``); :meth:`unload_adapters` frees the slot."""
         self._check_open()
-        flat = self._unmerged_adapters(adapters, lora, None)
+        flat, given = self._unmerged_adapters(adapters, lora, None)
         with self._sync_lock:  # syncs take turns: the slot chosen is still free when it is filled
             slot = self._adapter_slot(name)
             flat = {in_slot(path, slot): leaf for path, leaf in flat.items()}
             swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
-            report = self._sync(flat, "sync_adapters", allow_cast=True, **swap)
+            with _naming_factors_as_given({in_slot(path, slot): path_given for path, path_given in given.items()}):
+                report = self._sync(flat, "sync_adapters", allow_cast=True, **swap)
             if name is not None:
                 with self._state_lock:
                     for weights in self._group.weights:
@@ -323,10 +327,13 @@ class RolloutWorker:
             known = any(weights.engine.lora_names.pop(name, None) is not None for weights in self._group.weights)
         return known
 
-    def _unmerged_adapters(self, adapters: Mapping, lora: LoraConfig | None, base: Mapping | None) -> dict:
+    def _unmerged_adapters(
+        self, adapters: Mapping, lora: LoraConfig | None, base: Mapping | None
+    ) -> tuple[dict, dict[str, str]]:
         """The adapter tree, checked (against the flat ``base``, or the served kernels' shapes)
-        and under the engine's factor names; SyncError when the worker serves no unmerged
-        adapters or ``lora`` is not the configuration they were started with."""
+        and under the engine's factor names, and each such name's path in ``adapters``; SyncError
+        when the worker serves no unmerged adapters or ``lora`` is not the configuration they
+        were started with."""
         served = self.config.unmerged_lora
         if served is None:
             raise SyncError(
@@ -345,7 +352,7 @@ class RolloutWorker:
             raise SyncError(f"adapters: {exc}") from None
         kernels = [m.trainer for m in self.mappings if m.trainer.endswith(".kernel")]
         collect_adapters(flat, self._group.first.kernel_shapes() if base is None else base, kernels, served)
-        return canonical_adapters(flat)
+        return canonical_adapters(flat), canonical_adapters({path: path for path in flat})
 
     def _sync(
         self,
@@ -905,6 +912,23 @@ class RolloutWorker:
     def check_consistency(self, params: Mapping, prompts, **kwargs) -> ConsistencyReport:
         """Engine log-probs against the Flax model's on ``params``: see :func:`rollout.check_consistency`."""
         return check_consistency(self, params, prompts, **kwargs)
+
+
+@contextlib.contextmanager
+def _naming_factors_as_given(given: Mapping[str, str]) -> Iterator[None]:
+    """SyncErrors raised inside name each adapter factor by its path in the caller's tree
+    (``given``: the engine's path of a factor -> the caller's), not by the name the sync gave
+    it (this project's factor names, a named slot's: ``q_proj.lora_a_1``)."""
+    renamed = {engine: path for engine, path in given.items() if engine != path}
+    try:
+        yield
+    except SyncError as exc:
+        if not renamed:
+            raise
+        # Longest first, and never inside a longer name: "x.lora_a" is not read in "x.lora_a_1".
+        names = "|".join(map(re.escape, sorted(renamed, key=len, reverse=True)))
+        message = re.sub(rf"(?<![\w.])(?:{names})(?![\w.])", lambda m: renamed[m.group(0)], str(exc))
+        raise SyncError(message) from None
 
 
 def _combine_sync_reports(reports: list[SyncReport], compiles: int) -> SyncReport:

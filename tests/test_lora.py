@@ -5,6 +5,7 @@ tests/test_families.py, the adapter tables and names in tests/unit/test_lora.py.
 import asyncio
 import gc
 import json
+import re
 import weakref
 
 import jax
@@ -144,9 +145,15 @@ def test_bad_adapters_are_refused_naming_what_is_wrong_and_the_adapters_keep_ser
     nan = dict(served.adapters)
     nan["model.layers_1.mlp.up_proj.lora_b"] = np.full_like(nan["model.layers_1.mlp.up_proj.lora_b"], np.nan)
     missing = {p: leaf for p, leaf in served.adapters.items() if p != "model.layers_1.self_attn.v_proj.lora_b"}
+    qwix_nan = {re.sub(r"\.(lora_[ab])$", r".kernel_\1", p): leaf for p, leaf in nan.items()}
     cases = [
         (lambda: worker.sync_adapters(unflatten_params(bad_rank)), rf"'{q_a}' has shape \(256, 2\)"),
         (lambda: worker.sync_adapters(unflatten_params(nan)), r"nan/inf\) in: model.layers_1.mlp.up_proj.lora_b"),
+        # Named as the caller's tree names them (qwix's names), not as the engine does.
+        (
+            lambda: worker.sync_adapters(unflatten_params(qwix_nan)),
+            r"nan/inf\) in: model.layers_1.mlp.up_proj.kernel_lora_b$",
+        ),
         (lambda: worker.sync_adapters(unflatten_params(missing)), "'model.layers_1.self_attn.v_proj.lora_a' has no"),
         (
             lambda: worker.sync_params(served.base, adapters=served.placed_adapters, lora=LoraConfig(4, 4.0)),
@@ -302,6 +309,12 @@ def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
     worker = slotted
     for name in worker.adapter_names():
         assert worker.unload_adapters(name)
+    # A named slot's factors are named as the caller's tree names them (not lora_b_1).
+    up_b = "model.layers_1.mlp.up_proj.lora_b"
+    nan = {**served.adapters, up_b: np.full_like(served.adapters[up_b], np.nan)}
+    with pytest.raises(SyncError, match=rf"nan/inf\) in: {re.escape(up_b)}$"):
+        worker.sync_adapters(unflatten_params(nan), name="one")
+    assert worker.adapter_names() == []
     worker.sync_adapters(unflatten_params(served.adapters), name="one")
     worker.sync_adapters(unflatten_params(served.adapters), name="two")
     with pytest.raises(SyncError, match=r"max_loras=3 holds the default adapters and 2 named ones \(\['one', 'two'\]"):
