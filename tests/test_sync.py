@@ -395,3 +395,34 @@ def test_param_shardings_give_zero_copy_except_repeated_kv_heads(tp_worker, hf_f
             assert leaves[by_path[m.engine].index] is flat[m.trainer], m.trainer
     assert report.bytes_aliased == sum(flat[m.trainer].nbytes for m in tp_worker.mappings if m not in repeated)
     assert greedy(tp_worker).compiles == 0
+
+
+def test_a_train_steps_output_syncs_as_the_tree_it_was_given_and_compiles_nothing(tp_worker, hf_flat):
+    """A jitted train step returns the placement ``param_shardings()`` gave spelled jit's way
+    (``P()`` for ``P(None, None)``, ``P('tensor')`` for ``P('tensor', None)``): the same plan
+    syncs it (the copy compiled once), its aliased leaves wrapped in the engine's shardings."""
+    placed = jax.device_put(unflatten_params(hf_flat), tp_worker.param_shardings())
+    first = tp_worker.sync_params(placed)
+    stepped = flatten_params(jax.jit(lambda tree: jax.tree.map(lambda x: x * 2.0, tree))(placed))
+    before = flatten_params(placed)
+    repeated = {m.trainer for m in tp_worker.mappings if m.engine_transform.value == "repeat_kv_heads"}
+    respelled = [path for path, leaf in stepped.items() if leaf.sharding != before[path].sharding]
+    assert set(respelled) - repeated, "the test's premise: jit respells some aliased leaves' shardings"
+    report = tp_worker.sync_params(unflatten_params(stepped))
+    assert report.compiles == 0
+    assert (report.leaves_aliased, report.leaves_copied, report.bytes_copied) == (
+        first.leaves_aliased,
+        first.leaves_copied,
+        first.bytes_copied,
+    )
+    assert report.leaves_relabeled == len(set(respelled) - repeated)
+    leaves = tp_worker.engine.weight_leaves()
+    specs = {leaf.path: leaf for leaf in tp_worker.leaves}
+    for m in tp_worker.mappings:
+        served, spec = leaves[specs[m.engine].index], specs[m.engine]
+        assert served.sharding == spec.sharding, m.trainer
+        np.testing.assert_array_equal(
+            np.asarray(served), expected_engine_leaf(m, stepped[m.trainer], spec.shape, tp_worker.head_dim)
+        )
+    assert greedy(tp_worker).compiles == 0
+    tp_worker.sync_params(placed)

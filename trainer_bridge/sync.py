@@ -1,9 +1,12 @@
 """Sync plans: a trainer param tree -> the engine's weight leaves, zero-copy wherever possible.
 
-A plan is compiled once per (tree structure, leaf shapes, dtypes and placements, engine). Per
+A plan is compiled once per (tree structure, leaf shapes, dtypes and placements, engine), a
+placement being where each slice of a leaf lives, however its sharding spells it: a jitted train
+step returns ``P()`` where ``param_shardings()`` gave ``P(None, None)``, the same placement. Per
 engine leaf it chooses:
 
-- ``alias``: the trainer's array is used as it is (same shape, dtype and sharding object);
+- ``alias``: the trainer's array is used as it is (same shape, dtype and sharding; one whose
+  sharding spells the same placement otherwise is wrapped in the engine's, as for ``relabel``);
 - ``relabel``: same buffers, wrapped in the engine's sharding object after checking that every
   device holds the same slice under both (zero bytes moved; the engine's jit cache needs its
   own sharding object to hit);
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -87,10 +91,25 @@ class SyncReport:
     per_engine: tuple[SyncReport, ...] = ()
 
 
+@functools.lru_cache(maxsize=4096)  # runs for every leaf of every sync; shardings are few
+def _placement(sharding: jax.sharding.Sharding):
+    """``sharding`` as a key equal for the spellings of one placement: a NamedSharding's spec
+    without trailing Nones and with 1-tuples as their name (what jit's outputs carry)."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = [
+        None if entry == () else entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
+        for entry in sharding.spec
+    ]
+    while spec and spec[-1] is None:
+        spec.pop()
+    return (sharding.mesh, tuple(spec), sharding.memory_kind)
+
+
 def _leaf_signature(path: str, leaf) -> tuple:
     # Runs for every leaf of every sync: dtype objects, not their (slow) string forms.
     if isinstance(leaf, jax.Array):
-        return (leaf.shape, leaf.dtype, leaf.sharding)
+        return (leaf.shape, leaf.dtype, _placement(leaf.sharding))
     if isinstance(leaf, np.ndarray):
         return (np.ndarray, leaf.shape, leaf.dtype)
     if isinstance(leaf, jax.ShapeDtypeStruct):
@@ -304,6 +323,7 @@ class SyncPlan:
     def __init__(self, plans: list[LeafPlan], head_dim: int):
         self.leaves = plans
         self.copies = [p for p in plans if p.action is LeafAction.COPY]
+        self.relabeled = sum(p.action is LeafAction.RELABEL for p in plans)  # by the last execute
         copies = self.copies
 
         def transform_all(*arrays):
@@ -328,11 +348,14 @@ class SyncPlan:
     def execute(self, flat: Mapping[str, object]) -> dict[int, jax.Array]:
         """New engine leaves by engine index. Trainer arrays are never modified."""
         out: dict[int, jax.Array] = {}
+        self.relabeled = 0
         for p in self.leaves:
-            if p.action is LeafAction.ALIAS:
-                out[p.engine.index] = flat[p.trainer_path]
-            elif p.action is LeafAction.RELABEL:
-                out[p.engine.index] = relabel(flat[p.trainer_path], p.engine.sharding)
+            leaf = flat[p.trainer_path]
+            if p.action is LeafAction.ALIAS and leaf.sharding == p.engine.sharding:
+                out[p.engine.index] = leaf
+            elif p.action is not LeafAction.COPY:  # the plan's placement: same slices (plan_key)
+                out[p.engine.index] = relabel(leaf, p.engine.sharding)
+                self.relabeled += 1
         if self.copies:
             for p, array in zip(self.copies, self._copy_fn(*self._copy_inputs(flat))):
                 out[p.engine.index] = array
@@ -350,7 +373,7 @@ class SyncPlan:
         return SyncReport(
             version=version,
             leaves_aliased=len(aliased),
-            leaves_relabeled=sum(p.action is LeafAction.RELABEL for p in self.leaves),
+            leaves_relabeled=self.relabeled,
             leaves_copied=len(self.copies),
             leaves_resharded=sum(p.reshard_only for p in self.copies),
             bytes_aliased=sum(p.nbytes for p in aliased),
