@@ -1,6 +1,6 @@
 """GRPO with an in-process sglang-jax rollout worker.
 
-    python -m examples.grpo                       # tiny preset: a few minutes on a CPU
+    python -m examples.grpo                       # tiny preset: about 1.5 minutes on a 2-core CPU
     python -m examples.grpo --preset tiny-llama   # the same on a tiny Llama-3-style model
     python -m examples.grpo --preset tiny-moe     # the same on a tiny Qwen3-MoE (8 experts, top-2)
     python -m examples.grpo --preset qwen2.5-3b   # Qwen2.5-3B-Instruct on GSM8K (TPU, network)

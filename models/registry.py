@@ -2,8 +2,8 @@
 
 A family is data: its mapping table (trainer <-> HF <-> engine names, ``models/<family>.py``),
 the Flax trainer model that has exactly the trainer paths of that table, and the config
-features both sides agree on (RoPE scaling types). Adding a family is adding an entry here
-(docs/models.md, "Adding a model family").
+features both sides agree on (RoPE scaling types). A new family gets an entry here, beside its
+table, its Flax model and its tiny builder (docs/models.md, "Adding a model family").
 """
 
 from __future__ import annotations
