@@ -24,7 +24,21 @@ import numpy as np
 
 from .logprobs import table_logits
 
-ARCHITECTURES = ("qwen2", "qwen3", "llama")
+
+@dataclasses.dataclass(frozen=True)
+class DenseArchitecture:
+    """What sets one dense family's decoder apart from the others (by HF ``model_type``)."""
+
+    hf_class: str  # config.json "architectures": the class transformers and the engine load
+    attention_bias: bool = False  # biases on the q, k and v projections
+    qk_norm: bool = False  # an RMSNorm of each head's q and k before RoPE
+
+
+ARCHITECTURES = {
+    "qwen2": DenseArchitecture("Qwen2ForCausalLM", attention_bias=True),
+    "qwen3": DenseArchitecture("Qwen3ForCausalLM", qk_norm=True),
+    "llama": DenseArchitecture("LlamaForCausalLM"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +106,11 @@ class DecoderConfig:
 
     @property
     def attention_bias(self) -> bool:
-        return self.architecture == "qwen2"
+        return ARCHITECTURES[self.architecture].attention_bias
 
     @property
     def qk_norm(self) -> bool:
-        return self.architecture == "qwen3"
+        return ARCHITECTURES[self.architecture].qk_norm
 
     def feed_forward(self, layer: int) -> nn.Module:
         """Decoder layer ``layer``'s feed-forward block, built inside that layer as "mlp"."""
@@ -113,8 +127,9 @@ class DecoderConfig:
         model_type = source.get("model_type")
         if model_type not in ARCHITECTURES:
             raise ValueError(f"model_type {model_type!r} is not supported ({', '.join(ARCHITECTURES)})")
-        if model_type == "llama" and (source.get("attention_bias") or source.get("mlp_bias")):
-            raise ValueError("config.json: Llama with attention_bias or mlp_bias is not supported")
+        features = ARCHITECTURES[model_type]
+        if (source.get("attention_bias") and not features.attention_bias) or source.get("mlp_bias"):
+            raise ValueError(f"config.json: {model_type} with attention_bias or mlp_bias is not supported")
         heads = source["num_attention_heads"]
         return cls(
             architecture=model_type,

@@ -65,7 +65,7 @@ def _qwen3_moe_flax(config: dict, dtype: str):
 
 FAMILIES: dict[str, Family] = {
     "qwen2": Family("qwen2", qwen2.MAPPING, _decoder_flax),
-    "qwen3": Family("qwen3", qwen3.MAPPING, _decoder_flax),
+    "qwen3": Family("qwen3", qwen3.MAPPING, _decoder_flax, unsupported_flags=("attention_bias",)),
     "llama": Family("llama", llama.MAPPING, _decoder_flax, unsupported_flags=("attention_bias", "mlp_bias")),
     # 0.0.2's Qwen3-MoE attention builds its RotaryEmbedding without the config's rope_scaling.
     qwen3_moe.MODEL_TYPE: Family(

@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from .decoder_flax import ARCHITECTURES
+
 # The default head_dim: the engine's fast TPU attention kernel works in 128-lane blocks.
 TINY_HEAD_DIM = 128
 
-_HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAR_VOCAB = "0123456789+-*=() "
@@ -101,8 +102,8 @@ class TinyModelSpec:
     added_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.architecture not in _HF_ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {sorted(_HF_ARCHITECTURES)}, got {self.architecture!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, got {self.architecture!r}")
         if self.tokenizer not in ("bpe", "chars"):
             raise ValueError(f"tokenizer must be 'bpe' or 'chars', got {self.tokenizer!r}")
         if (self.extra_chars or self.added_tokens) and self.tokenizer != "chars":
@@ -116,7 +117,7 @@ class TinyModelSpec:
 
     def hf_config(self) -> dict:
         return {
-            "architectures": [_HF_ARCHITECTURES[self.architecture]],
+            "architectures": [ARCHITECTURES[self.architecture].hf_class],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -132,7 +133,7 @@ class TinyModelSpec:
             "rope_scaling": self.rope_scaling,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.architecture == "qwen2",
+            "attention_bias": ARCHITECTURES[self.architecture].attention_bias,
             "attention_dropout": 0.0,
             "use_sliding_window": False,
             "sliding_window": None,
@@ -156,6 +157,7 @@ def random_hf_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
     shows up in greedy tokens, yet temperature sampling still varies.
     """
     rng = np.random.default_rng(spec.seed)
+    features = ARCHITECTURES[spec.architecture]
     hidden, inter, head_dim = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_out = spec.num_attention_heads * head_dim
     kv_out = spec.num_key_value_heads * head_dim
@@ -177,11 +179,11 @@ def random_hf_weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
         weights[p + "self_attn.k_proj.weight"] = linear(kv_out, hidden)
         weights[p + "self_attn.v_proj.weight"] = linear(kv_out, hidden)
         weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_out)
-        if spec.architecture == "qwen2":
+        if features.attention_bias:
             weights[p + "self_attn.q_proj.bias"] = bias(q_out)
             weights[p + "self_attn.k_proj.bias"] = bias(kv_out)
             weights[p + "self_attn.v_proj.bias"] = bias(kv_out)
-        elif spec.architecture == "qwen3":
+        if features.qk_norm:
             weights[p + "self_attn.q_norm.weight"] = norm(head_dim)
             weights[p + "self_attn.k_norm.weight"] = norm(head_dim)
         weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)

@@ -8,7 +8,16 @@ import jax
 import numpy as np
 import pytest
 
-from models import FAMILIES, Condition, TinyMoeSpec, mappings_for, tiny_random_llama_spec, write_tiny_model
+from models import (
+    FAMILIES,
+    Condition,
+    DecoderConfig,
+    TinyModelSpec,
+    TinyMoeSpec,
+    mappings_for,
+    tiny_random_llama_spec,
+    write_tiny_model,
+)
 from rollout import RolloutWorker
 from tests.helpers import CASES, flax_model, tiny_worker_config
 from trainer_bridge import flatten_params
@@ -52,6 +61,20 @@ def test_mapping_table_expands_router_and_experts_in_sparse_layers_only(moe_dir)
     model = flax_model(moe_dir)
     shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
     assert set(flatten_params(shapes)) == set(entries)
+
+
+def test_biases_a_familys_decoder_lacks_are_refused(tmp_path):
+    """Qwen3's decoder has no q/k/v biases (Qwen2's has): a Qwen3 config asking for them is
+    refused before anything starts, and by the Flax model."""
+    model_dir = write_tiny_model(tmp_path, TinyModelSpec(architecture="qwen3"), with_tokenizer=False)
+    config_file = model_dir / "config.json"
+    config = {**json.loads(config_file.read_text()), "attention_bias": True}
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="attention_bias=True is not supported for qwen3"):
+        RolloutWorker(tiny_worker_config(model_dir))
+    with pytest.raises(ValueError, match="qwen3 with attention_bias or mlp_bias is not supported"):
+        DecoderConfig.from_hf(config)
+    assert DecoderConfig.from_hf({**config, "model_type": "qwen2"}).attention_bias
 
 
 UNSUPPORTED_MOE = [
