@@ -21,20 +21,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from examples.reporting import summarize
 from examples.rl_loop import (
     Algorithm,
     Policy,
     RLConfig,
     Rollout,
     Setup,
-    _summary,
     rollout_arrays,
     rollout_metrics,
-    save_train_state,
     set_up,
     step_seed,
     sync_policy,
 )
+from examples.run_dir import save_train_state
 from rollout import RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
                 save_train_state(manager, state)
         manager.wait_until_finished()
     wall_s = time.perf_counter() - start
-    summary = _summary(config, output_dir, history, algorithm)
+    summary = summarize(config, output_dir, history, algorithm)
     logger.info("async rollout: %d steps in %.1f s wall-clock", len(history), wall_s)
     return {**summary, "wall_s": wall_s}
 

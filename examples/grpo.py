@@ -42,7 +42,6 @@ from examples.rl_loop import (
     RLConfig,
     Rollout,
     cli,
-    effective_lora_alpha,
     mismatch_metrics,
     model_inputs,
     routing_probe,
@@ -52,6 +51,7 @@ from examples.rl_loop import (
     parse_args as parse_config,
 )
 from examples.rl_update import make_optimizer, make_train_step, run_updates
+from examples.run_dir import effective_lora_alpha
 from trainer_bridge import LoraConfig, apply_adapters, flatten_params, init_adapters
 
 logger = logging.getLogger(__name__)

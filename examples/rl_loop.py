@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import math
@@ -33,7 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from examples.rl_update import place_fresh_leaves
+from examples.reporting import check_plotting, postfix, progress_bar, start_wandb, summarize
+from examples.run_dir import (
+    TrainState,
+    checkpoint_manager,
+    claim_output_dir,
+    keep_metrics_through,
+    output_dir_lock,
+    restore_or_init,
+    save_train_state,
+)
 from examples.tasks import Problem, addition_problems, addition_reward, gsm8k_problems, gsm8k_reward
 from examples.tool_task import TOOL_PIECES, ToolTask, warm_start
 from models import (
@@ -276,12 +284,6 @@ def policy_params(algorithm: Algorithm, trees: dict) -> dict:
     return trees["params"] if lora is None else apply_adapters(algorithm.base, trees["params"], lora)
 
 
-@dataclasses.dataclass
-class TrainState:
-    trees: dict[str, Any]
-    step: int
-
-
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """The trainer's model and its initial params, placed as the engine places its weights."""
@@ -289,123 +291,6 @@ class Policy:
     model: CausalLM
     params: dict
     model_dir: Path
-
-
-# What a resume in the same output dir must share with the run that wrote its checkpoints: the
-# initial model (the tiny presets build theirs from the seed), the prompts (drawn from (seed,
-# step)) and the task (the tiny presets' operand range).
-RUN_IDENTITY = ("preset", "model", "dataset", "seed", "max_operand", "lora_rank", "lora_alpha", "warm_start_steps")
-# What a run that did not record a name (or whose algorithm has no such field) had.
-_IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None, "warm_start_steps": 0}
-
-
-def effective_lora_alpha(rank: int, alpha: float | None) -> float | None:
-    """The adapters' alpha: ``alpha``, by default 2 x ``rank``; None without adapters (rank 0)."""
-    if not rank:
-        return None
-    return 2.0 * rank if alpha is None else alpha
-
-
-def _run_identity(get: Callable[[str, Any], Any]) -> dict:
-    """The values of RUN_IDENTITY from ``get(name, default)``; LoRA's alpha as the scale it
-    gives (``--lora-alpha 8`` at rank 4 is the default's run)."""
-    identity = {name: get(name, _IDENTITY_DEFAULTS.get(name)) for name in RUN_IDENTITY}
-    identity["lora_alpha"] = effective_lora_alpha(identity["lora_rank"], identity["lora_alpha"])
-    return identity
-
-
-def holds_checkpoints(output_dir: Path) -> bool:
-    """Whether ``output_dir/checkpoints`` holds a finished checkpoint: a dir named by its step
-    (orbax writes ``<step>.orbax-checkpoint-tmp...`` and renames it when done)."""
-    checkpoints = output_dir / "checkpoints"
-    return checkpoints.is_dir() and any(p.name.isdigit() and p.is_dir() for p in checkpoints.iterdir())
-
-
-def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
-    """Records in ``output_dir/run.json`` what decides a run's initial model and prompts; once the
-    dir holds a checkpoint, checks a rerun against it: a resume with another seed would restore
-    one run's weights and go on with another run's prompts, KL reference and metrics file. (A
-    run that failed before its first checkpoint binds nothing: its rerun may fix any setting.)"""
-    path = output_dir / "run.json"
-    identity = _run_identity(lambda name, default: _local_path_resolved(getattr(config, name, default)))
-    if holds_checkpoints(output_dir):
-        if not path.exists():
-            raise ValueError(
-                f"{output_dir}: this output dir holds checkpoints but no run.json, so whether this "
-                f"run is theirs ({', '.join(RUN_IDENTITY)}) cannot be checked: use another output dir"
-            )
-        try:
-            recorded = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not a run record ({error}): restore it, or use another output dir") from None
-        if not isinstance(recorded, dict):
-            raise ValueError(f"{path}: not a run record (a JSON object): restore it, or use another output dir")
-        recorded = _run_identity(recorded.get)
-        changed = [name for name in RUN_IDENTITY if recorded[name] != identity[name]]
-        if changed:
-            raise ValueError(
-                f"{path}: this output dir holds checkpoints of a run with "
-                + ", ".join(f"{name}={recorded[name]!r}" for name in changed)
-                + "; this one has "
-                + ", ".join(f"{name}={identity[name]!r}" for name in changed)
-                + ": resume with the same settings, or use another output dir"
-            )
-    elif jax.process_index() == 0:
-        staged = path.with_suffix(".tmp")
-        staged.write_text(json.dumps(identity))
-        os.replace(staged, path)  # other processes of the job never read half a file
-
-
-@contextlib.contextmanager
-def output_dir_lock(output_dir: Path):
-    """Holds an exclusive lock on ``output_dir`` (``output_dir/run.lock``) while the block runs:
-    a second run on the same dir would interleave its metrics and checkpoints with this one's.
-    The lock goes with the process, so a killed run leaves none behind."""
-    path = output_dir / "run.lock"
-    with path.open("a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeError(
-                f"{output_dir}: another run is using this output dir ({path} is locked): "
-                "wait for it to end, or use another output dir"
-            ) from None
-        yield
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The records of ``path`` (metrics.jsonl), none if it does not exist. A last line that does
-    not parse is a record a killed run was writing: left out."""
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number < len(lines):
-                raise ValueError(
-                    f"{path}: line {number} is not a JSON record (a record a killed run cut short, with the "
-                    "next one written onto it): repair or delete that line, then resume"
-                ) from None
-    return records
-
-
-def keep_metrics_through(path: Path, step: int) -> None:
-    """Rewrites ``path`` (metrics.jsonl) to the records of steps 1..``step`` (the checkpoint a run
-    resumes from; 0: none): the steps after it run again and append their records. Of a step
-    logged twice (a dir written before this rewrite existed), the later record is kept: the
-    run that went on to the checkpoint wrote it. Atomic: a kill leaves the old file or the new."""
-    kept = {r["step"]: r for r in read_metrics(path) if r["step"] <= step}
-    staged = path.with_suffix(".tmp")
-    staged.write_text("".join(json.dumps(kept[s]) + "\n" for s in sorted(kept)), encoding="utf-8")
-    os.replace(staged, path)
-
-
-def _local_path_resolved(value):
-    """A model or dataset given as a local path, made absolute (``./m`` and ``/abs/m`` are one run)."""
-    return str(Path(value).resolve()) if isinstance(value, str) and Path(value).exists() else value
 
 
 def prepare_model(config: RLConfig, output_dir: Path) -> Path:
@@ -578,8 +463,8 @@ def _train(config: RLConfig, setup: Setup) -> dict:
     # Process 0 reports for the job (every process computes the same global metrics).
     lead = jax.process_index() == 0
     metrics_file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8") if lead else None
-    wandb_run = _wandb(config) if lead else None
-    progress = _progress(config, algorithm.name, state.step) if lead else None
+    wandb_run = start_wandb(config) if lead else None
+    progress = progress_bar(config, algorithm.name, state.step) if lead else None
     if not config.resync:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
         sync_policy(worker, algorithm, {"params": jax.tree_util.tree_map(jnp.copy, state.trees["params"])})
@@ -598,7 +483,7 @@ def _train(config: RLConfig, setup: Setup) -> dict:
                 wandb_run.log(record, step=state.step)
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(_postfix(record, algorithm))
+                progress.set_postfix(postfix(record, algorithm))
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
                 save_train_state(manager, state)
     finally:
@@ -609,7 +494,7 @@ def _train(config: RLConfig, setup: Setup) -> dict:
             progress.close()
         if wandb_run is not None:
             wandb_run.finish()
-    return _summary(config, output_dir, history, algorithm) if lead else {}
+    return summarize(config, output_dir, history, algorithm) if lead else {}
 
 
 def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: TrainState, task: Task) -> dict:
@@ -814,140 +699,6 @@ def _kv_dropped(worker):
     yield worker.drop_kv()
 
 
-def checkpoint_manager(output_dir: Path):
-    import orbax.checkpoint as ocp
-
-    return ocp.CheckpointManager(
-        (output_dir / "checkpoints").resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
-    )
-
-
-def restore_or_init(manager, trees: dict[str, Any]) -> TrainState:
-    """The latest checkpoint restored onto the placements of ``trees``, or ``trees`` at step 0."""
-    import orbax.checkpoint as ocp
-
-    latest = manager.latest_step()
-    # Placed as the train step places them: a fresh step count restored where it was made (one
-    # device) would sit apart from params on several.
-    trees = place_fresh_leaves(trees)
-    if latest is None:
-        return TrainState(trees, 0)
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=getattr(x, "sharding", None)),
-        {**trees, "step": 0},
-    )
-    restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
-    logger.info("resumed from step %d", latest)
-    step = int(restored.pop("step"))
-    return TrainState(restored, step)
-
-
-def save_train_state(manager, state: TrainState) -> None:
-    import orbax.checkpoint as ocp
-
-    manager.save(state.step, args=ocp.args.StandardSave({**state.trees, "step": state.step}))
-
-
-def _postfix(record: dict, algorithm: Algorithm) -> dict[str, str]:
-    fields = (
-        ("reward", "reward", "{:.3f}"),
-        ("solved", "solved", "{:.2f}"),
-        ("ent", "entropy", "{:.2f}"),
-        ("kl", "approx_kl", "{:.4f}"),
-        ("clip", "clip_fraction", "{:.3f}"),
-        *algorithm.progress_fields,
-        ("sync", "sync_s", "{:.2f}s"),
-        ("gen", "generate_s", "{:.2f}s"),
-        ("dlogp", "mismatch_mean", "{:.1e}"),
-    )
-    return {label: template.format(record[key]) for label, key, template in fields if key in record}
-
-
-def _progress(config: RLConfig, name: str, initial: int):
-    if not config.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=config.steps, initial=initial, desc=name, unit="step")
-
-
-def _wandb(config: RLConfig):
-    if config.wandb_project is None:
-        return None
-    try:
-        import wandb
-    except ImportError:
-        logger.warning("wandb_project is set but wandb is not installed: not logging to W&B")
-        return None
-    return wandb.init(project=config.wandb_project, config=dataclasses.asdict(config))
-
-
-def _summary(config: RLConfig, output_dir: Path, history: list[dict], algorithm: Algorithm) -> dict:
-    """The run's figures, logged and plotted: its rewards over the whole run (metrics.jsonl, the
-    steps before a resume included), the time of the steps this process ran (``history``)."""
-    records = read_metrics(output_dir / "metrics.jsonl")
-    if not records:
-        return {}
-    window = max(1, min(5, len(records) // 4))
-    first = float(np.mean([r["reward"] for r in records[:window]]))
-    last = float(np.mean([r["reward"] for r in records[-window:]]))
-    times = {k: float(sum(r[k] for r in history)) for k in ("sync_s", "generate_s", "train_s")}
-    summary = {"first_reward": first, "last_reward": last, "steps": len(records), "steps_run": len(history), **times}
-    logger.info(
-        "reward %.3f -> %.3f (mean of the first and last %d of %d steps); this run's %d steps: sync %.1fs, "
-        "generate %.1fs, train %.1fs",
-        first,
-        last,
-        window,
-        len(records),
-        len(history),
-        times["sync_s"],
-        times["generate_s"],
-        times["train_s"],
-    )
-    evaluations = [r["eval_reward"] for r in records if "eval_reward" in r]
-    if evaluations:
-        summary.update(first_eval_reward=evaluations[0], last_eval_reward=evaluations[-1])
-        logger.info("eval reward %s (every %d steps)", " -> ".join(f"{x:.3f}" for x in evaluations), config.eval_every)
-    if config.plot:
-        _plot(output_dir / "reward.png", records, algorithm.plot_panels)
-    return summary
-
-
-def _plot(path: Path, history: list[dict], extra_panels) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in history]
-    rewards = (("reward", "mean reward"), ("solved", "solved fraction"), ("eval_reward", "eval reward"))
-    panels = [("", rewards, "linear")]
-    panels += [(title, lines, "linear") for title, lines in extra_panels]
-    if "mismatch_mean" in history[-1]:
-        lines = (("mismatch_mean", "mean |Δ log p|"), ("mismatch_max", "max |Δ log p|"), ("mismatch_kl", "KL estimate"))
-        panels.append(("train-inference mismatch (engine vs trainer log-probs)", lines, "log"))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(6, 0.5 + 2.75 * len(panels)), sharex=True, squeeze=False)
-    for ax, (title, lines, scale) in zip(axes[:, 0], panels):
-        for key, label in lines:
-            # A metric of some steps only (the evaluation's) is drawn at those steps.
-            points = [(r["step"], r[key]) for r in history if key in r]
-            if not points:
-                continue
-            x, values = zip(*points)
-            marker = "o" if len(x) < len(steps) else None
-            ax.plot(x, np.abs(values) if scale == "log" else values, label=label, marker=marker)
-        ax.set_yscale(scale)
-        if title:
-            ax.set_title(title, fontsize=9)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def parse_args(config_class: type[RLConfig], presets: dict[str, RLConfig], argv=None, description: str = ""):
     """A ``config_class`` from the command line: ``--preset`` plus one flag per field."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -965,25 +716,12 @@ def parse_args(config_class: type[RLConfig], presets: dict[str, RLConfig], argv=
     return dataclasses.replace(presets[args.preset], **overrides)
 
 
-def check_plotting(config: RLConfig) -> None:
-    """Refuses ``plot`` without matplotlib at start-up: the plot is drawn after the last step."""
-    if not config.plot:
-        return
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as error:
-        raise ValueError(
-            f"plot (reward.png, the default) needs matplotlib ({error}): pass --no-plot, or install "
-            "the examples extra (pip install -e '.[examples]')"
-        ) from None
-
-
 def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
     """Run ``main(config)`` as a command: INFO logs of the loop, a ConsistencyError as the exit
     message. ``--local-processes N`` (outside a job) runs the same command as N processes."""
     check_plotting(config)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger(__name__).setLevel(logging.INFO)
+    logging.getLogger("examples").setLevel(logging.INFO)
     if config.local_processes > 1 and not os.environ.get(PROCESS_ID_ENV):
         results = launch_local(["-m", f"examples.{name}", *sys.argv[1:]], config.local_processes)
         for result in results:

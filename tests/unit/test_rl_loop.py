@@ -1,5 +1,6 @@
-"""examples/rl_loop.py: an output dir is bound to one run (and locked while it runs); its
-metrics across resumes; config checks; the fixed evaluation; the worker a run starts."""
+"""examples/rl_loop.py, run_dir.py and reporting.py: an output dir is bound to one run (and locked
+while it runs); its metrics across resumes; config checks; the fixed evaluation; the worker a run
+starts."""
 
 import dataclasses
 import json
@@ -9,24 +10,12 @@ import types
 import numpy as np
 import pytest
 
-from examples import rl_loop
+from examples import reporting
 from examples.grpo import GRPO, PRESETS, GRPOConfig, parse_args
 from examples.ppo import PPOConfig
-from examples.rl_loop import (
-    EVAL_STREAM,
-    Task,
-    _evaluate,
-    _summary,
-    check_plotting,
-    claim_output_dir,
-    cli,
-    keep_metrics_through,
-    output_dir_lock,
-    read_metrics,
-    set_up,
-    step_seed,
-    worker_config,
-)
+from examples.reporting import check_plotting, summarize
+from examples.rl_loop import EVAL_STREAM, Task, _evaluate, cli, set_up, step_seed, worker_config
+from examples.run_dir import claim_output_dir, keep_metrics_through, output_dir_lock, read_metrics
 
 
 def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monkeypatch):
@@ -214,10 +203,10 @@ def test_the_summary_and_the_plot_cover_the_whole_run(tmp_path, monkeypatch):
     metrics.jsonl), not only the steps this process ran; the times are this process's."""
     write_records(tmp_path / "metrics.jsonl", range(1, 9))
     plotted = []
-    monkeypatch.setattr(rl_loop, "_plot", lambda path, records, panels: plotted.append(records))
+    monkeypatch.setattr(reporting, "plot", lambda path, records, panels: plotted.append(records))
     config = dataclasses.replace(PRESETS["tiny"], plot=True)
     resumed = [record(7, 0.7), record(8, 0.8)]
-    summary = _summary(config, tmp_path, resumed, GRPO)
+    summary = summarize(config, tmp_path, resumed, GRPO)
     assert summary["first_reward"] == pytest.approx(0.15) and summary["last_reward"] == pytest.approx(0.75)
     assert summary["steps"] == 8 and summary["steps_run"] == 2 and summary["train_s"] == 6.0
     assert [[r["step"] for r in records] for records in plotted] == [list(range(1, 9))]

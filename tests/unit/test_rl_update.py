@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from examples.rl_loop import TrainState, checkpoint_manager, restore_or_init, save_train_state
 from examples.rl_update import make_optimizer, make_train_step
+from examples.run_dir import TrainState, checkpoint_manager, restore_or_init, save_train_state
 from rollout.compiles import counting_compiles
 
 

@@ -1,0 +1,182 @@
+"""The output dir of an RL run: what binds a resume to it (``run.json``), its lock, its metrics
+file and its checkpoints (orbax, of everything the algorithm trains, and the step)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from examples.rl_update import place_fresh_leaves
+
+if TYPE_CHECKING:
+    from examples.rl_loop import RLConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainState:
+    trees: dict[str, Any]
+    step: int
+
+
+# What a resume in the same output dir must share with the run that wrote its checkpoints: the
+# initial model (the tiny presets build theirs from the seed), the prompts (drawn from (seed,
+# step)) and the task (the tiny presets' operand range).
+RUN_IDENTITY = ("preset", "model", "dataset", "seed", "max_operand", "lora_rank", "lora_alpha", "warm_start_steps")
+# What a run that did not record a name (or whose algorithm has no such field) had.
+_IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None, "warm_start_steps": 0}
+
+
+def effective_lora_alpha(rank: int, alpha: float | None) -> float | None:
+    """The adapters' alpha: ``alpha``, by default 2 x ``rank``; None without adapters (rank 0)."""
+    if not rank:
+        return None
+    return 2.0 * rank if alpha is None else alpha
+
+
+def _run_identity(get: Callable[[str, Any], Any]) -> dict:
+    """The values of RUN_IDENTITY from ``get(name, default)``; LoRA's alpha as the scale it
+    gives (``--lora-alpha 8`` at rank 4 is the default's run)."""
+    identity = {name: get(name, _IDENTITY_DEFAULTS.get(name)) for name in RUN_IDENTITY}
+    identity["lora_alpha"] = effective_lora_alpha(identity["lora_rank"], identity["lora_alpha"])
+    return identity
+
+
+def holds_checkpoints(output_dir: Path) -> bool:
+    """Whether ``output_dir/checkpoints`` holds a finished checkpoint: a dir named by its step
+    (orbax writes ``<step>.orbax-checkpoint-tmp...`` and renames it when done)."""
+    checkpoints = output_dir / "checkpoints"
+    return checkpoints.is_dir() and any(p.name.isdigit() and p.is_dir() for p in checkpoints.iterdir())
+
+
+def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
+    """Records in ``output_dir/run.json`` what decides a run's initial model and prompts; once the
+    dir holds a checkpoint, checks a rerun against it: a resume with another seed would restore
+    one run's weights and go on with another run's prompts, KL reference and metrics file. (A
+    run that failed before its first checkpoint binds nothing: its rerun may fix any setting.)"""
+    path = output_dir / "run.json"
+    identity = _run_identity(lambda name, default: _local_path_resolved(getattr(config, name, default)))
+    if holds_checkpoints(output_dir):
+        if not path.exists():
+            raise ValueError(
+                f"{output_dir}: this output dir holds checkpoints but no run.json, so whether this "
+                f"run is theirs ({', '.join(RUN_IDENTITY)}) cannot be checked: use another output dir"
+            )
+        try:
+            recorded = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not a run record ({error}): restore it, or use another output dir") from None
+        if not isinstance(recorded, dict):
+            raise ValueError(f"{path}: not a run record (a JSON object): restore it, or use another output dir")
+        recorded = _run_identity(recorded.get)
+        changed = [name for name in RUN_IDENTITY if recorded[name] != identity[name]]
+        if changed:
+            raise ValueError(
+                f"{path}: this output dir holds checkpoints of a run with "
+                + ", ".join(f"{name}={recorded[name]!r}" for name in changed)
+                + "; this one has "
+                + ", ".join(f"{name}={identity[name]!r}" for name in changed)
+                + ": resume with the same settings, or use another output dir"
+            )
+    elif jax.process_index() == 0:
+        staged = path.with_suffix(".tmp")
+        staged.write_text(json.dumps(identity))
+        os.replace(staged, path)  # other processes of the job never read half a file
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: Path):
+    """Holds an exclusive lock on ``output_dir`` (``output_dir/run.lock``) while the block runs:
+    a second run on the same dir would interleave its metrics and checkpoints with this one's.
+    The lock goes with the process, so a killed run leaves none behind."""
+    path = output_dir / "run.lock"
+    with path.open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"{output_dir}: another run is using this output dir ({path} is locked): "
+                "wait for it to end, or use another output dir"
+            ) from None
+        yield
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of ``path`` (metrics.jsonl), none if it does not exist. A last line that does
+    not parse is a record a killed run was writing: left out."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(
+                    f"{path}: line {number} is not a JSON record (a record a killed run cut short, with the "
+                    "next one written onto it): repair or delete that line, then resume"
+                ) from None
+    return records
+
+
+def keep_metrics_through(path: Path, step: int) -> None:
+    """Rewrites ``path`` (metrics.jsonl) to the records of steps 1..``step`` (the checkpoint a run
+    resumes from; 0: none): the steps after it run again and append their records. Of a step
+    logged twice (a dir written before this rewrite existed), the later record is kept: the
+    run that went on to the checkpoint wrote it. Atomic: a kill leaves the old file or the new."""
+    kept = {r["step"]: r for r in read_metrics(path) if r["step"] <= step}
+    staged = path.with_suffix(".tmp")
+    staged.write_text("".join(json.dumps(kept[s]) + "\n" for s in sorted(kept)), encoding="utf-8")
+    os.replace(staged, path)
+
+
+def _local_path_resolved(value):
+    """A model or dataset given as a local path, made absolute (``./m`` and ``/abs/m`` are one run)."""
+    return str(Path(value).resolve()) if isinstance(value, str) and Path(value).exists() else value
+
+
+def checkpoint_manager(output_dir: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        (output_dir / "checkpoints").resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
+    )
+
+
+def restore_or_init(manager, trees: dict[str, Any]) -> TrainState:
+    """The latest checkpoint restored onto the placements of ``trees``, or ``trees`` at step 0."""
+    import orbax.checkpoint as ocp
+
+    latest = manager.latest_step()
+    # Placed as the train step places them: a fresh step count restored where it was made (one
+    # device) would sit apart from params on several.
+    trees = place_fresh_leaves(trees)
+    if latest is None:
+        return TrainState(trees, 0)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=getattr(x, "sharding", None)),
+        {**trees, "step": 0},
+    )
+    restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+    logger.info("resumed from step %d", latest)
+    step = int(restored.pop("step"))
+    return TrainState(restored, step)
+
+
+def save_train_state(manager, state: TrainState) -> None:
+    import orbax.checkpoint as ocp
+
+    manager.save(state.step, args=ocp.args.StandardSave({**state.trees, "step": state.step}))
