@@ -32,6 +32,7 @@ class PreparedSync:
     # Of the updated: the trainer arrays they came from, checked for NaN/inf (jax arrays only:
     # immutable, so the same object passed again holds the same values).
     sources: Mapping[int, weakref.ref] = dataclasses.field(default_factory=dict)
+    relabeled: int = 0  # of the updated, trainer arrays wrapped in the engine's sharding object
 
 
 class EngineWeights:
@@ -184,7 +185,7 @@ class EngineWeights:
             for p in plan.leaves
             if isinstance(flat[p.trainer_path], jax.Array) and (check_finite or p.engine.index in known)
         }
-        return PreparedSync(plan, leaves, frozenset(updates), copied, sources)
+        return PreparedSync(plan, leaves, frozenset(updates), copied, sources, plan.relabeled(flat, updates))
 
     def _source(self, index: int):
         """The trainer array leaf ``index`` was last synced from (checked), if still alive."""

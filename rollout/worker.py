@@ -400,7 +400,7 @@ class RolloutWorker:
                 self._stale_reason = None
                 self.weight_version = version
         seconds = time.perf_counter() - start
-        reports = [update.plan.report(version, seconds) for update in prepared.values()]
+        reports = [update.plan.report(version, seconds, update.relabeled) for update in prepared.values()]
         report = dataclasses.replace(_combine_sync_reports(reports, compiles.value), bytes_gathered=gathered)
         logger.info("sync_params: %s", report)
         self._phases.record("weights_synced", seconds, version=version, bytes_copied=report.bytes_copied)

@@ -94,12 +94,19 @@ class SyncReport:
 @functools.lru_cache(maxsize=4096)  # runs for every leaf of every sync; shardings are few
 def _placement(sharding: jax.sharding.Sharding):
     """``sharding`` as a key equal for the spellings of one placement: a NamedSharding's spec
-    without trailing Nones and with 1-tuples as their name (what jit's outputs carry)."""
-    if not isinstance(sharding, NamedSharding):
+    without trailing Nones and with 1-tuples as their name (what jit's outputs carry). A
+    sharding that also permutes the mesh's devices or holds partial sums (``unreduced``,
+    ``reduced``) is its own key."""
+    spec = getattr(sharding, "spec", None)
+    if (
+        not isinstance(sharding, NamedSharding)
+        or getattr(sharding, "_logical_device_ids", None) is not None
+        or getattr(spec, "unreduced", None)
+        or getattr(spec, "reduced", None)
+    ):
         return sharding
     spec = [
-        None if entry == () else entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
-        for entry in sharding.spec
+        None if entry == () else entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry for entry in spec
     ]
     while spec and spec[-1] is None:
         spec.pop()
@@ -323,7 +330,6 @@ class SyncPlan:
     def __init__(self, plans: list[LeafPlan], head_dim: int):
         self.leaves = plans
         self.copies = [p for p in plans if p.action is LeafAction.COPY]
-        self.relabeled = sum(p.action is LeafAction.RELABEL for p in plans)  # by the last execute
         copies = self.copies
 
         def transform_all(*arrays):
@@ -348,18 +354,23 @@ class SyncPlan:
     def execute(self, flat: Mapping[str, object]) -> dict[int, jax.Array]:
         """New engine leaves by engine index. Trainer arrays are never modified."""
         out: dict[int, jax.Array] = {}
-        self.relabeled = 0
         for p in self.leaves:
             leaf = flat[p.trainer_path]
             if p.action is LeafAction.ALIAS and leaf.sharding == p.engine.sharding:
                 out[p.engine.index] = leaf
             elif p.action is not LeafAction.COPY:  # the plan's placement: same slices (plan_key)
                 out[p.engine.index] = relabel(leaf, p.engine.sharding)
-                self.relabeled += 1
         if self.copies:
             for p, array in zip(self.copies, self._copy_fn(*self._copy_inputs(flat))):
                 out[p.engine.index] = array
         return out
+
+    def relabeled(self, flat: Mapping[str, object], out: Mapping[int, jax.Array]) -> int:
+        """Of the leaves :meth:`execute` gave as ``out`` for ``flat``, those not the trainer's own
+        array (wrapped in the engine's sharding object)."""
+        return sum(
+            p.action is not LeafAction.COPY and out[p.engine.index] is not flat[p.trainer_path] for p in self.leaves
+        )
 
     def _copy_inputs(self, flat: Mapping[str, object]) -> list:
         return [_on_engine_devices(flat[p.trainer_path], p.engine.sharding) for p in self.copies]
@@ -368,12 +379,14 @@ class SyncPlan:
         """XLA's compiled memory analysis of the copy function (output and temp bytes)."""
         return self._copy_fn.lower(*self._copy_inputs(flat)).compile().memory_analysis()
 
-    def report(self, version: int, seconds: float) -> SyncReport:
+    def report(self, version: int, seconds: float, relabeled: int) -> SyncReport:
+        """The sync's figures; ``relabeled``: of the leaves it aliased, those the sync wrapped
+        in the engine's sharding object (:meth:`relabeled`)."""
         aliased = [p for p in self.leaves if p.action is not LeafAction.COPY]
         return SyncReport(
             version=version,
             leaves_aliased=len(aliased),
-            leaves_relabeled=self.relabeled,
+            leaves_relabeled=relabeled,
             leaves_copied=len(self.copies),
             leaves_resharded=sum(p.reshard_only for p in self.copies),
             bytes_aliased=sum(p.nbytes for p in aliased),

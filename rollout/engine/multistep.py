@@ -23,7 +23,8 @@ lands between steps:
   ahead): their unused slots are freed and the next step dispatches a new one under the
   current weights;
 - a request that arrives while the chunks compute the next step of every running row waits
-  for them to run out (no chunk is dispatched ahead while one waits), then joins in one
+  for them to run out (no chunk is dispatched ahead while it could join, only while the batch
+  is full), then joins in one
   prefill with everything else that arrived: ending the chunks would throw away their steps
   while its prefill still ran after them on the device (the KV pool is threaded through every
   forward), and multi-turn episodes, whose turns arrive while other rows decode, lost most of
@@ -328,9 +329,9 @@ class DecodeChunks:
         self.ahead = ahead
 
     def _admission_possible(self, batch) -> bool:
-        """Whether a waiting request may join the batch at its next step: then slots held
-        ahead would delay it, and its admission ends the chunks anyway. (Not while the batch
-        is full, by rows or by the pool: requests wait for its rows to finish.)"""
+        """Whether a waiting request may join the batch once the chunks run out: then no chunk
+        is dispatched ahead, which would hold it K steps more (:meth:`holds_admission`). (Not
+        while the batch is full, by rows or by the pool: requests wait for its rows to finish.)"""
         scheduler = self.scheduler
         return bool(scheduler.waiting_queue) and not (
             batch.batch_is_full or len(batch.reqs) >= scheduler.max_running_requests
