@@ -80,7 +80,7 @@ from bench.op_profile import perfetto_trace, self_times, trace_events
 from models import TinyModelSpec, random_hf_weights, table_logits
 from rollout import RolloutWorker, WorkerConfig, counting_compiles
 from rollout.engine import StepSplit, attention, patches, profile_steps, workarounds
-from rollout.engine.types import engine_compiler_options
+from rollout.engine.programs import engine_compiler_options
 
 # name: (HF shape, head_dim)
 SHAPES = {
@@ -199,7 +199,7 @@ def _head(rows, head, float32_head):
     return table_logits(rows, head) if float32_head else rows @ head.T
 
 
-# The bound's matmuls compile as the engine's forward does (types.engine_compiler_options: on a
+# The bound's matmuls compile as the engine's forward does (programs.engine_compiler_options: on a
 # GPU, sibling dots stay apart rather than concatenated every call where cuBLAS runs them).
 BOUND_OPTIONS = engine_compiler_options(jax.default_backend())
 

@@ -12,7 +12,7 @@ import pytest
 
 from rollout import RolloutWorker
 from rollout.engine import EngineError, EngineHandle, multistep, profile_steps, stubbed_device
-from rollout.engine.types import engine_compiler_options, forward_cells
+from rollout.engine.programs import engine_compiler_options, forward_cells
 from tests.helpers import perturbed_params, swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import load_hf_params
 

@@ -133,7 +133,7 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rollout.launch import join
-from rollout.engine.types import device_buffers
+from rollout.engine.buffers import device_buffers
 from rollout.kv import live_device_buffers
 join()
 whole = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())

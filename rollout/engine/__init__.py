@@ -39,6 +39,7 @@ steps spend their time, and a stubbed device that leaves only the host's work), 
 (options, outputs, errors; no sgl_jax import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 """
 
+from .buffers import device_buffers, device_nbytes
 from .handle import EngineHandle
 from .inflight import SwapRecord
 from .lora import in_slot
@@ -52,8 +53,6 @@ from .types import (
     EngineOptions,
     ForwardMemory,
     GenerateOutput,
-    device_buffers,
-    device_nbytes,
 )
 from .workarounds import DISABLE_ENV, WORKAROUNDS, disabled_workarounds, workaround_enabled
 

@@ -22,6 +22,7 @@ from ..sampling import SamplingParams
 from . import inflight, multistep, sessions
 from .lora import TOKEN_SLOTS
 from .patches import install_workarounds, preserved_process_state, variables_sharded_lazily
+from .programs import static_decode_chunks
 from .requests import RequestLoop
 from .routing import RoutingRecorder
 from .runtime import SchedulerControl
@@ -29,7 +30,7 @@ from .sessions import SessionStats
 from .start_up import engine_start_up
 from .state import ModelState
 from .testing import EngineTesting
-from .types import EngineError, EngineOptions, ForwardMemory, GenerateOutput, engine_name, static_decode_chunks
+from .types import EngineError, EngineOptions, ForwardMemory, GenerateOutput, engine_name
 from .workarounds import workaround_enabled
 
 logger = logging.getLogger(__name__)

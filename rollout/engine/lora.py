@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer_bridge import LoraConfig, adapter_mappings
 
-from .types import EngineError, forward_cells
+from .programs import forward_cells
+from .types import EngineError
 
 # The factors are kept in float32 whatever the model's dtype: trainers train them in float32, so
 # a sync can use their arrays as they are, and rank-r matmuls cost little.

@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .attention import decode_kv_walk, decode_kv_walks
-from .types import engine_compiler_options, forward_cells, jit_with_options, mesh_platform
+from .programs import engine_compiler_options, forward_cells, jit_with_options, mesh_platform
 
 # Scheduler attribute holding its DecodeChunks.
 _STATE = "_rollout_decode_chunks"
@@ -526,7 +526,7 @@ def _last_ids(tokens: jax.Array, step: jax.Array, rows: jax.Array) -> jax.Array:
 
 def chunk_program(platform: str):
     """The jitted decode chunk under the engine's XLA compile options on ``platform``
-    (types.engine_compiler_options)."""
+    (programs.engine_compiler_options)."""
     return _chunk_program(tuple(sorted(engine_compiler_options(platform).items())))
 
 

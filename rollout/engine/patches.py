@@ -27,12 +27,12 @@ from .lora import patch_unmerged_lora
 from .moe import patch_expert_block
 from .multistep import patch_scheduler as patch_decode_chunks
 from .multistep import traced_kv_walk
+from .programs import engine_compiler_options, forward_cells, jit_with_options, mesh_platform
 from .routing import patch_routing_output
 from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_thread
 from .scheduling import patch_scheduling
 from .start_up import current_start_up
 from .tpu_kernels import patch_kernel_jax_names
-from .types import engine_compiler_options, forward_cells, jit_with_options, mesh_platform
 from .workarounds import DISABLE_ENV, disabled_workarounds, workaround_enabled
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.

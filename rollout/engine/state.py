@@ -14,9 +14,11 @@ import numpy as np
 from trainer_bridge import EngineLeaf
 
 from . import inflight, sessions
+from .buffers import device_nbytes
 from .lora import TOKEN_SLOTS
 from .patches import variables_sharded_lazily
-from .types import EngineError, ForwardMemory, device_nbytes, forward_cells
+from .programs import forward_cells
+from .types import EngineError, ForwardMemory
 from .workarounds import workaround_enabled
 
 # Stands in for a released weight leaf (see ModelState.release_weight_leaves).

@@ -1,16 +1,14 @@
-"""Plain types and facts shared by the engine modules (no sgl_jax import)."""
+"""Plain types and facts shared by the engine modules (no sgl_jax import): options, outputs,
+errors, names."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import numpy as np
 
 from trainer_bridge import LoraConfig
-
-from .workarounds import workaround_enabled
 
 # Seconds without progress on a running forward after which the watchdog fails the engine.
 DEFAULT_WATCHDOG_TIMEOUT_S = 1800.0
@@ -160,71 +158,3 @@ class ForwardMemory:
     temp_bytes: int
     argument_bytes: int
     output_bytes: int
-
-
-def device_buffers(array: jax.Array) -> dict[tuple[int, int], int]:
-    """The device buffers behind an array: (device id, buffer address) -> bytes; none once it
-    is deleted, also while this runs (donated to a forward on the engine's thread, which the
-    array may not say yet: jax 0.12 then raised "called on deleted or donated buffer")."""
-    try:
-        try:
-            return {
-                (shard.device.id, shard.data.unsafe_buffer_pointer()): int(shard.data.nbytes)
-                for shard in array.addressable_shards
-            }
-        except ValueError:
-            # jax 0.12 cannot list the shards of an array that jax.device_put made of a
-            # one-device array across processes with one device each: its one local piece is
-            # the array itself.
-            if len(array.sharding.addressable_devices) != 1:
-                raise
-            (device,) = array.sharding.addressable_devices
-            return {(device.id, array.unsafe_buffer_pointer()): device_nbytes(array)}
-    except RuntimeError as exc:  # jax.errors.JaxRuntimeError is one
-        if array.is_deleted() or "deleted" in str(exc):
-            return {}
-        raise
-
-
-def device_nbytes(array: jax.Array) -> int:
-    """Bytes an array occupies summed over its devices (replicas count once per device), from
-    its shape and sharding: the same whether a forward on another thread has just donated it
-    (the KV buffers, every forward) or not."""
-    shard = math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
-    return shard * len(array.sharding.addressable_devices)
-
-
-def engine_compiler_options(platform: str) -> dict[str, int]:
-    """XLA compile options of the engine's forward and decode chunks on devices of ``platform``
-    (a jax device's ``platform``): on a GPU, with workaround ``gpu-dot-merger``, XLA leaves
-    sibling dots (q/k/v, gate/up) apart; none elsewhere."""
-    if platform in ("gpu", "cuda", "rocm") and workaround_enabled("gpu-dot-merger"):
-        return {"xla_gpu_dot_merger_threshold_mb": 0}
-    return {}
-
-
-def static_decode_chunks(options: EngineOptions, platform: str) -> bool:
-    """Whether an engine on ``platform`` runs static decode chunks (``options.static_decode_chunks``,
-    None: where XLA drives loops and conditionals from the host, a GPU)."""
-    if options.static_decode_chunks is not None:
-        return options.static_decode_chunks
-    return platform in ("gpu", "cuda", "rocm")
-
-
-def mesh_platform(mesh) -> str:
-    return mesh.devices.flat[0].platform
-
-
-def jit_with_options(fn, options: dict, **jit_kwargs):
-    """``jax.jit(fn, compiler_options=options, **jit_kwargs)``, which keeps ``options`` as its
-    ``compiler_options`` attribute."""
-    jitted = jax.jit(fn, compiler_options=options, **jit_kwargs)
-    jitted.compiler_options = options
-    return jitted
-
-
-def forward_cells(runner) -> dict:
-    """The closure cells of the engine's jitted forward (``model_def``, ``model_state_def``,
-    ``model_state_leaves``, ...) by name: the forward reads its weights from them at every call."""
-    run_model = runner.jitted_run_model
-    return dict(zip(run_model.__code__.co_freevars, run_model.__closure__))

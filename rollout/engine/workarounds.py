@@ -124,7 +124,7 @@ WORKAROUNDS: dict[str, str] = {
         "of those weights every layer of every forward: 27 us a layer at the Qwen2.5-1.5B shape "
         "(jax 0.11.2, 64-row decode chunks), 12.3 of a chunk's 58.6 ms of kernels. With Triton's "
         "GEMMs XLA fuses it into the GEMM. On a GPU the engine's forward and the decode chunks "
-        "are compiled with xla_gpu_dot_merger_threshold_mb=0 (types.engine_compiler_options): "
+        "are compiled with xla_gpu_dot_merger_threshold_mb=0 (programs.engine_compiler_options): "
         "the two dots read the same bytes as the merged one."
     ),
     "sampler": (

@@ -5,7 +5,7 @@ import pytest
 
 from rollout.engine import EngineError, EngineOptions
 from rollout.engine.handle import check_decode_steps, default_attention_backend
-from rollout.engine.types import static_decode_chunks
+from rollout.engine.programs import static_decode_chunks
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""rollout/engine/types.py: EngineOptions checks its devices; an array's bytes and buffers, also
-once donated."""
+"""rollout/engine/types.py and buffers.py: EngineOptions checks its devices; an array's bytes and
+buffers, also once donated."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rollout.engine.types import device_buffers, device_nbytes
+from rollout.engine.buffers import device_buffers, device_nbytes
 from tests.helpers import tiny_options
 
 

@@ -2,7 +2,7 @@
 
 import functools
 import sys
-import types as stdlib_types
+import types
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from models import table_logits
-from rollout.engine import patches, start_up, types
+from rollout.engine import patches, programs, start_up
 
 
 def test_duplicate_pytree_registration_import():
@@ -65,7 +65,7 @@ def test_device_memory_is_measured_on_the_engines_devices_without_clearing_cache
 def _host_sampling(top_ks, top_ps=None, min_ps=None, all_greedy=False):
     """A stand-in for a SamplingMetadata whose batch's parameters the host kept."""
     rows = len(top_ks)
-    metadata = stdlib_types.SimpleNamespace()
+    metadata = types.SimpleNamespace()
     metadata.__dict__[patches._HOST_SAMPLING] = (
         np.asarray(top_ks, np.int32),
         np.asarray([1.0] * rows if top_ps is None else top_ps, np.float32),
@@ -85,7 +85,7 @@ def test_a_batch_runs_the_draw_its_host_parameters_name():
     assert kind(_host_sampling([everything, vocab - 1]), vocab) == "filter"
     assert kind(_host_sampling([everything], top_ps=[0.9]), vocab) == "filter"
     assert kind(_host_sampling([everything], min_ps=[0.1]), vocab) == "filter"
-    assert kind(stdlib_types.SimpleNamespace(), vocab) is None  # no host copy: chosen on the device
+    assert kind(types.SimpleNamespace(), vocab) is None  # no host copy: chosen on the device
 
 
 def test_each_draw_gives_what_the_device_chosen_draw_gives():
@@ -125,7 +125,7 @@ class _Runner:
     """0.0.2's ModelRunner.initialize_jit in miniature: a jitted forward, called through a
     wrapper that reads it from its closure; its mesh's devices say they are GPUs."""
 
-    mesh = stdlib_types.SimpleNamespace(devices=np.array([stdlib_types.SimpleNamespace(platform="gpu")]))
+    mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
 
     def initialize_jit(self):
         @functools.partial(jax.jit, donate_argnames=["token_to_kv_pool"], static_argnames=["model_state_def"])
@@ -152,7 +152,7 @@ def test_the_engines_forward_is_jitted_again_under_the_engine_compile_options(mo
     out, pool = runner.jitted_run_model(jnp.arange(3.0), jnp.zeros(2))
     np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
     np.testing.assert_array_equal(pool, [1.0, 1.0])
-    assert types.engine_compiler_options("cpu") == {} and types.engine_compiler_options("tpu") == {}
+    assert programs.engine_compiler_options("cpu") == {} and programs.engine_compiler_options("tpu") == {}
 
     monkeypatch.setattr(patches, "engine_compiler_options", lambda platform: {"xla_gpu_dot_merger_threshold_mb": "x"})
     broken = _Runner()
