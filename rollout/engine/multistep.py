@@ -662,8 +662,14 @@ def patch_scheduler() -> None:
 
     def chunked_get_new_batch_prefill(self):
         chunks = self.__dict__.get(_STATE)
-        # A chunked prefill in progress goes on: no chunk was dispatched since it began.
-        if chunks is not None and self.chunked_req is None and chunks.holds_admission(self.running_batch):
+        # A chunked prefill in progress goes on: no chunk was dispatched since it began. (Asked
+        # only with requests waiting: it runs every scheduler step.)
+        if (
+            chunks is not None
+            and self.waiting_queue
+            and self.chunked_req is None
+            and chunks.holds_admission(self.running_batch)
+        ):
             return None
         return get_new_batch_prefill(self)
 
