@@ -24,12 +24,11 @@ lands between steps:
   current weights;
 - a request that arrives while the chunks compute the next step of every running row waits
   for them to run out (no chunk is dispatched ahead while it could join, only while the batch
-  is full), then joins in one
-  prefill with everything else that arrived: ending the chunks would throw away their steps
-  while its prefill still ran after them on the device (the KV pool is threaded through every
-  forward), and multi-turn episodes, whose turns arrive while other rows decode, lost most of
-  their chunks that way (64 episodes x 4 turns of 64 tokens ran x1.7 slower with chunks of 16
-  than one step at a time);
+  is full), then joins in one prefill with everything else that arrived: ending the chunks
+  would throw away their steps while its prefill still ran after them on the device (the KV
+  pool is threaded through every forward), and multi-turn episodes, whose turns arrive while
+  other rows decode, lost most of their chunks that way (64 episodes x 4 turns of 64 tokens ran
+  x1.7 slower with chunks of 16 than one step at a time);
 - the price is device work: steps computed for rows that finished early, or for a chunk ended
   early, are thrown away.
 
