@@ -400,11 +400,13 @@ def set_up(
     """
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    join()
     # One lock for the job: its other processes share the dir, writing only their own model
-    # copies and, through orbax, their shards of process 0's checkpoints.
-    lead = jax.process_index() == 0
+    # copies and, through orbax, their shards of process 0's checkpoints. Taken before joining
+    # the job, so a run refused here exits at once: a process that joined waits at its exit for
+    # its peers (a second --local-processes run on a dir took 70 s to be refused, by a PodError).
+    lead = int(os.environ.get(PROCESS_ID_ENV) or 0) == 0
     with output_dir_lock(output_dir) if lead else contextlib.nullcontext():
+        join()
         claim_output_dir(config, output_dir)
         if jax.process_count() > 1 and (config.wants_logprobs or config.check_consistency_every):
             raise ValueError("return_logprobs, tis_cap and check_consistency_every run in one process only")

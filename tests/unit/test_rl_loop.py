@@ -10,12 +10,13 @@ import types
 import numpy as np
 import pytest
 
-from examples import reporting
+from examples import reporting, rl_loop
 from examples.grpo import GRPO, PRESETS, GRPOConfig, parse_args
 from examples.ppo import PPOConfig
 from examples.reporting import check_plotting, summarize
 from examples.rl_loop import EVAL_STREAM, Task, _evaluate, cli, set_up, step_seed, worker_config
 from examples.run_dir import claim_output_dir, keep_metrics_through, output_dir_lock, read_metrics
+from rollout.launch import PROCESS_ID_ENV
 
 
 def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monkeypatch):
@@ -143,7 +144,7 @@ def test_a_resume_compares_the_lora_alpha_a_run_trains_with(tmp_path):
         claim_output_dir(dataclasses.replace(config, lora_alpha=4.0), tmp_path)
 
 
-def test_an_output_dir_takes_one_run_at_a_time(tmp_path):
+def test_an_output_dir_takes_one_run_at_a_time(tmp_path, monkeypatch):
     """A second run on a dir in use fails at once, naming the dir, before it writes anything
     (here the set-up would otherwise go on to start an engine, which this layer refuses)."""
     config = dataclasses.replace(PRESETS["tiny"], output_dir=str(tmp_path))
@@ -155,6 +156,14 @@ def test_an_output_dir_takes_one_run_at_a_time(tmp_path):
             with set_up(config, GRPO):
                 pass
         assert not (tmp_path / "run.json").exists()
+        # Refused before joining a job: a process that joined would wait at its exit for its peers.
+        monkeypatch.setenv(PROCESS_ID_ENV, "0")
+        monkeypatch.setattr(rl_loop, "join", lambda: joined.append(True))
+        joined = []
+        with pytest.raises(RuntimeError, match="another run is using this output dir"):
+            with set_up(config, GRPO):
+                pass
+        assert not joined
     with output_dir_lock(tmp_path):  # released with its run
         pass
 
