@@ -12,7 +12,6 @@ engine's per-token log-probs, which are those of the weights that sampled each t
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from examples.reporting import summarize
+from examples.reporting import step_log, summarize
 from examples.rl_loop import (
     Algorithm,
     Policy,
@@ -93,7 +92,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
     start = time.perf_counter()
     with (
         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool,
-        (output_dir / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file,
+        step_log(config, output_dir, algorithm, state.step) as log,
     ):
         ahead = pool.submit(generate, state.step)
         while state.step < config.steps:
@@ -131,8 +130,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
             trainer_version = report.version
             state.step += 1
             history.append(record)
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
+            log(record)
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
                 save_train_state(manager, state)
         manager.wait_until_finished()

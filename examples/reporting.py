@@ -1,9 +1,13 @@
-"""What an RL run reports: the progress bar, W&B, the summary of its rewards and ``reward.png``."""
+"""What an RL run reports: each step's record (metrics.jsonl, W&B, the progress bar), the summary
+of its rewards and ``reward.png``."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +19,34 @@ if TYPE_CHECKING:
     from examples.rl_loop import Algorithm, RLConfig
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def step_log(config: RLConfig, output_dir: Path, algorithm: Algorithm, first_step: int) -> Iterator[Callable]:
+    """``log(record)`` for the block's life: each step's record appended to
+    ``output_dir/metrics.jsonl`` (flushed), sent to W&B (``config.wandb_project``) and shown on
+    the progress bar (``config.progress``) that starts at ``first_step``."""
+    metrics_file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8")
+    wandb_run = start_wandb(config)
+    progress = progress_bar(config, algorithm.name, first_step)
+
+    def log(record: dict) -> None:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        if wandb_run is not None:
+            wandb_run.log(record, step=record["step"])
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(postfix(record, algorithm))
+
+    try:
+        yield log
+    finally:
+        metrics_file.close()
+        if progress is not None:
+            progress.close()
+        if wandb_run is not None:
+            wandb_run.finish()
 
 
 def postfix(record: dict, algorithm: Algorithm) -> dict[str, str]:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from examples.reporting import check_plotting, postfix, progress_bar, start_wandb, summarize
+from examples.reporting import check_plotting, step_log, summarize
 from examples.run_dir import (
     TrainState,
     checkpoint_manager,
@@ -464,38 +464,24 @@ def _train(config: RLConfig, setup: Setup) -> dict:
     output_dir, worker, algorithm, manager, state, task, _ = setup
     # Process 0 reports for the job (every process computes the same global metrics).
     lead = jax.process_index() == 0
-    metrics_file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8") if lead else None
-    wandb_run = start_wandb(config) if lead else None
-    progress = progress_bar(config, algorithm.name, state.step) if lead else None
     if not config.resync:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
         sync_policy(worker, algorithm, {"params": jax.tree_util.tree_map(jnp.copy, state.trees["params"])})
     history = []
     start = time.perf_counter()
-    try:
-        while state.step < config.steps:
-            record = _step(config, worker, algorithm, state, task)
-            record["elapsed_s"] = time.perf_counter() - start  # wall clock since this process's first step
-            state.step += 1
-            history.append(record)
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            if wandb_run is not None:
-                wandb_run.log(record, step=state.step)
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(postfix(record, algorithm))
-            if state.step % config.checkpoint_every == 0 or state.step == config.steps:
-                save_train_state(manager, state)
-    finally:
-        if metrics_file is not None:
-            metrics_file.close()
-        manager.wait_until_finished()
-        if progress is not None:
-            progress.close()
-        if wandb_run is not None:
-            wandb_run.finish()
+    reports = step_log(config, output_dir, algorithm, state.step) if lead else contextlib.nullcontext(lambda _: None)
+    with reports as log:
+        try:
+            while state.step < config.steps:
+                record = _step(config, worker, algorithm, state, task)
+                record["elapsed_s"] = time.perf_counter() - start  # wall clock since this process's first step
+                state.step += 1
+                history.append(record)
+                log(record)
+                if state.step % config.checkpoint_every == 0 or state.step == config.steps:
+                    save_train_state(manager, state)
+        finally:
+            manager.wait_until_finished()
     return summarize(config, output_dir, history, algorithm) if lead else {}
 
 
