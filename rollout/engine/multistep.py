@@ -160,23 +160,32 @@ class DecodeChunks:
 
     # ---- the scheduler's step ----------------------------------------------------------------
 
+    def _next_step_chunk(self, reqs: list) -> tuple[DecodeChunk, np.ndarray] | None:
+        """The chunk that computes the next step of every one of ``reqs`` under the current
+        weights (the one served or, once its steps are served, the one ahead), and their rows."""
+        chunk = self.chunk
+        if chunk is None or chunk.version != self.control.weight_version:
+            return None
+        rows = chunk.rows_for(reqs)
+        if rows is None and chunk.next_step >= chunk.steps and self.ahead is not None:
+            chunk, rows = self.ahead, self.ahead.rows_for(reqs)
+        return None if rows is None else (chunk, rows)
+
     def covering(self, batch) -> np.ndarray | None:
         """The rows of ``batch``'s next step if a chunk computes it; otherwise the chunks end."""
-        chunk = self.chunk
-        if chunk is None:
+        if self.chunk is None:
             return None
-        current = chunk.version == self.control.weight_version
-        rows = chunk.rows_for(batch.reqs) if current else None
-        if rows is None and current and chunk.next_step >= chunk.steps and self.ahead is not None:
-            rows = self.ahead.rows_for(batch.reqs)
-            if rows is not None:  # the next chunk takes over, and the one after it starts
-                self.chunk, self.ahead = self.ahead, None
-                self._free_left_rows(self.chunk, rows)
-                # Queued behind the chunk before waiting for it: the device never idles between them.
-                self._dispatch_ahead(batch)
-                self.chunk.fetch()
-        if rows is None:
+        found = self._next_step_chunk(batch.reqs)
+        if found is None:
             self.release()
+            return None
+        chunk, rows = found
+        if chunk is self.ahead:  # the next chunk takes over, and the one after it starts
+            self.chunk, self.ahead = self.ahead, None
+            self._free_left_rows(self.chunk, rows)
+            # Queued behind the chunk before waiting for it: the device never idles between them.
+            self._dispatch_ahead(batch)
+            self.chunk.fetch()
         return rows
 
     def holds_admission(self, batch) -> bool:
@@ -186,13 +195,7 @@ class DecodeChunks:
         the device computed, and its prefill would still run after them (the pool is threaded
         through every forward): it joins at most the chunks' unserved steps later, with
         everything that arrived meanwhile, in one prefill."""
-        chunk = self.chunk
-        if chunk is None or chunk.version != self.control.weight_version:
-            return False
-        running = [req for req in batch.reqs if not req.finished()]
-        if chunk.rows_for(running) is not None:
-            return True
-        return chunk.next_step >= chunk.steps and self.ahead is not None and self.ahead.rows_for(running) is not None
+        return self._next_step_chunk([req for req in batch.reqs if not req.finished()]) is not None
 
     def prepare_from_chunk(self, batch, rows: np.ndarray) -> None:
         """``batch.prepare_for_decode()`` with the chunk's KV slots for its next step."""
