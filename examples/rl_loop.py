@@ -384,9 +384,9 @@ def set_up(
     make_algorithm: Callable[[RLConfig, Policy], Algorithm],
     split_devices: Callable[[int], tuple[list, list]] | None = None,
 ):
-    """The one start-up path of both loops: join the job, lock the output dir for the run's life
-    (process 0, which writes run.json and the metrics), claim it (a resume must be the same
-    run), write or find the model, start the rollout worker, build the trainer's model
+    """The one start-up path of both loops: lock the output dir for the run's life (process 0,
+    which writes run.json and the metrics), join the job, claim the dir (a resume must be the
+    same run), write or find the model, start the rollout worker, build the trainer's model
     of the checkpoint's family (``flax_model_for``: every preset's), load its params, build the
     algorithm, restore the latest checkpoint (metrics.jsonl cut back to its step), and the task
     with the worker's tokenizer. The worker is closed on leaving.

@@ -9,12 +9,15 @@ import jax
 from .types import EngineOptions
 from .workarounds import workaround_enabled
 
+# jax device platforms of a GPU.
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
 
 def engine_compiler_options(platform: str) -> dict[str, int]:
     """XLA compile options of the engine's forward and decode chunks on devices of ``platform``
     (a jax device's ``platform``): on a GPU, with workaround ``gpu-dot-merger``, XLA leaves
     sibling dots (q/k/v, gate/up) apart; none elsewhere."""
-    if platform in ("gpu", "cuda", "rocm") and workaround_enabled("gpu-dot-merger"):
+    if platform in _GPU_PLATFORMS and workaround_enabled("gpu-dot-merger"):
         return {"xla_gpu_dot_merger_threshold_mb": 0}
     return {}
 
@@ -24,7 +27,7 @@ def static_decode_chunks(options: EngineOptions, platform: str) -> bool:
     None: where XLA drives loops and conditionals from the host, a GPU)."""
     if options.static_decode_chunks is not None:
         return options.static_decode_chunks
-    return platform in ("gpu", "cuda", "rocm")
+    return platform in _GPU_PLATFORMS
 
 
 def mesh_platform(mesh) -> str:
