@@ -170,8 +170,10 @@ class EngineWeights:
                 flat = {path: leaf for path, leaf in flat.items() if path not in kept}
                 plan = self.plan_for(flat, allow_cast, partial=True)
         known = frozenset(p.engine.index for p in plan.leaves if self._source(p.engine.index) is flat[p.trainer_path])
-        plan.check_inputs(flat, check_finite, known)
+        plan.check_live(flat)
         updates = plan.execute(flat)
+        if check_finite:  # what the engine would serve: a cast's overflow too
+            plan.check_finite(flat, updates, known)
         for index, array in updates.items():
             leaves[index] = array
         if plan not in self._checked_plans:

@@ -1,5 +1,6 @@
 """sync_params: parity with the Flax trainer model, zero copy, no recompiles, validation."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -192,8 +193,12 @@ def test_mismatched_sharding_is_resharded_correctly(tp_worker, hf_flat, qwen2_di
             },
             r"non-finite values \(nan/inf\) in: model\.layers_1\.input_layernorm\.scale",
         ),
+        (  # finite in the tree's float64, infinite in the engine's float32
+            lambda f: {**f, "model.norm.scale": np.full(f["model.norm.scale"].shape, 1e300)},
+            r"values beyond float32's range \(\|x\| > 3.40282e\+38\), finite in the tree, .* in: model\.norm\.scale$",
+        ),
     ],
-    ids=["missing", "extra", "shape", "dtype", "non-finite"],
+    ids=["missing", "extra", "shape", "dtype", "non-finite", "overflow"],
 )
 def test_bad_trees_fail_cleanly_and_old_weights_keep_serving(tp_worker, hf_flat, corrupt, message):
     tp_worker.sync_params(unflatten_params(hf_flat))
@@ -348,7 +353,27 @@ def test_float32_trainer_into_bfloat16_engine(qwen3_dir):
                 np.testing.assert_array_equal(
                     np.asarray(leaves[leaf.index]), np.asarray(jnp.asarray(flat["model.norm.scale"], jnp.bfloat16))
                 )
-        assert worker.generate(PROMPTS[:2], temperature=0.0, max_new_tokens=4).size == 2
+        before = worker.generate(PROMPTS[:2], temperature=0.0, max_new_tokens=4)
+        assert before.size == 2
+        # At tp=1 param_shardings() gives P(None, 'tensor') over a 1-device 'tensor' axis, which
+        # a jitted train step returns as P(): the same placement, the same plan (the copy compiled).
+        placed = jax.device_put(params, worker.param_shardings())
+        worker.sync_params(placed)
+        stepped = jax.jit(lambda tree: jax.tree.map(lambda x: x * 1.0, tree))(placed)
+        given = flatten_params(placed)
+        respelled = [path for path, leaf in flatten_params(stepped).items() if leaf.sharding != given[path].sharding]
+        assert respelled, "the test's premise: jit respells the shardings"
+        assert worker.sync_params(stepped).compiles == 0
+        # float32's largest value is finite in the tree and infinite in bfloat16: refused, the
+        # previous weights keep serving.
+        path = "model.layers_1.mlp.gate_proj.kernel"
+        huge = {**flat, path: np.asarray(flat[path]).copy()}
+        huge[path][0, 0] = np.finfo(np.float32).max
+        version = worker.weight_version
+        with pytest.raises(SyncError, match=rf"values beyond bfloat16's range .* in: {re.escape(path)}$"):
+            worker.sync_params(unflatten_params(huge))
+        assert worker.weight_version == version
+        assert worker.generate(PROMPTS[:2], temperature=0.0, max_new_tokens=4).completions == before.completions
 
 
 def test_zero_copy_on_a_single_device(qwen2_dir):

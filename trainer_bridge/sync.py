@@ -2,8 +2,8 @@
 
 A plan is compiled once per (tree structure, leaf shapes, dtypes and placements, engine), a
 placement being where each slice of a leaf lives, however its sharding spells it: a jitted train
-step returns ``P()`` where ``param_shardings()`` gave ``P(None, None)``, the same placement. Per
-engine leaf it chooses:
+step returns ``P()`` where ``param_shardings()`` gave ``P(None, None)``, or ``P(None, 'tensor')`` on
+a mesh whose ``tensor`` axis has size 1: the same placement. Per engine leaf it chooses:
 
 - ``alias``: the trainer's array is used as it is (same shape, dtype and sharding; one whose
   sharding spells the same placement otherwise is wrapped in the engine's, as for ``relabel``);
@@ -93,10 +93,11 @@ class SyncReport:
 
 @functools.lru_cache(maxsize=4096)  # runs for every leaf of every sync; shardings are few
 def _placement(sharding: jax.sharding.Sharding):
-    """``sharding`` as a key equal for the spellings of one placement: a NamedSharding's spec
-    without trailing Nones and with 1-tuples as their name (what jit's outputs carry). A
-    sharding that also permutes the mesh's devices or holds partial sums (``unreduced``,
-    ``reduced``) is its own key."""
+    """``sharding`` as a key equal for the spellings of one placement (what jit's outputs
+    carry): a NamedSharding's spec without its mesh axes of size 1 (which split nothing: at
+    tp=1 ``param_shardings()``' ``P(None, 'tensor')`` comes back as ``P()``), without trailing
+    Nones, and with 1-tuples as their name. A sharding that also permutes the mesh's devices or
+    holds partial sums (``unreduced``, ``reduced``) is its own key."""
     spec = getattr(sharding, "spec", None)
     if (
         not isinstance(sharding, NamedSharding)
@@ -105,9 +106,14 @@ def _placement(sharding: jax.sharding.Sharding):
         or getattr(spec, "reduced", None)
     ):
         return sharding
-    spec = [
-        None if entry == () else entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry for entry in spec
-    ]
+    sizes = sharding.mesh.shape
+
+    def splitting(entry):
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        names = tuple(name for name in names if sizes[name] != 1)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    spec = [splitting(entry) for entry in spec]
     while spec and spec[-1] is None:
         spec.pop()
     return (sharding.mesh, tuple(spec), sharding.memory_kind)
@@ -324,6 +330,18 @@ def non_finite_leaves(leaves: Sequence[jax.Array], *, one_call: bool = True) -> 
     return [i for i in suspects if not bool(_all_finite(leaves[i]))]
 
 
+def _finite_as_given(leaf) -> bool:
+    """Whether every value of ``leaf`` is finite in its own dtype (a numpy float64 is read in
+    float64: jax would read it in float32, where 1e300 is inf)."""
+    if isinstance(leaf, np.ndarray):
+        return bool(np.isfinite(leaf).all())
+    return bool(_all_finite(leaf))
+
+
+def _paths(plans: Sequence[LeafPlan]) -> str:
+    return ", ".join(p.trainer_path for p in plans[:8])
+
+
 class SyncPlan:
     """A compiled plan: executes a sync for trees with the plan's exact structure."""
 
@@ -337,19 +355,12 @@ class SyncPlan:
 
         self._copy_fn = jax.jit(transform_all, out_shardings=tuple(p.engine.sharding for p in copies))
 
-    def check_inputs(self, flat: Mapping[str, object], check_finite: bool, known_finite=frozenset()) -> None:
-        """Deleted arrays and (``check_finite``) NaN/inf values are a SyncError naming the paths.
-        ``known_finite``: engine indices whose served array, if the tree passes it again (an
-        alias of the same object: a frozen base), was checked already and is not read again."""
+    def check_live(self, flat: Mapping[str, object]) -> None:
+        """Deleted arrays are a SyncError naming the paths."""
         for p in self.leaves:
             leaf = flat[p.trainer_path]
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise SyncError(f"'{p.trainer_path}' has been deleted (donated to a train step?); pass live params")
-        if check_finite:
-            unchecked = [p for p in self.leaves if p.engine.index not in known_finite]
-            bad = [unchecked[i].trainer_path for i in non_finite_leaves([flat[p.trainer_path] for p in unchecked])]
-            if bad:
-                raise SyncError(f"non-finite values (nan/inf) in: {', '.join(bad[:8])}")
 
     def execute(self, flat: Mapping[str, object]) -> dict[int, jax.Array]:
         """New engine leaves by engine index. Trainer arrays are never modified."""
@@ -361,9 +372,34 @@ class SyncPlan:
             elif p.action is not LeafAction.COPY:  # the plan's placement: same slices (plan_key)
                 out[p.engine.index] = relabel(leaf, p.engine.sharding)
         if self.copies:
-            for p, array in zip(self.copies, self._copy_fn(*self._copy_inputs(flat))):
+            with np.errstate(over="ignore"):  # a cast's overflow is check_finite's to report
+                arrays = self._copy_fn(*self._copy_inputs(flat))
+            for p, array in zip(self.copies, arrays):
                 out[p.engine.index] = array
         return out
+
+    def check_finite(self, flat: Mapping[str, object], out: Mapping[int, jax.Array], known_finite=frozenset()) -> None:
+        """NaN/inf in the leaves :meth:`execute` gave as ``out`` for ``flat`` (what the engine
+        would serve) are a SyncError naming the trainer paths: the tree's own, and those of
+        finite values a copy's cast to the engine's dtype overflowed (float32 weights past
+        float16's 65504), which a check of the tree alone would pass. ``known_finite``: engine
+        indices whose served array, if the tree passes it again (an alias of the same object:
+        a frozen base), was checked already and is not read again."""
+        checked = [p for p in self.leaves if p.engine.index not in known_finite]
+        bad = [checked[i] for i in non_finite_leaves([out[p.engine.index] for p in checked])]
+        overflowed = [p for p in bad if p.action is LeafAction.COPY and _finite_as_given(flat[p.trainer_path])]
+        problems = []
+        if len(overflowed) < len(bad):
+            problems.append(f"non-finite values (nan/inf) in: {_paths([p for p in bad if p not in overflowed])}")
+        for dtype in sorted({p.engine.dtype for p in overflowed}, key=str):
+            paths = _paths([p for p in overflowed if p.engine.dtype == dtype])
+            limit = float(jnp.finfo(dtype).max)
+            problems.append(
+                f"values beyond {dtype}'s range (|x| > {limit:g}), finite in the tree, infinite in the "
+                f"engine's {dtype}, in: {paths}"
+            )
+        if problems:
+            raise SyncError("; ".join(problems))
 
     def relabeled(self, flat: Mapping[str, object], out: Mapping[int, jax.Array]) -> int:
         """Of the leaves :meth:`execute` gave as ``out`` for ``flat``, those not the trainer's own

@@ -32,3 +32,14 @@ def test_a_sharding_that_permutes_the_devices_or_holds_partial_sums_has_a_plan_o
         with jax.set_mesh(mesh):
             leaf = jax.jit(lambda t: t * 1, out_shardings=sharding)(value)
         assert plan_key({"w": leaf}) != _key(NamedSharding(mesh, P())), partial
+
+
+def test_mesh_axes_of_size_one_split_nothing():
+    """At tp=1 ``param_shardings()`` gives ``P(None, 'tensor')`` over a 1-device axis, which a
+    jitted train step returns as ``P()``; a MoE's ``P(None, ('data', 'tensor'))`` with one data
+    device comes back as ``P(None, 'tensor')``."""
+    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+    assert _key(NamedSharding(one, P(None, "tensor"))) == _key(NamedSharding(one, P()))
+    two = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "tensor"))
+    assert _key(NamedSharding(two, P(None, ("data", "tensor")))) == _key(NamedSharding(two, P(None, "tensor")))
+    assert _key(NamedSharding(two, P(None, "tensor"))) != _key(NamedSharding(two, P()))
