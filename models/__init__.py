@@ -2,7 +2,14 @@
 sglang-jax, and tiny random model dirs for tests and examples."""
 
 from .decoder_flax import CausalLM, DecoderConfig, Llama3RopeScaling, greedy_decode, rope_inv_freq
-from .logprobs import completion_log_probs, sampled_token_log_probs, sampling_log_probs, table_logits
+from .logprobs import (
+    GREEDY_BELOW,
+    completion_log_probs,
+    engine_sampling_params,
+    sampled_token_log_probs,
+    sampling_log_probs,
+    table_logits,
+)
 from .mapping import Condition, EngineTransform, ParamMapping, expand_mappings
 from .moe import replay_route, route
 from .qwen3_moe_flax import Qwen3MoeConfig, router_choices
@@ -36,6 +43,8 @@ __all__ = [
     "router_choices",
     "sampled_token_log_probs",
     "sampling_log_probs",
+    "engine_sampling_params",
+    "GREEDY_BELOW",
     "table_logits",
     "tiny_llama3_spec",
     "tiny_random_llama_spec",

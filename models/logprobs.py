@@ -148,12 +148,19 @@ def sampled_token_log_probs(tempered, filtered, tokens, top_k) -> jax.Array:
     return jnp.where(greedy, from_tempered, from_filtered)
 
 
+# The engine runs a temperature below this as greedy (sglang-jax 0.0.2's _SAMPLING_EPS).
+GREEDY_BELOW = 1e-6
+# The engine's top-k that keeps every token (its TOP_K_ALL); any larger one keeps as many, and
+# past int32 would overflow its batch's top-k array.
+TOP_K_ALL = 2**30
+
+
 def engine_sampling_params(temperature: float, top_k: int) -> tuple[float, int]:
-    """(temperature, top_k) as the engine runs them: ``temperature=0`` is top-k 1 at
-    temperature 1, and ``top_k=-1`` keeps every token."""
-    if temperature == 0:
+    """(temperature, top_k) as the engine runs them: a temperature below ``GREEDY_BELOW``
+    (``0`` included) is top-k 1 at temperature 1, and ``top_k=-1`` keeps every token."""
+    if temperature < GREEDY_BELOW:
         return 1.0, 1
-    return float(temperature), (2**30 if top_k == -1 else int(top_k))
+    return float(temperature), (TOP_K_ALL if top_k == -1 else min(int(top_k), TOP_K_ALL))
 
 
 def completion_log_probs(

@@ -64,7 +64,8 @@ def token_id_list(name: str, values, vocab_size: int) -> tuple[int, ...]:
 class SamplingParams:
     """How to sample: validated on construction, immutable afterwards.
 
-    ``temperature=0`` is greedy decoding. ``top_k=-1`` keeps every token. ``seed=None`` lets
+    A temperature below 1e-6 (``0`` included; the engine's threshold) is greedy decoding.
+    ``top_k=-1``, or any value at least the vocabulary's size, keeps every token. ``seed=None`` lets
     the worker draw a fresh seed for the call. ``stop_token_ids`` end a completion (the stop
     token is kept in it); the worker adds the model's EOS ids unless ``ignore_eos``.
     ``return_logprobs`` asks for the log-probability of every sampled token, ``return_routing``
@@ -132,10 +133,6 @@ class SamplingParams:
         for j, value in enumerate(stop):
             ids.append(as_int(f"stop_token_ids[{j}]", value, minimum=0))
         set_(self, "stop_token_ids", tuple(ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def row_seeds(seed: int, num_prompts: int, n: int, *, first_prompt: int = 0) -> np.ndarray:

@@ -224,9 +224,10 @@ class RolloutWorker:
         until it is done. On any error nothing changes: the previous weights keep serving and
         the version stays. The engines may keep using the trainer's buffers until the next
         sync: a train step that donates them must be followed by a sync before the next
-        generate. ``check_finite`` (on by default) refuses NaN/inf weights, naming the paths: it
-        reads every weight once (about 1.15x one plain read; ``bench.sync_bench``), the price of
-        never serving a broken policy silently; pass False where that read matters.
+        generate. ``check_finite`` (on by default) refuses NaN/inf weights, naming the paths, and
+        finite ones the cast to the engine's dtype would make infinite: it reads every weight
+        once (about 1.15x one plain read; ``bench.sync_bench``), the price of never serving a
+        broken policy silently; pass False where that read matters.
 
         ``in_flight=True`` swaps without draining: each engine stops at its next forward
         boundary (the sync waits at most one forward step, however long the running requests
@@ -654,7 +655,7 @@ class RolloutWorker:
     ) -> RolloutBatch:
         """Sample ``n`` completions for every prompt (token-id lists, or strings).
 
-        ``temperature=0`` is greedy decoding. Sample ``j`` of ``prompts[i]`` draws from its
+        ``temperature=0`` (or below 1e-6) is greedy decoding. Sample ``j`` of ``prompts[i]`` draws from its
         own seed, derived from ``(seed, i, j)``: the same call seed gives the same samples for
         that prompt whatever the other prompts, ``n`` or ``dp_size`` are (``seed=None``
         draws a call seed from the worker's own random stream). Calls from several threads

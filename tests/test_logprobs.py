@@ -224,6 +224,25 @@ def test_greedy_rows_report_the_temperature_one_log_prob(synced):
     np.testing.assert_allclose(outputs[0].logprobs, batch.logprobs[0, batch.prompt_width :], atol=1e-5)
 
 
+def test_temperatures_the_engine_runs_greedy_report_greedy_log_probs(synced):
+    """The engine runs a temperature below 1e-6 as greedy: its rows report what greedy rows
+    report, which the trainer's recompute at that temperature gives too; a top_k past int32
+    keeps every token (the engine's batch array is int32)."""
+    worker, model_dir, params = synced
+    options = dict(max_new_tokens=6, ignore_eos=True, return_logprobs=True, seed=3)
+    greedy = worker.generate(PROMPTS, temperature=0.0, **options)
+    tiny = worker.generate(PROMPTS, temperature=1e-7, **options)
+    assert tiny.completions == greedy.completions
+    np.testing.assert_array_equal(tiny.logprobs, greedy.logprobs)
+    report = worker.check_consistency(params, PROMPTS, max_new_tokens=6, temperature=1e-7, atol=1e-4)
+    assert report.max_abs_diff < 1e-4
+    every = worker.generate(PROMPTS, temperature=0.8, top_k=-1, **options)
+    past_int32 = worker.generate(PROMPTS, temperature=0.8, top_k=2**31, **options)
+    assert past_int32.completions == every.completions
+    np.testing.assert_array_equal(past_int32.logprobs, every.logprobs)
+    assert worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=2).size == 1  # the engine lives
+
+
 def test_bfloat16_engine_against_float32_trainer(qwen2_dir):
     """Weights rounded to bf16 and bf16 compute give a small, nonzero mismatch."""
     params = load_hf_params(qwen2_dir)

@@ -22,7 +22,7 @@ from models import sampled_token_log_probs, sampling_log_probs, table_logits
 
 from ..versions import ENGINE, UnsupportedVersionError
 from .attention import converts_16bit_rows, paged_attention, runs_head_major_dots, set_rows
-from .draw import draw_tokens, draw_tokens_and_log_mass, keyed_uniforms, row_argmax_and_max
+from .draw import draw_tokens, draw_tokens_and_log_probs, keyed_uniforms, row_argmax_and_max
 from .lora import patch_unmerged_lora
 from .moe import patch_expert_block
 from .multistep import patch_scheduler as patch_decode_chunks
@@ -148,8 +148,8 @@ def _greedy_with_logprobs(operands):
     logits, temperatures = operands[:2]
     scaled = logits.astype(jnp.float32) / temperatures.reshape(-1, 1)
     ids, peak = row_argmax_and_max(scaled)
-    log_mass = peak[:, 0] + jnp.log(jnp.sum(jnp.exp(scaled - peak), axis=-1))
-    return ids, peak[:, 0] - log_mass, _all_kept(logits)
+    # The max's log-prob: minus the log of the mass (>= 1), never above 0.
+    return ids, -jnp.log(jnp.sum(jnp.exp(scaled - peak), axis=-1)), _all_kept(logits)
 
 
 def _draw_with_logprobs(operands):
@@ -167,9 +167,8 @@ def _draw_unfiltered(operands):
     """:func:`_draw_with_logprobs` where no row filters: two passes over the tempered logits."""
     logits, temperatures, top_ks, _, _, seeds, positions, rng = operands
     uniforms = _uniforms(seeds, positions, rng, logits.shape[0])
-    ids, log_mass = draw_tokens_and_log_mass(logits, uniforms, top_ks == 1, temperatures)
-    chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0].astype(jnp.float32)
-    return ids, chosen * (1.0 / temperatures.reshape(-1)) - log_mass, _all_kept(logits)
+    ids, logprobs = draw_tokens_and_log_probs(logits, uniforms, top_ks == 1, temperatures)
+    return ids, logprobs, _all_kept(logits)
 
 
 def _draw_filtered(operands):

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
+from models import engine_sampling_params
+
 from ..errors import InvalidRequest
 from ..sampling import SamplingParams
 from .patches import LOGPROB_SINKS
@@ -373,11 +375,13 @@ def _registered(registry: dict, rids: list[str], make: Callable):
 
 def _sampling_dict(params: SamplingParams, seed: int) -> dict:
     """sglang-jax's per-request sampling dict."""
+    # As the trainer recomputes log-probs (models.completion_log_probs).
+    temperature, top_k = engine_sampling_params(params.temperature, params.top_k)
     sampling = {
         "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
+        "temperature": temperature,
         "top_p": params.top_p,
-        "top_k": params.top_k,
+        "top_k": top_k,
         "min_p": params.min_p,
         "ignore_eos": params.ignore_eos,
         "sampling_seed": seed,

@@ -121,6 +121,34 @@ def test_each_draw_gives_what_the_device_chosen_draw_gives():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("temperature", [0.03, 1e-4, 1e-5, 2e-6])
+def test_log_probs_stay_exact_at_small_temperatures(temperature):
+    """Scaled scores reach 1e6 at small temperatures: a drawn token's log-prob is its distance
+    to the max before scaling, never its scaled score less a scaled log-mass (whose rounding
+    gave the max log-probs of +0.06 at 2e-6)."""
+    rows, vocab = 6, 300
+    logits = jax.random.normal(jax.random.key(1), (rows, vocab)) * 3
+    reference = jax.nn.log_softmax(np.asarray(logits, np.float64) / temperature, axis=-1)
+    everything = 2**30
+    for name, top_ks in {"greedy": [1] * rows, "sample": [everything] * rows, "filter": [everything, 20] * 3}.items():
+        operands = (
+            logits,
+            jnp.full((rows, 1), 1.0 if name == "greedy" else temperature),
+            jnp.asarray(top_ks, jnp.int32),
+            jnp.ones(rows),
+            jnp.zeros(rows),
+            jnp.arange(rows, dtype=jnp.int32) * 7,
+            jnp.full(rows, 3, jnp.int32),
+            None,
+        )
+        ids, logprobs, _ = jax.jit(patches._DRAWS[name])(operands)
+        logprobs = np.asarray(logprobs)
+        assert (logprobs <= 0).all(), (name, logprobs)
+        if name != "greedy":  # greedy rows report the temperature-1 log-prob
+            expected = np.take_along_axis(np.asarray(reference), np.asarray(ids)[:, None], axis=-1)[:, 0]
+            np.testing.assert_allclose(logprobs, expected, atol=1e-5, err_msg=name)
+
+
 class _Runner:
     """0.0.2's ModelRunner.initialize_jit in miniature: a jitted forward, called through a
     wrapper that reads it from its closure; its mesh's devices say they are GPUs."""
