@@ -228,6 +228,7 @@ PINNING_TESTS = {
         "tests/unit/test_scheduling.py::test_a_retracted_request_is_admitted_for_the_tokens_it_has_left"
     ),
     "stop-ids-with-ignore-eos": "tests/test_generate.py::test_stop_token_ids_end_a_completion_under_ignore_eos",
+    "stop-token-at-length": "tests/test_generate.py::test_a_stop_token_sampled_last_ends_as_stop",
     "xla-stale-packed-weights": (
         "tests/test_in_place_updates.py::test_the_engine_serves_the_trainers_params_after_donated_updates[qwen2-tp1]"
     ),

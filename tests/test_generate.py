@@ -264,6 +264,19 @@ def test_stop_token_ids_end_a_completion_under_ignore_eos(worker):
         assert stopped.finish_reasons[row] == ("stop" if stop in completion else "length")
 
 
+def test_a_stop_token_sampled_last_ends_as_stop(worker):
+    """A completion whose last allowed token is a stop token ended (0.0.2 tested the length
+    first and called it "length"), with and without ignore_eos."""
+    full = worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=16, ignore_eos=True).completions[0]
+    last = next(i for i in range(1, len(full)) if full[i] not in full[:i])
+    for ignore_eos in (True, False):
+        stopped = worker.generate(
+            PROMPTS[:1], temperature=0.0, max_new_tokens=last + 1, ignore_eos=ignore_eos, stop_token_ids=[full[last]]
+        )
+        assert stopped.completions[0] == full[: last + 1]
+        assert stopped.finish_reasons == ["stop"], ignore_eos
+
+
 def test_calls_retracted_in_a_tight_kv_pool_all_return(qwen2_dir):
     """Six calls of 3 samples each in a 128-token pool: decode runs out of slots and retracts
     requests, which must be admitted again for the tokens they have left (one retracted after

@@ -8,6 +8,9 @@
 - ``stop-ids-with-ignore-eos``: ``Req.check_finished`` tests the stop token ids only without
   ``ignore_eos``, so a call with both ran to ``max_new_tokens``. The worker adds the model's
   EOS ids to the stop ids itself unless ``ignore_eos``, so the stop ids are tested in both.
+- ``stop-token-at-length``: ``Req.check_finished`` tests the length before the stop ids, so a
+  completion whose last allowed token is a stop token (its EOS) ended as ``"length"``: a
+  trainer that penalizes truncation penalized a completion that ended. It ends as ``"stop"``.
 """
 
 from __future__ import annotations
@@ -18,13 +21,20 @@ from .workarounds import workaround_enabled
 
 
 def patch_scheduling() -> None:
-    from sgl_jax.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN, Req
+    from sgl_jax.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_TOKEN, Req
     from sgl_jax.srt.managers.schedule_policy import PrefillAdder
 
     if workaround_enabled("retracted-admission"):
         PrefillAdder.add_one_req = _counting_tokens_left(PrefillAdder.add_one_req)
-    if workaround_enabled("stop-ids-with-ignore-eos"):
-        Req.check_finished = _ending_on_stop_ids(Req.check_finished, FINISH_MATCHED_TOKEN)
+    under_ignore_eos = workaround_enabled("stop-ids-with-ignore-eos")
+    at_length = workaround_enabled("stop-token-at-length")
+    if under_ignore_eos or at_length:
+        Req.check_finished = _ending_on_stop_ids(
+            Req.check_finished,
+            FINISH_MATCHED_TOKEN,
+            FINISH_LENGTH if at_length else None,
+            under_ignore_eos=under_ignore_eos,
+        )
 
 
 def _counting_tokens_left(add_one_req):
@@ -44,12 +54,21 @@ def _counting_tokens_left(add_one_req):
     return add_one_req_counting_tokens_left
 
 
-def _ending_on_stop_ids(check_finished, finish_matched_token):
+def _ending_on_stop_ids(check_finished, finish_matched_token, finish_length=None, *, under_ignore_eos: bool):
+    """``check_finished`` ending on a stop id under ``ignore_eos`` too (``under_ignore_eos``),
+    and on one sampled as the last allowed token (given ``finish_length``, the reason that
+    0.0.2 gives it otherwise)."""
+
     @functools.wraps(check_finished)
     def check_finished_on_stop_ids(self):
         check_finished(self)
         params = self.sampling_params
-        if self.finished() or not params.ignore_eos or not params.stop_token_ids or not self.output_ids:
+        if not params.stop_token_ids or not self.output_ids:
+            return
+        if self.finished():
+            if finish_length is None or not isinstance(self.finished_reason, finish_length):
+                return
+        elif not (under_ignore_eos and params.ignore_eos):
             return
         last = int(self.output_ids[-1])
         if last in params.stop_token_ids:

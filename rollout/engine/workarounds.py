@@ -258,6 +258,11 @@ WORKAROUNDS: dict[str, str] = {
         "ids and ignore_eos ran to max_new_tokens. They are tested with ignore_eos too (the "
         "worker adds the model's EOS ids to them only without it)."
     ),
+    "stop-token-at-length": (
+        "Req.check_finished tests the length before the stop ids: a completion whose last "
+        "allowed token is a stop token (its EOS) ended as 'length', which a trainer that "
+        "penalizes truncation penalized. It ends as 'stop'."
+    ),
     "xla-stale-packed-weights": (
         "Not sglang-jax's: XLA's CPU backend in jaxlib 0.8 packs the weight operand of an f32 "
         "dot for XNNPACK once and reuses it while the buffer's address stays the same, so a "
