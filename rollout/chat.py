@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -176,10 +177,18 @@ def _json_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: JSON's grammar allows it, no float holds it
+        raise ValueError(f"{text} is beyond a float's range")
+    return value
+
+
 def _loads(text: str) -> tuple[Any, str | None]:
-    """``text`` parsed as strict JSON (no NaN or Infinity), or why it is not."""
+    """``text`` parsed as strict JSON (no NaN or Infinity, no number beyond a float's range),
+    or why it is not."""
     try:
-        return json.loads(text, parse_constant=_json_constant), None
+        return json.loads(text, parse_constant=_json_constant, parse_float=_finite_float), None
     except json.JSONDecodeError as exc:
         return None, f"{exc.msg} at char {exc.pos}"
     except (ValueError, RecursionError) as exc:  # a NaN; nesting deeper than Python recurses

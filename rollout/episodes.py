@@ -32,14 +32,15 @@ import json
 import logging
 import math
 import numbers
+import threading
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from .batch import RolloutBatch, pack_rollouts
-from .chat import ParsedTurn, parse_tool_calls, render_chat
+from .chat import ChatError, ParsedTurn, parse_tool_calls, render_chat
 from .errors import InvalidRequest
 from .sampling import MAX_SAMPLING_SEED, SamplingParams, as_int, pad_width, row_seeds, token_id_list
 
@@ -149,9 +150,11 @@ class ToolEnvironment:
     malformed block, then one per well-formed call in the calls' order, its function's result
     (``functions[name](**arguments)``, plain or async; not a string: JSON) or an error (an
     unknown function, arguments it does not take, an exception it raised, a result JSON cannot
-    encode). The episode never fails on the model's calls. A turn without tool calls is the
-    final answer: the episode ends with ``reward(turn)`` (plain or async). Counts what happened
-    (``calls``, ``failed_calls``), for metrics.
+    encode, NaN and infinities included). The episode never fails on the model's calls. A turn
+    without tool calls is the final answer: the episode ends with ``reward(turn)`` (plain or
+    async). Plain functions run on threads (the event loop's default executor), so a slow one
+    holds up neither the other episodes nor its step's ``env_timeout_s``; they may run at once
+    for different episodes. Counts what happened (``calls``, ``failed_calls``), for metrics.
     """
 
     def __init__(self, functions: Mapping[str, Callable], reward: Callable[[Turn], Any]):
@@ -163,7 +166,7 @@ class ToolEnvironment:
     async def step(self, turn: Turn) -> StepResult:
         parsed = turn.parsed
         if not parsed.tool_calls and not parsed.errors:
-            return StepResult(reward=float(await _maybe_await(self.reward(turn))), done=True)
+            return StepResult(reward=float(await _call(self.reward, turn)), done=True)
         messages = [{"role": "tool", "content": f"error: {error}"} for error in parsed.errors]
         for call in parsed.tool_calls:
             messages.append({"role": "tool", "content": await self._run(call), "tool_call_id": call.id})
@@ -177,8 +180,8 @@ class ToolEnvironment:
             self.failed_calls += 1
             return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(self.functions))})"
         try:
-            result = await _maybe_await(function(**call.arguments))
-            return result if isinstance(result, str) else json.dumps(result)
+            result = await _call(function, **call.arguments)
+            return result if isinstance(result, str) else json.dumps(result, allow_nan=False)
         except Exception as exc:  # the model reads what went wrong, as it would from a real tool
             self.failed_calls += 1
             return f"error: {call.name}: {type(exc).__name__}: {exc}"
@@ -186,6 +189,13 @@ class ToolEnvironment:
 
 async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
+
+
+async def _call(function: Callable, *args, **kwargs):
+    """``function``'s answer; a plain function runs on a thread (the loop's default executor)."""
+    if inspect.iscoroutinefunction(function):
+        return await function(*args, **kwargs)
+    return await _maybe_await(await asyncio.to_thread(function, *args, **kwargs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,12 +296,15 @@ class TurnFrames:
 
     def prompt(self, messages: Sequence[Mapping], field: str = "prompts") -> list[int]:
         """The first prompt's tokens: the messages rendered with the generation prompt;
-        InvalidRequest naming ``field`` without a chat template."""
+        InvalidRequest naming ``field`` without a chat template or for messages it cannot take."""
         if not self.templated:
             raise InvalidRequest(
                 field, f"{field}: message prompts need a tokenizer with a chat template: pass token ids"
             )
-        return self._encode(self._render(list(messages), True))
+        try:
+            return self._encode(self._render(list(messages), True))
+        except ChatError as error:  # its field is a path in a request body: messages[1].content
+            raise InvalidRequest(field, f"{field}: {error}") from None
 
     def close_turn(self, sampled: Sequence[int]) -> list[int]:
         """Tokens that end the model's turn after ``sampled``: the template's end of an assistant
@@ -391,9 +404,12 @@ async def run_episodes(
     limits = _checked_limits(limits)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise InvalidRequest("prompts", "prompts must be a non-empty list of prompts (messages or token ids)")
-    frames = TurnFrames(worker.tokenizer, tools)
+    try:
+        frames = TurnFrames(worker.tokenizer, tools)
+    except ChatError as error:
+        raise InvalidRequest(error.field, str(error)) from None
     prompt_ids = [_first_prompt(worker, frames, limits, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-    prompt_width = pad_width(pad_prompts_to, prompt_ids)
+    prompt_width = pad_width(pad_prompts_to, prompt_ids, worker.max_request_tokens)
     if completion_width is not None:
         completion_width = as_int("completion_width", completion_width, minimum=1)
         _check_completion_width(worker, limits, prompt_ids, completion_width)
@@ -418,6 +434,32 @@ async def run_episodes(
         results, n=n, pad_token_id=worker.pad_token_id, prompt_width=prompt_width, completion_width=completion_width
     )
     return EpisodeBatch(results, batch, n)
+
+
+def run_until_returned(main: Coroutine):
+    """``asyncio.run(main)`` on a thread of its own, returning (or raising) as soon as ``main``
+    does: what ``main`` leaves running (an environment's step abandoned at its timeout, the
+    thread of a plain function it called) winds down there, where ``asyncio.run`` would have
+    waited for it (it waits for every task and for the default executor's threads). Ctrl-C
+    cancels ``main`` and waits for it to unwind (its sessions released)."""
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+    running: concurrent.futures.Future = concurrent.futures.Future()  # (loop, task)
+
+    async def run():
+        running.set_result((asyncio.get_running_loop(), asyncio.current_task()))
+        try:
+            outcome.set_result(await main)
+        except BaseException as error:  # handed to the caller, cancellation included
+            outcome.set_exception(error)
+
+    threading.Thread(target=asyncio.run, args=(run(),), name="episodes-loop", daemon=True).start()
+    try:
+        return outcome.result()
+    except KeyboardInterrupt:
+        loop, task = running.result()
+        loop.call_soon_threadsafe(task.cancel)
+        concurrent.futures.wait([outcome])
+        raise
 
 
 def pack_episodes(
@@ -509,7 +551,14 @@ def _first_prompt(worker, frames: TurnFrames, limits: EpisodeLimits, prompt, fie
 
 
 def _check_completion_width(worker, limits: EpisodeLimits, prompt_ids: list[list[int]], width: int) -> None:
-    """The batch's completion region must hold whatever may follow each first prompt."""
+    """The batch's completion region must hold whatever may follow each first prompt, and no
+    more than a conversation may hold."""
+    if width > worker.max_request_tokens:
+        raise InvalidRequest(
+            "completion_width",
+            f"completion_width={width} is wider than a conversation may be: at most {worker.max_request_tokens} "
+            "tokens (the worker's max_request_tokens)",
+        )
     for i, ids in enumerate(prompt_ids):
         room = _conversation_cap(worker, limits, len(ids)) - len(ids)
         if room > width:

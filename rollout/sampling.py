@@ -183,14 +183,21 @@ def encode_text(tokenizer, text: str, field: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def pad_width(value, prompt_ids: Sequence[Sequence[int]]) -> int | None:
-    """``pad_prompts_to`` checked: None, or an int at least the longest prompt."""
+def pad_width(value, prompt_ids: Sequence[Sequence[int]], max_request_tokens: int) -> int | None:
+    """``pad_prompts_to`` checked: None, or an int at least the longest prompt and at most what
+    a request may hold (a wider prompt region could never be filled)."""
     if value is None:
         return None
     width = as_int("pad_prompts_to", value, minimum=1)
     longest = max(map(len, prompt_ids))
     if longest > width:
         raise InvalidRequest("pad_prompts_to", f"a prompt has {longest} tokens, more than pad_prompts_to={width}")
+    if width > max_request_tokens:
+        raise InvalidRequest(
+            "pad_prompts_to",
+            f"pad_prompts_to={width} is wider than a request may be: at most {max_request_tokens} tokens "
+            "(prompt + completion)",
+        )
     return width
 
 
@@ -310,7 +317,7 @@ class RequestValidator:
             max_prompt_tokens=engine.max_prompt_tokens,
             kv_pool_tokens=engine.kv_pool_tokens,
         )
-        pad_to = pad_width(options.get("pad_prompts_to"), prompt_ids)
+        pad_to = pad_width(options.get("pad_prompts_to"), prompt_ids, engine.max_request_tokens)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_token_ids)
         call_seed = params.seed
         if call_seed is None:

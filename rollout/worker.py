@@ -52,7 +52,7 @@ from .compiles import counting_compiles
 from .config import WorkerConfig, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineHandle, GenerateOutput, SessionStats, in_slot
-from .episodes import EpisodeBatch, EpisodeLimits
+from .episodes import EpisodeBatch, EpisodeLimits, run_until_returned
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
 from .gate import EngineGate
 from .group import EngineGroup
@@ -728,11 +728,13 @@ class RolloutWorker:
             self._gate.leave()
 
     def run_episodes(self, prompts, make_env, **options) -> EpisodeBatch:
-        """:meth:`arun_episodes` for callers without a running event loop (it runs one)."""
+        """:meth:`arun_episodes` for callers without a running event loop (it runs one, on a
+        thread of its own: the call returns when the episodes end, not when the environment
+        steps they abandoned at their timeout do)."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.arun_episodes(prompts, make_env, **options))
+            return run_until_returned(self.arun_episodes(prompts, make_env, **options))
         raise RuntimeError("run_episodes() was called inside a running event loop: await arun_episodes() there")
 
     async def arun_episodes(

@@ -114,6 +114,9 @@ def test_bad_arguments_are_clear_errors(worker):
     with pytest.raises(InvalidRequest) as pad:
         worker.generate([PROMPT], pad_prompts_to="x")
     assert pad.value.field == "pad_prompts_to"
+    with pytest.raises(InvalidRequest, match=r"pad_prompts_to=1099511627776 is wider than a request may be") as pad:
+        worker.generate([PROMPT], pad_prompts_to=2**40)  # packed after the generation: 4 TiB
+    assert pad.value.field == "pad_prompts_to"
 
     async def stream_padded():
         async for _ in worker.astream([PROMPT], pad_prompts_to=8):

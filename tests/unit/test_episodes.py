@@ -3,6 +3,7 @@
 import asyncio
 import gc
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from rollout.episodes import (
     TurnFrames,
     pack_episodes,
     run_episodes,
+    run_until_returned,
 )
 
 
@@ -225,13 +227,44 @@ def test_only_int_token_ids_are_token_observations(tokenizer, content, kind):
 
 
 def test_a_tool_result_json_cannot_encode_is_an_error_the_model_reads():
-    env = ToolEnvironment({"s": lambda: {1, 2}, "b": lambda: b"x", "o": lambda: object()}, reward=lambda t: 0.0)
-    calls = "".join(f'<tool_call>{{"name": "{name}", "arguments": {{}}}}</tool_call>' for name in "sbo")
+    functions = {"s": lambda: {1, 2}, "b": lambda: b"x", "o": lambda: object(), "n": lambda: [float("nan")]}
+    env = ToolEnvironment({**functions, "i": lambda x: x}, reward=lambda t: 0.0)
+    calls = "".join(f'<tool_call>{{"name": "{name}", "arguments": {{}}}}</tool_call>' for name in "sbon")
+    calls += '<tool_call>{"name": "i", "arguments": {"x": 1e400}}</tool_call>'  # no float holds it
     result = asyncio.run(env.step(turn(calls)))
     contents = [m["content"] for m in result.observation]
-    assert [c.split(": TypeError: ")[0] for c in contents] == ["error: s", "error: b", "error: o"]
-    assert all("is not JSON serializable" in c for c in contents)
-    assert (env.calls, env.failed_calls) == (3, 3)
+    assert contents[0] == "error: tool call 5 is not JSON: 1e400 is beyond a float's range"
+    assert [c.split(": TypeError: ")[0] for c in contents[1:4]] == ["error: s", "error: b", "error: o"]
+    assert all("is not JSON serializable" in c for c in contents[1:4])
+    assert contents[4].startswith("error: n: ValueError: Out of range float values are not JSON compliant")
+    assert (env.calls, env.failed_calls) == (5, 5)
+
+
+def test_a_plain_reward_that_hangs_ends_its_own_episode_at_the_timeout():
+    """A plain function runs on a thread: the step times out while it hangs, the other episode
+    finishes, and the run returns without waiting for it (asyncio.run would have)."""
+    release = threading.Event()
+
+    def reward(turn):
+        release.wait()  # set by the test once the run returned
+        return 1.0
+
+    limits = EpisodeLimits(max_turns=2, max_new_tokens=2, env_timeout_s=0.05)
+    envs = [ToolEnvironment({}, reward=reward), ToolEnvironment({}, reward=lambda turn: 1.0)]
+    returned, outcome = threading.Event(), {}
+
+    def run():
+        main = run_episodes(ScriptedWorker(), [[5], [6]], lambda i, j: envs[i], limits=limits)
+        outcome["batch"] = run_until_returned(main)
+        returned.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    in_time = returned.wait(timeout=60)  # a bound for the failure only: the reward is never released
+    release.set()
+    assert in_time, "the run waited for the hung reward"
+    hung, healthy = outcome["batch"].episodes
+    assert hung.status == "env_error" and "took more than 0.05 s" in hung.error
+    assert healthy.status == "done" and healthy.reward == 1.0
 
 
 class ScriptedWorker:
@@ -290,10 +323,12 @@ LONG_TOOL = {
         (dict(seed="7"), "seed"),
         (dict(pad_prompts_to=3), "pad_prompts_to"),
         (dict(pad_prompts_to=20.0), "pad_prompts_to"),
+        (dict(pad_prompts_to=401), "pad_prompts_to"),  # wider than a request may be
         # Without a response limit, what follows a prompt may fill the engine's request.
         (dict(completion_width=64), "completion_width"),
         (dict(completion_width=64, limits=EpisodeLimits(max_response_tokens=65)), "completion_width"),
         (dict(completion_width=0), "completion_width"),
+        (dict(completion_width=2**40, limits=EpisodeLimits(max_response_tokens=16)), "completion_width"),
         (dict(max_new_tokens=5), "max_new_tokens"),
         (dict(session="s"), "session"),
         (dict(temperature=-1.0), "temperature"),
@@ -304,6 +339,10 @@ LONG_TOOL = {
         # The first prompt does not fit the engine (the tools block makes it long) ...
         (dict(prompts=[[5, 6], [5] * 301]), "prompts[1]"),
         (dict(prompts=[[5], [{"role": "user", "content": "hi"}]], tools=[LONG_TOOL]), "prompts[1]"),
+        # Messages or tools the template cannot take.
+        (dict(prompts=[[5], [{"role": "user"}]]), "prompts[1]"),
+        (dict(prompts=[[5], [{"role": 1, "content": "hi"}]]), "prompts[1]"),
+        (dict(tools=[{"type": "search"}]), "tools[0].type"),
         # ... or leaves its first turn no room under the limits.
         (dict(prompts=[[5] * 20], limits=EpisodeLimits(max_total_tokens=20)), "prompts[0]"),
         (dict(prompts=[[5] * 20], limits=EpisodeLimits(max_total_tokens=50, overflow="error")), "prompts[0]"),
