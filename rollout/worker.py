@@ -384,6 +384,7 @@ class RolloutWorker:
                 f"in_flight={in_flight} recompute_kv={recompute_kv} "
                 f"lora={lora and (tree_fingerprint(adapter_flat), lora[1])}",
             )
+            merged_bytes = 0
             if lora:
                 kernels = [m.trainer for m in self.mappings if m.trainer.endswith(".kernel")]
                 adapters = collect_adapters(adapter_flat, flat, kernels, lora[1])
@@ -393,6 +394,7 @@ class RolloutWorker:
                     if bad:
                         raise SyncError(f"non-finite values (nan/inf) in: {', '.join(bad[:8])}")
                 flat = merge_adapters(flat, adapters, lora[1])
+                merged_bytes = sum(flat[adapter.kernel].nbytes for adapter in adapters)
             trees, gathered = self._group.localize(flat, call)
             prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
             with self._swapping(reason, in_flight):
@@ -402,7 +404,9 @@ class RolloutWorker:
                 self.weight_version = version
         seconds = time.perf_counter() - start
         reports = [update.plan.report(version, seconds, update.relabeled) for update in prepared.values()]
-        report = dataclasses.replace(_combine_sync_reports(reports, compiles.value), bytes_gathered=gathered)
+        report = dataclasses.replace(
+            _combine_sync_reports(reports, compiles.value), bytes_gathered=gathered, bytes_merged=merged_bytes
+        )
         logger.info("sync_params: %s", report)
         self._phases.record("weights_synced", seconds, version=version, bytes_copied=report.bytes_copied)
         return report

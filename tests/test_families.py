@@ -175,7 +175,9 @@ def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(ser
     worker = served.worker
     adapters, merged, config, reference = lora
     base = jax.device_put(served.params, worker.param_shardings())
-    worker.sync_params(base, adapters=adapters, lora=config)
+    report = worker.sync_params(base, adapters=adapters, lora=config)
+    kernels = {path.rsplit(".", 1)[0] + ".kernel" for path in flatten_params(adapters)}
+    assert len(kernels) > 0 and report.bytes_merged == sum(flatten_params(base)[k].nbytes for k in kernels)
     assert greedy(worker) == reference
     worker.check_consistency(merged, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)
     broken = flatten_params(adapters)

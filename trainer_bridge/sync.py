@@ -87,6 +87,9 @@ class SyncReport:
     # Multi-process: bytes the one cross-process reshard wrote on this process's devices (a
     # tree spread over hosts); bytes moved on this process = bytes_gathered + bytes_copied.
     bytes_gathered: int = 0
+    # LoRA merged at sync: the merged kernels' bytes the merge wrote (new buffers, which the
+    # sync then aliases: counted in bytes_aliased too).
+    bytes_merged: int = 0
     # With several engines: each engine's own report (the fields above are their sums).
     per_engine: tuple[SyncReport, ...] = ()
 
