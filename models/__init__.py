@@ -3,7 +3,6 @@ sglang-jax, and tiny random model dirs for tests and examples."""
 
 from .decoder_flax import CausalLM, DecoderConfig, Llama3RopeScaling, greedy_decode, rope_inv_freq
 from .logprobs import (
-    GREEDY_BELOW,
     completion_log_probs,
     engine_sampling_params,
     sampled_token_log_probs,
@@ -44,7 +43,6 @@ __all__ = [
     "sampled_token_log_probs",
     "sampling_log_probs",
     "engine_sampling_params",
-    "GREEDY_BELOW",
     "table_logits",
     "tiny_llama3_spec",
     "tiny_random_llama_spec",
