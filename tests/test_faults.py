@@ -515,14 +515,15 @@ def test_the_engines_forwards_leave_the_sigterm_handler_alone(qwen2_dir):
 
 
 @pytest.mark.parametrize(
-    "signum,drain_s,whole",
-    [(signal.SIGTERM, 120, True), (signal.SIGINT, 0, False)],
-    ids=["SIGTERM", "SIGINT-past-the-drain-timeout"],
+    "signum,drain_s,whole,again",
+    [(signal.SIGTERM, 120, True, False), (signal.SIGINT, 0, False, False), (signal.SIGTERM, 120, True, True)],
+    ids=["SIGTERM", "SIGINT-past-the-drain-timeout", "SIGTERM-twice"],
 )
-def test_a_signal_during_a_request_drains_it_and_exits_0(chat_dir, signum, drain_s, whole):
+def test_a_signal_during_a_request_drains_it_and_exits_0(chat_dir, signum, drain_s, whole, again):
     """``python -m rollout.serve`` got a signal while a stream runs: the stream ends whole (or,
     past the drain timeout, is cut and its rows aborted), then the process exits 0 (it aborted
-    with absl's stack dump, exit 134; or, past the drain, hung on the busy engine and aborted)."""
+    with absl's stack dump, exit 134; or, past the drain, hung on the busy engine and aborted).
+    ``again``: a second SIGTERM once the drain began lets it go on (it killed the process)."""
     with serve_process(chat_dir, "--drain-timeout-s", str(drain_s)) as (process, url):
         # Compiles the forwards, and imports what the engine imports on its first forward.
         warm = httpx.post(
@@ -540,6 +541,9 @@ def test_a_signal_during_a_request_drains_it_and_exits_0(chat_dir, signum, drain
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # running
             process.send_signal(signum)
+            if again:
+                assert any("draining running requests" in line for line in process.stderr)
+                process.send_signal(signum)
             try:
                 rest = [line for line in lines if line.startswith("data: ")]
             except httpx.RemoteProtocolError:  # cut mid-stream

@@ -93,6 +93,26 @@ def test_greedy_completion_equals_worker_generate(client, worker):
 
 
 @pytest.mark.one_end
+def test_top_k_min_p_and_stop_token_ids_are_the_workers(client, worker):
+    """The vLLM extensions sample as the worker does (they were taken and ignored)."""
+    options = dict(max_new_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    for extra in (dict(top_k=1), dict(top_k=3, min_p=0.2)):
+        expected = worker.generate([PROMPT], **options, **extra).completions[0]
+        body = dict(ignore_eos=True, **extra)
+        response = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, extra_body=body
+        )
+        assert response.choices[0].model_extra["token_ids"] == expected, extra
+    full = worker.generate([PROMPT], temperature=0.0, max_new_tokens=8, ignore_eos=True).completions[0]
+    stop = full[3]
+    body = dict(stop_token_ids=[stop], ignore_eos=True)
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body=body)
+    choice = response.choices[0]
+    assert choice.model_extra["token_ids"] == full[: full.index(stop) + 1]  # kept, as the model's EOS is
+    assert choice.finish_reason == "stop"
+
+
+@pytest.mark.one_end
 def test_n_samples_and_seed(client):
     kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0, n=3, seed=7)
     first = client.completions.create(**kwargs)
@@ -425,6 +445,16 @@ BAD_REQUESTS = [
     ("token id outside vocab", {"model": "tiny", "prompt": [5, 100000]}, 400, "prompt"),
     ("negative token id", {"model": "tiny", "prompt": [-3, 5]}, 400, "prompt"),
     ("unsupported logprobs", {"model": "tiny", "prompt": PROMPT, "logprobs": 2}, 400, "logprobs"),
+    ("top_k a string", {"model": "tiny", "prompt": PROMPT, "top_k": "x"}, 400, "top_k"),
+    ("top_k below -1", {"model": "tiny", "prompt": PROMPT, "top_k": -2}, 400, "top_k"),
+    ("min_p above 1", {"model": "tiny", "prompt": PROMPT, "min_p": 5}, 400, "min_p"),
+    ("stop_token_ids not ids", {"model": "tiny", "prompt": PROMPT, "stop_token_ids": [5, "x"]}, 400, "stop_token_ids"),
+    (
+        "stop token id outside vocab",
+        {"model": "tiny", "prompt": PROMPT, "stop_token_ids": [100000]},
+        400,
+        "stop_token_ids[0]",
+    ),
     ("body over the limit", {"model": "tiny", "prompt": "1" * (2 << 20)}, 413, None),
     # Not valid Unicode (a lone surrogate, as its JSON escape), and nesting json.loads would recurse into.
     ("lone surrogate in stop", b'{"model": "tiny", "prompt": [5, 17], "stop": ["ok", "\\ud800"]}', 400, "stop[1]"),

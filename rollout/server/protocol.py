@@ -14,6 +14,7 @@ from ..sampling import CALL_SEED_RANGE
 
 MAX_N = 128
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 256
 # Far above any body this server accepts (a chat message's content part is 5 deep); json.loads
 # recurses once per level, so deeper bodies are refused before it runs.
 MAX_JSON_DEPTH = 64
@@ -144,6 +145,9 @@ class GenerationRequest:
     top_p: float
     seed: int | None
     stop: list[str]
+    top_k: int  # extensions, as in vLLM: -1 keeps every token
+    min_p: float
+    stop_token_ids: tuple[int, ...]  # kept in token_ids, as the model's EOS is
     stream: bool
     include_usage: bool
     logprobs: bool = False  # each sampled token's log-prob (no top alternatives)
@@ -202,6 +206,28 @@ def _zero_or_null(body: dict, name: str) -> int | None:
     return value
 
 
+def _top_k(body: dict) -> int:
+    """The ``top_k`` extension: -1 (or 0, as vLLM takes it) keeps every token."""
+    top_k = _int(body, "top_k", -1, -1, 2**63 - 1)
+    return -1 if top_k == 0 else top_k
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if (
+        not isinstance(ids, list)
+        or len(ids) > MAX_STOP_TOKEN_IDS
+        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids)
+    ):
+        raise invalid(
+            "stop_token_ids",
+            f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {ids!r:.80}",
+        )
+    return tuple(ids)
+
+
 def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -253,6 +279,9 @@ def _common(
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         seed=_int(body, "seed", None, *CALL_SEED_RANGE),
         stop=_stop(body),
+        top_k=_top_k(body),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        stop_token_ids=_stop_token_ids(body),
         stream=stream,
         include_usage=include_usage,
         ignore_eos=ignore_eos,

@@ -85,16 +85,22 @@ class Server:
         logger.info("stopped serving on %s", self.url)
 
     def wait(self) -> None:
-        """Block until SIGINT or SIGTERM, then :meth:`close` (main thread only)."""
+        """Block until SIGINT or SIGTERM, then :meth:`close` (main thread only). While it
+        drains, another SIGTERM (a supervisor repeating itself) is let be; another SIGINT
+        (Ctrl-C again) stops at once."""
         stop = threading.Event()
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             while not stop.wait(0.5) and self.running:
                 pass
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.close()
+            signal.signal(signal.SIGINT, previous[signal.SIGINT])
+            signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM while draining: the drain goes on"))
+            logger.info("draining running requests (up to %s s) on %s", self.config.drain_timeout_s, self.url)
+            try:
+                self.close()
+            finally:
+                signal.signal(signal.SIGTERM, previous[signal.SIGTERM])
 
     def __enter__(self) -> Server:
         return self

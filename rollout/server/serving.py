@@ -82,7 +82,9 @@ class Serving:
         self.state.check_api_key(request)
         body = await self.state.read_json(request)
         lora = self.state.check_model(body)
-        return await self.respond(request, self.parse(body), lora)
+        # Rendering and tokenizing run on a thread: a megabyte prompt took the event loop 2 s,
+        # every other client's stream and /health with it.
+        return await self.respond(request, await asyncio.to_thread(self.parse, body), lora)
 
     async def respond(self, request: Request, req: GenerationRequest, lora: str | None = None) -> Response:
         request.state.prompt_field = req.prompt_field
@@ -102,7 +104,7 @@ class Serving:
             "ServerConfig.max_rows_per_request",
             config.max_rows_per_request,
         )
-        prompts = self.prompt_ids(req)
+        prompts = await asyncio.to_thread(self.prompt_ids, req)
         sampling = self.sampling(req, prompts)
         if lora is not None:
             sampling["lora"] = lora
@@ -208,8 +210,10 @@ class Serving:
             n=req.n,
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
             max_new_tokens=max_tokens,
-            stop_token_ids=self.single_token_stops(req.stop),
+            stop_token_ids=[*req.stop_token_ids, *self.single_token_stops(req.stop)] or None,
             seed=req.seed,
             return_logprobs=req.logprobs,
             ignore_eos=req.ignore_eos,
@@ -220,9 +224,9 @@ class Serving:
         """Stop strings that are one token stop the engine itself; the others cut the text."""
         tokenizer = self.backend.tokenizer
         if tokenizer is None or not stop:
-            return None
+            return []
         ids = [tokenizer.encode(s, add_special_tokens=False) for s in stop]
-        return [t[0] for t in ids if len(t) == 1] or None
+        return [t[0] for t in ids if len(t) == 1]
 
     def token_texts(self, ids: list[int]) -> list[str]:
         tokenizer = self.backend.tokenizer

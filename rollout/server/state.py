@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from .backend import Backend
 from .config import ServerConfig
@@ -30,11 +31,14 @@ class SharedState:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone: nobody reads the answer, and nothing went wrong here
+            raise ApiError(499, "the client disconnected before sending its whole body") from None
         return parse_body(b"".join(chunks))
 
     def check_model(self, body: dict) -> str | None:

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import socket
 import threading
 
 import httpx
@@ -397,3 +398,78 @@ def test_a_request_that_outlives_the_drain_timeout_gets_a_503_saying_the_server_
         assert response.status_code == 503 and response.headers["content-type"] == "application/json"
         last = response.json()
     assert last["error"]["code"] == "worker_closed" and "drain timeout" in last["error"]["message"]
+
+
+class HeldTokenizer:
+    """The chat tokenizer, except that encoding ``HELD`` waits until released (a prompt that
+    takes long to tokenize), then refuses it."""
+
+    HELD = "a prompt held in its tokenizer"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text, **kwargs):
+        if text == self.HELD:
+            self.entered.set()
+            self.release.wait()
+            raise InvalidRequest("prompt", "released")
+        return self.tokenizer.encode(text, **kwargs)
+
+
+def test_tokenizing_a_prompt_holds_up_no_other_request(backend):
+    """Prompts are encoded (and chat templates rendered) off the event loop: a megabyte prompt
+    held it 2 s, every other client's stream and /health with it."""
+    tokenizer = HeldTokenizer(backend.tokenizer)
+    server = Server(StubBackend(tokenizer), ServerConfig(port=0, served_model_name="tiny"))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(
+                httpx.post, server.url + "/v1/completions", json={**COMPLETION, "prompt": tokenizer.HELD}
+            )
+            assert tokenizer.entered.wait(timeout=60)
+            try:
+                health = httpx.get(server.url + "/health", timeout=30)  # a bound for the failure only
+            finally:
+                tokenizer.release.set()
+            assert health.status_code == 200
+            assert held.result().status_code == 400
+    finally:
+        tokenizer.release.set()
+        server.close()
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(backend):
+    """Its request is logged as 499 (it was an "unexpected error" with two tracebacks)."""
+    records, logged = [], threading.Event()
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+            if record.name == "rollout.server.app" and "POST /v1/completions" in record.getMessage():
+                logged.set()
+
+    handler, loggers = Capture(), [logging.getLogger("rollout.server"), logging.getLogger("uvicorn.error")]
+    levels = [each.level for each in loggers]
+    for each in loggers:
+        each.addHandler(handler)
+        each.setLevel(logging.INFO)
+    server = Server(StubBackend(backend.tokenizer), ServerConfig(port=0, served_model_name="tiny"))
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as connection:
+            connection.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 500\r\n\r\n{"model": "tiny", '
+            )
+        assert logged.wait(timeout=60)
+    finally:
+        server.close()
+        for each, level in zip(loggers, levels):
+            each.removeHandler(handler)
+            each.setLevel(level)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+    assert any(" 499 " in r.getMessage() for r in records if r.name == "rollout.server.app")
