@@ -314,10 +314,16 @@ class EngineWeights:
 
     def release_aliased(self) -> None:
         """Drop the engine's references to trainer buffers it serves, so a train step may
-        donate them. The engine must not run a forward until the next commit."""
+        donate them. The engine must not run a forward until the next commit. Named adapters
+        (slots past the default one) are copied instead: the base sync after the step puts back
+        the base and the default slot alone, and the named ones serve on (they are small)."""
         mapped = {leaf.index for leaf in self.leaves if not leaf.engine_state}
-        aliased = sorted(mapped - self._owned)
-        self.engine.release_weight_leaves(aliased)
+        aliased = mapped - self._owned
+        named = aliased & {self._by_path[m.engine].index for slot in self._slot_mappings[1:] for m in slot}
+        if named:
+            self.engine.copy_weight_leaves(sorted(named))
+            self._owned |= named
+        self.engine.release_weight_leaves(sorted(aliased - named))
 
     def dead_leaves(self) -> list[str]:
         """Paths of leaves whose buffers were freed (donated by the trainer)."""

@@ -339,6 +339,27 @@ def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
     assert worker.engine.lora_names["four"] == slot
 
 
+def test_named_adapters_synced_as_aliases_serve_on_after_a_train_step(slotted, served):
+    """Named adapters the trainer placed (aliased) are copied when a train step takes the
+    buffers: the base sync after it puts back the base and the default slot, the named ones
+    serve on although the step donated their arrays (every generate raised AttributeError)."""
+    worker = slotted
+    for name in worker.adapter_names():
+        worker.unload_adapters(name)
+    placed = jax.device_put(unflatten_params(served.other_adapters), worker.adapter_shardings())
+    assert worker.sync_adapters(placed, name="ref").leaves_aliased > 0
+    base = jax.device_put(served.params, worker.param_shardings())
+    with worker.released_for_training():
+        jax.jit(lambda tree: jax.tree.map(lambda x: x + 1, tree), donate_argnums=0)(placed)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(placed)), "the test's premise: donated"
+    worker.sync_params(base)
+    try:
+        assert greedy_on(worker) == served.base_tokens
+        assert greedy_on(worker, lora="ref") == served.other_tokens
+    finally:
+        worker.unload_adapters("ref")
+
+
 @pytest.mark.one_end
 def test_requests_pick_a_named_adapter_by_model_over_http(slotted, served, tmp_path):
     import httpx

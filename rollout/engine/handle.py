@@ -385,6 +385,12 @@ class EngineHandle:
         indices = tuple(indices)
         self.call(lambda: self._model.release_weight_leaves(indices))
 
+    def copy_weight_leaves(self, indices: Iterable[int]) -> None:
+        """Serve copies of the leaves at ``indices`` (same values and sharding, buffers of the
+        engine's own), so a trainer can donate the arrays they were."""
+        indices = tuple(indices)
+        self.call(lambda: self._model.copy_weight_leaves(indices))
+
     def reload_weights_from_model_dir(self) -> None:
         """sglang-jax's own safetensors load into the running model.
 

@@ -84,6 +84,12 @@ class ModelState:
             leaves[index] = _RELEASED
         self.replace_weight_leaves(leaves)
 
+    def copy_weight_leaves(self, indices: tuple[int, ...]) -> None:
+        leaves = self.weight_leaves()
+        for index in indices:
+            leaves[index] = jax.device_put(leaves[index], leaves[index].sharding, may_alias=False)
+        self.replace_weight_leaves(leaves)
+
     def reload_weights_from_model_dir(self) -> None:
         from flax import nnx
 
