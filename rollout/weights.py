@@ -326,8 +326,9 @@ class EngineWeights:
         self.engine.release_weight_leaves(sorted(aliased - named))
 
     def dead_leaves(self) -> list[str]:
-        """Paths of leaves whose buffers were freed (donated by the trainer)."""
-        return [spec.path for spec, leaf in zip(self.leaves, self.engine.weight_leaves()) if leaf.is_deleted()]
+        """Paths of leaves whose buffers were freed (donated by the trainer), or released for a
+        train step and not synced since."""
+        return [spec.path for spec, leaf in zip(self.leaves, self.engine.weight_leaves()) if not _live(leaf)]
 
     def device_buffers(self) -> dict[tuple[int, int], int]:
         buffers: dict[tuple[int, int], int] = {}
