@@ -241,6 +241,16 @@ def test_the_trainers_merge_is_the_syncs_and_fresh_adapters_leave_the_base_as_it
         np.testing.assert_array_equal(np.asarray(leaf), base[path])
 
 
+def test_the_trainers_merge_of_bfloat16_factors_is_the_syncs():
+    """Both multiply the factors in float32 (the trainer's multiplied bfloat16 ones in bfloat16)."""
+    base = base_tree()
+    adapters = {path: jnp.asarray(leaf, jnp.bfloat16) for path, leaf in adapter_tree().items()}
+    from_sync = merged(adapters, base)
+    nested = apply_adapters(unflatten_params(base), unflatten_params(adapters), CONFIG)
+    for path, leaf in flatten_params(nested).items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(from_sync[path]), err_msg=path)
+
+
 def test_a_loss_through_the_merge_trains_the_adapters():
     base = unflatten_params(base_tree())
     fresh = init_adapters(base, CONFIG, jax.random.key(0))
