@@ -591,19 +591,20 @@ class RolloutWorker:
 
     def rebuild_kv(self) -> KvReport:
         """Recreate the KV caches with their original shapes, dtype and sharding (no recompile),
-        lifting a ``drop_kv(hold=...)``."""
+        lifting a ``drop_kv(hold=...)``. After :meth:`released_for_training`, refused
+        (``WorkerUnavailable``) until the next ``sync_params``: the train step's memory."""
         self._check_open()
         self._group.pod.agree("rebuild_kv")
         return self._rebuild_kv(lift_hold=True)
 
     def _rebuild_kv(self, lift_hold: bool = False) -> KvReport:
         with self._closed_is_clear(), self._gate.exclusive("the KV cache is being rebuilt"), self._state_lock:
+            if self._stale_reason is not None:  # a train step may be running: the memory is its
+                raise self._stale_error()  # (an explicit rebuild_kv, /admin/rebuild_kv, too)
             if lift_hold:
                 self._kv_hold_reason = None
             elif self._kv_hold_reason is not None:  # held since the caller found it dropped
                 raise WorkerUnavailable(self._kv_hold_reason)
-            elif self._stale_reason is not None:  # a call the weights cannot serve (a train step
-                raise self._stale_error()  # may be running) must not take the KV cache back
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()

@@ -156,6 +156,8 @@ def test_train_step_context_releases_trainer_buffers_and_requires_a_sync(worker,
         # A call meanwhile (another thread's) is refused without taking the KV cache back.
         with pytest.raises(WorkerUnavailable, match="train step ran since the last sync_params"):
             greedy(worker)
+        with pytest.raises(WorkerUnavailable, match="train step ran since the last sync_params"):
+            worker.rebuild_kv()  # an explicit one (/admin/rebuild_kv) too
         assert worker.kv_dropped and worker.memory().kv_bytes == 0
         new_params = train_step(params)
     with pytest.raises(RuntimeError, match="train step ran since the last sync_params"):
