@@ -12,6 +12,7 @@ tree spread over hosts reaches every engine through one collective reshard (:met
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import hashlib
 import json
 import logging
@@ -98,16 +99,25 @@ class EngineGroup:
             engine.close()
 
     def live(self) -> dict[int, EngineWeights]:
-        """The engines still running, by index (an engine whose thread failed stays failed);
-        raises the first engine's own error when none is."""
-        live = {index: w for index, w in enumerate(self.weights) if w.engine.alive}
+        """The engines still running, by index; raises the first engine's own error when none
+        is. An engine whose thread failed stays failed, and is closed when first found so: its
+        weights and KV cache are freed for the trainer, which shares its devices."""
+        live = {}
+        for index, w in enumerate(self.weights):
+            if w.engine.alive:
+                live[index] = w
+            elif not w.engine.closed:
+                logger.warning("engine %d failed: closed, its weights and KV cache freed", index)
+                w.engine.close()
+                gc.collect()  # the engine's objects hold each other: freed now, not at some later collection
         if not live:
             self.first.engine.check_alive()
         return live
 
     def dead_leaves(self) -> dict[int, list[str]]:
-        """Per engine whose weights' buffers were freed (donated by the trainer): their paths."""
-        return {index: dead for index, w in enumerate(self.weights) if (dead := w.dead_leaves())}
+        """Per running engine whose weights' buffers were freed (donated by the trainer): their
+        paths."""
+        return {index: dead for index, w in self.live().items() if (dead := w.dead_leaves())}
 
     def weight_leaves(self) -> dict[int, list]:
         """Every running engine's current weight leaves (engine leaf order), by engine index."""
@@ -159,10 +169,11 @@ class EngineGroup:
     def memory(self) -> MemoryReport:
         """Device bytes of weights and KV per engine, and of all live arrays per device."""
         engines, all_weights = [], {}
-        for weights in self.weights:
-            buffers = weights.device_buffers()
+        live = self.live()
+        for index, weights in enumerate(self.weights):
+            buffers = weights.device_buffers() if index in live else {}
             all_weights.update(buffers)
-            engines.append(kv.engine_memory(weights.engine, buffers))
+            engines.append(kv.engine_memory(weights.engine, buffers, index in live))
         devices = self.devices
         names = {d.id: str(d) for d in devices}
         per_device = dict.fromkeys(names.values(), 0)

@@ -89,6 +89,7 @@ def combine(reports: list[KvReport], seconds: float) -> KvReport:
     )
 
 
-def engine_memory(engine: EngineHandle, weight_buffers: dict[tuple[int, int], int]) -> EngineMemory:
-    kv = sum(device_nbytes(b) for b in engine.kv_buffers())
+def engine_memory(engine: EngineHandle, weight_buffers: dict[tuple[int, int], int], running: bool) -> EngineMemory:
+    """An engine's own bytes (none for one that failed and was closed)."""
+    kv = sum(device_nbytes(b) for b in engine.kv_buffers()) if running else 0
     return EngineMemory(tuple(str(d) for d in engine.devices), sum(weight_buffers.values()), kv)

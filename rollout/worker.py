@@ -403,9 +403,11 @@ class RolloutWorker:
                 self._stale_reason = None
                 self.weight_version = version
         seconds = time.perf_counter() - start
-        reports = [update.plan.report(version, seconds, update.relabeled) for update in prepared.values()]
+        reports = {index: update.plan.report(version, seconds, update.relabeled) for index, update in prepared.items()}
         report = dataclasses.replace(
-            _combine_sync_reports(reports, compiles.value), bytes_gathered=gathered, bytes_merged=merged_bytes
+            _combine_sync_reports(reports, len(self.engines), compiles.value),
+            bytes_gathered=gathered,
+            bytes_merged=merged_bytes,
         )
         logger.info("sync_params: %s", report)
         self._phases.record("weights_synced", seconds, version=version, bytes_copied=report.bytes_copied)
@@ -939,9 +941,12 @@ def _naming_factors_as_given(given: Mapping[str, str]) -> Iterator[None]:
         raise SyncError(message) from None
 
 
-def _combine_sync_reports(reports: list[SyncReport], compiles: int) -> SyncReport:
-    if len(reports) == 1:
-        return dataclasses.replace(reports[0], compiles=compiles)
+def _combine_sync_reports(reports: Mapping[int, SyncReport], engines: int, compiles: int) -> SyncReport:
+    """One report of the engines' (by engine index); with several engines each one's in
+    ``per_engine``, None for an engine that failed."""
+    first = reports[min(reports)]
+    if engines == 1:
+        return dataclasses.replace(first, compiles=compiles)
     fields = (
         "leaves_aliased",
         "leaves_relabeled",
@@ -950,8 +955,9 @@ def _combine_sync_reports(reports: list[SyncReport], compiles: int) -> SyncRepor
         "bytes_aliased",
         "bytes_copied",
     )
-    totals = {name: sum(getattr(r, name) for r in reports) for name in fields}
-    return dataclasses.replace(reports[0], **totals, compiles=compiles, per_engine=tuple(reports))
+    totals = {name: sum(getattr(r, name) for r in reports.values()) for name in fields}
+    per_engine = tuple(reports.get(index) for index in range(engines))
+    return dataclasses.replace(first, **totals, compiles=compiles, per_engine=per_engine)
 
 
 def _run_blocking(body: Coroutine):

@@ -121,12 +121,21 @@ def test_a_failed_engine_is_named_and_the_others_serve_on(qwen2_dir, params, sin
     worker = RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=2))
     try:
         worker.sync_params(jax.device_put(params, worker.param_shardings()))
+        device = str(worker.engines[1].devices[0])
+        held = worker.memory()
+        kv_bytes = held.engines[1].kv_bytes
+        assert kv_bytes > 0
         worker.engines[1].testing.inject_failure(RuntimeError("injected forward failure"))
         with pytest.raises(EngineError, match=r"engine 1 \(devices 1\).*injected forward failure"):
             worker.generate(PROMPTS, **GREEDY)
         # The live engine takes every row from now on, and weight changes reach it.
         assert worker.generate(PROMPTS, **GREEDY).completions == single.generate(PROMPTS, **GREEDY).completions
-        assert worker.sync_params(params).version == 2
+        report = worker.sync_params(params)
+        assert report.version == 2 and report.per_engine[1] is None and report.per_engine[0].leaves_copied > 0
+        # The failed engine was closed: its weights and KV cache are freed for the trainer.
+        after = worker.memory()
+        assert (after.engines[1].weight_bytes, after.engines[1].kv_bytes) == (0, 0)
+        assert after.live_bytes_per_device[device] <= held.live_bytes_per_device[device] - kv_bytes
     finally:
         worker.close()
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]

@@ -90,8 +90,9 @@ class SyncReport:
     # LoRA merged at sync: the merged kernels' bytes the merge wrote (new buffers, which the
     # sync then aliases: counted in bytes_aliased too).
     bytes_merged: int = 0
-    # With several engines: each engine's own report (the fields above are their sums).
-    per_engine: tuple[SyncReport, ...] = ()
+    # With several engines: each engine's own report by engine index (the fields above are
+    # their sums), None for an engine that failed.
+    per_engine: tuple[SyncReport | None, ...] = ()
 
 
 @functools.lru_cache(maxsize=4096)  # runs for every leaf of every sync; shardings are few
