@@ -12,7 +12,6 @@ tree spread over hosts reaches every engine through one collective reshard (:met
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import hashlib
 import json
 import logging
@@ -99,17 +98,9 @@ class EngineGroup:
             engine.close()
 
     def live(self) -> dict[int, EngineWeights]:
-        """The engines still running, by index; raises the first engine's own error when none
-        is. An engine whose thread failed stays failed, and is closed when first found so: its
-        weights and KV cache are freed for the trainer, which shares its devices."""
-        live = {}
-        for index, w in enumerate(self.weights):
-            if w.engine.alive:
-                live[index] = w
-            elif not w.engine.closed:
-                logger.warning("engine %d failed: closed, its weights and KV cache freed", index)
-                w.engine.close()
-                gc.collect()  # the engine's objects hold each other: freed now, not at some later collection
+        """The engines still running, by index (an engine whose thread failed stays failed);
+        raises the first engine's own error when none is."""
+        live = {index: w for index, w in enumerate(self.weights) if w.engine.alive}
         if not live:
             self.first.engine.check_alive()
         return live
@@ -117,7 +108,7 @@ class EngineGroup:
     def dead_leaves(self) -> dict[int, list[str]]:
         """Per running engine whose weights' buffers were freed (donated by the trainer): their
         paths."""
-        return {index: dead for index, w in self.live().items() if (dead := w.dead_leaves())}
+        return {index: dead for index, w in enumerate(self.weights) if w.engine.alive and (dead := w.dead_leaves())}
 
     def weight_leaves(self) -> dict[int, list]:
         """Every running engine's current weight leaves (engine leaf order), by engine index."""
@@ -159,8 +150,15 @@ class EngineGroup:
     # ---- KV cache and memory -----------------------------------------------------------------
 
     def drop_kv(self) -> dict[int, KvReport]:
-        """Free every running engine's KV buffers and prefix cache; reports by engine index."""
-        return {index: kv.drop_kv(w.engine) for index, w in self.live().items()}
+        """Free every running engine's KV buffers and prefix cache, and what a failed one still
+        holds (its KV buffers and the weights it owns: the trainer shares its devices); reports
+        by engine index."""
+        reports = {index: kv.drop_kv(w.engine) for index, w in self.live().items()}
+        for index, w in enumerate(self.weights):
+            if index not in reports:
+                reports[index] = kv.free_failed_kv(w.engine)
+                w.free_owned()
+        return reports
 
     def rebuild_kv(self) -> dict[int, KvReport]:
         """Recreate every running engine's KV buffers; reports by engine index."""
@@ -169,11 +167,10 @@ class EngineGroup:
     def memory(self) -> MemoryReport:
         """Device bytes of weights and KV per engine, and of all live arrays per device."""
         engines, all_weights = [], {}
-        live = self.live()
-        for index, weights in enumerate(self.weights):
-            buffers = weights.device_buffers() if index in live else {}
+        for weights in self.weights:
+            buffers = weights.device_buffers()
             all_weights.update(buffers)
-            engines.append(kv.engine_memory(weights.engine, buffers, index in live))
+            engines.append(kv.engine_memory(weights.engine, buffers))
         devices = self.devices
         names = {d.id: str(d) for d in devices}
         per_device = dict.fromkeys(names.values(), 0)

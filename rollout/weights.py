@@ -325,6 +325,14 @@ class EngineWeights:
             self._owned |= named
         self.engine.release_weight_leaves(sorted(aliased - named))
 
+    def free_owned(self) -> None:
+        """Delete the weight arrays a failed engine owns (its thread is gone: nothing reads them
+        again); the trainer's arrays it aliased are left to the trainer."""
+        leaves = self.engine.weight_leaves()
+        for index in self._owned:
+            if _live(leaves[index]):
+                leaves[index].delete()
+
     def dead_leaves(self) -> list[str]:
         """Paths of leaves whose buffers were freed (donated by the trainer), or released for a
         train step and not synced since."""

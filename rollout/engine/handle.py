@@ -108,7 +108,6 @@ class EngineHandle:
             self._control.wait_for_threads(timeout=30)
         self._closed = False
         self._model = ModelState(self._scheduler, self._engine, options.seed)
-        self._mesh = self._model.runner.mesh  # kept past close (a failed engine is still named by it)
         budget = self.kv_pool_tokens // 2 if options.session_budget_tokens is None else options.session_budget_tokens
         self._sessions = self.call(lambda: sessions.install(self._scheduler, budget, options.max_session_tokens))
         self._requests = RequestLoop(
@@ -140,7 +139,7 @@ class EngineHandle:
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        return self._mesh
+        return self._model.runner.mesh
 
     @property
     def forward_count(self) -> int:
@@ -228,10 +227,6 @@ class EngineHandle:
     @property
     def alive(self) -> bool:
         return not self._closed and self._control.error is None and not self._control.stopped.is_set()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def check_alive(self) -> None:
         if not self.alive:
@@ -454,12 +449,8 @@ class EngineHandle:
                     sock.close(linger=0)
         control.wake_reader.close()
         control.wake_writer.close()
-        # Drop references to device memory (weights, KV) held by the engine objects, and by a
-        # failed thread's frames (its error's traceback: the text is kept).
+        # Drop references to device memory (weights, KV) held by the engine objects.
         self._model.close()
-        self._sessions.close()
-        if control.error is not None:
-            control.error.__traceback__ = None
         self._scheduler = None
         self._engine = None
 

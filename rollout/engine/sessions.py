@@ -55,11 +55,6 @@ class SessionPins:
         self._pins_made = 0
         self._released_for_budget = 0
 
-    def close(self) -> None:
-        """Drop the prefix cache (and through it the KV pool) of an engine that closed."""
-        self._tree = None
-        self._pins.clear()
-
     @property
     def caching(self) -> bool:
         """False when the engine keeps no prefix cache (``EngineOptions.prefix_cache=False``)."""
