@@ -26,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -152,9 +154,9 @@ class ToolEnvironment:
     unknown function, arguments it does not take, an exception it raised, a result JSON cannot
     encode, NaN and infinities included). The episode never fails on the model's calls. A turn
     without tool calls is the final answer: the episode ends with ``reward(turn)`` (plain or
-    async). Plain functions run on threads (the event loop's default executor), so a slow one
-    holds up neither the other episodes nor its step's ``env_timeout_s``; they may run at once
-    for different episodes. Counts what happened (``calls``, ``failed_calls``), for metrics.
+    async). Plain functions run on threads (the episode's, in :func:`run_episodes`), so a slow
+    one holds up neither the other episodes nor its step's ``env_timeout_s``; they may run at
+    once for different episodes. Counts what happened (``calls``, ``failed_calls``), for metrics.
     """
 
     def __init__(self, functions: Mapping[str, Callable], reward: Callable[[Turn], Any]):
@@ -191,11 +193,19 @@ async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
 
 
+# The threads of the episode whose environment step is running (None outside an episode: the
+# event loop's default executor).
+_STEP_THREADS: contextvars.ContextVar[concurrent.futures.Executor | None] = contextvars.ContextVar(
+    "step_threads", default=None
+)
+
+
 async def _call(function: Callable, *args, **kwargs):
-    """``function``'s answer; a plain function runs on a thread (the loop's default executor)."""
+    """``function``'s answer; a plain function runs on a thread (the episode's)."""
     if inspect.iscoroutinefunction(function):
         return await function(*args, **kwargs)
-    return await _maybe_await(await asyncio.to_thread(function, *args, **kwargs))
+    call = functools.partial(function, *args, **kwargs)
+    return await _maybe_await(await asyncio.get_running_loop().run_in_executor(_STEP_THREADS.get(), call))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +383,7 @@ async def run_episode(
     it aborts its turn in the engine (the turn's KV is freed) and releases its pinned prefix.
     ``threads`` runs a synchronous ``env.step`` (None: a thread of the episode's own)."""
     limits = _checked_limits(limits)
-    frames = frames or TurnFrames(worker.tokenizer, tools)
+    frames = frames or _frames(worker, tools)
     prompt_ids = _first_prompt(worker, frames, limits, prompt, "prompt")
     sampling = _turn_sampling(frames, sampling)
     seed = _call_seed(seed)
@@ -404,10 +414,7 @@ async def run_episodes(
     limits = _checked_limits(limits)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise InvalidRequest("prompts", "prompts must be a non-empty list of prompts (messages or token ids)")
-    try:
-        frames = TurnFrames(worker.tokenizer, tools)
-    except ChatError as error:
-        raise InvalidRequest(error.field, str(error)) from None
+    frames = _frames(worker, tools)
     prompt_ids = [_first_prompt(worker, frames, limits, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
     prompt_width = pad_width(pad_prompts_to, prompt_ids, worker.max_request_tokens)
     if completion_width is not None:
@@ -440,7 +447,8 @@ def run_until_returned(main: Coroutine):
     """``asyncio.run(main)`` on a thread of its own, returning (or raising) as soon as ``main``
     does: what ``main`` leaves running (an environment's step abandoned at its timeout, the
     thread of a plain function it called) winds down there, where ``asyncio.run`` would have
-    waited for it (it waits for every task and for the default executor's threads). Ctrl-C
+    waited for it (it waits for every task and for the default executor's threads). A thread
+    that never returns still keeps the interpreter from exiting, as any thread does. Ctrl-C
     cancels ``main`` and waits for it to unwind (its sessions released)."""
     outcome: concurrent.futures.Future = concurrent.futures.Future()
     running: concurrent.futures.Future = concurrent.futures.Future()  # (loop, task)
@@ -503,6 +511,15 @@ def pack_episodes(
         rest = episode.loss_mask[episode.prompt_length :]
         mask[row, batch.prompt_width : batch.prompt_width + len(rest)] = rest
     return dataclasses.replace(batch, completion_mask=mask)
+
+
+def _frames(worker, tools) -> TurnFrames:
+    """The worker's chat framing with ``tools``; tools the template cannot take are an
+    InvalidRequest naming them."""
+    try:
+        return TurnFrames(worker.tokenizer, tools)
+    except ChatError as error:
+        raise InvalidRequest(error.field, str(error)) from None
 
 
 def _checked_limits(limits) -> EpisodeLimits:
@@ -767,6 +784,7 @@ class _Episode:
         return result
 
     async def _call_step(self, env: Environment, turn: Turn):
+        _STEP_THREADS.set(self.threads)  # in this step's task only: where ToolEnvironment's plain calls run
         if inspect.iscoroutinefunction(env.step):
             result = await env.step(turn)
         else:  # on a thread of the run's own: the timeout counts from the step's start

@@ -243,14 +243,18 @@ def test_a_tool_result_json_cannot_encode_is_an_error_the_model_reads():
 def test_a_plain_reward_that_hangs_ends_its_own_episode_at_the_timeout():
     """A plain function runs on a thread: the step times out while it hangs, the other episode
     finishes, and the run returns without waiting for it (asyncio.run would have)."""
-    release = threading.Event()
+    release, threads = threading.Event(), []
 
     def reward(turn):
+        threads.append(threading.current_thread().name)
         release.wait()  # set by the test once the run returned
         return 1.0
 
+    async def quick_reward(turn):  # on the loop: no thread to start within the timeout
+        return 1.0
+
     limits = EpisodeLimits(max_turns=2, max_new_tokens=2, env_timeout_s=0.05)
-    envs = [ToolEnvironment({}, reward=reward), ToolEnvironment({}, reward=lambda turn: 1.0)]
+    envs = [ToolEnvironment({}, reward=reward), ToolEnvironment({}, reward=quick_reward)]
     returned, outcome = threading.Event(), {}
 
     def run():
@@ -265,6 +269,7 @@ def test_a_plain_reward_that_hangs_ends_its_own_episode_at_the_timeout():
     hung, healthy = outcome["batch"].episodes
     assert hung.status == "env_error" and "took more than 0.05 s" in hung.error
     assert healthy.status == "done" and healthy.reward == 1.0
+    assert threads[0].startswith("episode"), "on the run's own threads (one an episode), not a shared pool"
 
 
 class ScriptedWorker:
