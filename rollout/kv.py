@@ -78,11 +78,8 @@ def free_failed_kv(engine: EngineHandle) -> KvReport:
     """Delete a failed engine's KV buffers (its thread is gone: nothing reads them again), so
     the trainer, which shares its devices, gets the memory back."""
     start = time.perf_counter()
-    buffers = [b for b in engine.kv_buffers() if not b.is_deleted()]
-    freed = sum(device_nbytes(b) for b in buffers)
-    for buffer in buffers:
-        buffer.delete()
-    return KvReport(freed, len(buffers), time.perf_counter() - start)
+    count, freed = engine.delete_failed_kv_buffers()
+    return KvReport(freed, count, time.perf_counter() - start)
 
 
 def rebuild_kv(engine: EngineHandle) -> KvReport:
@@ -101,5 +98,5 @@ def combine(reports: list[KvReport], seconds: float) -> KvReport:
 
 
 def engine_memory(engine: EngineHandle, weight_buffers: dict[tuple[int, int], int]) -> EngineMemory:
-    kv = sum(device_nbytes(b) for b in engine.kv_buffers() if not b.is_deleted())
+    kv = sum(device_nbytes(b) for b in engine.kv_buffers())
     return EngineMemory(tuple(str(d) for d in engine.devices), sum(weight_buffers.values()), kv)

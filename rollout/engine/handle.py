@@ -409,6 +409,13 @@ class EngineHandle:
         """
         return self.call(self._model.drop_kv_buffers)
 
+    def delete_failed_kv_buffers(self) -> tuple[int, int]:
+        """Delete the KV buffers of an engine whose thread failed, on the caller's thread (no
+        forward runs again). Returns (number of buffers, device bytes they held)."""
+        if self.alive:
+            raise EngineError(f"{self._control.name} is running: drop its KV cache between forwards (drop_kv_buffers)")
+        return self._model.delete_kv_buffers()
+
     def rebuild_kv_buffers(self) -> None:
         """Recreate the KV buffers: same shapes, dtype and sharding."""
         self.call(self._model.rebuild_kv_buffers)

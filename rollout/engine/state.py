@@ -144,15 +144,19 @@ class ModelState:
 
     def drop_kv_buffers(self) -> tuple[int, int]:
         self.flush_prefix_cache()
-        pool = self._kv_pool
         # Compiled here, not on the rebuild: the rebuild runs inside the next generate call,
         # which must compile nothing.
         self._ensure_kv_allocator()
+        return self.delete_kv_buffers()
+
+    def delete_kv_buffers(self) -> tuple[int, int]:
+        pool = self._kv_pool
         buffers = list(pool.kv_buffer)
         pool.kv_buffer = []
         device_bytes = sum(device_nbytes(buf) for buf in buffers)
         for buf in buffers:
-            buf.delete()
+            if not buf.is_deleted():
+                buf.delete()
         return len(buffers), device_bytes
 
     def rebuild_kv_buffers(self) -> None:
