@@ -90,6 +90,10 @@ def _getter(hf_config):
     return lambda key, default=None: getattr(hf_config, key, default)
 
 
+# The sizes every family's table and model are built from.
+_SIZES = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+
+
 def family_for(hf_config, where: str = "config") -> Family:
     """The family of an HF config (dict or PretrainedConfig), after checking that the trainer
     model and the engine both support what it asks for. ValueError naming the field otherwise."""
@@ -114,6 +118,10 @@ def family_for(hf_config, where: str = "config") -> Family:
             family.check(get)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+    for field in _SIZES:
+        value = get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {field} must be a positive integer, got {value!r}")
     heads = int(get("num_attention_heads"))
     head_dim = get("head_dim") or int(get("hidden_size")) // heads
     if int(head_dim) % 2:
@@ -121,9 +129,10 @@ def family_for(hf_config, where: str = "config") -> Family:
     return family
 
 
-def mappings_for(hf_config) -> list[ParamMapping]:
-    """Concrete mapping entries for a model, from its HF config (dict or PretrainedConfig)."""
-    family = family_for(hf_config)
+def mappings_for(hf_config, where: str = "config") -> list[ParamMapping]:
+    """Concrete mapping entries for a model, from its HF config (dict or PretrainedConfig);
+    ValueError naming ``where`` and the field for one no family serves."""
+    family = family_for(hf_config, where)
     return family.expand(family.mapping, _getter(hf_config))
 
 

@@ -103,7 +103,7 @@ class EngineWeights:
                 flat,
                 self.leaves,
                 mappings,
-                head_dim=self.head_dim,
+                kv_width=self._kv_width,
                 allow_cast=allow_cast,
                 # The other slots' adapters (several slots) keep what they serve.
                 partial=partial or adapters_only or len(self._slot_mappings) > 1,

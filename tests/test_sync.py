@@ -182,6 +182,13 @@ def test_mismatched_sharding_is_resharded_correctly(tp_worker, hf_flat, qwen2_di
             },
             r"'model\.layers_0\.self_attn\.q_proj\.kernel' has shape \(256, 128\), expected \(256, 256\)",
         ),
+        (  # two KV heads where the model has one: the engine's tp=2 repeats it to that width
+            lambda f: {
+                **f,
+                "model.layers_0.self_attn.k_proj.kernel": np.tile(f["model.layers_0.self_attn.k_proj.kernel"], (1, 2)),
+            },
+            r"'model\.layers_0\.self_attn\.k_proj\.kernel' has shape \(256, 256\), expected \(256, 128\)",
+        ),
         (
             lambda f: {**f, "model.norm.scale": f["model.norm.scale"].astype(np.int32)},
             r"'model\.norm\.scale' has dtype int32, expected a floating dtype",
@@ -198,7 +205,7 @@ def test_mismatched_sharding_is_resharded_correctly(tp_worker, hf_flat, qwen2_di
             r"values beyond float32's range \(\|x\| > 3.40282e\+38\), finite in the tree, .* in: model\.norm\.scale$",
         ),
     ],
-    ids=["missing", "extra", "shape", "dtype", "non-finite", "overflow"],
+    ids=["missing", "extra", "shape", "kv-heads", "dtype", "non-finite", "overflow"],
 )
 def test_bad_trees_fail_cleanly_and_old_weights_keep_serving(tp_worker, hf_flat, corrupt, message):
     tp_worker.sync_params(unflatten_params(hf_flat))

@@ -25,19 +25,34 @@ def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     index = model_dir / _INDEX
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
-        return {name: model_dir / file for name, file in weight_map.items()}
+        return _indexed_files(model_dir, index)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
-    names = {}
+    names: dict[str, Path] = {}
     for file in files:
         for name in _open(file).keys():
+            if name in names:
+                raise CheckpointError(f"{model_dir}: tensor '{name}' is in both {names[name].name} and {file.name}")
             names[name] = file
     return names
+
+
+def _indexed_files(model_dir: Path, index: Path) -> dict[str, Path]:
+    """The index's weight map: tensor name -> a shard file of this directory (a bare name, as
+    HF writes them: an absolute or ``..`` path would read outside the directory)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is not a valid safetensors index: {exc!r}") from exc
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
+    located = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).is_absolute() or ".." in Path(file).parts:
+            raise CheckpointError(f"{index}: tensor '{name}' maps to {file!r}; expected a file name in {model_dir}")
+        located[name] = model_dir / file
+    return located
 
 
 def _open(file: Path):
@@ -60,6 +75,12 @@ def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {config_file}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a JSON object")
+    try:
+        mappings = mappings_for(config, where=str(config_file))
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     handles: dict[Path, object] = {}
 
     def read(name: str, trainer_path: str, transposed: bool) -> np.ndarray:
@@ -76,15 +97,21 @@ def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
         return np.ascontiguousarray(tensor, dtype=dtype or tensor.dtype)
 
     flat = {}
-    for entry in mappings_for(config):
+    for entry in mappings:
         if entry.stacked_experts:
             # One HF tensor per expert -> the trainer's [E, ...] stack.
-            flat[entry.trainer] = np.stack(
-                [
-                    read(entry.hf.format(expert=expert), entry.trainer, entry.hf_transposed)
-                    for expert in range(int(config["num_experts"]))
-                ]
-            )
+            experts = [
+                read(entry.hf.format(expert=expert), entry.trainer, entry.hf_transposed)
+                for expert in range(int(config["num_experts"]))
+            ]
+            stored = [t.T.shape if entry.hf_transposed else t.shape for t in experts]
+            for expert, shape in enumerate(stored):
+                if shape != stored[0]:
+                    raise CheckpointError(
+                        f"{model_dir}: tensor '{entry.hf.format(expert=expert)}' has shape {shape}, "
+                        f"expert 0's has {stored[0]} (for '{entry.trainer}')"
+                    )
+            flat[entry.trainer] = np.stack(experts)
         else:
             flat[entry.trainer] = read(entry.hf, entry.trainer, entry.hf_transposed)
     return unflatten_params(flat)

@@ -211,16 +211,16 @@ def _on_engine_devices(x, engine_sharding: jax.sharding.Sharding):
 
 
 def _expected_trainer_shape(
-    transform: EngineTransform, engine_shape: tuple[int, ...], found: tuple[int, ...], head_dim: int
+    transform: EngineTransform, engine_shape: tuple[int, ...], kv_width: int
 ) -> tuple[tuple[int, ...], int]:
-    """(trainer shape the engine leaf implies, KV repeat factor); SyncError if incompatible."""
+    """(trainer shape the engine leaf implies, KV repeat factor). A k/v projection's last axis
+    is the model's KV heads (``kv_width``) in the trainer, repeated in the engine when tp_size
+    exceeds them: the engine's width alone would also take a tree of more KV heads than the
+    model has, and serve it."""
     if transform is EngineTransform.TRANSPOSE:
         return tuple(reversed(engine_shape)), 1
-    if transform is EngineTransform.REPEAT_KV_HEADS and len(found) == len(engine_shape) and found:
-        lead_ok = tuple(found[:-1]) == tuple(engine_shape[:-1])
-        width, engine_width = found[-1], engine_shape[-1]
-        if lead_ok and width and width % head_dim == 0 and engine_width % width == 0:
-            return tuple(found), engine_width // width
+    if transform is EngineTransform.REPEAT_KV_HEADS and engine_shape:
+        return (*engine_shape[:-1], kv_width), engine_shape[-1] // kv_width
     return tuple(engine_shape), 1
 
 
@@ -229,11 +229,12 @@ def build_plan(
     engine_leaves: Sequence[EngineLeaf],
     mappings: Sequence[ParamMapping],
     *,
-    head_dim: int,
+    kv_width: int,
     allow_cast: bool = True,
     partial: bool = False,
 ) -> list[LeafPlan]:
     """Check a flat trainer tree against the mapping and the engine; decide each leaf's action.
+    ``kv_width``: the model's KV heads x head_dim, a k/v projection's width in the trainer.
 
     ``partial``: ``mappings`` cover part of the engine's leaves (the adapters alone); the
     others keep what they serve."""
@@ -268,7 +269,7 @@ def build_plan(
         leaf, engine = flat[m.trainer], by_engine_path[m.engine]
         found_shape = tuple(np.shape(leaf))
         dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else None
-        expected_shape, repeat = _expected_trainer_shape(m.engine_transform, engine.shape, found_shape, head_dim)
+        expected_shape, repeat = _expected_trainer_shape(m.engine_transform, engine.shape, kv_width)
         if found_shape != expected_shape:
             raise SyncError(
                 f"'{m.trainer}' has shape {found_shape}, expected {expected_shape} "
