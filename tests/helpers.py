@@ -360,18 +360,25 @@ def _noisy(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 def swap_at_token(worker, new_params, position, generate: Callable, **swap):
     """Run ``generate()`` (one request) while an in-flight sync lands exactly when the request has
-    ``position`` tokens: a boundary call holds the scheduler there (its condition is checked at
-    every forward boundary) until the sync has queued its swap, which then runs at that same
-    boundary. Returns (batch, sync report)."""
+    ``position`` tokens. Returns (batch, sync report)."""
+    engine = worker.engine
+
+    def reached():
+        return any(n >= position for n in engine.testing.output_lengths().values())
+
+    return swap_during(worker, new_params, reached, generate, **swap)
+
+
+def swap_during(worker, new_params, reached: Callable[[], bool], generate: Callable, **swap):
+    """Run ``generate()`` while an in-flight sync lands at the first forward boundary where
+    ``reached()`` (scheduler thread): a boundary call holds the scheduler there until the sync
+    has queued its swap, which then runs at that same boundary. Returns (batch, sync report)."""
     engine = worker.engine
     held, release, results, errors = threading.Event(), threading.Event(), {}, []
 
     def hold():
         held.set()
         release.wait()
-
-    def reached():
-        return any(n >= position for n in engine.testing.output_lengths().values())
 
     def run(name, fn):
         try:

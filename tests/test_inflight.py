@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker, compile_count
-from tests.helpers import perturbed_params, swap_at_token, tiny_worker_config
+from tests.helpers import perturbed_params, swap_at_token, swap_during, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 PROMPT = [5, 17, 42, 8]
@@ -200,3 +200,25 @@ def test_in_flight_swaps_under_load_lose_nothing_and_compile_nothing(worker, qwe
         mixed += versions[0] != versions[-1]
     assert mixed > 0, "some requests ran across a swap"
     assert compiles == 0
+
+
+def test_a_swap_during_a_chunked_prefill_without_a_prefix_cache_gives_its_chunks_back(qwen2_dir, params, new_params):
+    """Without a prefix cache (``prefix_cache=False``: sglang-jax's ChunkCache) the chunks a
+    prompt has prefilled belong to the request alone; a swap keeping the KV restarts its
+    prefill and must free them, or the engine fails its idle check for leaked KV."""
+    config = tiny_worker_config(
+        qwen2_dir, prefix_cache=False, max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=4
+    )
+    prompt = list(np.random.default_rng(0).integers(1, 300, 200))
+    with RolloutWorker(config) as worker:
+        worker.sync_params(params)
+        engine = worker.engine
+        start = engine.forward_count
+        # Held after two of the prompt's four chunks: the swap lands half-way through its prefill.
+        batch, report = swap_during(
+            worker, new_params, lambda: engine.forward_count >= start + 2, lambda: _greedy(worker, prompt, 6)
+        )
+        assert batch.prefill_tokens[0] == 128 + 200  # two chunks, then the whole prompt again
+        assert (batch.token_versions[batch.completion_mask] == report.version).all()
+        assert engine.testing.kv_tokens_held() == 0
+        assert _greedy(worker, prompt, 6).completions == batch.completions

@@ -137,7 +137,11 @@ def _restart_chunked(scheduler, req) -> None:
     """Free a half-prefilled request's KV and queue it first, to prefill from the start."""
     pool = scheduler.req_to_token_pool
     if req.req_pool_idx is not None:
-        own = pool.req_to_token[req.req_pool_idx, len(req.prefix_indices) : len(req.fill_ids)]
+        # A radix tree owns the prefix it matched and the chunks it cached (its lock is let go
+        # below); without one (ChunkCache: prefix_cache=False) ``prefix_indices`` are the
+        # chunks already done, which only the request holds.
+        owned_by_tree = len(req.prefix_indices) if not getattr(scheduler.tree_cache, "disable", True) else 0
+        own = pool.req_to_token[req.req_pool_idx, owned_by_tree : len(req.fill_ids)]
         scheduler.token_to_kv_pool_allocator.free(own)
         pool.free(req.req_pool_idx)
     if req.last_node is not None:
