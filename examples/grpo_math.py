@@ -91,8 +91,9 @@ def ppo_clip_loss(
     stats = {
         **tis,
         "clip_fraction": ((jnp.abs(ratio - 1.0) > clip_eps) * mask).sum() / tokens,
-        # k3 estimate of KL(old || new): how far this update moved the policy.
-        "approx_kl": ((jnp.exp(-log_ratio) - 1.0 + log_ratio) * mask).sum() / tokens,
+        # k3 estimate of KL(old || new) on tokens sampled from old: how far this update moved
+        # the policy (r - 1 - log r with r = new / old; unbiased, never negative).
+        "approx_kl": ((jnp.expm1(log_ratio) - log_ratio) * mask).sum() / tokens,
     }
     if ref_logprobs is not None and kl_beta > 0:
         delta = ref_logprobs - new_logprobs

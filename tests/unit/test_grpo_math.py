@@ -51,6 +51,16 @@ def test_token_logprobs_gather_the_next_token():
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
+def test_approx_kl_estimates_kl_of_the_old_policy_to_the_new():
+    """Over tokens drawn from the old policy (here in exact proportion) the k3 estimate's mean
+    is KL(old || new) itself, however far the update moved."""
+    old_p, new_p = np.array([0.5, 0.5]), np.array([0.9, 0.1])
+    old, new = jnp.log(jnp.array([old_p], jnp.float32)), jnp.log(jnp.array([new_p], jnp.float32))
+    _, stats = ppo_clip_loss(new, old, jnp.array([1.0]), jnp.ones((1, 2)))
+    kl = float(np.sum(old_p * np.log(old_p / new_p)))  # 0.511 (the old estimate gave 1.267)
+    assert float(stats["approx_kl"]) == pytest.approx(kl, rel=1e-5)
+
+
 def test_ppo_clip_loss():
     old = jnp.log(jnp.array([[0.5, 0.5, 0.5]]))
     mask = jnp.array([[1.0, 1.0, 0.0]])
