@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from functools import partial
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(RLConfig):
+    algorithm: ClassVar[str] = "grpo"
     output_dir: str = "runs/grpo-tiny"
     group_size: int = 8
     # > 0: a KL penalty to the initial model (the reference, kept frozen beside the policy).
@@ -176,7 +178,7 @@ parse_args = partial(parse_config, GRPOConfig, PRESETS, description=__doc__)
 class GRPO:
     """Group-relative advantages and the PPO-clip objective, the policy's params and Adam state."""
 
-    name = "grpo"
+    name = GRPOConfig.algorithm
     progress_fields = (("zstd", "frac_reward_zero_std", "{:.2f}"),)
     plot_panels = (("groups", (("frac_reward_zero_std", "groups with zero reward std"),)),)
 
@@ -251,8 +253,11 @@ class GRPO:
         inputs = model_inputs(data)
         old, entropy = self.logprobs_and_entropy(self.policy(trees), *inputs)
         data["old_logprobs"] = old
-        # Per prompt group: this process's rows hold whole groups.
-        data["advantages"] = rollout.rows(group_advantages(rollout.rewards, config.group_size, config.scale_rewards))
+        # Per prompt group: this process's rows hold whole groups; "batch" divides by the std of
+        # every process's rewards.
+        step_std = float(jnp.std(rollout.rows(rollout.rewards))) if config.scale_rewards == "batch" else None
+        advantages = group_advantages(rollout.rewards, config.group_size, config.scale_rewards, step_std=step_std)
+        data["advantages"] = rollout.rows(advantages)
         rollout_stats = {
             "entropy": masked_mean(entropy, data["completion_mask"][:, 1:]),
             "frac_reward_zero_std": frac_reward_zero_std(rollout.rows(rollout.rewards), config.group_size),

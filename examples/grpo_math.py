@@ -9,10 +9,13 @@ import numpy as np
 REWARD_SCALES = ("group", "batch", "none")
 
 
-def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-6) -> np.ndarray:
+def group_advantages(
+    rewards, group_size: int, scale: str = "group", eps: float = 1e-6, step_std: float | None = None
+) -> np.ndarray:
     """Each reward minus its group's mean, for consecutive groups of ``group_size`` rows, divided
     by (TRL's ``scale_rewards``): ``"group"`` the group's std (DeepSeek's GRPO), ``"batch"`` the
-    std of every reward of the step, ``"none"`` nothing (Dr. GRPO).
+    std of every reward of the step, ``"none"`` nothing (Dr. GRPO). Where ``rewards`` are one
+    process's share of the step, ``step_std`` is the std of every process's (``"batch"``).
 
     Rows are prompt-major (the samples of one prompt are adjacent), as RolloutBatch lays them.
     A group whose samples all earned the same reward gets zero advantage: it teaches nothing.
@@ -29,7 +32,7 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     if scale == "group":
         centered = centered / (groups.std(axis=1, keepdims=True) + eps)
     elif scale == "batch":
-        centered = centered / (rewards.std() + eps)
+        centered = centered / ((rewards.std() if step_std is None else step_std) + eps)
     return centered.reshape(-1)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,7 @@ OLD_LOGPROBS = ("trainer", "engine")
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig(RLConfig):
+    algorithm: ClassVar[str] = "ppo"
     output_dir: str = "runs/ppo-tiny"
     steps: int = 40
     prompts_per_step: int = 64
@@ -145,7 +147,7 @@ parse_args = partial(parse_config, PPOConfig, PRESETS, description=__doc__)
 class PPO:
     """The policy and the critic, each with its Adam state; the update of one rollout."""
 
-    name = "ppo"
+    name = PPOConfig.algorithm
     progress_fields = (("vloss", "value_loss", "{:.3f}"), ("ev", "explained_variance", "{:.2f}"))
     plot_panels = (("critic", (("value_loss", "value loss"), ("explained_variance", "explained variance"))),)
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +93,10 @@ QWEN25_3B = dict(
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     """What every algorithm's config has. A subclass adds its own fields and a
-    ``samples_per_prompt`` (a field or a property): the completions sampled per prompt."""
+    ``samples_per_prompt`` (a field or a property): the completions sampled per prompt, and
+    its ``algorithm``'s name."""
+
+    algorithm: ClassVar[str]
 
     preset: str = "tiny"
     model: str | None = None  # HF hub id or local dir; None builds the tiny model

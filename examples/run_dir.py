@@ -33,10 +33,24 @@ class TrainState:
 
 # What a resume in the same output dir must share with the run that wrote its checkpoints: the
 # initial model (the tiny presets build theirs from the seed), the prompts (drawn from (seed,
-# step)) and the task (the tiny presets' operand range).
-RUN_IDENTITY = ("preset", "model", "dataset", "seed", "max_operand", "lora_rank", "lora_alpha", "warm_start_steps")
+# step)), the task (the tiny presets' operand range) and what its checkpoints hold (the
+# algorithm's trees: PPO's critic, separate or shared).
+RUN_IDENTITY = (
+    "algorithm",
+    "preset",
+    "model",
+    "dataset",
+    "seed",
+    "max_operand",
+    "lora_rank",
+    "lora_alpha",
+    "warm_start_steps",
+    "critic",
+)
 # What a run that did not record a name (or whose algorithm has no such field) had.
-_IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None, "warm_start_steps": 0}
+_IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None, "warm_start_steps": 0, "critic": None}
+# Recorded since after the first run.json files were written: not compared where absent.
+_RECORDED_LATER = ("algorithm", "critic")
 
 
 def effective_lora_alpha(rank: int, alpha: float | None) -> float | None:
@@ -80,8 +94,9 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
             raise ValueError(f"{path}: not a run record ({error}): restore it, or use another output dir") from None
         if not isinstance(recorded, dict):
             raise ValueError(f"{path}: not a run record (a JSON object): restore it, or use another output dir")
+        unrecorded = {name for name in _RECORDED_LATER if name not in recorded}
         recorded = _run_identity(recorded.get)
-        changed = [name for name in RUN_IDENTITY if recorded[name] != identity[name]]
+        changed = [name for name in RUN_IDENTITY if recorded[name] != identity[name] and name not in unrecorded]
         if changed:
             raise ValueError(
                 f"{path}: this output dir holds checkpoints of a run with "

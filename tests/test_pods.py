@@ -113,12 +113,16 @@ def test_a_process_killed_mid_sync_is_named_within_the_bound_and_the_survivor_le
 @pytest.mark.example_path
 def test_grpo_over_two_processes_steps_as_one_process(tmp_path):
     """``--local-processes 2``: each process generates half of every step's prompts (one CPU
-    device each) and the update is one data-parallel step over both."""
-    two = run_grpo(tmp_path / "two", "--steps", "3", "--local-processes", "2")
-    one = run_grpo(tmp_path / "one", "--steps", "3")
+    device each) and the update is one data-parallel step over both, its advantages scaled by
+    the std of the whole step's rewards (``--scale-rewards batch``), not each process's."""
+    flags = ("--steps", "3", "--scale-rewards", "batch")
+    two = run_grpo(tmp_path / "two", *flags, "--local-processes", "2")
+    one = run_grpo(tmp_path / "one", *flags)
     assert [r["step"] for r in two] == [1, 2, 3] and all(r["bytes_copied"] == 0 for r in two)
-    # Step 1: the same prompts, weights and global seeds, so the same samples and rewards.
+    # Step 1: the same prompts, weights and global seeds, so the same samples and rewards, and
+    # the same update up to the order of float reductions.
     assert (two[0]["reward"], two[0]["completion_tokens"]) == (one[0]["reward"], one[0]["completion_tokens"])
+    assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-4), (two[0], one[0])
     # Then the same global-batch update, up to the order of float reductions: rewards of 64
     # samples within noise (a fixed policy's one-step means differ by about 0.025).
     for a, b in zip(two[1:], one[1:]):

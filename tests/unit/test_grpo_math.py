@@ -27,6 +27,9 @@ def test_group_advantages_scaled_by_the_group_the_batch_or_nothing():
     grouped = group_advantages(rewards, 4, "group")
     np.testing.assert_allclose(grouped[:4], [1, -1, 1, -1], rtol=1e-3)
     np.testing.assert_allclose(grouped[4], np.sqrt(3), rtol=1e-4)
+    # A process holding half the step's groups divides by the whole step's std, as one process would.
+    share = group_advantages(rewards[:4], 4, "batch", step_std=float(rewards.std()))
+    np.testing.assert_allclose(share, group_advantages(rewards, 4, "batch")[:4], rtol=1e-6)
     with pytest.raises(ValueError, match="scale must be one of"):
         group_advantages(rewards, 4, "std")
 

@@ -256,3 +256,24 @@ def test_checkpoint_every_must_be_at_least_one():
     """0 would divide by zero after the first step (the last step is always checkpointed)."""
     with pytest.raises(ValueError, match="checkpoint_every must be >= 1, got 0"):
         dataclasses.replace(PRESETS["tiny"], checkpoint_every=0)
+
+
+def test_a_resume_must_be_of_the_same_algorithm_and_critic(tmp_path):
+    """PPO restoring GRPO's checkpoints (or a shared critic a separate one's) would fail deep in
+    orbax with a tree-structure dump; it is refused up front, naming both. A run.json written
+    before these were recorded binds neither."""
+    grpo, ppo = PRESETS["tiny"], dataclasses.replace(PPOConfig(), seed=PRESETS["tiny"].seed)
+    claim_output_dir(grpo, tmp_path)
+    assert json.loads((tmp_path / "run.json").read_text())["algorithm"] == "grpo"
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"a run with algorithm='grpo'.*; this one has algorithm='ppo'"):
+        claim_output_dir(ppo, tmp_path)
+    other = tmp_path / "ppo"
+    other.mkdir()
+    claim_output_dir(ppo, other)
+    (other / "checkpoints" / "2").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"critic='separate'; this one has critic='shared'"):
+        claim_output_dir(dataclasses.replace(ppo, critic="shared"), other)
+    record = json.loads((other / "run.json").read_text())
+    (other / "run.json").write_text(json.dumps({k: v for k, v in record.items() if k not in ("algorithm", "critic")}))
+    claim_output_dir(dataclasses.replace(ppo, critic="shared"), other)
