@@ -152,8 +152,15 @@ class EngineGroup:
     def drop_kv(self) -> dict[int, KvReport]:
         """Free every running engine's KV buffers and prefix cache, and what a failed one still
         holds (its KV buffers and the weights it owns: the trainer shares its devices); reports
-        by engine index."""
-        reports = {index: kv.drop_kv(w.engine) for index, w in self.live().items()}
+        by engine index. An engine that fails during its drop counts as failed: the others'
+        drops stand, and the worker sees them dropped."""
+        reports = {}
+        for index, w in self.live().items():
+            try:
+                reports[index] = kv.drop_kv(w.engine)
+            except EngineError:
+                if w.engine.alive:
+                    raise
         for index, w in enumerate(self.weights):
             if index not in reports:
                 reports[index] = kv.free_failed_kv(w.engine)

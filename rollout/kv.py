@@ -85,7 +85,8 @@ def free_failed_kv(engine: EngineHandle) -> KvReport:
 def rebuild_kv(engine: EngineHandle) -> KvReport:
     """Recreate one engine's KV buffers with their original shapes, dtype and sharding."""
     start = time.perf_counter()
-    engine.rebuild_kv_buffers()
+    if not engine.rebuild_kv_buffers():
+        return KvReport(0, 0, time.perf_counter() - start)
     buffers = engine.kv_buffers()
     jax.block_until_ready(buffers)
     return KvReport(sum(device_nbytes(b) for b in buffers), len(buffers), time.perf_counter() - start)

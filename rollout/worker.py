@@ -585,8 +585,12 @@ class RolloutWorker:
             if self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = self._group.drop_kv()
-            self._kv_dropped = True
+            try:
+                reports = self._group.drop_kv()
+            finally:
+                # Where an engine's drop raised, those before it have no KV left: the next
+                # generate rebuilds theirs (an engine that kept its buffers rebuilds nothing).
+                self._kv_dropped = True
         report = kv.combine(list(reports.values()), time.perf_counter() - start)
         self._phases.record("kv_dropped", report.seconds, bytes=report.bytes)
         return report

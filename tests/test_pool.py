@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rollout import EngineError, RolloutWorker
+from rollout import EngineError, RolloutWorker, SamplingParams
 from tests.helpers import tiny_worker_config
 from trainer_bridge import flatten_params, load_hf_params
 
@@ -146,3 +146,29 @@ def test_a_failed_engine_is_named_and_the_others_serve_on(qwen2_dir, params, sin
         worker.close()
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert left == []
+
+
+def test_an_engine_failing_during_a_kv_drop_leaves_the_others_dropped_and_serving(qwen2_dir, params, single):
+    """An engine that fails after the drop began (its thread died: a leak check, a device
+    error) counts as failed: the drop stands for the others, which rebuild and serve at the
+    next generate (they once ran their forwards on no KV buffers and failed too)."""
+    worker = RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=2))
+    try:
+        worker.sync_params(params)
+        held = worker.memory()
+        dying = worker.engines[1]
+        drop = dying.drop_kv_buffers
+
+        def fails_first():
+            dying.testing.inject_failure(RuntimeError("failed during the KV drop"))
+            with pytest.raises(EngineError, match="failed during the KV drop"):
+                dying.generate([[5, 17]], SamplingParams(max_new_tokens=1), np.zeros((1, 1), np.int64))
+            return drop()
+
+        dying.drop_kv_buffers = fails_first
+        dropped = worker.drop_kv()
+        assert dropped.bytes == held.kv_bytes  # engine 0's drop, engine 1's pool freed as failed
+        assert all(buffer.is_deleted() for buffer in dying.kv_buffers())
+        assert worker.generate(PROMPTS, **GREEDY).completions == single.generate(PROMPTS, **GREEDY).completions
+    finally:
+        worker.close()

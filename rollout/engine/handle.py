@@ -416,9 +416,10 @@ class EngineHandle:
             raise EngineError(f"{self._control.name} is running: drop its KV cache between forwards (drop_kv_buffers)")
         return self._model.delete_kv_buffers()
 
-    def rebuild_kv_buffers(self) -> None:
-        """Recreate the KV buffers: same shapes, dtype and sharding."""
-        self.call(self._model.rebuild_kv_buffers)
+    def rebuild_kv_buffers(self) -> bool:
+        """Recreate the KV buffers (same shapes, dtype and sharding) where dropped; whether
+        they were."""
+        return self.call(self._model.rebuild_kv_buffers)
 
     def forward_memory(self, num_tokens: int, decode: bool = False) -> ForwardMemory:
         """XLA's memory analysis of the forward compiled for one batch, padded as the scheduler

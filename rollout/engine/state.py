@@ -159,12 +159,17 @@ class ModelState:
                 buf.delete()
         return len(buffers), device_bytes
 
-    def rebuild_kv_buffers(self) -> None:
+    def rebuild_kv_buffers(self) -> bool:
+        """Whether it rebuilt them: an engine whose drop failed kept its buffers (and the
+        prefix cache over them), which stay."""
         # The pool's own _create_buffers jits a fresh lambda per layer, compiling on every
         # rebuild; one allocator compiled once per engine (on its first drop) is reused instead.
         pool = self._kv_pool
+        if pool.kv_buffer:
+            return False
         self._ensure_kv_allocator()
         pool.kv_buffer = [self._kv_allocator() for _ in range(pool.layer_num)]
+        return True
 
     def _ensure_kv_allocator(self) -> None:
         if self._kv_allocator is None:
