@@ -630,7 +630,8 @@ class RolloutWorker:
         """
         self._check_open()
         self._group.pod.agree("released_for_training")
-        with self._gate.exclusive("a train step is running"):
+        # After any sync being prepared: its commit would serve the leaves released here again.
+        with self._sync_lock, self._gate.exclusive("a train step is running"):
             report = self._drop_kv()
             with self._state_lock:
                 self._stale_reason = "a train step ran since the last sync_params"

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from rollout import RolloutWorker, compile_count, counting_compiles
+from rollout import RolloutWorker, WorkerUnavailable, compile_count, counting_compiles
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -161,6 +161,45 @@ def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params
     assert long_left < first_commit, f"the swap waited for the running call: {events}"
     assert events[-1] == ("leave", "generate_after_sync_started"), f"the late call ran after the swap: {events}"
     assert (long_batch.weight_versions == version).all()
+
+
+def test_a_release_for_training_waits_for_a_sync_being_prepared(worker, params, monkeypatch):
+    """A sync prepares its leaves (a snapshot of what the engine serves, for the leaves it does
+    not change) before it takes the gate: a release for training taken in between would be
+    undone by its commit, which would serve the released (soon donated) arrays and let generate
+    run during the train step. The release waits for the sync."""
+    worker.sync_params(params)
+    prepared, go, released, events = threading.Event(), threading.Event(), threading.Event(), []
+    prepare = worker._group.prepare
+
+    def prepare_then_wait(*args, **kwargs):
+        result = prepare(*args, **kwargs)
+        prepared.set()
+        go.wait()
+        events.append("sync committing")
+        return result
+
+    monkeypatch.setattr(worker._group, "prepare", prepare_then_wait)
+
+    def sync():
+        return worker.sync_params(params)
+
+    def release():
+        prepared.wait()
+        with worker.released_for_training():
+            events.append("released")
+            released.set()
+
+    def let_the_sync_go():
+        prepared.wait()
+        released.wait(3)  # set within it only where the release did not wait for the sync
+        go.set()
+
+    _run_in_threads(sync, release, let_the_sync_go)
+    assert events == ["sync committing", "released"]
+    with pytest.raises(WorkerUnavailable, match="a train step ran since the last sync_params"):
+        worker.generate(PROMPTS, max_new_tokens=2)
+    worker.sync_params(params)
 
 
 def _recording(fn, events, name):
