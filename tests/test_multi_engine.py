@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rollout import SamplingParams
-from rollout.engine import EngineError, EngineHandle, runtime
+from rollout.engine import EngineError, EngineHandle, runtime, sessions
 from tests.helpers import tiny_options
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
@@ -22,6 +22,7 @@ PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 GREEDY = (SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True), np.zeros((len(PROMPTS), 1), np.int64))
 # Long enough that forward passes of engines driven at the same time overlap.
 LONG = (SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True), np.arange(12).reshape(12, 1))
+GREEDY_ONE = ([[5, 17]], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True), np.zeros((1, 1), np.int64))
 LONG_PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(5 + i)] for i in range(12)]
 
 
@@ -295,3 +296,26 @@ def test_a_failed_start_up_lets_the_process_exit(qwen2_dir, tmp_path):
         reader.join(timeout=10)
         process.stdout.close()
     assert "RuntimeError: Not enough memory (injected)" in "".join(lines), "".join(lines)[-3000:]
+
+
+def test_a_start_up_failing_after_the_engine_started_stops_it(qwen2_dir, monkeypatch):
+    """A failure after sglang-jax's engine is up (here installing the session bookkeeping on
+    its scheduler thread) closes it: its threads stop and a worker retried on the same devices
+    starts, rather than leaving an engine holding them until the interpreter exits."""
+    before = set(threading.enumerate())
+
+    def install_fails(*args):
+        raise RuntimeError("injected failure after start-up")
+
+    monkeypatch.setattr(sessions, "install", install_fails)
+    with pytest.raises(RuntimeError, match="injected failure after start-up"):
+        EngineHandle(tiny_options(qwen2_dir))
+    # (tqdm's monitor thread, which the weight loading's progress bar starts, is tqdm's.)
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive() and t.name != "tqdm_monitor"]
+    assert left == []
+    monkeypatch.undo()
+    engine = EngineHandle(tiny_options(qwen2_dir))
+    try:
+        assert len(engine.generate(*GREEDY_ONE)[0].output_ids) == 2
+    finally:
+        engine.close()

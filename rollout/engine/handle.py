@@ -107,7 +107,15 @@ class EngineHandle:
             self._control = SchedulerControl.of(self._scheduler)
             self._control.wait_for_threads(timeout=30)
         self._closed = False
+        self._requests = None
         self._model = ModelState(self._scheduler, self._engine, options.seed)
+        try:
+            self._finish_start_up(options, device)
+        except BaseException:
+            self.close()  # a started engine's threads, sockets and device memory
+            raise
+
+    def _finish_start_up(self, options: EngineOptions, device: str) -> None:
         budget = self.kv_pool_tokens // 2 if options.session_budget_tokens is None else options.session_budget_tokens
         self._sessions = self.call(lambda: sessions.install(self._scheduler, budget, options.max_session_tokens))
         self._requests = RequestLoop(
@@ -122,18 +130,13 @@ class EngineHandle:
             self.call(self._model.align_lm_head_dtype)
         if options.record_routing:
             if not getattr(self._model.runner.model_config.hf_config, "num_experts", 0):
-                self.close()
                 raise ValueError(f"record_routing: {options.model_path} is not a mixture-of-experts model")
             self._control.routing = RoutingRecorder()
         if options.decode_steps > 1:
             static = static_decode_chunks(options, device)
             multistep.install(self._scheduler, self._control, options.decode_steps, static)
             if options.precompile:
-                try:
-                    self.call(lambda: multistep.precompile(self._scheduler, options.decode_steps, static))
-                except BaseException:
-                    self.close()
-                    raise
+                self.call(lambda: multistep.precompile(self._scheduler, options.decode_steps, static))
 
     # ---- engine facts ----------------------------------------------------------------------
 
@@ -440,7 +443,8 @@ class EngineHandle:
         _open_handles.discard(self)
         control = self._control
         control.stop_threads()
-        self._requests.close()
+        if self._requests is not None:
+            self._requests.close()
         scheduler, tm = self._scheduler, self._engine.tokenizer_manager
         sockets = [
             getattr(scheduler, "recv_from_tokenizer", None),
