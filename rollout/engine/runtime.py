@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -197,12 +198,17 @@ class SchedulerControl:
         with self._boundary_lock:
             boundary, self.boundary_calls = self.boundary_calls, []
         for _, _, future, _ in boundary:
-            future.set_exception(self.dead_error())
+            self._fail_future(future)
         while True:
             try:
                 _, future = self.calls.get_nowait()
             except queue.Empty:
                 return
+            self._fail_future(future)
+
+    def _fail_future(self, future: concurrent.futures.Future) -> None:
+        # A call given up at its timeout was cancelled: the others still get the error.
+        if future.set_running_or_notify_cancel():
             future.set_exception(self.dead_error())
 
     def dead_error(self) -> EngineError:

@@ -2,6 +2,7 @@
 call whose engine's result loop ended fails with EngineError."""
 
 import asyncio
+import concurrent.futures
 
 import pytest
 
@@ -51,3 +52,19 @@ def test_a_call_fails_with_engine_error_when_the_result_loop_ends(monkeypatch, e
     with pytest.raises(EngineError):
         asyncio.run(call())
     assert control.error is not None
+
+
+def test_a_failing_engine_fails_every_queued_call_past_one_given_up():
+    """A call given up at its timeout is cancelled in the queue; the engine's failure still
+    reaches the calls queued after it (set_exception on the cancelled one raised, and the
+    drain stopped there)."""
+    control = SchedulerControl("test")
+    futures = [concurrent.futures.Future() for _ in range(3)]
+    for future in futures:
+        control.calls.put((lambda: None, future))
+    control.queue_at_boundary(lambda: None, None, boundary := concurrent.futures.Future())
+    futures[0].cancel()
+    control.fail(RuntimeError("the scheduler thread died"))
+    for future in [*futures[1:], boundary]:
+        with pytest.raises(EngineError, match="the scheduler thread died"):
+            future.result(timeout=0)
