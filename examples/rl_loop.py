@@ -123,7 +123,9 @@ class RLConfig:
     dtype: str = "float32"
     kv_tokens: int = 4096
     tp_size: int = 1
-    dp_size: int = 1  # engines in the process, each on tp_size devices (dp_size x tp_size = devices)
+    # Engines in the process, each on tp_size devices (dp_size x tp_size = devices); None: as
+    # many as the process's devices hold.
+    dp_size: int | None = None
     seed: int = 0
     checkpoint_every: int = 20
     resync: bool = True  # False: an ablation that keeps generating with the initial weights
@@ -201,9 +203,12 @@ class RLConfig:
             "kv_tokens",
             "decode_steps",
             "checkpoint_every",
+            "tp_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_size is not None and self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1 (or unset: every device), got {self.dp_size}")
         if not 1 <= self.minibatches <= self.prompts_per_step * self.samples_per_prompt:
             raise ValueError(f"minibatches must be in [1, rows per step], got {self.minibatches}")
         if self.target_kl is not None and self.target_kl <= 0:
@@ -360,13 +365,18 @@ class Setup(NamedTuple):
 
 def worker_config(config: RLConfig, model_dir: Path, engine_devices: list | None = None) -> WorkerConfig:
     """The rollout worker of a run: its engines on ``engine_devices`` (None: every local device,
-    ``config.dp_size`` engines), the KV pool and batch the run's steps need."""
+    ``config.dp_size`` engines, by default as many as they hold), the KV pool and batch the
+    run's steps need."""
+    if engine_devices is not None:
+        dp_size = len(engine_devices) // config.tp_size
+    else:
+        dp_size = config.dp_size or max(1, len(jax.local_devices()) // config.tp_size)
     return WorkerConfig(
         model_path=str(model_dir),
         dtype=config.dtype,
         load_format="dummy",
         tp_size=config.tp_size,
-        dp_size=config.dp_size if engine_devices is None else len(engine_devices) // config.tp_size,
+        dp_size=dp_size,
         devices=None if engine_devices is None else tuple(engine_devices),
         # The engine takes prompt + completion <= context_length - 2 tokens whole.
         max_total_tokens=config.kv_tokens,

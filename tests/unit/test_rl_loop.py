@@ -7,6 +7,7 @@ import json
 import sys
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -52,6 +53,17 @@ def test_decode_steps_reach_the_worker_and_are_not_part_of_a_runs_identity(tmp_p
     claim_output_dir(dataclasses.replace(config, decode_steps=1), tmp_path)
     with pytest.raises(ValueError, match="decode_steps must be >= 1, got 0"):
         dataclasses.replace(config, decode_steps=0)
+
+
+def test_a_runs_engines_take_every_device_unless_told(tmp_path):
+    """``python -m examples.grpo`` on a host of 4 devices (this suite's) starts 4 engines; it
+    started one and the worker refused the other 3 devices."""
+    assert len(jax.local_devices()) == 4
+    assert worker_config(PRESETS["tiny"], tmp_path).dp_size == 4
+    assert worker_config(dataclasses.replace(PRESETS["tiny"], tp_size=2), tmp_path).dp_size == 2
+    assert worker_config(dataclasses.replace(PRESETS["tiny"], dp_size=1), tmp_path).dp_size == 1
+    with pytest.raises(ValueError, match="dp_size must be >= 1"):
+        dataclasses.replace(PRESETS["tiny"], dp_size=0)
 
 
 def test_lr_decay_spans_the_train_steps_after_the_warm_up():
