@@ -25,6 +25,8 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from models import ParamMapping
 from trainer_bridge import (
@@ -549,9 +551,27 @@ class RolloutWorker:
         self._group.pod.agree("load_checkpoint", tree_fingerprint(targets))
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
         swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
-        if adapters:
-            return self.sync_adapters(restored, name=name, **swap)
-        return self._sync(restored, "load_checkpoint", allow_cast=True, reason="weights are being reloaded", **swap)
+        try:
+            if adapters:
+                return self.sync_adapters(restored, name=name, **swap)
+            return self._sync(restored, "load_checkpoint", allow_cast=True, reason="weights are being reloaded", **swap)
+        except SyncError as exc:
+            # orbax cast these leaves to the engine's dtype as it read them: what the check saw
+            # as inf may be finite in the checkpoint, past the narrower dtype's range.
+            narrowed = [
+                p
+                for p in exc.non_finite
+                if p in targets and np.dtype(saved[p].dtype).itemsize > np.dtype(targets[p].dtype).itemsize
+            ]
+            if not narrowed:
+                raise
+            dtype = np.dtype(targets[narrowed[0]].dtype)
+            raise SyncError(
+                f"{exc} ({', '.join(narrowed[:8])} restored into the engine's {dtype} from the checkpoint's "
+                f"{np.dtype(saved[narrowed[0]].dtype)}: values beyond {dtype}'s range (|x| > "
+                f"{float(jnp.finfo(dtype).max):g}) are inf there)",
+                exc.non_finite,
+            ) from None
 
     def replace_engine_leaves(
         self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str, *, in_flight: bool = False

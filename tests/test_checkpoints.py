@@ -123,6 +123,18 @@ def test_bad_checkpoints_leave_the_worker_serving(worker, params, qwen3_dir, tmp
         worker.load_checkpoint(integer)
     assert_still_serving(worker, expected, version)
 
+    # orbax restores it as the engine's float32: finite in the checkpoint, inf once read.
+    flat = {k: np.asarray(v) for k, v in flatten_params(params).items()}
+    flat["model.norm.scale"] = np.full(flat["model.norm.scale"].shape, 1e300)
+    overflowing = orbax_save(tmp_path / "overflow", unflatten_params(flat))
+    with pytest.raises(
+        SyncError,
+        match=r"in: model\.norm\.scale \(model\.norm\.scale restored into the engine's float32 from the "
+        r"checkpoint's float64: values beyond float32's range \(\|x\| > 3\.40282e\+38\) are inf there\)$",
+    ):
+        worker.load_checkpoint(overflowing)
+    assert_still_serving(worker, expected, version)
+
     with pytest.raises(CheckpointError, match="step must be an int, got '1'"):
         worker.load_checkpoint(integer, step="1")
     with pytest.raises(CheckpointError, match="is a file; load_hf takes the model's directory"):

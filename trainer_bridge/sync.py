@@ -33,7 +33,12 @@ from models import EngineTransform, ParamMapping
 
 
 class SyncError(ValueError):
-    """The param tree cannot be synced; nothing was changed."""
+    """The param tree cannot be synced; nothing was changed. ``non_finite``: the trainer paths
+    found holding NaN/inf, where that is why."""
+
+    def __init__(self, message: str, non_finite: Sequence[str] = ()):
+        super().__init__(message)
+        self.non_finite = tuple(non_finite)
 
 
 class LeafAction(enum.Enum):
@@ -404,7 +409,7 @@ class SyncPlan:
                 f"engine's {dtype}, in: {paths}"
             )
         if problems:
-            raise SyncError("; ".join(problems))
+            raise SyncError("; ".join(problems), non_finite=[p.trainer_path for p in bad])
 
     def relabeled(self, flat: Mapping[str, object], out: Mapping[int, jax.Array]) -> int:
         """Of the leaves :meth:`execute` gave as ``out`` for ``flat``, those not the trainer's own
