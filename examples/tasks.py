@@ -42,7 +42,7 @@ def addition_reward(completion: str, answer: str, near_credit: float = 0.5) -> f
     text = completion.strip()
     if text == answer:
         return 1.0
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # str.isdigit takes "²" (int() refuses it) and "٣"
         return near_credit * max(0.0, 1.0 - abs(int(text) - int(answer)) / 10)
     return 0.0
 

@@ -44,6 +44,7 @@ def test_addition_task_and_reward():
     assert addition_reward("17", "7") == 0.0
     assert addition_reward("7+", "7") == 0.0
     assert addition_reward("", "7") == 0.0
+    assert addition_reward("²", "7") == addition_reward("٧", "7") == 0.0  # digits int() refuses or reads
 
 
 def test_gsm8k_answers_and_rewards():
