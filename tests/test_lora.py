@@ -232,6 +232,8 @@ def test_admin_load_lora_serves_an_adapter_checkpoint(served, tmp_path):
         assert http.post("/admin/load_lora", json={"lora_path": path}).status_code == 401
         missing = http.post("/admin/load_lora", json={"lora_name": "policy"}, headers=admin)
         assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+        absent = http.post("/admin/load_lora", json={"lora_path": str(tmp_path / "absent")}, headers=admin)
+        assert absent.status_code == 404 and absent.json()["error"]["param"] == "lora_path", absent.text
         full = str(save(tmp_path / "full", served.params))
         not_adapters = http.post("/admin/load_lora", json={"lora_path": full}, headers=admin)
         assert not_adapters.status_code == 400 and "is not of LoRA adapters alone" in not_adapters.text

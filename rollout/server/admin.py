@@ -107,7 +107,10 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
             raise invalid("step", f"'step' must be an int, got {step!r}")
         in_flight, recompute_kv = swap_mode(body)
         async with admin.lock:
-            report = await run(backend.load_lora, path, step, name, in_flight, recompute_kv)
+            try:
+                report = await run(backend.load_lora, path, step, name, in_flight, recompute_kv)
+            except FileNotFoundError as exc:  # named by this route's field, not reload's "path"
+                raise ApiError(404, str(exc), param="lora_path", code="not_found") from None
         logger.info("loaded LoRA adapters %s from %s: version %d", name, path, report["version"])
         return {**report, "lora_name": name}
 
