@@ -128,10 +128,26 @@ class EngineGroup:
 
     def commit(
         self, prepared: Mapping[int, PreparedSync], version: int, *, in_flight: bool, recompute_kv: bool
-    ) -> None:
-        """Swap the prepared leaves in, engine by engine (:meth:`EngineWeights.commit`)."""
+    ) -> list[int]:
+        """Swap the prepared leaves in, engine by engine (:meth:`EngineWeights.commit`). An
+        engine that failed since it was prepared is skipped, as a failed engine is by every
+        later call: the others serve the new weights (had they stopped there, the engines
+        before it would serve a version the worker does not report). Returns the engines
+        that committed; raises the first failure if none did."""
+        committed, failure = [], None
         for index, update in prepared.items():
-            self.weights[index].commit(update, version, in_flight=in_flight, recompute_kv=recompute_kv)
+            weights = self.weights[index]
+            try:
+                weights.commit(update, version, in_flight=in_flight, recompute_kv=recompute_kv)
+            except EngineError as exc:
+                if weights.engine.alive:
+                    raise
+                failure = failure or exc
+            else:
+                committed.append(index)
+        if not committed and failure is not None:
+            raise failure
+        return committed
 
     def replace_leaves(
         self, new_leaves: Mapping[int, Mapping[int, jax.Array]], version: int, *, in_flight: bool

@@ -401,11 +401,11 @@ class RolloutWorker:
             prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
             with self._swapping(reason, in_flight):
                 version = self.weight_version + 1
-                self._group.commit(prepared, version, in_flight=in_flight, recompute_kv=recompute_kv)
+                committed = self._group.commit(prepared, version, in_flight=in_flight, recompute_kv=recompute_kv)
                 self._stale_reason = None
                 self.weight_version = version
         seconds = time.perf_counter() - start
-        reports = {index: update.plan.report(version, seconds, update.relabeled) for index, update in prepared.items()}
+        reports = {i: prepared[i].plan.report(version, seconds, prepared[i].relabeled) for i in committed}
         report = dataclasses.replace(
             _combine_sync_reports(reports, len(self.engines), compiles.value),
             bytes_gathered=gathered,

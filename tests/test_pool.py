@@ -172,3 +172,30 @@ def test_an_engine_failing_during_a_kv_drop_leaves_the_others_dropped_and_servin
         assert worker.generate(PROMPTS, **GREEDY).completions == single.generate(PROMPTS, **GREEDY).completions
     finally:
         worker.close()
+
+
+def test_an_engine_failing_between_a_syncs_prepare_and_commit_leaves_the_others_on_the_new_weights(
+    qwen2_dir, params, single
+):
+    """The sync skips it, as later calls skip a failed engine: the worker reports the version
+    the others serve (it once raised with engine 0 already serving version N+1 and the worker
+    reporting N)."""
+    worker = RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=2))
+    try:
+        dying = worker.engines[1]
+        replace = dying.replace_weight_leaves
+
+        def fails_first(*args, **kwargs):
+            dying.testing.inject_failure(RuntimeError("failed before its swap"))
+            with pytest.raises(EngineError, match="failed before its swap"):
+                dying.generate([[5, 17]], SamplingParams(max_new_tokens=1), np.zeros((1, 1), np.int64))
+            return replace(*args, **kwargs)
+
+        dying.replace_weight_leaves = fails_first
+        report = worker.sync_params(params)
+        assert report.version == worker.weight_version == 1 and report.per_engine[1] is None
+        batch = worker.generate(PROMPTS, **GREEDY)
+        assert (batch.token_versions[batch.completion_mask] == 1).all() and batch.weight_version == 1
+        assert batch.completions == single.generate(PROMPTS, **GREEDY).completions
+    finally:
+        worker.close()
