@@ -480,6 +480,13 @@ def _train(config: RLConfig, setup: Setup) -> dict:
     if not config.resync:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
         sync_policy(worker, algorithm, {"params": jax.tree_util.tree_map(jnp.copy, state.trees["params"])})
+    if state.step >= config.steps:
+        logger.warning(
+            "%s: the checkpoint is at step %d and --steps is %d: nothing to train (raise --steps to go on)",
+            output_dir,
+            state.step,
+            config.steps,
+        )
     history = []
     start = time.perf_counter()
     reports = step_log(config, output_dir, algorithm, state.step) if lead else contextlib.nullcontext(lambda _: None)

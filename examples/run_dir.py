@@ -76,10 +76,11 @@ def holds_checkpoints(output_dir: Path) -> bool:
 
 
 def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
-    """Records in ``output_dir/run.json`` what decides a run's initial model and prompts; once the
-    dir holds a checkpoint, checks a rerun against it: a resume with another seed would restore
-    one run's weights and go on with another run's prompts, KL reference and metrics file. (A
-    run that failed before its first checkpoint binds nothing: its rerun may fix any setting.)"""
+    """Records in ``output_dir/run.json`` what decides a run's initial model and prompts, and the
+    steps it is planned for; once the dir holds a checkpoint, checks a rerun against it: a
+    resume with another seed would restore one run's weights and go on with another run's
+    prompts, KL reference and metrics file. (A run that failed before its first checkpoint
+    binds nothing: its rerun may fix any setting.)"""
     path = output_dir / "run.json"
     identity = _run_identity(lambda name, default: _local_path_resolved(getattr(config, name, default)))
     if holds_checkpoints(output_dir):
@@ -94,8 +95,9 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
             raise ValueError(f"{path}: not a run record ({error}): restore it, or use another output dir") from None
         if not isinstance(recorded, dict):
             raise ValueError(f"{path}: not a run record (a JSON object): restore it, or use another output dir")
-        unrecorded = {name for name in _RECORDED_LATER if name not in recorded}
-        recorded = _run_identity(recorded.get)
+        raw = recorded
+        unrecorded = {name for name in _RECORDED_LATER if name not in raw}
+        recorded = _run_identity(raw.get)
         changed = [name for name in RUN_IDENTITY if recorded[name] != identity[name] and name not in unrecorded]
         if changed:
             raise ValueError(
@@ -105,9 +107,19 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
                 + ", ".join(f"{name}={identity[name]!r}" for name in changed)
                 + ": resume with the same settings, or use another output dir"
             )
-    elif jax.process_index() == 0:
+        planned = raw.get("steps")
+        if getattr(config, "lr_decay", False) and planned is not None and planned != config.steps:
+            # Allowed (a run resumed for longer), but the cosine decay spans the steps.
+            logger.warning(
+                "%s: resuming a run of %d steps as one of %d: the learning rate's decay spans the "
+                "steps, so its schedule changes from the checkpoint on",
+                output_dir,
+                planned,
+                config.steps,
+            )
+    if jax.process_index() == 0:  # the steps this run is planned for, as resumed
         staged = path.with_suffix(".tmp")
-        staged.write_text(json.dumps(identity))
+        staged.write_text(json.dumps({**identity, "steps": config.steps}))
         os.replace(staged, path)  # other processes of the job never read half a file
 
 

@@ -43,6 +43,22 @@ def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monk
     claim_output_dir(dataclasses.replace(config, model=chat_dir.name), other)
 
 
+def test_a_resume_for_more_steps_warns_that_the_decay_changes(tmp_path, caplog):
+    """A run resumed for longer is the same run, but a cosine decay spans the planned steps:
+    the learning rate jumps at the checkpoint. The new plan is recorded: warned once."""
+    config = dataclasses.replace(PRESETS["tiny"], lr_decay=True, steps=80)
+    claim_output_dir(config, tmp_path)
+    (tmp_path / "checkpoints" / "80").mkdir(parents=True)
+    with caplog.at_level("WARNING"):
+        claim_output_dir(config, tmp_path)
+        assert not caplog.records
+        claim_output_dir(dataclasses.replace(config, steps=160), tmp_path)
+        assert "resuming a run of 80 steps as one of 160" in caplog.text
+        caplog.clear()
+        claim_output_dir(dataclasses.replace(config, steps=160), tmp_path)
+        assert not caplog.records
+
+
 def test_decode_steps_reach_the_worker_and_are_not_part_of_a_runs_identity(tmp_path):
     """--decode-steps is how the engines run, not what they sample: a resume may change it."""
     config = dataclasses.replace(PRESETS["tiny"], decode_steps=8)
