@@ -28,8 +28,7 @@ TEMPERATURE = 0.5
 
 @pytest.fixture(scope="module")
 def worker(qwen2_dir):
-    # The tiny config's 16 running requests: much larger sampled batches on 4 fake CPU devices
-    # can stall a collective while the sampler's host callback sorts (XLA then aborts).
+    # The tiny config's 16 running requests: the test's batches stay small on a 2-core CPU.
     with RolloutWorker(tiny_worker_config(qwen2_dir)) as w:
         yield w
 
