@@ -228,6 +228,8 @@ PINNING_TESTS = {
         "tests/unit/test_scheduling.py::test_a_retracted_request_is_admitted_for_the_tokens_it_has_left"
     ),
     "stop-ids-with-ignore-eos": "tests/test_generate.py::test_stop_token_ids_end_a_completion_under_ignore_eos",
+    "abandoned-row-tasks": "tests/unit/test_request_loop.py::test_a_rows_task_left_behind_by_a_stream_logs_nothing",
+    "retracted-cached-tokens": "tests/test_generate.py::test_calls_retracted_in_a_tight_kv_pool_all_return",
     "stop-token-at-length": "tests/test_generate.py::test_a_stop_token_sampled_last_ends_as_stop",
     "xla-stale-packed-weights": (
         "tests/test_in_place_updates.py::test_the_engine_serves_the_trainers_params_after_donated_updates[qwen2-tp1]"

@@ -255,7 +255,9 @@ def test_a_stop_token_sampled_last_ends_as_stop(worker):
 def test_calls_retracted_in_a_tight_kv_pool_all_return(qwen2_dir):
     """Six calls of 3 samples each in a 128-token pool: decode runs out of slots and retracts
     requests, which must be admitted again for the tokens they have left (one retracted after
-    59 of its 60 tokens waited forever: 0.0.2 counted its sampled tokens and all 60 new ones)."""
+    59 of its 60 tokens waited forever: 0.0.2 counted its sampled tokens and all 60 new ones).
+    A retracted row reports the prompt tokens its first prefill found cached (0.0.2 added the
+    second prefill's: more than the prompt has)."""
     lengths = (3, 9, 17, 40, 60, 8)
 
     async def calls(worker):
@@ -280,6 +282,11 @@ def test_calls_retracted_in_a_tight_kv_pool_all_return(qwen2_dir):
         batches = asyncio.run(calls(worker))
         assert [[len(c) for c in b.completions] for b in batches] == [[m] * 3 for m in lengths]
         assert worker.engine.testing.kv_tokens_held() == 0
+    prompt_lengths = [7 + i for i in range(len(lengths))]
+    # Retracted rows prefilled again: more than their prompt less its cached part.
+    assert any((b.prefill_tokens > length).any() for b, length in zip(batches, prompt_lengths))
+    for batch, length in zip(batches, prompt_lengths):
+        assert (batch.cached_tokens < length).all(), (batch.cached_tokens, length)
 
 
 def test_a_calls_requests_share_one_prefill_however_slowly_they_are_sent(worker, monkeypatch):

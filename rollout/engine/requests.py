@@ -35,6 +35,23 @@ LIVENESS_CHECK_S = 0.05
 ROWS_ENDED_WAIT_S = 5.0
 
 
+def request_event_loop() -> asyncio.AbstractEventLoop:
+    """The event loop of an engine's requests. 0.0.2's streamed calls wait for each row in a
+    task of its own, which they leave behind when their consumer stops (a server's stream whose
+    choices all reached a stop string); a row that had ended then ends its task with
+    StopAsyncIteration, which asyncio logs at ERROR as "Task exception was never retrieved".
+    That one is not logged (workaround ``abandoned-row-tasks``); every other is."""
+    loop = asyncio.new_event_loop()
+    if workaround_enabled("abandoned-row-tasks"):
+
+        def handle(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+            if not isinstance(context.get("exception"), StopAsyncIteration):
+                loop.default_exception_handler(context)
+
+        loop.set_exception_handler(handle)
+    return loop
+
+
 class RequestLoop:
     """Generation for one engine (a part of :class:`EngineHandle`). ``check_alive`` raises the
     engine's error once it failed or was closed; ``kv_pool_tokens`` is its KV pool's size."""
@@ -57,7 +74,7 @@ class RequestLoop:
         # Every use of the tokenizer manager (its zmq sockets, its per-request asyncio events)
         # happens on this loop. (It would also install SIGTERM/SIGQUIT handlers on first use of
         # a loop of its own.)
-        self._loop = asyncio.new_event_loop()
+        self._loop = request_event_loop()
         self._tokenizer_manager.no_create_loop = True
         self._tokenizer_manager.event_loop = self._loop
         self._result_task = self._loop.create_task(self._tokenizer_manager.handle_loop())
@@ -109,9 +126,8 @@ class RequestLoop:
                     row = int(result.get("index", 0))
                     output = _to_output(result, finished_only=False)
                     count = len(output.output_ids)
-                    output = dataclasses.replace(
-                        output, token_versions=versions[row][:count], prefill_tokens=prefilled[row][0]
-                    )
+                    output = dataclasses.replace(output, token_versions=versions[row][:count])
+                    output = _with_prefills(output, prefilled[row])
                     if sinks is not None:
                         output = dataclasses.replace(output, **sinks[row].first(count))
                     if not deliver((row, output)):
@@ -226,11 +242,11 @@ class RequestLoop:
 
     @contextlib.contextmanager
     def _versions_collected(self, rids: list[str]):
-        """Per row, the list the scheduler appends each sampled token's weight version to, and a
-        one-item list it adds the tokens of each of the row's prefill chunks to."""
+        """Per row, the list the scheduler appends each sampled token's weight version to, and
+        [tokens its prefill chunks computed, prompt tokens its first prefill found cached]."""
         with (
             _registered(self._control.version_sinks, rids, list) as sinks,
-            _registered(self._control.prefill_sinks, rids, lambda: [0]) as prefilled,
+            _registered(self._control.prefill_sinks, rids, lambda: [0, None]) as prefilled,
         ):
             yield sinks, prefilled
 
@@ -277,7 +293,7 @@ class RequestLoop:
         if len(outputs) != len(rids):  # the engine's own n: its rows are not our request ids
             versions = [None] * len(outputs)
         else:
-            outputs = [dataclasses.replace(out, prefill_tokens=count[0]) for out, count in zip(outputs, prefilled)]
+            outputs = [_with_prefills(out, sink) for out, sink in zip(outputs, prefilled)]
         for i, (out, tokens) in enumerate(zip(outputs, versions)):
             if tokens is not None and len(tokens) != out.completion_tokens:
                 raise EngineError(
@@ -403,6 +419,16 @@ def _routed_positions(row: int, sink: RoutingSink, prompt_tokens: int, output: G
     if sink.prefilled is None or len(sink) != expected:
         raise EngineError(f"request {row}: recorded routing for {len(sink)} positions, expected {expected}")
     return sink.rows()
+
+
+def _with_prefills(output: GenerateOutput, prefilled: list) -> GenerateOutput:
+    """``output`` with what the scheduler recorded of its row's prefills: the tokens they
+    computed, and the cached prompt tokens of the first (0.0.2's own count adds a retracted
+    row's again when it is prefilled again: more than the prompt has)."""
+    output = dataclasses.replace(output, prefill_tokens=prefilled[0])
+    if prefilled[1] is not None and workaround_enabled("retracted-cached-tokens"):
+        output = dataclasses.replace(output, cached_tokens=prefilled[1])
+    return output
 
 
 def _to_output(result: dict, finished_only: bool = True) -> GenerateOutput:

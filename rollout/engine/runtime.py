@@ -352,8 +352,9 @@ def _timed(run_batch, control: SchedulerControl):
 
 def _versions_recorded(run_batch, control: SchedulerControl):
     """Records, per request, the weight version of the forward that sampled each of its tokens:
-    exact across swaps at forward boundaries, whatever KV the request continues from; and the
-    tokens each of its prefill chunks computed."""
+    exact across swaps at forward boundaries, whatever KV the request continues from; the
+    tokens each of its prefill chunks computed; and the prompt tokens its first prefill found
+    cached (0.0.2 adds a retracted request's count again when it is prefilled again)."""
 
     def versioned_run_batch(batch):
         result = run_batch(batch)
@@ -364,6 +365,8 @@ def _versions_recorded(run_batch, control: SchedulerControl):
                 prefilled = control.prefill_sinks.get(req.rid)
                 if prefilled is not None:
                     prefilled[0] += req.extend_input_len
+                    if prefilled[1] is None:
+                        prefilled[1] = req.cached_tokens
         for req in batch.reqs:
             # As process_batch_result (no overlap scheduler): retracted rows and prefill chunks
             # before the last get no token.

@@ -258,6 +258,19 @@ WORKAROUNDS: dict[str, str] = {
         "ids and ignore_eos ran to max_new_tokens. They are tested with ignore_eos too (the "
         "worker adds the model's EOS ids to them only without it)."
     ),
+    "abandoned-row-tasks": (
+        "TokenizerManager._handle_batch_request waits for each row of a streamed call in a task "
+        "of its own and leaves them when its consumer stops; a row that had ended ends its task "
+        "with StopAsyncIteration, logged at ERROR ('Task exception was never retrieved') after "
+        "ordinary server streams whose choices reached stop strings. The engine's request loop "
+        "does not log that exception."
+    ),
+    "retracted-cached-tokens": (
+        "Req.cached_tokens adds the prefix a request finds cached at every prefill, and a request "
+        "retracted under memory pressure is prefilled again: its count doubled (37 cached tokens "
+        "of a 19-token prompt), as did the server's usage.prompt_tokens_details.cached_tokens. "
+        "A row reports what its first prefill found cached."
+    ),
     "stop-token-at-length": (
         "Req.check_finished tests the length before the stop ids: a completion whose last "
         "allowed token is a stop token (its EOS) ended as 'length', which a trainer that "

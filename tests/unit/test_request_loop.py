@@ -3,6 +3,8 @@ call whose engine's result loop ended fails with EngineError."""
 
 import asyncio
 import concurrent.futures
+import gc
+import logging
 
 import pytest
 
@@ -68,3 +70,32 @@ def test_a_failing_engine_fails_every_queued_call_past_one_given_up():
     for future in [*futures[1:], boundary]:
         with pytest.raises(EngineError, match="the scheduler thread died"):
             future.result(timeout=0)
+
+
+def test_a_rows_task_left_behind_by_a_stream_logs_nothing(caplog):
+    """0.0.2 leaves a streamed call's per-row tasks when its consumer stops; one whose row had
+    ended ends with StopAsyncIteration, unretrieved. The request loop does not log it (it was an
+    ERROR after ordinary server streams); any other unretrieved exception it still logs."""
+    loop = requests.request_event_loop()
+
+    async def ended_row():
+        return
+        yield
+
+    async def failing():
+        raise ValueError("a real failure")
+
+    async def leave_tasks():
+        # As 0.0.2 does: a task per row's next result, never awaited once the stream is left.
+        left = [asyncio.ensure_future(ended_row().__anext__()), asyncio.ensure_future(failing())]
+        await asyncio.wait(left)
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            loop.run_until_complete(leave_tasks())
+            gc.collect()
+    finally:
+        loop.close()
+    messages = [r.getMessage() + str(r.exc_info) for r in caplog.records]
+    assert [m for m in messages if "never retrieved" in m and "ValueError" in m], messages
+    assert not [m for m in messages if "StopAsyncIteration" in m], messages
