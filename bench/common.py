@@ -76,11 +76,13 @@ def shaped_model_dir(root: Path, shape: str, num_layers: int) -> Path:
     return write_tiny_model(root, spec, with_tokenizer=False)
 
 
-def median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int, prepare=None) -> float:
+    """Median time of ``fn()`` (``fn(prepare())`` with ``prepare``, which is not timed)."""
     times = []
     for _ in range(repeats):
+        args = () if prepare is None else (prepare(),)
         start = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -641,7 +641,7 @@ def main(config: GenerateBenchConfig) -> None:
         for other in sorted(results.keys() - {"new"}) if "new" in results else ():
             for name in config.batches:
                 ratio = results[other][name]["seconds"] / results["new"][name]["seconds"]
-                print(f"  {shape} {BATCHES[name].label}: new x{ratio:.2f} faster than {other}")
+                print(f"  {shape} {BATCHES[name].label}: {other} takes x{ratio:.2f} the time of new")
 
 
 def parse_args():
