@@ -73,7 +73,19 @@ def restore_tree(item_dir: Path, target: Any) -> Any:
     try:
         return _checkpointer().restore(item_dir, abstract)
     except Exception as exc:
-        raise CheckpointError(f"cannot restore checkpoint {item_dir}: {exc}") from exc
+        raise CheckpointError(f"cannot restore checkpoint {item_dir}: {_restore_failure(exc)}") from exc
+
+
+def _restore_failure(exc: BaseException) -> str:
+    """What a failed restore says, without the TensorStore spec (60 lines) orbax appends: its
+    own words, then the error it wraps, which names the array read ("a/0.0")."""
+    words = str(exc).split(" See full TensorStore details")[0]
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is not exc:
+        words += f" ({type(cause).__name__}: {cause})"
+    return words
 
 
 def restore_params(path: str | Path, target: Mapping, *, step: int | None = None) -> dict:
