@@ -90,14 +90,13 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
                 f"run is theirs ({', '.join(RUN_IDENTITY)}) cannot be checked: use another output dir"
             )
         try:
-            recorded = json.loads(path.read_text())
+            record = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}: not a run record ({error}): restore it, or use another output dir") from None
-        if not isinstance(recorded, dict):
+        if not isinstance(record, dict):
             raise ValueError(f"{path}: not a run record (a JSON object): restore it, or use another output dir")
-        raw = recorded
-        unrecorded = {name for name in _RECORDED_LATER if name not in raw}
-        recorded = _run_identity(raw.get)
+        unrecorded = {name for name in _RECORDED_LATER if name not in record}
+        recorded = _run_identity(record.get)
         changed = [name for name in RUN_IDENTITY if recorded[name] != identity[name] and name not in unrecorded]
         if changed:
             raise ValueError(
@@ -107,7 +106,7 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
                 + ", ".join(f"{name}={identity[name]!r}" for name in changed)
                 + ": resume with the same settings, or use another output dir"
             )
-        planned = raw.get("steps")
+        planned = record.get("steps")
         if getattr(config, "lr_decay", False) and planned is not None and planned != config.steps:
             # Allowed (a run resumed for longer), but the cosine decay spans the steps.
             logger.warning(
