@@ -25,7 +25,6 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from models import ParamMapping
@@ -34,6 +33,7 @@ from trainer_bridge import (
     LoraConfig,
     SyncError,
     SyncReport,
+    beyond_range,
     canonical_adapters,
     collect_adapters,
     flatten_params,
@@ -568,8 +568,7 @@ class RolloutWorker:
             dtype = np.dtype(targets[narrowed[0]].dtype)
             raise SyncError(
                 f"{exc} ({', '.join(narrowed[:8])} restored into the engine's {dtype} from the checkpoint's "
-                f"{np.dtype(saved[narrowed[0]].dtype)}: values beyond {dtype}'s range (|x| > "
-                f"{float(jnp.finfo(dtype).max):g}) are inf there)",
+                f"{np.dtype(saved[narrowed[0]].dtype)}: {beyond_range(dtype)} are inf there)",
                 exc.non_finite,
             ) from None
 

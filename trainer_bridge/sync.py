@@ -348,6 +348,11 @@ def _finite_as_given(leaf) -> bool:
     return bool(_all_finite(leaf))
 
 
+def beyond_range(dtype) -> str:
+    """How a finite value a cast to ``dtype`` made infinite is named."""
+    return f"values beyond {np.dtype(dtype)}'s range (|x| > {float(jnp.finfo(dtype).max):g})"
+
+
 def _paths(plans: Sequence[LeafPlan]) -> str:
     return ", ".join(p.trainer_path for p in plans[:8])
 
@@ -403,11 +408,7 @@ class SyncPlan:
             problems.append(f"non-finite values (nan/inf) in: {_paths([p for p in bad if p not in overflowed])}")
         for dtype in sorted({p.engine.dtype for p in overflowed}, key=str):
             paths = _paths([p for p in overflowed if p.engine.dtype == dtype])
-            limit = float(jnp.finfo(dtype).max)
-            problems.append(
-                f"values beyond {dtype}'s range (|x| > {limit:g}), finite in the tree, infinite in the "
-                f"engine's {dtype}, in: {paths}"
-            )
+            problems.append(f"{beyond_range(dtype)}, finite in the tree, infinite in the engine's {dtype}, in: {paths}")
         if problems:
             raise SyncError("; ".join(problems), non_finite=[p.trainer_path for p in bad])
 
