@@ -55,14 +55,6 @@ class EngineGate:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
-        self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
-
-    @contextlib.contextmanager
     def exclusive(self, reason: str) -> Iterator[None]:
         """Run the block with no admitted call in flight and none admitted meanwhile.
         Re-entrant on the owning thread; exclusive blocks of other threads queue."""
@@ -73,12 +65,19 @@ class EngineGate:
             else:
                 self._cond.wait_for(lambda: self._reason is None)
                 self._reason, self._owner, self._depth = reason, me, 1
-                self._cond.wait_for(lambda: self._active == 0)
+                try:
+                    self._cond.wait_for(lambda: self._active == 0)
+                except BaseException:  # an interrupt while calls drain: re-open, or nothing is admitted again
+                    self._reopen()
+                    raise
         try:
             yield
         finally:
             with self._cond:
                 self._depth -= 1
                 if self._depth == 0:
-                    self._reason, self._owner = None, None
-                    self._cond.notify_all()
+                    self._reopen()
+
+    def _reopen(self) -> None:
+        self._reason, self._owner, self._depth = None, None, 0
+        self._cond.notify_all()
