@@ -129,19 +129,24 @@ class EngineGroup:
     def commit(
         self, prepared: Mapping[int, PreparedSync], version: int, *, in_flight: bool, recompute_kv: bool
     ) -> list[int]:
-        """Swap the prepared leaves in, engine by engine (:meth:`EngineWeights.commit`). An
-        engine that failed since it was prepared is skipped, as a failed engine is by every
-        later call: the others serve the new weights (had they stopped there, the engines
-        before it would serve a version the worker does not report). Returns the engines
-        that committed; raises the first failure if none did."""
+        """Swap the prepared leaves in, engine by engine (:meth:`EngineWeights.commit`). The
+        engines serve one version: once one has committed, an engine that fails to commit is
+        failed (if its failure has not already failed it) and skipped, as a failed engine is
+        by every later call, and the others go on (had they stopped there, the engines before
+        it would serve a version the worker does not report). A failure before any engine
+        committed is raised with nothing changed. Returns the engines that committed; raises
+        the first failure if none did."""
         committed, failure = [], None
         for index, update in prepared.items():
             weights = self.weights[index]
             try:
                 weights.commit(update, version, in_flight=in_flight, recompute_kv=recompute_kv)
-            except EngineError as exc:
+            except Exception as exc:
                 if weights.engine.alive:
-                    raise
+                    if not committed:
+                        raise
+                    weights.engine.fail(exc)
+                logger.error("engine %d failed to take weight version %d: %r", index, version, exc)
                 failure = failure or exc
             else:
                 committed.append(index)
@@ -152,11 +157,14 @@ class EngineGroup:
     def replace_leaves(
         self, new_leaves: Mapping[int, Mapping[int, jax.Array]], version: int, *, in_flight: bool
     ) -> None:
-        """Swap engine-owned arrays in: engine index -> leaf index -> array. Engines no longer
-        running are skipped."""
-        for index, weights in enumerate(self.weights):
-            if index in new_leaves and weights.engine.alive:
-                weights.replace_leaves(new_leaves[index], version, in_flight=in_flight)
+        """Swap engine-owned arrays in: engine index -> leaf index -> array (every engine's
+        layout checked before any swaps). Engines no longer running are skipped."""
+        prepared = {
+            index: weights.replacement(new_leaves[index])
+            for index, weights in self.live().items()
+            if index in new_leaves
+        }
+        self.commit(prepared, version, in_flight=in_flight, recompute_kv=False)
 
     def release_aliased(self) -> None:
         """Every running engine drops its references to the trainer's buffers."""

@@ -213,25 +213,30 @@ class EngineWeights:
         ``in_flight`` at the next forward boundary), flush the prefix cache, label later tokens
         with ``version``, and free the engine-owned arrays that were replaced. Returns the
         engine's :class:`~rollout.engine.SwapRecord`."""
-        record = self.engine.replace_weight_leaves(
+
+        def served():  # recorded as the swap lands: a later failure (the engine's) must not lose it
+            self._owned = set(prepared.copied) | (self._owned - prepared.updated)
+            self._sources = {i: a for i, a in self._sources.items() if i not in prepared.updated} | dict(
+                prepared.sources
+            )
+
+        return self.engine.replace_weight_leaves(
             prepared.leaves,
             free=self._owned & prepared.updated,
             version=version,
             in_flight=in_flight,
             recompute_kv=recompute_kv,
+            on_swapped=served,
         )
-        self._owned = set(prepared.copied) | (self._owned - prepared.updated)
-        self._sources = {i: a for i, a in self._sources.items() if i not in prepared.updated} | dict(prepared.sources)
-        return record
 
-    def replace_leaves(self, new_leaves: Mapping[int, jax.Array], version: int, *, in_flight: bool = False):
-        """Swap in engine-owned arrays at the given indices (same layout as the old ones)."""
+    def replacement(self, new_leaves: Mapping[int, jax.Array]) -> PreparedSync:
+        """A commit of engine-owned arrays at the given indices (same layout as the old ones)."""
         leaves = self.engine.weight_leaves()
         for index, array in new_leaves.items():
             leaves[index] = array
         self._check_layout(leaves, new_leaves)
         updated = frozenset(new_leaves)
-        return self.commit(PreparedSync(None, leaves, updated, updated), version, in_flight=in_flight)
+        return PreparedSync(None, leaves, updated, updated)
 
     def _check_layout(self, leaves: list, indices) -> None:
         for index in indices:

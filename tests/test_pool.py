@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from rollout import EngineError, RolloutWorker, SamplingParams
 from tests.helpers import tiny_worker_config
-from trainer_bridge import flatten_params, load_hf_params
+from trainer_bridge import SyncError, flatten_params, load_hf_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [30, 31], [60, 61, 62], [7]]
 SAMPLED = dict(n=3, temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=2024)
@@ -196,6 +196,41 @@ def test_an_engine_failing_between_a_syncs_prepare_and_commit_leaves_the_others_
         assert report.version == worker.weight_version == 1 and report.per_engine[1] is None
         batch = worker.generate(PROMPTS, **GREEDY)
         assert (batch.token_versions[batch.completion_mask] == 1).all() and batch.weight_version == 1
+        assert batch.completions == single.generate(PROMPTS, **GREEDY).completions
+    finally:
+        worker.close()
+
+
+def test_an_engine_failing_after_its_swap_is_failed_and_the_trainers_arrays_survive(qwen2_dir, params, single):
+    """A failure once an engine's new leaves serve (here its prefix cache's flush) leaves its KV
+    state the old weights': the engine is failed, the others serve the new version, and the
+    arrays it aliased stay the trainer's (its record of what it owns was lost with the failure,
+    and the next KV drop, which frees a failed engine's own arrays, deleted the trainer's)."""
+    worker = RolloutWorker(tiny_worker_config(qwen2_dir, load_format="dummy", dp_size=2))
+    try:
+        # A replacement whose layout engine 1 refuses swaps on no engine.
+        leaves = [engine.weight_leaves() for engine in worker.engines]
+        index = next(i for i, leaf in enumerate(leaves[0]) if leaf.dtype == np.float32)
+        wrong = jax.device_put(leaves[1][index].astype(np.float16), leaves[1][index].sharding)
+        with pytest.raises(SyncError, match="would change from"):
+            worker.replace_engine_leaves([{index: leaves[0][index] + 1}, {index: wrong}], "test")
+        assert worker.engines[0].weight_leaves()[index] is leaves[0][index] and worker.weight_version == 0
+
+        worker.sync_params(params)  # host arrays: every leaf copied, the engines' own
+        placed = jax.device_put(params, worker.param_shardings())
+        dying = worker.engines[1]
+        dying.testing.fail_next_flush(RuntimeError("flush failed"))
+        report = worker.sync_params(placed)
+        assert report.version == worker.weight_version == 2 and report.per_engine[1] is None
+        assert report.per_engine[0].leaves_copied == 0  # engine 0 aliases the trainer's arrays
+        assert not dying.alive
+        with pytest.raises(EngineError, match="flush failed"):
+            dying.check_alive()
+        worker.drop_kv()  # frees what the failed engine owns
+        assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(placed))
+        worker.rebuild_kv()
+        batch = worker.generate(PROMPTS, **GREEDY)
+        assert batch.weight_version == 2
         assert batch.completions == single.generate(PROMPTS, **GREEDY).completions
     finally:
         worker.close()

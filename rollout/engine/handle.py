@@ -231,6 +231,10 @@ class EngineHandle:
     def alive(self) -> bool:
         return not self._closed and self._control.error is None and not self._control.stopped.is_set()
 
+    def fail(self, exc: BaseException) -> None:
+        """Mark the engine failed (``exc`` its error): every waiting and later call raises."""
+        self._control.fail(exc)
+
     def check_alive(self) -> None:
         if not self.alive:
             raise self._control.dead_error()
@@ -341,28 +345,40 @@ class EngineHandle:
         version: int | None = None,
         in_flight: bool = False,
         recompute_kv: bool = False,
+        on_swapped: Callable[[], None] | None = None,
     ) -> inflight.SwapRecord:
         """Swap in a whole new leaf list between forwards, then (by default) forget the cached
         prefixes computed with the old weights, and delete the old arrays at the indices in
         ``free`` (those the engine owns) at once, so a swap's peak memory stays at the bytes
         it writes. Every leaf must keep its shape, dtype and sharding (the caller checks).
         Tokens sampled from then on are labelled ``version`` (``GenerateOutput.token_versions``).
+        ``on_swapped`` runs on the scheduler thread as soon as the new leaves serve, before
+        anything that may still fail. ``flush_prefix_cache=False`` is for tests of the engine's
+        own cache.
 
         Drain (default): runs while the engine is idle. ``in_flight``: runs at the next forward
         boundary and the running requests go on (see :mod:`.inflight`), keeping their KV or,
         with ``recompute_kv``, prefilled again under the new weights first.
+
+        A failure once the new leaves serve (the prefix cache's flush, the running requests'
+        KV made to agree) fails the engine: its KV state no longer matches its weights.
         """
         new_leaves, free = list(new_leaves), tuple(free)
         model, control, queued = self._model, self._control, time.perf_counter()
+        swapped = False
 
         def swap():
+            nonlocal swapped
             old = model.weight_leaves()
             model.replace_weight_leaves(new_leaves)
+            swapped = True
             if version is not None:
                 control.weight_version = version
             for index in free:
                 if old[index] is not new_leaves[index]:
                     old[index].delete()
+            if on_swapped is not None:
+                on_swapped()
 
         def drained() -> inflight.SwapRecord:
             start = time.perf_counter()
@@ -377,7 +393,20 @@ class EngineHandle:
                 model.scheduler, swap, version=label, recompute=recompute_kv, queued=queued
             )
 
-        record = self.call_at_boundary(in_flight_swap) if in_flight else self.call(drained)
+        def failing_the_engine_past_the_swap(step):
+            def run():
+                try:
+                    return step()
+                except BaseException as exc:
+                    if swapped:
+                        control.fail(exc)
+                        raise control.dead_error() from exc
+                    raise
+
+            return run
+
+        swap_step = failing_the_engine_past_the_swap(in_flight_swap if in_flight else drained)
+        record = self.call_at_boundary(swap_step) if in_flight else self.call(swap_step)
         control.swaps.append(record)
         return record
 

@@ -31,6 +31,18 @@ class EngineTesting:
 
         self._call(lambda: setattr(self._model.scheduler, "run_batch", failing_run_batch))
 
+    def fail_next_flush(self, error: BaseException) -> None:
+        """Make the engine's next prefix-cache flush (a weight swap's, after the new leaves
+        serve) raise ``error``."""
+        model = self._model
+        flush = model.flush_prefix_cache
+
+        def failing_flush():
+            model.flush_prefix_cache = flush
+            raise error
+
+        model.flush_prefix_cache = failing_flush
+
     def kv_tokens_held(self) -> int:
         """KV slots held by requests once the engine is idle (waits for that): what a request
         that ended or was aborted did not give back. Prefix-cache slots are free to evict and
