@@ -227,18 +227,26 @@ def render_chat(
     ``tools`` (see :func:`normalize_messages` and :func:`normalize_tools`).
 
     Raises :class:`ChatError` (a ``ValueError``) naming what is wrong: no chat template, a
-    message's or tool's field, or the template's own error.
+    message's or tool's field, tools the template does not write, or the template's own error.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ChatError("messages", "the tokenizer has no chat template")
     plain = normalize_messages(messages)
     tools = normalize_tools(tools)
-    try:
+
+    def render(with_tools):
         return tokenizer.apply_chat_template(
-            plain, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            plain, tools=with_tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+    try:
+        text = render(tools)
+        without_tools = render(None) if tools else None
     except Exception as exc:  # a Jinja error (raise_exception, a missing field) says what the template wants
         raise ChatError("messages", f"cannot render messages with the chat template: {exc}") from None
+    if tools and text == without_tools:  # the model would never see them
+        raise ChatError("tools", "the chat template does not write tools into the prompt: this model cannot take tools")
+    return text
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:

@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import inspect
 import json
 import logging
@@ -42,7 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .batch import RolloutBatch, pack_rollouts
-from .chat import ChatError, ParsedTurn, parse_tool_calls, render_chat
+from .chat import ChatError, ParsedTurn, normalize_tools, parse_tool_calls, render_chat
 from .errors import InvalidRequest
 from .sampling import MAX_SAMPLING_SEED, SamplingParams, as_int, pad_width, row_seeds, token_id_list
 
@@ -102,8 +101,12 @@ class EpisodeLimits:
         if self.overflow not in ("truncate", "error"):
             raise ValueError(f"EpisodeLimits.overflow must be 'truncate' or 'error', got {self.overflow!r}")
         timeout = self.env_timeout_s
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0  # NaN too
+        ):
             raise ValueError(f"EpisodeLimits.env_timeout_s must be a positive number or None, got {timeout!r}")
+        if not isinstance(self.pin_prefix, bool):
+            raise ValueError(f"EpisodeLimits.pin_prefix must be a bool, got {self.pin_prefix!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +171,16 @@ class ToolEnvironment:
     async def step(self, turn: Turn) -> StepResult:
         parsed = turn.parsed
         if not parsed.tool_calls and not parsed.errors:
-            return StepResult(reward=float(await _call(self.reward, turn)), done=True)
+            reward = await _call(self.reward, turn)
+            if isinstance(reward, (bool, np.bool_, str, bytes)):  # float() would take them
+                raise TypeError(f"the reward function returned {reward!r} ({type(reward).__name__}), not a number")
+            return StepResult(reward=float(reward), done=True)
+        # Counted before the calls run: a step that times out still counts what it started.
+        self.calls += len(parsed.tool_calls) + len(parsed.errors)
+        self.failed_calls += len(parsed.errors)
         messages = [{"role": "tool", "content": f"error: {error}"} for error in parsed.errors]
         for call in parsed.tool_calls:
             messages.append({"role": "tool", "content": await self._run(call), "tool_call_id": call.id})
-        self.calls += len(parsed.tool_calls) + len(parsed.errors)
-        self.failed_calls += len(parsed.errors)
         return StepResult(observation=messages)
 
     async def _run(self, call) -> str:
@@ -184,9 +191,16 @@ class ToolEnvironment:
         try:
             result = await _call(function, **call.arguments)
             return result if isinstance(result, str) else json.dumps(result, allow_nan=False)
+        except asyncio.CancelledError as exc:
+            if asyncio.current_task().cancelling():  # the step itself is cancelled (its timeout)
+                raise
+            return self._failed(call, exc)  # the tool's own (a task it awaited was cancelled)
         except Exception as exc:  # the model reads what went wrong, as it would from a real tool
-            self.failed_calls += 1
-            return f"error: {call.name}: {type(exc).__name__}: {exc}"
+            return self._failed(call, exc)
+
+    def _failed(self, call, exc: BaseException) -> str:
+        self.failed_calls += 1
+        return f"error: {call.name}: {type(exc).__name__}: {exc}"
 
 
 async def _maybe_await(value):
@@ -200,12 +214,25 @@ _STEP_THREADS: contextvars.ContextVar[concurrent.futures.Executor | None] = cont
 )
 
 
-async def _call(function: Callable, *args, **kwargs):
+async def _call(function: Callable, /, *args, **kwargs):
     """``function``'s answer; a plain function runs on a thread (the episode's)."""
     if inspect.iscoroutinefunction(function):
         return await function(*args, **kwargs)
-    call = functools.partial(function, *args, **kwargs)
-    return await _maybe_await(await asyncio.get_running_loop().run_in_executor(_STEP_THREADS.get(), call))
+    return await _maybe_await(await _on_thread(_STEP_THREADS.get(), function, *args, **kwargs))
+
+
+def _on_thread(threads: concurrent.futures.Executor | None, function: Callable, /, *args, **kwargs) -> asyncio.Future:
+    """``function(*args, **kwargs)`` on one of ``threads``. Its StopIteration and SystemExit are
+    raised as RuntimeErrors: asyncio cannot set the first on a future (the call would never
+    return) and takes the second for the event loop's own exit."""
+
+    def run():
+        try:
+            return function(*args, **kwargs)
+        except (StopIteration, SystemExit) as exc:
+            raise RuntimeError(f"{getattr(function, '__name__', function)!s} raised {exc!r}") from exc
+
+    return asyncio.get_running_loop().run_in_executor(threads, run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +269,7 @@ class EpisodeResult:
     # KV, the KV that turn attended to) and its sampled tokens, -1 where no forward took the token
     # as input (the last sampled token).
     routed_experts: np.ndarray | None = None
+    seed: int = 0  # the seed its turns' seeds derive from
 
     @property
     def prefill_tokens(self) -> int:
@@ -274,7 +302,7 @@ class TurnFrames:
 
     def __init__(self, tokenizer, tools: Sequence[Mapping] | None = None):
         self._tokenizer = tokenizer
-        self._tools = list(tools) if tools else None
+        self._tools = normalize_tools(list(tools) if isinstance(tools, (list, tuple)) else tools)
         self.templated = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
         self._frames: dict[str, tuple[str, str]] = {}
         self._turn_end_text = ""
@@ -385,7 +413,7 @@ async def run_episode(
     limits = _checked_limits(limits)
     frames = frames or _frames(worker, tools)
     prompt_ids = _first_prompt(worker, frames, limits, prompt, "prompt")
-    sampling = _turn_sampling(frames, sampling)
+    sampling = _turn_sampling(worker, frames, sampling)
     seed = _call_seed(seed)
     with _own_threads(threads, 2) as threads:
         episode = _Episode(worker, frames, limits, sampling, seed, threads)
@@ -420,9 +448,19 @@ async def run_episodes(
     if completion_width is not None:
         completion_width = as_int("completion_width", completion_width, minimum=1)
         _check_completion_width(worker, limits, prompt_ids, completion_width)
-    sampling = _turn_sampling(frames, sampling)
+    sampling = _turn_sampling(worker, frames, sampling)
     seeds = row_seeds(_call_seed(seed), len(prompts), n)
     envs = [make_env(i, j) for i in range(len(prompts)) for j in range(n)]
+    for row, env in enumerate(envs):
+        if not callable(getattr(env, "step", None)):
+            for made in envs:
+                if inspect.iscoroutine(made):  # never to run: closed, not left to warn
+                    made.close()
+            raise InvalidRequest(
+                "make_env",
+                f"make_env{divmod(row, n)} returned {type(env).__name__}, not an environment (an object with a step "
+                "method; make_env itself is a plain function)",
+            )
     # A thread per episode for synchronous steps (a hung one holds its own) and one for releases.
     with _own_threads(None, len(envs) + 1) as threads:
         tasks = []
@@ -482,8 +520,17 @@ def pack_episodes(
     left-padded in the prompt region, the rest of the conversation after it, ``completion_mask``
     True exactly where the model sampled (the loss mask), ``finish_reasons`` the episodes'
     statuses, ``weight_version`` the oldest version that sampled a token of the batch,
-    ``routed_experts`` the episodes' (with ``return_routing``) aligned with ``tokens``."""
+    ``routed_experts`` the episodes' (with ``return_routing``) aligned with ``tokens``, ``seeds``
+    each episode's. Raises ValueError unless the episodes of each prompt share its first prompt."""
+    if not episodes or len(episodes) % n:
+        raise ValueError(f"pack_episodes: {len(episodes)} episodes are not n={n} for each of one or more prompts")
     prompts = [e.token_ids[: e.prompt_length] for e in episodes[::n]]
+    for row, episode in enumerate(episodes):
+        if episode.token_ids[: episode.prompt_length] != prompts[row // n]:
+            raise ValueError(
+                f"pack_episodes: episodes[{row}] starts from another first prompt than episodes[{row - row % n}]: "
+                f"the n={n} episodes of each prompt must be consecutive (prompt-major), none left out"
+            )
 
     def after_prompt(values):
         return [list(v[e.prompt_length :]) for v, e in zip(values, episodes)]
@@ -499,7 +546,7 @@ def pack_episodes(
         pad_token_id=pad_token_id,
         finish_reasons=[e.status for e in episodes],
         weight_version=min(sampled_versions, default=-1),
-        seeds=np.zeros(len(episodes), np.int64),
+        seeds=np.array([e.seed for e in episodes], np.int64),
         prompt_width=prompt_width,
         logprobs=after_prompt([e.logprobs for e in episodes]) if with_logprobs else None,
         token_versions=after_prompt([e.token_versions for e in episodes]),
@@ -534,12 +581,15 @@ def _call_seed(seed) -> int:
     return as_int("seed", seed)
 
 
-def _conversation_cap(worker, limits: EpisodeLimits, prompt_length: int) -> int:
-    """The most tokens an episode's conversation may reach: the limits' and the engine's."""
-    cap = min(limits.max_total_tokens or worker.max_request_tokens, worker.max_request_tokens)
+def _conversation_cap(worker, limits: EpisodeLimits, prompt_length: int) -> tuple[int, str]:
+    """The most tokens an episode's conversation may reach (the limits' and the engine's), and
+    the limit that sets it."""
+    caps = [(worker.max_request_tokens, "the worker's max_request_tokens")]
+    if limits.max_total_tokens is not None:
+        caps.append((limits.max_total_tokens, "EpisodeLimits.max_total_tokens"))
     if limits.max_response_tokens is not None:
-        cap = min(cap, prompt_length + limits.max_response_tokens)
-    return cap
+        caps.append((prompt_length + limits.max_response_tokens, "EpisodeLimits.max_response_tokens"))
+    return min(caps, key=lambda cap: cap[0])
 
 
 def _first_prompt(worker, frames: TurnFrames, limits: EpisodeLimits, prompt, field: str) -> list[int]:
@@ -556,13 +606,13 @@ def _first_prompt(worker, frames: TurnFrames, limits: EpisodeLimits, prompt, fie
             f"{field} has {len(ids)} tokens{' with the chat template and tools' if messages else ''}; the engine "
             f"accepts prompts of at most {worker.max_prompt_tokens} tokens (the worker's max_prompt_tokens)",
         )
-    cap = _conversation_cap(worker, limits, len(ids))
+    cap, limit = _conversation_cap(worker, limits, len(ids))
     first_turn = limits.max_new_tokens if limits.overflow == "error" else 1
     if len(ids) + first_turn > cap:
         raise InvalidRequest(
             field,
             f"{field} has {len(ids)} tokens: its first turn's {first_turn} more would pass the episode's limit of "
-            f"{cap} (EpisodeLimits.max_total_tokens, max_response_tokens or the worker's max_request_tokens)",
+            f"{cap} ({limit})",
         )
     return ids
 
@@ -577,7 +627,7 @@ def _check_completion_width(worker, limits: EpisodeLimits, prompt_ids: list[list
             "tokens (the worker's max_request_tokens)",
         )
     for i, ids in enumerate(prompt_ids):
-        room = _conversation_cap(worker, limits, len(ids)) - len(ids)
+        room = _conversation_cap(worker, limits, len(ids))[0] - len(ids)
         if room > width:
             raise InvalidRequest(
                 "completion_width",
@@ -596,16 +646,16 @@ _TURN_OPTIONS = {
 }
 
 
-def _turn_sampling(frames: TurnFrames, sampling: dict) -> dict:
-    """Every turn's generate options, checked as generate checks them: the caller's, and the
-    template's end of turn as a stop token."""
+def _turn_sampling(worker, frames: TurnFrames, sampling: dict) -> dict:
+    """Every turn's generate options, checked as the worker's generate checks them: the
+    caller's, and the template's end of turn as a stop token."""
     for name, instead in _TURN_OPTIONS.items():
         if name in sampling:
             raise InvalidRequest(name, f"{name} is set for each turn by the episode: use {instead}")
     unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
     if unknown:
         raise TypeError(f"unexpected sampling option(s) for the episode's turns: {', '.join(sorted(unknown))}")
-    params = SamplingParams(**sampling)
+    params = worker.check_sampling(**sampling)
     return dict(sampling, stop_token_ids=list(params.stop_token_ids) + frames.turn_stop)
 
 
@@ -666,6 +716,7 @@ class _Episode:
             status=status,
             error=error,
             routed_experts=routed,
+            seed=self.seed,
         )
 
     async def _loop(self, env: Environment) -> tuple[str, str | None]:
@@ -675,17 +726,19 @@ class _Episode:
             ended = self._no_room(index, cap, [])
             if ended is not None:
                 return ended
-            turn = await self._generate(index, min(self.limits.max_new_tokens, cap - len(self.tokens)))
+            turn = await self._generate(index, min(self.limits.max_new_tokens, cap[0] - len(self.tokens)))
             try:
                 result = await self._step(env, turn)
             except Exception as exc:  # the environment's fault ends its episode only
                 logger.warning("episode environment failed at turn %d: %s", index, exc)
                 return ENV_ERROR, f"turn {index}: {type(exc).__name__}: {exc}"
-            self.reward += float(result.reward)
             if result.done:
+                self.reward += float(result.reward)
                 return DONE, None
             if index + 1 == limits.max_turns:  # no turn would read the observation
+                self.reward += float(result.reward)
                 return MAX_TURNS, None
+            # A malformed answer ends the episode with no reward for it.
             if result.observation is None:
                 return ENV_ERROR, f"turn {index}: the environment returned no observation and did not say done"
             try:
@@ -695,15 +748,18 @@ class _Episode:
                     raise ValueError(f"token ids outside the vocabulary [0, {self.worker.vocab_size}): {outside[:5]}")
             except (TypeError, ValueError) as exc:
                 return ENV_ERROR, f"turn {index}: cannot append the observation: {exc}"
+            self.reward += float(result.reward)
             ended = self._no_room(index + 1, cap, appended)
             if ended is not None:  # the observation is left out: the episode ends before it
                 return ended
             self._append(appended)
             self.turns[-1] = dataclasses.replace(self.turns[-1], observation_end=len(self.tokens))
-        return MAX_TURNS, None  # max_turns reached (also when the environment's answer is not read)
+        raise AssertionError("the last turn returns")  # every path of the last turn returns above
 
-    def _no_room(self, index: int, cap: int, appended: list[int]) -> tuple[str, str | None] | None:
-        """How the episode ends if turn ``index`` has no room after ``appended`` (None: it has)."""
+    def _no_room(self, index: int, cap: tuple[int, str], appended: list[int]) -> tuple[str, str | None] | None:
+        """How the episode ends if turn ``index`` has no room after ``appended`` (None: it has)
+        under ``cap`` (:func:`_conversation_cap`)."""
+        cap, limit = cap
         length = len(self.tokens) + len(appended)
         wanted = self.limits.max_new_tokens
         prompt_limit = self.worker.max_prompt_tokens
@@ -711,7 +767,7 @@ class _Episode:
             if length + wanted > cap:
                 return CONTEXT_EXCEEDED, (
                     f"turn {index}: the conversation would have {length} tokens; {wanted} more would pass the "
-                    f"limit of {cap} (EpisodeLimits.max_total_tokens or the worker's max_request_tokens)"
+                    f"limit of {cap} ({limit})"
                 )
             if length > prompt_limit:
                 return CONTEXT_EXCEEDED, (
@@ -773,6 +829,8 @@ class _Episode:
                 step.add_done_callback(_drop_late_step)
         if not done:
             raise TimeoutError(f"the environment's step took more than {timeout} s (EpisodeLimits.env_timeout_s)")
+        if step.cancelled():  # not by this episode (it would be cancelled itself): what the step awaited was
+            raise RuntimeError("the environment's step raised CancelledError")
         result = step.result()
         if not isinstance(result, StepResult):
             raise TypeError(f"the environment's step returned {type(result).__name__}, not a StepResult")
@@ -788,7 +846,7 @@ class _Episode:
         if inspect.iscoroutinefunction(env.step):
             result = await env.step(turn)
         else:  # on a thread of the run's own: the timeout counts from the step's start
-            result = await asyncio.get_running_loop().run_in_executor(self.threads, env.step, turn)
+            result = await _on_thread(self.threads, env.step, turn)
         return await _maybe_await(result)
 
     def _append(self, tokens: Sequence[int]) -> None:

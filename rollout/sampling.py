@@ -261,7 +261,49 @@ class RequestValidator:
     def validate(self, prompts, options: Mapping) -> GenerateRequest:
         """``options``: the call's keyword arguments (``RolloutWorker.generate``'s names)."""
         extra = ("pad_prompts_to", "prompt_offset")
-        sampling = {k: v for k, v in options.items() if k not in extra}
+        params = self.check_sampling({k: v for k, v in options.items() if k not in extra})
+        config, engine = self._config, self._engine
+        prompt_ids = prompt_token_ids(
+            prompts, vocab_size=engine.vocab_size, tokenizer=self._tokenizer, model_path=config.model_path
+        )
+        rows = len(prompt_ids) * params.n
+        if params.session is not None and rows != 1:
+            raise InvalidRequest(
+                "session",
+                f"a session's call continues one conversation: one prompt and n=1, got {len(prompt_ids)} "
+                f"prompt(s) x n={params.n}",
+            )
+        check_limit("n", "rows (prompts x n)", rows, "WorkerConfig.max_rows_per_call", config.max_rows_per_call)
+        tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
+        check_limit(
+            "prompts",
+            "tokens (prompt + max_new_tokens, over every row)",
+            tokens,
+            "WorkerConfig.max_tokens_per_call",
+            config.max_tokens_per_call,
+        )
+        check_request_lengths(
+            prompt_ids,
+            params.max_new_tokens,
+            context_length=engine.context_length,
+            max_request_tokens=engine.max_request_tokens,
+            max_prompt_tokens=engine.max_prompt_tokens,
+            kv_pool_tokens=engine.kv_pool_tokens,
+        )
+        pad_to = pad_width(options.get("pad_prompts_to"), prompt_ids, engine.max_request_tokens)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_token_ids)
+        call_seed = params.seed
+        if call_seed is None:
+            with self._rng_lock:
+                call_seed = int(self._rng.integers(MAX_SAMPLING_SEED))
+        params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
+        offset = as_int("prompt_offset", options.get("prompt_offset", 0), minimum=0)
+        seeds = row_seeds(call_seed, len(prompt_ids), params.n, first_prompt=offset)
+        return GenerateRequest(prompt_ids, params, seeds, pad_to)
+
+    def check_sampling(self, sampling: Mapping) -> SamplingParams:
+        """The :class:`SamplingParams` of ``sampling`` (generate's sampling options), checked
+        against the worker: what needs no prompt."""
         unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
         if unknown:
             raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
@@ -286,44 +328,8 @@ class RequestValidator:
             )
         if params.lora is not None and params.n > 1 and not workaround_enabled("one-request-per-sample"):
             raise InvalidRequest("lora", "lora with n > 1 needs workaround one-request-per-sample (request ids)")
-        prompt_ids = prompt_token_ids(
-            prompts, vocab_size=engine.vocab_size, tokenizer=self._tokenizer, model_path=config.model_path
-        )
-        rows = len(prompt_ids) * params.n
-        if params.session is not None and rows != 1:
-            raise InvalidRequest(
-                "session",
-                f"a session's call continues one conversation: one prompt and n=1, got {len(prompt_ids)} "
-                f"prompt(s) x n={params.n}",
-            )
-        check_limit("n", "rows (prompts x n)", rows, "WorkerConfig.max_rows_per_call", config.max_rows_per_call)
-        tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
-        check_limit(
-            "prompts",
-            "tokens (prompt + max_new_tokens, over every row)",
-            tokens,
-            "WorkerConfig.max_tokens_per_call",
-            config.max_tokens_per_call,
-        )
         vocab = engine.vocab_size
         for j, stop in enumerate(params.stop_token_ids):
             if stop >= vocab:
                 raise InvalidRequest(f"stop_token_ids[{j}]", f"stop_token_ids[{j}] = {stop} is outside [0, {vocab})")
-        check_request_lengths(
-            prompt_ids,
-            params.max_new_tokens,
-            context_length=engine.context_length,
-            max_request_tokens=engine.max_request_tokens,
-            max_prompt_tokens=engine.max_prompt_tokens,
-            kv_pool_tokens=engine.kv_pool_tokens,
-        )
-        pad_to = pad_width(options.get("pad_prompts_to"), prompt_ids, engine.max_request_tokens)
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_token_ids)
-        call_seed = params.seed
-        if call_seed is None:
-            with self._rng_lock:
-                call_seed = int(self._rng.integers(MAX_SAMPLING_SEED))
-        params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
-        offset = as_int("prompt_offset", options.get("prompt_offset", 0), minimum=0)
-        seeds = row_seeds(call_seed, len(prompt_ids), params.n, first_prompt=offset)
-        return GenerateRequest(prompt_ids, params, seeds, pad_to)
+        return params

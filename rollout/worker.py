@@ -62,7 +62,7 @@ from .in_place_updates import check_in_place_updates
 from .kv import KvReport, MemoryReport
 from .phase_log import PhaseLog
 from .pod import Pod, tree_fingerprint
-from .sampling import GenerateRequest, RequestValidator
+from .sampling import GenerateRequest, RequestValidator, SamplingParams
 from .weight_tools import check_swap_mode
 
 logger = logging.getLogger(__name__)
@@ -709,6 +709,12 @@ class RolloutWorker:
         batch = _run_blocking(self._generate(prompts, options, blocking=True))
         self._phases.record("generate", time.perf_counter() - start, rows=len(batch.completions))
         return batch
+
+    def check_sampling(self, **sampling) -> SamplingParams:
+        """``generate``'s sampling options checked against this worker (its vocabulary, LoRA
+        adapters, routing), as generate checks them, without generating: the
+        :class:`SamplingParams`, or the InvalidRequest naming what is wrong."""
+        return self._requests.check_sampling(sampling)
 
     async def agenerate(self, prompts, **options) -> RolloutBatch:
         """:meth:`generate` for asyncio callers: awaits the engines without blocking the loop.

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from models.tiny import TinyModelSpec, write_tiny_model
-from rollout import InvalidRequest
+from rollout import InvalidRequest, SamplingParams
 from rollout.batch import pack_rollouts
 from rollout.chat import parse_tool_calls
 from rollout.episodes import (
@@ -25,6 +25,7 @@ from rollout.episodes import (
     run_episodes,
     run_until_returned,
 )
+from rollout.sampling import row_seeds
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +201,8 @@ def test_pack_episodes_lays_them_out_as_the_rl_loop_trains_on():
         ("max_total_tokens", 1, "max_total_tokens must be an int >= 2"),
         ("overflow", "wrap", "overflow must be 'truncate' or 'error'"),
         ("env_timeout_s", 0, "env_timeout_s must be a positive number"),
+        ("env_timeout_s", float("nan"), "env_timeout_s must be a positive number"),
+        ("pin_prefix", "no", "pin_prefix must be a bool"),
     ],
 )
 def test_limits_are_checked(field, value, message):
@@ -301,6 +304,9 @@ class ScriptedWorker:
             cached_tokens=[0],
             prefill_tokens=[len(prompts[0])],
         )
+
+    def check_sampling(self, **sampling):
+        return SamplingParams(**sampling)
 
     def release_session(self, session):
         return False
@@ -436,3 +442,154 @@ def test_a_step_past_its_timeout_ends_its_episode_without_waiting_for_the_step(c
             == "turn 0: TimeoutError: the environment's step took more than 0.01 s (EpisodeLimits.env_timeout_s)"
         )
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_a_tools_arguments_may_have_any_name_and_plain_tools_raising_stopiteration_or_exit_answer():
+    """A ``function`` argument once collided with the helper's own parameter; a plain function's
+    StopIteration could not be set on an asyncio future (the call never returned) and its
+    SystemExit ended the run."""
+
+    def plot(function, range=1):
+        return f"{function} over {range}"
+
+    def first(items):
+        return next(iter(items))
+
+    def leave():
+        raise SystemExit(3)
+
+    env = ToolEnvironment({"plot": plot, "first": first, "leave": leave}, reward=lambda t: 0.0)
+    calls = (
+        '<tool_call>{"name": "plot", "arguments": {"function": "sin", "range": 2}}</tool_call>'
+        '<tool_call>{"name": "first", "arguments": {"items": []}}</tool_call>'
+        '<tool_call>{"name": "leave", "arguments": {}}</tool_call>'
+    )
+    contents = [m["content"] for m in asyncio.run(asyncio.wait_for(env.step(turn(calls)), 60)).observation]
+    assert contents == [
+        "sin over 2",
+        "error: first: RuntimeError: first raised StopIteration()",
+        "error: leave: RuntimeError: leave raised SystemExit(3)",
+    ]
+    assert (env.calls, env.failed_calls) == (3, 2)
+
+
+def test_a_tool_or_step_that_ends_cancelled_on_its_own_fails_its_episode_only():
+    async def cancelled_elsewhere():
+        task = asyncio.ensure_future(asyncio.sleep(10))
+        task.cancel()
+        return await task  # raises CancelledError: the tool's, not the episode's
+
+    env = ToolEnvironment({"fetch": cancelled_elsewhere}, reward=lambda t: 0.0)
+    result = asyncio.run(env.step(turn('<tool_call>{"name": "fetch", "arguments": {}}</tool_call>')))
+    assert [m["content"] for m in result.observation] == ["error: fetch: CancelledError: "]
+
+    class CancelledStep:
+        async def step(self, turn):
+            return await cancelled_elsewhere()
+
+    out = asyncio.run(run_episodes(ScriptedWorker(), [[5], [6]], lambda i, j: [CancelledStep(), Done()][i]))
+    assert [e.status for e in out.episodes] == ["env_error", "done"]
+    assert out.episodes[0].error == "turn 0: RuntimeError: the environment's step raised CancelledError"
+
+
+def test_a_synchronous_step_raising_stopiteration_ends_its_episode_at_once():
+    class Exhausted:
+        def step(self, turn):
+            return next(iter(()))
+
+    limits = EpisodeLimits(max_turns=2, max_new_tokens=2, env_timeout_s=30)  # only if the step never returns
+    (episode_,) = asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: Exhausted(), limits=limits)).episodes
+    assert episode_.status == "env_error" and episode_.error == "turn 0: RuntimeError: step raised StopIteration()"
+
+
+class Answers:
+    """Answers each turn with the next of ``results``."""
+
+    def __init__(self, *results):
+        self.results = list(results)
+
+    async def step(self, turn):
+        return self.results.pop(0)
+
+
+@pytest.mark.parametrize(
+    "malformed",
+    [
+        StepResult(observation=None, reward=5.0),
+        StepResult(observation=b"bytes", reward=5.0),
+        StepResult(observation=[10**6], reward=5.0),
+    ],
+    ids=["no-observation", "bytes", "outside-the-vocabulary"],
+)
+def test_a_malformed_answer_earns_no_reward(malformed):
+    env = Answers(StepResult(observation=[9], reward=1.0), malformed)
+    limits = EpisodeLimits(max_turns=4, max_new_tokens=2)
+    (episode_,) = asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: env, limits=limits)).episodes
+    assert episode_.status == "env_error" and episode_.reward == 1.0  # the first, well-formed answer's
+
+
+def test_episodes_of_a_prompt_pack_together_and_carry_their_seeds():
+    out = asyncio.run(run_episodes(ScriptedWorker(), [[5], [6]], lambda i, j: Done(), n=2, seed=11))
+    assert out.batch.seeds.tolist() == row_seeds(11, 2, 2).ravel().tolist()
+    assert [e.seed for e in out.episodes] == out.batch.seeds.tolist()
+    first, second = out.episodes[0], out.episodes[2]
+    with pytest.raises(ValueError, match=r"episodes\[1\] starts from another first prompt than episodes\[0\]"):
+        pack_episodes([first, second], n=2, pad_token_id=0)  # a group's failed episode filtered out
+    with pytest.raises(ValueError, match="0 episodes are not n=2"):
+        pack_episodes([], n=2, pad_token_id=0)
+
+
+def test_tools_a_template_does_not_write_and_environments_make_env_did_not_make_are_refused(tokenizer):
+    worker = ScriptedWorker(tokenizer)
+    with pytest.raises(InvalidRequest, match="'tools' must be a list") as error:
+        asyncio.run(run_episodes(worker, [[5]], lambda i, j: Done(), tools=LONG_TOOL))
+    assert error.value.field == "tools"
+
+    async def make_env(i, j):  # a coroutine function: make_env is a plain one
+        return Done()
+
+    with pytest.raises(InvalidRequest, match=r"make_env\(0, 0\) returned coroutine, not an environment") as error:
+        asyncio.run(run_episodes(worker, [[5]], make_env))
+    assert error.value.field == "make_env" and worker.calls == 0
+
+    without_tools = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    without_tools.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    with pytest.raises(InvalidRequest, match="the chat template does not write tools into the prompt") as error:
+        asyncio.run(run_episodes(ScriptedWorker(without_tools), [[5]], lambda i, j: Done(), tools=[LONG_TOOL]))
+    assert error.value.field == "tools"
+
+
+def test_context_exceeded_names_the_limit_that_bites():
+    limits = EpisodeLimits(max_turns=8, max_new_tokens=2, max_response_tokens=5, overflow="error")
+    env = Answers(*[StepResult(observation=[9]) for _ in range(8)])
+    (episode_,) = asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: env, limits=limits)).episodes
+    assert episode_.status == "context_exceeded"
+    assert episode_.error.endswith("more would pass the limit of 6 (EpisodeLimits.max_response_tokens)")
+
+
+def test_a_reward_function_answering_no_number_fails_its_episode():
+    env = ToolEnvironment({}, reward=lambda t: True)
+    (episode_,) = asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: env)).episodes
+    assert episode_.status == "env_error"
+    assert episode_.error == "turn 0: TypeError: the reward function returned True (bool), not a number"
+
+
+def test_calls_are_counted_when_a_step_is_cancelled_while_they_run():
+    async def main():
+        started = asyncio.Event()
+
+        async def slow():
+            started.set()
+            await asyncio.Event().wait()
+
+        env = ToolEnvironment({"slow": slow}, reward=lambda t: 0.0)
+        step = asyncio.ensure_future(env.step(turn('<tool_call>{"name": "slow", "arguments": {}}</tool_call>')))
+        await started.wait()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        return env
+
+    assert asyncio.run(main()).calls == 1
