@@ -593,3 +593,16 @@ def test_calls_are_counted_when_a_step_is_cancelled_while_they_run():
         return env
 
     assert asyncio.run(main()).calls == 1
+
+
+def test_options_the_worker_refuses_are_refused_before_any_environment_is_made():
+    class NoAdapters(ScriptedWorker):
+        def check_sampling(self, **sampling):
+            if sampling.get("lora") is not None:
+                raise InvalidRequest("lora", f"no LoRA adapter named {sampling['lora']!r} is loaded")
+            return super().check_sampling(**sampling)
+
+    worker, made = NoAdapters(), []
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'nope'"):
+        asyncio.run(run_episodes(worker, [[5]], lambda i, j: made.append((i, j)) or Done(), lora="nope"))
+    assert made == [] and worker.calls == 0
