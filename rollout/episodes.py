@@ -597,7 +597,7 @@ def _first_prompt(worker, frames: TurnFrames, limits: EpisodeLimits, prompt, fie
     InvalidRequest naming ``field`` when its first turn could not run: an episode of it would
     end before sampling a token, whereas generate refuses such a prompt."""
     messages = _is_messages(prompt)
-    ids = frames.prompt(prompt, field) if messages else list(token_id_list(field, prompt, worker.vocab_size))
+    ids = list(token_id_list(field, frames.prompt(prompt, field) if messages else prompt, worker.vocab_size))
     if not ids:
         raise InvalidRequest(field, f"{field} is empty")
     if len(ids) > worker.max_prompt_tokens:

@@ -165,6 +165,13 @@ def prompt_token_ids(prompts, *, vocab_size: int, tokenizer=None, model_path: st
                     f"prompts[{i}] is a string but the model directory {model_path} has no tokenizer: pass token ids",
                 )
             tokens = encode_text(tokenizer, prompt, f"prompts[{i}]")
+            outside = [t for t in tokens if not 0 <= t < vocab_size]
+            if outside:  # tokens added to the tokenizer with no embedding: a NaN row in the batch
+                raise InvalidRequest(
+                    f"prompts[{i}]",
+                    f"prompts[{i}] encodes to token ids outside the model's vocabulary [0, {vocab_size}): "
+                    f"{outside[:5]} (the tokenizer has tokens the model has no embeddings for)",
+                )
         else:
             tokens = list(token_id_list(f"prompts[{i}]", prompt, vocab_size))
         if not tokens:
@@ -274,14 +281,6 @@ class RequestValidator:
                 f"prompt(s) x n={params.n}",
             )
         check_limit("n", "rows (prompts x n)", rows, "WorkerConfig.max_rows_per_call", config.max_rows_per_call)
-        tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
-        check_limit(
-            "prompts",
-            "tokens (prompt + max_new_tokens, over every row)",
-            tokens,
-            "WorkerConfig.max_tokens_per_call",
-            config.max_tokens_per_call,
-        )
         check_request_lengths(
             prompt_ids,
             params.max_new_tokens,
@@ -289,6 +288,14 @@ class RequestValidator:
             max_request_tokens=engine.max_request_tokens,
             max_prompt_tokens=engine.max_prompt_tokens,
             kv_pool_tokens=engine.kv_pool_tokens,
+        )
+        tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
+        check_limit(
+            "prompts",
+            "tokens (prompt + max_new_tokens, over every row)",
+            tokens,
+            "WorkerConfig.max_tokens_per_call",
+            config.max_tokens_per_call,
         )
         pad_to = pad_width(options.get("pad_prompts_to"), prompt_ids, engine.max_request_tokens)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_token_ids)

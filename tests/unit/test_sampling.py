@@ -70,12 +70,30 @@ def validator():
         ([[1, 2]], {"prompt_offset": 1.5}, "prompt_offset must be an int, got 1.5"),
         ([[1, 2]], {"lora": "policy"}, "no LoRA adapter named 'policy' is loaded"),
         ([[1, 2]], {"return_routing": True}, "return_routing needs a worker that records routing"),
+        # Past the context before past the per-call budget: the request's own limit is named.
+        ([[1, 2]], {"max_new_tokens": 10**9}, r"1000000002 tokens do not fit the context length 256"),
     ],
 )
 def test_bad_input_is_a_clear_invalid_request(validator, prompts, kwargs, message):
     # InvalidRequest (a ValueError): what the server maps to a 400 and callers catch by type.
     with pytest.raises(InvalidRequest, match=message):
         validator.validate(prompts, kwargs)
+
+
+class AddedTokens:
+    """A tokenizer with tokens added past the model's vocabulary (no embedding rows)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 300 if c != "@" else 320 + len(text) for c in text]
+
+
+def test_a_text_prompt_encoding_past_the_vocabulary_is_refused():
+    """Such an id once ran: its row's embedding was NaN, and the NaN reached the rows batched
+    with it (their attention reads its KV slots, masked, as 0 x NaN)."""
+    validator = RequestValidator(CONFIG, ENGINE, tokenizer=AddedTokens(), eos_token_ids={2})
+    assert validator.validate(["ab"], {}).prompts == [[97, 98]]
+    with pytest.raises(InvalidRequest, match=r"prompts\[1\] encodes to token ids outside .* \[0, 320\): \[322\]"):
+        validator.validate(["ab", "a@"], {})
 
 
 def test_a_valid_call_gets_its_stop_ids_and_seeds(validator):
