@@ -315,7 +315,10 @@ def paged_attention(
         mask = ((key >= start_b[:, :, None]) & (key < (start_b + end_b)[:, :, None]) & (loc > 0)[:, None, :])[
             :, None, :, None, :
         ]  # [blocks, 1, q_block, 1, kv_chunk]
-        slots = jnp.where(loc > 0, loc, 0)
+        # Keys past the block's run (the next requests' slots) are read as the padding slot:
+        # masked, their values still enter the weighted sum times 0, and a non-finite value
+        # there (another request's) would make this one's output NaN.
+        slots = jnp.where((loc > 0) & (k < hi[:, None]), loc, 0)
         k_c, v_c = gather_kv(slots)
         # The dots see a block's tokens and group as one axis: with tokens and group as axes of
         # their own, XLA transposed each chunk's K before the dot.

@@ -136,3 +136,26 @@ def test_only_an_unimplemented_error_makes_the_probe_say_no(monkeypatch):
                     attention.runs_head_major_dots(jax.default_backend(), "float32")
     finally:
         attention.runs_head_major_dots.cache_clear()
+
+
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
+def test_another_requests_non_finite_kv_stays_its_own(head_major):
+    """A decode row's last KV chunk, and a prefill block's, reach into the next requests' slots
+    (masked): their values once entered the weighted sum times 0, and a NaN or inf there (one
+    request's overflow, a bad embedding) made every row batched before it NaN."""
+    rng = np.random.default_rng(2)
+    q, kv, cache_loc, seq_lens, prefix_lens, extend_lens = ragged_batch(rng, [6, 2, 13, 0], [1, 1, 1, 0])
+    poisoned = kv.copy()
+    last = int(seq_lens.sum())
+    poisoned[cache_loc[seq_lens[0] + seq_lens[1] : last]] = np.nan  # request 2's keys and values
+    poisoned[cache_loc[seq_lens[0] : seq_lens[0] + 1]] = np.inf  # request 1's first
+    decode_q = rng.standard_normal((len(seq_lens), HEADS, HEAD_DIM)).astype(np.float32)
+    kwargs = dict(scale=0.5, decode_kv_chunk=8, head_major=head_major)
+    got = attend(decode_q, poisoned, cache_loc, seq_lens, **kwargs)
+    want = attend(decode_q, kv, cache_loc, seq_lens, **kwargs)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert np.isnan(got[2]).all()  # its own NaN is its own
+    # Prefill blocks of one request each (q_block 1): the same holds for each token.
+    got = attend(q, poisoned, cache_loc, seq_lens, prefix_lens, extend_lens, scale=0.5, q_block=1, kv_chunk=8)
+    want = attend(q, kv, cache_loc, seq_lens, prefix_lens, extend_lens, scale=0.5, q_block=1, kv_chunk=8)
+    np.testing.assert_array_equal(got[0], want[0])
