@@ -14,6 +14,14 @@ import threading
 from collections.abc import Iterator
 
 
+class GateClosed(RuntimeError):
+    """A blocking entry refused where waiting could deadlock; ``reason``: the change pending."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class EngineGate:
     def __init__(self):
         self._cond = threading.Condition()
@@ -39,7 +47,12 @@ class EngineGate:
             return True
 
     def enter(self) -> None:
+        """Wait until no exclusive change is pending, then count a call in. On a thread that
+        runs an event loop it does not wait: the change may be waiting for a call that loop
+        runs, which could never end (:class:`GateClosed`)."""
         with self._cond:
+            if self._reason is not None and _runs_an_event_loop():
+                raise GateClosed(self._reason)
             self._cond.wait_for(lambda: self._reason is None)
             self._active += 1
 
@@ -81,3 +94,11 @@ class EngineGate:
     def _reopen(self) -> None:
         self._reason, self._owner, self._depth = None, None, 0
         self._cond.notify_all()
+
+
+def _runs_an_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

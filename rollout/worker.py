@@ -56,7 +56,7 @@ from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineHandle, GenerateOutput, SessionStats, in_slot
 from .episodes import EpisodeBatch, EpisodeLimits, run_until_returned
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
-from .gate import EngineGate
+from .gate import EngineGate, GateClosed
 from .group import EngineGroup
 from .in_place_updates import check_in_place_updates
 from .kv import KvReport, MemoryReport
@@ -844,7 +844,14 @@ class RolloutWorker:
                 else:
                     await asyncio.to_thread(self._rebuild_kv)
             if blocking:
-                self._gate.enter()
+                try:
+                    self._gate.enter()
+                except GateClosed as closed:
+                    raise WorkerUnavailable(
+                        closed.reason,
+                        f"generate() on a thread running an event loop while {closed.reason}: waiting would block "
+                        "the loop, whose own calls the change may be waiting for; await agenerate() there",
+                    ) from None
             else:
                 await self._gate.aenter()
             if not self._kv_dropped:

@@ -1,8 +1,9 @@
+import asyncio
 import threading
 
 import pytest
 
-from rollout.gate import EngineGate
+from rollout.gate import EngineGate, GateClosed
 
 
 class _InterruptedDrain(type(threading.Condition())):
@@ -35,4 +36,38 @@ def test_exclusive_blocks_nest_on_the_owning_thread():
             assert not gate.try_enter()
         assert gate.exclusive_reason == "outer"
         assert not gate.try_enter()
+    assert gate.try_enter()
+
+
+def test_a_blocking_entry_on_an_event_loops_thread_is_refused_while_a_change_is_pending():
+    """Waiting there could never end: the change waits for the calls in flight, one of which may
+    be the loop's own (an agenerate), and the loop is the thread that would wait."""
+    draining = threading.Event()
+
+    class Observed(type(threading.Condition())):
+        def wait_for(self, predicate, timeout=None):
+            if not predicate():
+                draining.set()  # the exclusive change waits for the calls in flight
+            return super().wait_for(predicate, timeout)
+
+    gate, release = EngineGate(), threading.Event()
+    gate._cond = Observed()
+    gate.enter()  # the loop's agenerate, in flight
+
+    def sync():
+        with gate.exclusive("weights are being swapped"):
+            release.wait()
+
+    changer = threading.Thread(target=sync)
+    changer.start()
+    draining.wait()
+
+    async def blocking_generate_on_the_loop():
+        with pytest.raises(GateClosed, match="weights are being swapped"):
+            gate.enter()
+
+    asyncio.run(blocking_generate_on_the_loop())
+    gate.leave()  # the agenerate ends: the change runs
+    release.set()
+    changer.join()
     assert gate.try_enter()
