@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import numbers
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,6 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import completion_log_probs, flax_model_for
+from trainer_bridge import flatten_params, unflatten_params
+
+from .errors import InvalidRequest
+from .sampling import as_int
 
 
 class ConsistencyError(RuntimeError):
@@ -90,6 +95,12 @@ def check_consistency(
     ``max_kl`` (the last two only when given). ``routing_replay`` (MoE models, a worker with
     ``record_routing``): the trainer routes every token to the experts the engine chose.
     """
+    worst = as_int("worst", worst, minimum=0)
+    for name, limit in (("atol", atol), ("mean_atol", mean_atol), ("max_kl", max_kl)):
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Real) or not limit >= 0):
+            raise InvalidRequest(name, f"{name} must be a number >= 0 or None, got {limit!r}")
+    worker.check_params(params)  # named by path, as a sync names them (the Flax model would not)
+    tree = unflatten_params(flatten_params(params))  # nested, flat (dotted paths) or {"params": ...}
     start = time.perf_counter()
     batch = worker.generate(
         prompts,
@@ -104,7 +115,6 @@ def check_consistency(
         return_logprobs=True,
         return_routing=routing_replay,
     )
-    tree = params["params"] if set(params) == {"params"} else params
     config_file = Path(worker.config.model_path) / "config.json"
     trainer_fn = _trainer_log_probs(
         config_file.read_text(), _float_dtype(tree), float(temperature), int(top_k), float(top_p), float(min_p)
@@ -137,12 +147,16 @@ def check_consistency(
         ("KL estimate", report.kl, max_kl),
     ):
         if limit is not None and not value <= limit:
-            where = report.worst[0] if report.worst else None
+            where = ""
+            if report.worst:
+                w = report.worst[0]
+                where = (
+                    f" (worst: row {w.row}, column {w.column}, token {w.token}: engine {w.engine:.4f}, "
+                    f"trainer {w.trainer:.4f})"
+                )
             raise ConsistencyError(
-                f"train-inference mismatch: {name} = {value:.3g} exceeds {limit:.3g} over "
-                f"{report.tokens} tokens (worst: row {where.row}, column {where.column}, token "
-                f"{where.token}: engine {where.engine:.4f}, trainer {where.trainer:.4f}); the "
-                "engine is not serving the trainer's policy (check the weight mapping and dtypes)",
+                f"train-inference mismatch: {name} = {value:.3g} exceeds {limit:.3g} over {report.tokens} "
+                f"tokens{where}; the engine is not serving the trainer's policy (check the weight mapping and dtypes)",
                 report,
             )
     return report

@@ -415,6 +415,18 @@ class RolloutWorker:
         self._phases.record("weights_synced", seconds, version=version, bytes_copied=report.bytes_copied)
         return report
 
+    def check_params(self, params: Mapping) -> None:
+        """Check a trainer tree as :meth:`sync_params` checks it (paths, shapes, dtypes against
+        the mapping table and the engine), without syncing: a :class:`SyncError` naming the
+        path. Casts are allowed, values not read."""
+        self._check_open()
+        try:
+            flat = flatten_params(params)
+        except (TypeError, ValueError) as exc:
+            raise SyncError(str(exc)) from None
+        weights = self._group.first
+        weights.plan_for(weights.with_adapters(flat), allow_cast=True)
+
     def sync_memory_analysis(self, params: Mapping):
         """XLA's memory analysis of the jitted copy a sync of ``params`` runs on the first
         engine (after a first sync of the same structure): output and temporary bytes."""

@@ -8,9 +8,9 @@ import pytest
 
 from models import CausalLM, DecoderConfig, completion_log_probs, sampling_log_probs
 from models.logprobs import PRESELECT
-from rollout import ConsistencyError, RolloutWorker, SamplingParams, counting_compiles
+from rollout import ConsistencyError, InvalidRequest, RolloutWorker, SamplingParams, counting_compiles
 from tests.helpers import tiny_worker_config
-from trainer_bridge import flatten_params, load_hf_params, unflatten_params
+from trainer_bridge import SyncError, flatten_params, load_hf_params, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 
@@ -338,6 +338,31 @@ def test_other_statistics_name_themselves(untied):
     assert len(report.worst) == 3
     diffs = [abs(w.engine - w.trainer) for w in report.worst]
     assert diffs == sorted(diffs, reverse=True) and diffs[0] == pytest.approx(report.max_abs_diff, abs=1e-7)
+    # No worst positions asked for: the statistic is still named (it once raised AttributeError).
+    with pytest.raises(ConsistencyError, match=r"mean \|Δ log p\| = .* exceeds 0 over \d+ tokens; the engine"):
+        worker.check_consistency(params, PROMPTS, max_new_tokens=4, mean_atol=0.0, worst=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field", [(dict(worst=-1), "worst"), (dict(atol=float("nan")), "atol"), (dict(max_kl="0.1"), "max_kl")]
+)
+def test_bad_consistency_arguments_are_named(untied, kwargs, field):
+    worker, params = untied
+    with pytest.raises(InvalidRequest) as error:
+        worker.check_consistency(params, PROMPTS, max_new_tokens=4, **kwargs)
+    assert error.value.field == field
+
+
+def test_consistency_takes_the_trees_a_sync_takes_and_names_a_bad_one_by_path(untied):
+    worker, params = untied
+    flat = flatten_params(params)
+    assert worker.check_consistency(flat, PROMPTS, max_new_tokens=4).max_abs_diff < 1e-4  # dotted paths
+    missing = {k: v for k, v in flat.items() if k != "model.norm.scale"}
+    with pytest.raises(SyncError, match=r"missing 1 expected path\(s\): model\.norm\.scale"):
+        worker.check_consistency(missing, PROMPTS, max_new_tokens=4)
+    bad_shape = {**flat, "model.norm.scale": flat["model.norm.scale"][:-1]}
+    with pytest.raises(SyncError, match=r"'model\.norm\.scale' has shape"):
+        worker.check_params(bad_shape)
 
 
 def test_chunked_prefill_keeps_log_probs_aligned(qwen3_dir):
