@@ -326,9 +326,9 @@ class RolloutWorker:
         on, those running finish with them, and its slot is free for others once they have.
         False if none was loaded."""
         self._check_open()
-        with self._state_lock:
-            known = any(weights.engine.lora_names.pop(name, None) is not None for weights in self._group.weights)
-        return known
+        with self._state_lock:  # from every engine (any() would stop at the first that had it)
+            popped = [weights.engine.lora_names.pop(name, None) for weights in self._group.weights]
+        return any(slot is not None for slot in popped)
 
     def _unmerged_adapters(
         self, adapters: Mapping, lora: LoraConfig | None, base: Mapping | None

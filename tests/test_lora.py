@@ -262,9 +262,9 @@ def test_the_worker_keeps_no_trainer_array_it_copied_alive(served):
 @pytest.fixture(scope="module")
 def slotted(qwen2_dir, served):
     """A worker holding the default adapters and two named ones (the prefix cache off: it keys
-    prefixes by tokens alone), serving the base of ``served``."""
+    prefixes by tokens alone), serving the base of ``served``: two engines, each tp=2."""
     config = tiny_worker_config(
-        qwen2_dir, load_format="dummy", tp_size=2, unmerged_lora=CONFIG, max_loras=3, prefix_cache=False
+        qwen2_dir, load_format="dummy", tp_size=2, dp_size=2, unmerged_lora=CONFIG, max_loras=3, prefix_cache=False
     )
     with RolloutWorker(config) as worker:
         worker.sync_params(jax.device_put(served.params, worker.param_shardings()))
@@ -279,7 +279,8 @@ def test_named_adapters_serve_their_own_policy_beside_the_default_ones(slotted, 
     worker = slotted
     worker.sync_adapters(unflatten_params(served.adapters))
     report = worker.sync_adapters(unflatten_params(served.other_adapters), name="other")
-    assert report.bytes_copied == adapter_bytes(worker), "one slot's adapters moved (host arrays: copied)"
+    # One slot's adapters moved to each engine (host arrays: copied).
+    assert report.bytes_copied == adapter_bytes(worker) * len(worker.engines) == 2 * adapter_bytes(worker)
     zero = unflatten_params({k: v * 0 for k, v in served.adapters.items()})
     worker.load_adapters(save(tmp_path / "zero", zero), name="base")
     assert worker.adapter_names() == ["base", "other"]
@@ -321,7 +322,8 @@ def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
     worker.sync_adapters(unflatten_params(served.adapters), name="two")
     with pytest.raises(SyncError, match=r"max_loras=3 holds the default adapters and 2 named ones \(\['one', 'two'\]"):
         worker.sync_adapters(unflatten_params(served.adapters), name="three")
-    assert worker.unload_adapters("one") and not worker.unload_adapters("one")
+    assert worker.unload_adapters("one") and not worker.unload_adapters("one")  # gone from both engines
+    assert all("one" not in engine.lora_names for engine in worker.engines)
     with pytest.raises(InvalidRequest, match="no LoRA adapter named 'one' is loaded"):
         greedy_on(worker, lora="one")
     worker.sync_adapters(unflatten_params(served.other_adapters), name="three")
