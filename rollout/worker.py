@@ -987,7 +987,7 @@ def _naming_factors_as_given(given: Mapping[str, str]) -> Iterator[None]:
         # Longest first, and never inside a longer name: "x.lora_a" is not read in "x.lora_a_1".
         names = "|".join(map(re.escape, sorted(renamed, key=len, reverse=True)))
         message = re.sub(rf"(?<![\w.])(?:{names})(?![\w.])", lambda m: renamed[m.group(0)], str(exc))
-        raise SyncError(message) from None
+        raise SyncError(message, [renamed.get(path, path) for path in exc.non_finite]) from None
 
 
 def _combine_sync_reports(reports: Mapping[int, SyncReport], engines: int, compiles: int) -> SyncReport:

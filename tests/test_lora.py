@@ -315,8 +315,9 @@ def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
     # A named slot's factors are named as the caller's tree names them (not lora_b_1).
     up_b = "model.layers_1.mlp.up_proj.lora_b"
     nan = {**served.adapters, up_b: np.full_like(served.adapters[up_b], np.nan)}
-    with pytest.raises(SyncError, match=rf"nan/inf\) in: {re.escape(up_b)}$"):
+    with pytest.raises(SyncError, match=rf"nan/inf\) in: {re.escape(up_b)}$") as error:
         worker.sync_adapters(unflatten_params(nan), name="one")
+    assert error.value.non_finite == (up_b,)
     assert worker.adapter_names() == []
     worker.sync_adapters(unflatten_params(served.adapters), name="one")
     worker.sync_adapters(unflatten_params(served.adapters), name="two")
