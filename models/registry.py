@@ -45,9 +45,9 @@ class Family:
     unsupported_flags: tuple[str, ...] = ()
     # (config getter) -> None, or ValueError for values the family cannot serve.
     check: Callable | None = None
-    # Mixture of experts: the engine can record each token's experts and the Flax model replay
-    # them (``routed_experts``).
-    routes_experts: bool = False
+    # Mixture of experts: (config getter) -> the layers that route tokens to experts, whose
+    # choices the engine can record and the Flax model replay (``routed_experts``); None: none.
+    expert_layers: Callable | None = None
 
 
 def _qwen3_moe_expand(table, get) -> list[ParamMapping]:
@@ -76,7 +76,7 @@ FAMILIES: dict[str, Family] = {
         expand=_qwen3_moe_expand,
         unsupported_flags=("attention_bias",),
         check=qwen3_moe.check_config,
-        routes_experts=True,
+        expert_layers=qwen3_moe.sparse_layers,
     ),
 }
 

@@ -178,14 +178,20 @@ def check_model_family(model_path: str) -> None:
 
 
 def check_routing_recordable(model_path: str) -> None:
-    """ValueError unless a local model directory's family has routed experts (a hub id passes)."""
+    """ValueError unless a local model directory has layers with routed experts (a hub id passes)."""
     config_file = Path(model_path) / "config.json"
     if config_file.is_file():
         config = json.loads(config_file.read_text())
-        if not family_for(config, where=str(config_file)).routes_experts:
+        expert_layers = family_for(config, where=str(config_file)).expert_layers
+        if expert_layers is None:
             raise ValueError(
                 f"WorkerConfig.record_routing: {config_file} is a {config.get('model_type')} model, "
                 "which routes no tokens to experts"
+            )
+        if not expert_layers(config.get):
+            raise ValueError(
+                f"WorkerConfig.record_routing: no layer of {config_file} routes tokens to experts "
+                "(num_experts, mlp_only_layers and decoder_sparse_step leave every layer dense)"
             )
 
 

@@ -7,8 +7,9 @@ import threading
 import jax
 import pytest
 
+from models.tiny_moe import TinyMoeSpec
 from rollout import RolloutWorker, WorkerConfig
-from rollout.config import model_context_limit
+from rollout.config import check_routing_recordable, model_context_limit
 from tests.helpers import tiny_worker_config
 from trainer_bridge import LoraConfig
 
@@ -80,3 +81,14 @@ def test_several_adapter_slots_need_unmerged_adapters_and_no_prefix_cache(qwen2_
         tiny_worker_config(qwen2_dir, max_loras=2, unmerged_lora=LoraConfig(4, 8.0), chunked_prefill_size=-1)
     with pytest.raises(ValueError, match="max_loras must be a positive int"):
         tiny_worker_config(qwen2_dir, max_loras=0)
+
+
+def test_routing_is_refused_for_an_moe_config_whose_every_layer_is_dense(tmp_path):
+    """Such a worker once started, and every return_routing call failed in the engine ("recorded
+    routing for 0 positions")."""
+    spec = TinyMoeSpec(num_hidden_layers=2, mlp_only_layers=(0, 1))
+    (tmp_path / "config.json").write_text(json.dumps(spec.hf_config()))
+    with pytest.raises(ValueError, match=r"record_routing: no layer of .*config\.json routes tokens to experts"):
+        check_routing_recordable(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(TinyMoeSpec(num_hidden_layers=2).hf_config()))
+    check_routing_recordable(str(tmp_path))
