@@ -120,6 +120,11 @@ class DecoderConfig:
         """Where layer ``layer``'s experts sit in ``routed_experts``' layer axis (None: dense)."""
         return None
 
+    @property
+    def routed_per_token(self) -> int:
+        """Experts each token goes to in an MoE layer (``routed_experts``' last axis); 0: dense."""
+        return 0
+
     @classmethod
     def from_hf(cls, source: str | Path | dict, dtype: str = "float32") -> DecoderConfig:
         """From an HF ``config.json`` (a model dir, the file, or its parsed dict)."""
@@ -283,7 +288,8 @@ class CausalLM(nn.Module):
 
     Mixture-of-experts models take ``routed_experts`` [B, T, MoE layers, top_k]
     (``RolloutBatch.routed_experts``): each token goes to those experts, not to its router's
-    top-k, where they are given (>= 0) - rollout routing replay.
+    top-k, where they are given (>= 0) - rollout routing replay. Their shape is checked; ids
+    past ``num_experts`` are not (the call is traced) and give NaN logits.
     """
 
     config: DecoderConfig
@@ -311,10 +317,11 @@ class CausalLM(nn.Module):
         if routed_experts is not None:
             c = self.config
             moe_layers = sum(c.routing_index(i) is not None for i in range(c.num_hidden_layers))
-            if routed_experts.ndim != 4 or routed_experts.shape[:3] != (*tokens.shape, moe_layers):
+            expected = (*tokens.shape, moe_layers, c.routed_per_token)
+            if tuple(routed_experts.shape) != expected:  # a narrower top_k would broadcast
                 raise ValueError(
-                    f"routed_experts has shape {routed_experts.shape}; this model takes "
-                    f"[{tokens.shape[0]}, {tokens.shape[1]}, {moe_layers} MoE layers, top_k] for tokens {tokens.shape}"
+                    f"routed_experts has shape {tuple(routed_experts.shape)}; this model takes {expected} "
+                    f"([B, T, MoE layers, top_k]) for tokens {tokens.shape}"
                 )
         return self.model(tokens, positions, mask, routed_experts)
 

@@ -47,6 +47,10 @@ class Qwen3MoeConfig(DecoderConfig):
     def routing_index(self, layer: int) -> int | None:
         return self.sparse_layers.index(layer) if layer in self.sparse_layers else None
 
+    @property
+    def routed_per_token(self) -> int:
+        return self.num_experts_per_tok
+
     def feed_forward(self, layer: int) -> nn.Module:
         if layer in self.sparse_layers:
             return SparseMoeBlock(self, name="mlp")

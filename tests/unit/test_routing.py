@@ -112,7 +112,10 @@ def test_the_flax_model_routes_to_replayed_experts(moe):
     changed = np.abs(np.asarray(replayed - logits))[0].max(-1)
     assert changed[3] > 1e-2
     np.testing.assert_array_equal(np.delete(changed, 3), 0)
-    with pytest.raises(ValueError, match=r"routed_experts has shape \(1, 6, 2, 2\); this model takes \[1, 6, 1 MoE"):
+    with pytest.raises(ValueError, match=r"routed_experts has shape \(1, 6, 2, 2\); this model takes \(1, 6, 1, 2\)"):
         model.apply({"params": params}, tokens, routed_experts=jnp.concatenate([own, own], axis=2))
+    # One expert a token for a top-2 model once broadcast to both of its slots.
+    with pytest.raises(ValueError, match=r"routed_experts has shape \(1, 6, 1, 1\); this model takes \(1, 6, 1, 2\)"):
+        model.apply({"params": params}, tokens, routed_experts=own[..., :1])
     # The forward's own routers still report their own choice under replay.
     np.testing.assert_array_equal(choices(tokens, other)[0, :4], own[0, :4])
