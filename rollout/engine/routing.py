@@ -11,7 +11,11 @@ slots may be reused once it ends).
 
 A token's routing is recorded by the forward that takes it as input, the one that samples the
 next token: under an in-flight swap, the weights that sampled token ``t + 1`` routed token ``t``.
-The last sampled token is never an input: it has no routing (-1).
+The last sampled token is never an input: it has no routing (-1). An in-flight swap with
+``recompute_kv`` prefills each running request again under the new weights, whose routing then
+replaces the old for every token before the swap: the routing the later tokens' KV was computed
+with, not the one that sampled the tokens before the swap (one table cannot hold both; their
+``token_versions`` are the older version).
 """
 
 from __future__ import annotations
