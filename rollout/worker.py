@@ -302,6 +302,11 @@ class RolloutWorker:
             return 0
         if not isinstance(name, str) or not name:
             raise SyncError(f"name must be a non-empty string or None, got {name!r}")
+        if self.config.max_loras < 2:
+            raise SyncError(
+                f"adapters named {name!r}: this worker serves the default adapters alone (WorkerConfig.max_loras="
+                f"{self.config.max_loras}); start it with max_loras > 1 to load named ones beside them"
+            )
         names = self._group.first.engine.lora_names
         if name in names:
             return names[name]

@@ -160,12 +160,19 @@ def test_bad_adapters_are_refused_naming_what_is_wrong_and_the_adapters_keep_ser
             "is not the engines' WorkerConfig.unmerged_lora",
         ),
         (lambda: worker.sync_adapters(served.placed_adapters, LoraConfig(8, 8.0)), "rank=8"),
+        (
+            lambda: worker.sync_adapters(served.placed_adapters, name="x"),
+            r"serves the default adapters alone \(WorkerConfig\.max_loras=1\); start it with max_loras > 1",
+        ),
     ]
     for call, message in cases:
         with pytest.raises(SyncError, match=message):
             call()
         assert worker.weight_version == version
     assert served.greedy() == served.tokens
+    # The same targets in another order are the engines' configuration.
+    reordered = LoraConfig(CONFIG.rank, CONFIG.alpha, tuple(reversed(CONFIG.target_modules)))
+    worker.sync_adapters(served.placed_adapters, reordered)
 
 
 def test_a_leaf_served_unchecked_is_checked_when_it_comes_again(served):

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models import EngineTransform, ParamMapping
 
@@ -50,15 +53,18 @@ class LoraConfig:
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
 
     def __post_init__(self):
-        if not isinstance(self.rank, int) or self.rank < 1:
+        if isinstance(self.rank, (bool, np.bool_)) or not isinstance(self.rank, numbers.Integral) or self.rank < 1:
             raise ValueError(f"LoraConfig.rank must be a positive int, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha!r}")
-        if isinstance(self.target_modules, str) or not self.target_modules:
-            raise ValueError(
-                f"LoraConfig.target_modules must be a non-empty sequence of names, got {self.target_modules!r}"
-            )
-        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        alpha = self.alpha
+        if isinstance(alpha, (bool, np.bool_)) or not isinstance(alpha, numbers.Real) or not 0 < alpha < math.inf:
+            raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {alpha!r}")
+        targets = self.target_modules
+        if isinstance(targets, str) or not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ValueError(f"LoraConfig.target_modules must be a non-empty sequence of names, got {targets!r}")
+        object.__setattr__(self, "rank", int(self.rank))
+        object.__setattr__(self, "alpha", float(alpha))
+        # A set of modules: configs that list the same ones in another order are equal.
+        object.__setattr__(self, "target_modules", tuple(sorted(set(targets))))
 
     @property
     def scale(self) -> float:

@@ -37,11 +37,17 @@ def flatten_params(tree: Mapping) -> dict[str, Any]:
 
 
 def unflatten_params(flat: Mapping[str, Any]) -> dict:
+    """Nested dicts of ``flat``'s leaves; ValueError for a path that is both a leaf and a prefix
+    of another (``a.gate_proj`` and ``a.gate_proj.kernel``)."""
     tree: dict = {}
     for path, leaf in flat.items():
         node = tree
         *parents, last = path.split(".")
-        for key in parents:
+        for depth, key in enumerate(parents):
             node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"param path '{path}' continues past the leaf '{'.'.join(parents[: depth + 1])}'")
+        if isinstance(node.get(last), dict):
+            raise ValueError(f"param path '{path}' is a leaf and the prefix of other paths")
         node[last] = leaf
     return tree

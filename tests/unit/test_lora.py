@@ -220,13 +220,19 @@ def test_adapters_on_other_devices_than_their_kernels_are_merged_where_the_kerne
 
 
 def test_lora_config_checks_its_fields():
-    with pytest.raises(ValueError, match="rank must be a positive int"):
-        LoraConfig(rank=0, alpha=1.0)
-    with pytest.raises(ValueError, match="alpha must be > 0"):
-        LoraConfig(rank=4, alpha=0.0)
-    with pytest.raises(ValueError, match="target_modules must be a non-empty sequence of names"):
-        LoraConfig(rank=4, alpha=8.0, target_modules="q_proj")
+    for rank in (0, True, 2.0):
+        with pytest.raises(ValueError, match="rank must be a positive int"):
+            LoraConfig(rank=rank, alpha=1.0)
+    for alpha in (0.0, float("inf"), True, "8"):
+        with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
+            LoraConfig(rank=4, alpha=alpha)
+    for targets in ("q_proj", (), ("q_proj", "")):
+        with pytest.raises(ValueError, match="target_modules must be a non-empty sequence of names"):
+            LoraConfig(rank=4, alpha=8.0, target_modules=targets)
     assert LoraConfig(rank=16, alpha=32.0).scale == 2.0
+    # numpy integers (a config read from an array) are ints; the targets are a set.
+    config = LoraConfig(rank=np.int64(4), alpha=np.float32(8.0), target_modules=["v_proj", "q_proj"])
+    assert config == LoraConfig(4, 8.0, ("q_proj", "v_proj")) and type(config.rank) is int
 
 
 def test_the_trainers_merge_is_the_syncs_and_fresh_adapters_leave_the_base_as_it_is():
