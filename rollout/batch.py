@@ -15,8 +15,8 @@ class RolloutBatch:
     Row ``i`` is sample ``i % n`` of prompt ``prompt_index[i] == i // n``. The padded arrays
     put every prompt right-aligned in the first ``prompt_width`` columns (left padding) and
     every completion left-aligned after it, so completion ``j`` of every row sits in column
-    ``prompt_width + j``; the completion region is ``max_new_tokens`` wide, a fixed shape for a
-    jitted train step.
+    ``prompt_width + j``; the completion region is ``max_new_tokens`` wide (an episode batch's:
+    its ``completion_width``), a fixed shape for a jitted train step.
     """
 
     prompts: list[list[int]]

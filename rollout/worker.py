@@ -92,7 +92,8 @@ class RolloutWorker:
         # Lock order (always taken in this order, never the reverse): ``_sync_lock`` (one
         # weight change at a time, held while new weights are prepared), then the gate's
         # exclusive section (no generate call in flight), then ``_state_lock`` (the fields
-        # below). Generate calls take only the gate (admitted) and, briefly, ``_state_lock``.
+        # below). Generate calls take the gate (admitted) and, briefly, ``_state_lock``; one that
+        # finds the KV dropped rebuilds it first, as an exclusive change, before it is admitted.
         self._sync_lock = threading.RLock()
         self._gate = EngineGate()
         self._state_lock = threading.RLock()
@@ -721,7 +722,8 @@ class RolloutWorker:
         that each generate their share of a global batch (same ``seed``) draw what one worker
         would over the whole batch.
         """
-        options = {k: v for k, v in locals().items() if k not in ("self", "prompts")}  # as agenerate gets them
+        # Before any other local: locals() is the arguments alone, the options agenerate gets.
+        options = {k: v for k, v in locals().items() if k not in ("self", "prompts")}
         start = time.perf_counter()
         batch = _run_blocking(self._generate(prompts, options, blocking=True))
         self._phases.record("generate", time.perf_counter() - start, rows=len(batch.completions))

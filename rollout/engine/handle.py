@@ -241,7 +241,7 @@ class EngineHandle:
 
     # ---- scheduler thread ------------------------------------------------------------------
 
-    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+    def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the scheduler thread while the engine is idle and return its result.
 
         An exception raised by ``fn`` is re-raised here and leaves the engine serving.
@@ -250,13 +250,12 @@ class EngineHandle:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._control.calls.put((fn, future))
         self._control.wake()
-        return self._wait(future, timeout)
+        return self._wait(future)
 
     def call_at_boundary(
         self,
         fn: Callable[[], Any],
         when: Callable[[], bool] | None = None,
-        timeout: float | None = None,
         keeps_decode_chunks: bool = False,
     ) -> Any:
         """Run ``fn`` on the scheduler thread at the next forward boundary, with requests in
@@ -268,19 +267,17 @@ class EngineHandle:
         self.check_alive()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._control.queue_at_boundary(fn, when, future, keeps_decode_chunks)
-        return self._wait(future, timeout)
+        return self._wait(future)
 
-    def _wait(self, future: concurrent.futures.Future, timeout: float | None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _wait(self, future: concurrent.futures.Future) -> Any:
+        # No timeout: a call cannot be taken back once the scheduler thread runs it (a swap
+        # would happen after its caller gave up). A stopped engine fails what it left queued.
         while True:
             try:
                 return future.result(timeout=0.1)
             except concurrent.futures.TimeoutError:
                 if self._control.stopped.is_set() and not future.done():
                     self._control._fail_pending()
-                if deadline is not None and time.monotonic() > deadline:
-                    future.cancel()
-                    raise TimeoutError(f"engine call did not run within {timeout} s") from None
 
     # ---- generation (the request loop) ------------------------------------------------------
 

@@ -67,8 +67,9 @@ import numpy as np
 from .attention import decode_kv_walk, decode_kv_walks
 from .programs import engine_compiler_options, forward_cells, jit_with_options, mesh_platform
 
-# Scheduler attribute holding its DecodeChunks.
+# A scheduler's attribute holding its DecodeChunks, and the Scheduler class's once it is patched.
 _STATE = "_rollout_decode_chunks"
+_PATCHED = "_rollout_decode_chunks_patched"
 # The KV walk of the decode chunk being traced on this thread (traced_kv_walk).
 _trace = threading.local()
 
@@ -657,7 +658,7 @@ def patch_scheduler() -> None:
     ``decode_steps`` run as before)."""
     from sgl_jax.srt.managers.scheduler import Scheduler
 
-    if getattr(Scheduler, "_rollout_decode_chunks", False):
+    if getattr(Scheduler, _PATCHED, False):
         return
     update_running_batch, run_batch = Scheduler.update_running_batch, Scheduler.run_batch
     get_new_batch_prefill = Scheduler.get_new_batch_prefill
@@ -710,4 +711,4 @@ def patch_scheduler() -> None:
     Scheduler.get_new_batch_prefill = chunked_get_new_batch_prefill
     Scheduler.update_running_batch = chunked_update_running_batch
     Scheduler.run_batch = chunked_run_batch
-    Scheduler._rollout_decode_chunks = True
+    setattr(Scheduler, _PATCHED, True)

@@ -28,7 +28,7 @@ class _StopScheduler(BaseException):
     """Raised inside the scheduler loop to end it cleanly (the loop catches Exception only)."""
 
 
-# Forward passes whose (start, end) times each engine keeps.
+# Forward passes whose (start, end) times each engine keeps; as many weight swaps' records.
 BUSY_INTERVALS_KEPT = 4096
 
 # The threads every engine runs besides the caller's: start-up waits until each has registered.
