@@ -180,6 +180,11 @@ def prompt_token_ids(prompts, *, vocab_size: int, tokenizer=None, model_path: st
     return ids
 
 
+def call_tokens(prompt_ids: Sequence[Sequence[int]], n: int, max_new_tokens: int) -> int:
+    """The most tokens a call's rows may hold: every prompt and its completions, ``n`` of each."""
+    return n * sum(len(p) + max_new_tokens for p in prompt_ids)
+
+
 def encode_text(tokenizer, text: str, field: str) -> list[int]:
     """``text``'s token ids; text that is not valid Unicode (a lone surrogate, which JSON's
     ``\\ud800`` escape can carry) is an error naming ``field``."""
@@ -289,7 +294,7 @@ class RequestValidator:
             max_prompt_tokens=engine.max_prompt_tokens,
             kv_pool_tokens=engine.kv_pool_tokens,
         )
-        tokens = params.n * sum(len(p) + params.max_new_tokens for p in prompt_ids)
+        tokens = call_tokens(prompt_ids, params.n, params.max_new_tokens)
         check_limit(
             "prompts",
             "tokens (prompt + max_new_tokens, over every row)",

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import ChatError, ToolCallStream, parse_tool_calls, render_chat
 from ..errors import check_limit
-from ..sampling import encode_text
+from ..sampling import call_tokens, encode_text
 from .errors import api_error
 from .protocol import GenerationRequest, chat_messages, chat_request, chat_tools, completion_request, invalid
 from .state import SharedState
@@ -108,7 +108,7 @@ class Serving:
         sampling = self.sampling(req, prompts)
         if lora is not None:
             sampling["lora"] = lora
-        tokens = req.n * sum(len(p) + sampling["max_new_tokens"] for p in prompts)
+        tokens = call_tokens(prompts, req.n, sampling["max_new_tokens"])
         check_limit(
             "max_tokens",
             "tokens (prompt + max_tokens, over every row)",
@@ -132,40 +132,8 @@ class Serving:
         batch = await _unless_disconnected(request, self.backend.generate(prompts, **sampling))
         if batch is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-        choices, completion_tokens = [], 0
-        for row, ids in enumerate(batch.completions):
-            finish = _FINISH_REASONS.get(batch.finish_reasons[row], "stop")
-            values = None
-            if req.logprobs:
-                start = batch.prompt_width
-                values = batch.logprobs[row, start : start + len(ids)].tolist()
-            text, logprobs = batch.completion_texts[row] if batch.completion_texts is not None else "", None
-            if req.stop or req.logprobs:  # which tokens make the returned text
-                row_text = IncrementalText(self.backend.tokenizer, req.stop)
-                row_text.add(ids)
-                row_text.finish()
-                text, ids = row_text.text, ids[: row_text.kept]
-                finish = "stop" if row_text.stopped else finish
-                if req.logprobs:
-                    logprobs = self.logprobs_body(
-                        ids, values[: len(ids)], [row_text.start_offset(i) for i in range(len(ids))]
-                    )
-            completion_tokens += len(ids)
-            fields, called = self.reply(req, text, call_id_prefix(base["id"], row))
-            choice = {
-                "index": row,
-                **fields,
-                "finish_reason": "tool_calls" if called else finish,
-                "logprobs": logprobs,
-                "token_ids": ids,
-            }
-            if batch.token_versions is not None:  # extension: the weight version that sampled each token
-                start = batch.prompt_width
-                choice["token_versions"] = batch.token_versions[row, start : start + len(ids)].tolist()
-            if req.return_routing:  # extension: [prompt + completion tokens][MoE layers][top_k], -1 for none
-                first = batch.prompt_width - len(batch.prompts[batch.prompt_index[row]])
-                choice["routed_experts"] = batch.routed_experts[row, first : batch.prompt_width + len(ids)].tolist()
-            choices.append(choice)
+        choices = [self.choice(req, batch, row, base["id"]) for row in range(len(batch.completions))]
+        completion_tokens = sum(len(choice["token_ids"]) for choice in choices)
         request.state.tokens = (sum(map(len, batch.prompts)), completion_tokens)
         cached = _cached_prompt_tokens(batch) if self.reports_cached_tokens else None
         body = {
@@ -176,6 +144,36 @@ class Serving:
             "usage": _usage(sum(map(len, batch.prompts)), completion_tokens, cached),
         }
         return JSONResponse(body, headers={WEIGHT_VERSION_HEADER: str(batch.weight_version)})
+
+    def choice(self, req: GenerationRequest, batch, row: int, request_id: str) -> dict:
+        """Row ``row`` of a generated batch as the response's choice: the text up to a stop
+        string, the tokens that make it and their log-probs, versions and routing."""
+        ids = batch.completions[row]
+        text, logprobs, stopped = batch.completion_texts[row] if batch.completion_texts is not None else "", None, False
+        if req.stop or req.logprobs:  # which tokens make the returned text
+            row_text = IncrementalText(self.backend.tokenizer, req.stop)
+            row_text.add(ids)
+            row_text.finish()
+            text, ids, stopped = row_text.text, ids[: row_text.kept], row_text.stopped
+            if req.logprobs:
+                start = batch.prompt_width
+                values = batch.logprobs[row, start : start + len(ids)].tolist()
+                logprobs = self.logprobs_body(ids, values, [row_text.start_offset(i) for i in range(len(ids))])
+        fields, called = self.reply(req, text, call_id_prefix(request_id, row))
+        choice = {
+            "index": row,
+            **fields,
+            "finish_reason": _finish_reason(batch.finish_reasons[row], stopped, called),
+            "logprobs": logprobs,
+            "token_ids": ids,
+        }
+        if batch.token_versions is not None:  # extension: the weight version that sampled each token
+            start = batch.prompt_width
+            choice["token_versions"] = batch.token_versions[row, start : start + len(ids)].tolist()
+        if req.return_routing:  # extension: [prompt + completion tokens][MoE layers][top_k], -1 for none
+            first = batch.prompt_width - len(batch.prompts[batch.prompt_index[row]])
+            choice["routed_experts"] = batch.routed_experts[row, first : batch.prompt_width + len(ids)].tolist()
+        return choice
 
     # ---- request to sampling -------------------------------------------------------------------
 
@@ -294,10 +292,9 @@ class Serving:
                         yield event([choice(chunk.row, piece, tool_calls=calls, logprobs=logprobs)])
                     if finished:
                         done[chunk.row] = True
-                        reason = "stop" if text.stopped else _FINISH_REASONS.get(chunk.finish_reason, "stop")
                         splitter = splitters[chunk.row]
-                        if splitter is not None and splitter.tool_calls:
-                            reason = "tool_calls"
+                        called = splitter is not None and bool(splitter.tool_calls)
+                        reason = _finish_reason(chunk.finish_reason, text.stopped, called)
                         extra = {"token_ids": text.token_ids[: text.kept]}
                         if versions[chunk.row] is not None:
                             extra["token_versions"] = versions[chunk.row][: text.kept]
@@ -399,6 +396,13 @@ class ChatServing(Serving):
                 for t, tok, lp in zip(ids, self.token_texts(ids), values)
             ]
         }
+
+
+def _finish_reason(engine_reason: str | None, stopped_by_string: bool, called_tools: bool) -> str:
+    """A choice's OpenAI finish reason: its tool calls, a stop string, or the engine's finish."""
+    if called_tools:
+        return "tool_calls"
+    return "stop" if stopped_by_string else _FINISH_REASONS.get(engine_reason, "stop")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
