@@ -105,7 +105,7 @@ class RolloutWorker:
         self._stale_reason: str | None = None
         self._tokenizer = _load_tokenizer(config.model_path)
         self.pad_token_id = _pad_token_id(self._tokenizer)
-        self.eos_token_ids = _eos_token_ids(self._tokenizer, self.engine.hf_config)
+        self.eos_token_ids = _eos_token_ids(self._tokenizer, self.engine.eos_token_ids)
         self._requests = RequestValidator(config, self.engine, self._tokenizer, self.eos_token_ids)
         self._phases = PhaseLog(config.phase_log, self.memory)
 
@@ -1037,15 +1037,11 @@ def _load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def _eos_token_ids(tokenizer, hf_config) -> set[int]:
-    """EOS ids from the tokenizer and the model config (the engine runs without a tokenizer)."""
-    ids = set()
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
+def _eos_token_ids(tokenizer, engine_ids: frozenset[int]) -> set[int]:
+    """EOS ids: the tokenizer's, and those the engine ends completions at (the model config's and
+    its generation config's; the engine runs without a tokenizer)."""
+    tokenizer_id = getattr(tokenizer, "eos_token_id", None)
+    return set(engine_ids) | ({tokenizer_id} if isinstance(tokenizer_id, int) else set())
 
 
 def _pad_token_id(tokenizer) -> int:

@@ -2,6 +2,8 @@
 
 import asyncio
 import dataclasses
+import json
+import shutil
 import threading
 import time
 
@@ -210,6 +212,20 @@ def test_qwen3_token_ids_only_and_close(qwen3_dir):
     assert left == []
     with pytest.raises(RuntimeError, match="closed"):
         worker.generate(PROMPTS)
+
+
+def test_eos_ids_come_from_the_config_and_the_generation_config_and_may_be_0(qwen3_dir, tmp_path):
+    """The worker's EOS ids are those the engine ends completions at (the generation config's
+    were left out); an EOS id of 0 crashed the engine's start-up (workaround eos-token-id-zero)."""
+    model_dir = tmp_path / "eos-0"
+    shutil.copytree(qwen3_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7]}))
+    with RolloutWorker(tiny_worker_config(model_dir)) as worker:
+        assert worker.eos_token_ids == {0, 7} == set(worker.engine.eos_token_ids)
+        batch = worker.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=8, seed=1)
+        assert all(r == "length" or c[-1] in (0, 7) for c, r in zip(batch.completions, batch.finish_reasons))
 
 
 def test_eos_stop_keeps_the_eos_token(worker):

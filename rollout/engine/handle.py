@@ -21,7 +21,7 @@ from trainer_bridge import EngineLeaf
 from ..sampling import SamplingParams
 from . import inflight, multistep, sessions
 from .lora import TOKEN_SLOTS
-from .patches import install_workarounds, preserved_process_state, variables_sharded_lazily
+from .patches import eos_id_set, install_workarounds, preserved_process_state, variables_sharded_lazily
 from .programs import static_decode_chunks
 from .requests import RequestLoop
 from .routing import RoutingRecorder
@@ -201,6 +201,12 @@ class EngineHandle:
         """The model's HF config as the engine holds it: its ``num_key_value_heads`` is the
         engine's, repeated for tp_size (see :attr:`num_key_value_heads`)."""
         return self._model.runner.model_config.hf_config
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids the engine ends a completion at unless ``ignore_eos``: the model config's and
+        its ``generation_config.json``'s EOS ids."""
+        return frozenset(eos_id_set(self._model.runner.model_config.hf_eos_token_id))
 
     @property
     def lora_names(self) -> dict[str, int]:

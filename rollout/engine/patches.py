@@ -93,6 +93,7 @@ def install_workarounds() -> None:
             patch_routing_output()
         _patch_model_loading()
         _patch_model_precision()
+        _patch_eos_token_ids()
         _patch_forward_compile_options()
         patch_unmerged_lora()
         patch_scheduling()
@@ -574,6 +575,26 @@ def _patch_model_precision() -> None:
 
     if workaround_enabled("bf16-matmul-precision"):
         model_runner.ModelRunner.initialize = _initialize_keeping_16_bit_precision(model_runner.ModelRunner.initialize)
+
+
+def eos_id_set(value) -> set[int]:
+    """A config's ``eos_token_id`` (an int, a list of them, or None) as a set."""
+    if value is None:
+        return set()
+    return {int(value)} if isinstance(value, int) else {int(v) for v in value}
+
+
+def _patch_eos_token_ids() -> None:
+    from sgl_jax.srt.configs.model_config import ModelConfig
+
+    if workaround_enabled("eos-token-id-zero"):
+
+        def get_hf_eos_token_id(self) -> set[int]:
+            return eos_id_set(getattr(self.hf_config, "eos_token_id", None)) | eos_id_set(
+                getattr(self.hf_generation_config, "eos_token_id", None) if self.hf_generation_config else None
+            )
+
+        ModelConfig.get_hf_eos_token_id = get_hf_eos_token_id
 
 
 def _patch_forward_compile_options() -> None:

@@ -271,6 +271,12 @@ WORKAROUNDS: dict[str, str] = {
         "of a 19-token prompt), as did the server's usage.prompt_tokens_details.cached_tokens. "
         "A row reports what its first prefill found cached."
     ),
+    "eos-token-id-zero": (
+        "ModelConfig.get_hf_eos_token_id tests the config's eos_token_id for truth: an EOS id of 0 "
+        "stays the int 0, which a generation_config.json's EOS ids then cannot be added to "
+        "(TypeError at start-up), and without one the scheduler's 'token in eos_token_ids' "
+        "fails on the first token. The ids are read as a set whatever their value."
+    ),
     "stop-token-at-length": (
         "Req.check_finished tests the length before the stop ids: a completion whose last "
         "allowed token is a stop token (its EOS) ended as 'length', which a trainer that "

@@ -187,3 +187,20 @@ def test_the_engines_forward_is_jitted_again_under_the_engine_compile_options(mo
     patches._jit_forward_under_engine_options(_Runner.initialize_jit)(broken)
     with pytest.raises(Exception, match="xla_gpu_dot_merger_threshold_mb"):
         broken.jitted_run_model(jnp.arange(3.0), jnp.zeros(2))
+
+
+@pytest.mark.parametrize(
+    "config_eos, generation_eos, expected",
+    [(0, [0, 2], {0, 2}), (0, None, {0}), (5, 7, {5, 7}), ([3, 4], None, {3, 4}), (None, None, set())],
+)
+def test_eos_ids_are_a_set_whatever_their_value(config_eos, generation_eos, expected):
+    """The ids the engine stops at: an EOS id of 0 was kept as the int 0 (a start-up TypeError
+    with a generation config's ids, a failure at the first token without)."""
+    patches.install_workarounds()
+    from sgl_jax.srt.configs.model_config import ModelConfig
+
+    model_config = types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(eos_token_id=config_eos),
+        hf_generation_config=types.SimpleNamespace(eos_token_id=generation_eos) if generation_eos is not None else None,
+    )
+    assert ModelConfig.get_hf_eos_token_id(model_config) == expected
