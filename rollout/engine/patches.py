@@ -33,6 +33,7 @@ from .runtime import run_detokenizer_thread, start_scheduler_thread, watchdog_th
 from .scheduling import patch_scheduling
 from .start_up import current_start_up
 from .tpu_kernels import patch_kernel_jax_names
+from .types import EngineError
 from .workarounds import DISABLE_ENV, disabled_workarounds, workaround_enabled
 
 # Scheduler attribute: rid -> list that receives the request's sampled-token log-probs.
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 _install_lock = threading.Lock()
 _installed = False
+# A failure part way through the patches: installing again would patch twice what came before it.
+_install_failure: BaseException | None = None
 
 
 def engine_version() -> str:
@@ -60,10 +63,15 @@ def engine_version() -> str:
 
 def install_workarounds() -> None:
     """Import sglang-jax with the 0.0.2 workarounds applied. Idempotent, process-wide."""
-    global _installed
+    global _installed, _install_failure
     with _install_lock:
         if _installed:
             return
+        if _install_failure is not None:
+            raise EngineError(
+                f"installing the sglang-jax workarounds failed earlier in this process ({_install_failure!r}); "
+                "they are half applied: start a new process"
+            ) from _install_failure
         version, (_, supported) = engine_version(), ENGINE
         if version != supported:
             raise UnsupportedVersionError(
@@ -72,32 +80,41 @@ def install_workarounds() -> None:
             )
         if disabled_workarounds():
             logger.warning("sglang-jax workarounds disabled (%s): %s", DISABLE_ENV, sorted(disabled_workarounds()))
-        if workaround_enabled("duplicate-pytree-registration"):
-            _import_native_backend_without_duplicate_registration()
-        else:
-            import sgl_jax.srt.layers.attention.native_backend  # noqa: F401
-        with preserved_process_state():
-            # Importing the entrypoint installs uvloop's policy and rebinds
-            # threading._register_atexit; the guard puts both back.
-            import sgl_jax.srt.entrypoints.engine as engine_module
-        if workaround_enabled("failure-signal-handler"):
-            _import_test_util_keeping_sigterm()
-        patch_decode_chunks()  # before the sampler's run_batch wrapper, which wraps it
-        _patch_sampler()
-        _patch_logits()
-        _patch_start_up(engine_module)
-        _patch_native_attention()
-        patch_expert_block(workaround_enabled)
-        patch_kernel_jax_names()
-        if workaround_enabled("moe-forward"):  # routing is recorded by this project's expert block
-            patch_routing_output()
-        _patch_model_loading()
-        _patch_model_precision()
-        _patch_eos_token_ids()
-        _patch_forward_compile_options()
-        patch_unmerged_lora()
-        patch_scheduling()
+        try:
+            _apply_workarounds()
+        except BaseException as exc:
+            _install_failure = exc
+            raise
         _installed = True
+
+
+def _apply_workarounds() -> None:
+    """The patches, in order (each once per process: see install_workarounds)."""
+    if workaround_enabled("duplicate-pytree-registration"):
+        _import_native_backend_without_duplicate_registration()
+    else:
+        import sgl_jax.srt.layers.attention.native_backend  # noqa: F401
+    with preserved_process_state():
+        # Importing the entrypoint installs uvloop's policy and rebinds
+        # threading._register_atexit; the guard puts both back.
+        import sgl_jax.srt.entrypoints.engine as engine_module
+    if workaround_enabled("failure-signal-handler"):
+        _import_test_util_keeping_sigterm()
+    patch_decode_chunks()  # before the sampler's run_batch wrapper, which wraps it
+    _patch_sampler()
+    _patch_logits()
+    _patch_start_up(engine_module)
+    _patch_native_attention()
+    patch_expert_block(workaround_enabled)
+    patch_kernel_jax_names()
+    if workaround_enabled("moe-forward"):  # routing is recorded by this project's expert block
+        patch_routing_output()
+    _patch_model_loading()
+    _patch_model_precision()
+    _patch_eos_token_ids()
+    _patch_forward_compile_options()
+    patch_unmerged_lora()
+    patch_scheduling()
 
 
 def _import_test_util_keeping_sigterm() -> None:

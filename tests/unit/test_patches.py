@@ -1,6 +1,7 @@
 """rollout/engine/patches.py without an engine: patched sglang-jax functions called directly."""
 
 import functools
+import subprocess
 import sys
 import types
 
@@ -204,3 +205,24 @@ def test_eos_ids_are_a_set_whatever_their_value(config_eos, generation_eos, expe
         hf_generation_config=types.SimpleNamespace(eos_token_id=generation_eos) if generation_eos is not None else None,
     )
     assert ModelConfig.get_hf_eos_token_id(model_config) == expected
+
+
+def test_a_failure_part_way_through_the_patches_is_not_followed_by_a_second_install():
+    """Installing again would patch twice what came before the failure (the native attention
+    once took its own patched call for the engine's)."""
+    program = """
+import pytest
+from rollout.engine import EngineError, patches
+
+def broken():
+    raise RuntimeError("a patch failed")
+
+patches._patch_logits = broken
+with pytest.raises(RuntimeError, match="a patch failed"):
+    patches.install_workarounds()
+with pytest.raises(EngineError, match="failed earlier in this process .*a patch failed.*half applied"):
+    patches.install_workarounds()
+print("refused")
+"""
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "refused", result.stderr[-2000:]
