@@ -241,11 +241,17 @@ def render_chat(
 
     try:
         text = render(tools)
-        without_tools = render(None) if tools else None
     except Exception as exc:  # a Jinja error (raise_exception, a missing field) says what the template wants
         raise ChatError("messages", f"cannot render messages with the chat template: {exc}") from None
-    if tools and text == without_tools:  # the model would never see them
-        raise ChatError("tools", "the chat template does not write tools into the prompt: this model cannot take tools")
+    if tools:
+        try:
+            writes_tools = text != render(None)
+        except Exception:  # a template that needs tools for these messages (tool messages) writes them
+            writes_tools = True
+        if not writes_tools:  # the model would never see them
+            raise ChatError(
+                "tools", "the chat template does not write tools into the prompt: this model cannot take tools"
+            )
     return text
 
 

@@ -522,11 +522,13 @@ def pack_episodes(
     statuses, ``weight_version`` the oldest version that sampled a token of the batch,
     ``routed_experts`` the episodes' (with ``return_routing``) aligned with ``tokens``, ``seeds``
     each episode's. Raises ValueError unless the episodes of each prompt share its first prompt."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"pack_episodes: n must be a positive int, got {n!r}")
     if not episodes or len(episodes) % n:
         raise ValueError(f"pack_episodes: {len(episodes)} episodes are not n={n} for each of one or more prompts")
-    prompts = [e.token_ids[: e.prompt_length] for e in episodes[::n]]
+    prompts = [list(e.token_ids[: e.prompt_length]) for e in episodes[::n]]
     for row, episode in enumerate(episodes):
-        if episode.token_ids[: episode.prompt_length] != prompts[row // n]:
+        if list(episode.token_ids[: episode.prompt_length]) != prompts[row // n]:
             raise ValueError(
                 f"pack_episodes: episodes[{row}] starts from another first prompt than episodes[{row - row % n}]: "
                 f"the n={n} episodes of each prompt must be consecutive (prompt-major), none left out"

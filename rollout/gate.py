@@ -9,6 +9,7 @@ version from start to end.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ class EngineGate:
         self._reason: str | None = None
         self._owner: int | None = None
         self._depth = 0
+        # Calls admitted by aenter, by the event loop they run on.
+        self._loop_calls: collections.Counter = collections.Counter()
 
     @property
     def exclusive_reason(self) -> str | None:
@@ -39,32 +42,44 @@ class EngineGate:
     def active_calls(self) -> int:
         return self._active
 
-    def try_enter(self) -> bool:
+    def try_enter(self, loop: asyncio.AbstractEventLoop | None = None) -> bool:
         with self._cond:
             if self._reason is not None:
                 return False
             self._active += 1
+            if loop is not None:
+                self._loop_calls[loop] += 1
             return True
 
     def enter(self) -> None:
         """Wait until no exclusive change is pending, then count a call in. On a thread that
-        runs an event loop it does not wait: the change may be waiting for a call that loop
-        runs, which could never end (:class:`GateClosed`)."""
+        runs an event loop with calls of its own admitted (:meth:`aenter`), a pending change is
+        :class:`GateClosed` at once: it waits for those calls, which that loop can no longer run."""
+        loop = _running_loop()
         with self._cond:
-            if self._reason is not None and _runs_an_event_loop():
+            if self._reason is not None and loop is not None and self._loop_calls[loop]:
                 raise GateClosed(self._reason)
             self._cond.wait_for(lambda: self._reason is None)
             self._active += 1
 
-    async def aenter(self, poll_s: float = 0.005) -> None:
+    async def aenter(self, poll_s: float = 0.005) -> asyncio.AbstractEventLoop:
+        """Count a call of the running event loop in, once no change is pending; returns the
+        loop, for :meth:`leave`."""
         # Polling keeps the caller's event loop free and needs no executor thread, which an
         # exclusive change issued from the same loop's executor might be waiting for.
-        while not self.try_enter():
+        loop = asyncio.get_running_loop()
+        while not self.try_enter(loop):
             await asyncio.sleep(poll_s)
+        return loop
 
-    def leave(self) -> None:
+    def leave(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Count a call out; ``loop``: the one :meth:`aenter` admitted it on."""
         with self._cond:
             self._active -= 1
+            if loop is not None:
+                self._loop_calls[loop] -= 1
+                if not self._loop_calls[loop]:
+                    del self._loop_calls[loop]
             self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -96,9 +111,8 @@ class EngineGate:
         self._cond.notify_all()
 
 
-def _runs_an_event_loop() -> bool:
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        asyncio.get_running_loop()
+        return asyncio.get_running_loop()
     except RuntimeError:
-        return False
-    return True
+        return None

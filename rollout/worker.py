@@ -750,13 +750,13 @@ class RolloutWorker:
         self._check_open()
         request = self._requests.validate(prompts, options)
         with counting_compiles() as compiles, self._closed_is_clear():
-            await self._admit(blocking=blocking)
+            loop = await self._admit(blocking=blocking)
             try:
                 version = self.weight_version
                 future = self._group.submit(request.prompts, request.params, request.seeds)
                 outputs = future.result() if blocking else await asyncio.wrap_future(future)
             finally:
-                self._gate.leave()
+                self._gate.leave(loop)
         return self._pack(request, outputs, version, compiles.value)
 
     async def astream(self, prompts, **options) -> AsyncIterator[StreamChunk]:
@@ -773,7 +773,7 @@ class RolloutWorker:
             raise InvalidRequest("return_routing", "astream() does not return routing: use generate or agenerate")
         self._check_open()
         request = self._requests.validate(prompts, options)
-        await self._admit(blocking=False)
+        loop = await self._admit(blocking=False)
         try:
             version = self.weight_version
             updates = self._group.astream(request.prompts, request.params, request.seeds)
@@ -783,7 +783,7 @@ class RolloutWorker:
                     async for chunk in chunks:
                         yield chunk
         finally:
-            self._gate.leave()
+            self._gate.leave(loop)
 
     def run_episodes(self, prompts, make_env, **options) -> EpisodeBatch:
         """:meth:`arun_episodes` for callers without a running event loop (it runs one, on a
@@ -855,34 +855,37 @@ class RolloutWorker:
                 raise WorkerClosed("the RolloutWorker was closed during the call") from exc
             raise
 
-    async def _admit(self, *, blocking: bool) -> None:
+    async def _admit(self, *, blocking: bool) -> asyncio.AbstractEventLoop | None:
         """Enter the gate as a generate call, rebuilding the KV caches first if dropped; raises
-        (gate left) when the weights cannot serve. ``blocking`` as for :meth:`_generate`."""
+        (gate left) when the weights cannot serve. ``blocking`` as for :meth:`_generate`.
+        Returns what :meth:`EngineGate.leave` takes: the event loop of a call that awaits."""
         while True:
             if self._kv_dropped:
                 if blocking:
                     self._rebuild_kv()
                 else:
                     await asyncio.to_thread(self._rebuild_kv)
+            loop = None
             if blocking:
                 try:
                     self._gate.enter()
                 except GateClosed as closed:
                     raise WorkerUnavailable(
                         closed.reason,
-                        f"generate() on a thread running an event loop while {closed.reason}: waiting would block "
-                        "the loop, whose own calls the change may be waiting for; await agenerate() there",
+                        f"generate() on a thread whose event loop runs generate calls, while {closed.reason}: the "
+                        "change waits for those calls, which the loop cannot run while it waits; await agenerate()",
                     ) from None
             else:
-                await self._gate.aenter()
+                loop = await self._gate.aenter()
             if not self._kv_dropped:
                 break
-            self._gate.leave()  # dropped again meanwhile: rebuild first (refused if held)
+            self._gate.leave(loop)  # dropped again meanwhile: rebuild first (refused if held)
         try:
             self._check_weights_alive()
         except BaseException:
-            self._gate.leave()
+            self._gate.leave(loop)
             raise
+        return loop
 
     def _check_weights_alive(self) -> None:
         self._check_open()

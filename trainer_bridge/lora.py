@@ -56,6 +56,8 @@ class LoraConfig:
         if isinstance(self.rank, (bool, np.bool_)) or not isinstance(self.rank, numbers.Integral) or self.rank < 1:
             raise ValueError(f"LoraConfig.rank must be a positive int, got {self.rank!r}")
         alpha = self.alpha
+        if isinstance(alpha, np.ndarray | jax.Array) and alpha.ndim == 0:  # read from a checkpoint
+            alpha = alpha.item()
         if isinstance(alpha, (bool, np.bool_)) or not isinstance(alpha, numbers.Real) or not 0 < alpha < math.inf:
             raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {alpha!r}")
         targets = self.target_modules

@@ -253,7 +253,8 @@ def paged_attention(
     key_starts = jnp.cumsum(spans) - spans
 
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    if extend_seq_lens is None:
+    decode = extend_seq_lens is None
+    if decode:
         req = tokens
         q_block = 1  # decode tokens belong to different requests: each walks its own span
         kv_chunk = decode_kv_chunk
@@ -320,6 +321,10 @@ def paged_attention(
         # there (another request's) would make this one's output NaN.
         slots = jnp.where((loc > 0) & (k < hi[:, None]), loc, 0)
         k_c, v_c = gather_kv(slots)
+        if not decode:
+            # A prefill block's run holds several requests' keys: a non-finite value of one is
+            # zeroed for the others (its own tokens still see NaN, through its non-finite key).
+            v_c = jnp.where(jnp.isfinite(v_c), v_c, jnp.zeros_like(v_c))
         # The dots see a block's tokens and group as one axis: with tokens and group as axes of
         # their own, XLA transposed each chunk's K before the dot.
         s = jnp.einsum(f"bhtd,{kv_dims}->bhtc", q_rows, k_c, preferred_element_type=jnp.float32).reshape(mask_shape)

@@ -375,13 +375,13 @@ class EngineHandle:
             old = model.weight_leaves()
             model.replace_weight_leaves(new_leaves)
             swapped = True
+            if on_swapped is not None:  # first: what follows may fail
+                on_swapped()
             if version is not None:
                 control.weight_version = version
             for index in free:
                 if old[index] is not new_leaves[index]:
                     old[index].delete()
-            if on_swapped is not None:
-                on_swapped()
 
         def drained() -> inflight.SwapRecord:
             start = time.perf_counter()

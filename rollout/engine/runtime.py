@@ -188,10 +188,14 @@ class SchedulerControl:
                 pass
 
     def fail(self, exc: BaseException) -> None:
+        """Record the engine's error, fail the calls waiting on it, and end its scheduler loop
+        (at its next top: a failed engine runs no forward again, and what it holds may be freed)."""
         if self.error is None:
             self.error = exc
             self.error_traceback = "".join(traceback.format_exception(exc))
             logger.error("%s failed:\n%s", self.name, self.error_traceback)
+        self.stop_requested = True
+        self.wake()
         self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -207,7 +211,7 @@ class SchedulerControl:
             self._fail_future(future)
 
     def _fail_future(self, future: concurrent.futures.Future) -> None:
-        # A call given up at its timeout was cancelled: the others still get the error.
+        # Not one already running (the scheduler thread sets its outcome) or cancelled.
         if future.set_running_or_notify_cancel():
             future.set_exception(self.dead_error())
 

@@ -140,9 +140,9 @@ def test_only_an_unimplemented_error_makes_the_probe_say_no(monkeypatch):
 
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-rows"])
 def test_another_requests_non_finite_kv_stays_its_own(head_major):
-    """A decode row's last KV chunk, and a prefill block's, reach into the next requests' slots
+    """A decode row's last KV chunk, and a prefill block's, reach into other requests' slots
     (masked): their values once entered the weighted sum times 0, and a NaN or inf there (one
-    request's overflow, a bad embedding) made every row batched before it NaN."""
+    request's overflow, a bad embedding) made the rows batched with it NaN."""
     rng = np.random.default_rng(2)
     q, kv, cache_loc, seq_lens, prefix_lens, extend_lens = ragged_batch(rng, [6, 2, 13, 0], [1, 1, 1, 0])
     poisoned = kv.copy()
@@ -155,7 +155,11 @@ def test_another_requests_non_finite_kv_stays_its_own(head_major):
     want = attend(decode_q, kv, cache_loc, seq_lens, **kwargs)
     np.testing.assert_array_equal(got[0], want[0])
     assert np.isnan(got[2]).all()  # its own NaN is its own
-    # Prefill blocks of one request each (q_block 1): the same holds for each token.
-    got = attend(q, poisoned, cache_loc, seq_lens, prefix_lens, extend_lens, scale=0.5, q_block=1, kv_chunk=8)
-    want = attend(q, kv, cache_loc, seq_lens, prefix_lens, extend_lens, scale=0.5, q_block=1, kv_chunk=8)
-    np.testing.assert_array_equal(got[0], want[0])
+    # Prefill: a block of one token, and blocks of the engine's default size, which hold several
+    # requests' tokens and so read several requests' keys.
+    for q_block in (1, DEFAULT_Q_BLOCK):
+        kwargs = dict(scale=0.5, q_block=q_block, kv_chunk=8, head_major=head_major)
+        got = attend(q, poisoned, cache_loc, seq_lens, prefix_lens, extend_lens, **kwargs)
+        want = attend(q, kv, cache_loc, seq_lens, prefix_lens, extend_lens, **kwargs)
+        np.testing.assert_array_equal(got[0], want[0])
+        assert np.isnan(got[2]).all()

@@ -163,6 +163,19 @@ def test_without_tools_the_template_renders_plain_chatml(tokenizer):
     assert render_chat(tokenizer, messages[:2], tools=[], add_generation_prompt=False).endswith("1+2=<|im_end|>\n")
 
 
+def test_tools_a_template_does_not_write_are_refused(chat_dir):
+    """The model would never see them (the server answers 400 naming ``tools``); a template that
+    refuses to render without tools (its tool messages need them) counts as writing them."""
+    plain = AutoTokenizer.from_pretrained(chat_dir)
+    plain.chat_template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    user = [{"role": "user", "content": "1+2="}]
+    with pytest.raises(ChatError, match="does not write tools into the prompt") as error:
+        render_chat(plain, user, tools=TOOLS)
+    assert error.value.field == "tools"
+    plain.chat_template = "{% if not tools %}{{ raise_exception('tools needed') }}{% endif %}{{ tools | length }}"
+    assert render_chat(plain, user, tools=TOOLS) == "1"
+
+
 def test_tools_are_listed_in_a_system_turn(tokenizer):
     user = {"role": "user", "content": "1+2="}
     assert render_chat(tokenizer, [user], tools=TOOLS) == (

@@ -1,6 +1,7 @@
 """Episodes without an engine: the chat template's framing, the tool environment, the packing."""
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import threading
@@ -537,6 +538,10 @@ def test_episodes_of_a_prompt_pack_together_and_carry_their_seeds():
         pack_episodes([first, second], n=2, pad_token_id=0)  # a group's failed episode filtered out
     with pytest.raises(ValueError, match="0 episodes are not n=2"):
         pack_episodes([], n=2, pad_token_id=0)
+    with pytest.raises(ValueError, match="n must be a positive int, got 0"):
+        pack_episodes(out.episodes, n=0, pad_token_id=0)
+    as_arrays = [dataclasses.replace(e, token_ids=np.array(e.token_ids)) for e in out.episodes]
+    np.testing.assert_array_equal(pack_episodes(as_arrays, n=2, pad_token_id=0).tokens, out.batch.tokens)
 
 
 def test_tools_a_template_does_not_write_and_environments_make_env_did_not_make_are_refused(tokenizer):

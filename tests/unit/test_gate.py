@@ -1,4 +1,5 @@
 import asyncio
+import collections
 import threading
 
 import pytest
@@ -39,35 +40,62 @@ def test_exclusive_blocks_nest_on_the_owning_thread():
     assert gate.try_enter()
 
 
-def test_a_blocking_entry_on_an_event_loops_thread_is_refused_while_a_change_is_pending():
-    """Waiting there could never end: the change waits for the calls in flight, one of which may
-    be the loop's own (an agenerate), and the loop is the thread that would wait."""
-    draining = threading.Event()
+class Observed(type(threading.Condition())):
+    """A condition that says which threads waited on it (with the predicate false)."""
 
-    class Observed(type(threading.Condition())):
-        def wait_for(self, predicate, timeout=None):
-            if not predicate():
-                draining.set()  # the exclusive change waits for the calls in flight
-            return super().wait_for(predicate, timeout)
+    def __init__(self):
+        super().__init__()
+        self.waiting: dict[str, threading.Event] = collections.defaultdict(threading.Event)
 
+    def wait_for(self, predicate, timeout=None):
+        if not predicate():
+            self.waiting[threading.current_thread().name].set()
+        return super().wait_for(predicate, timeout)
+
+
+def test_a_blocking_entry_is_refused_on_a_loop_whose_own_calls_a_pending_change_waits_for():
+    """Waiting there could never end: the change waits for the loop's agenerate, and the loop is
+    the thread that would wait. A loop with no call admitted waits as any thread does."""
     gate, release = EngineGate(), threading.Event()
     gate._cond = Observed()
-    gate.enter()  # the loop's agenerate, in flight
+    outcome = {}
 
     def sync():
         with gate.exclusive("weights are being swapped"):
             release.wait()
 
-    changer = threading.Thread(target=sync)
-    changer.start()
-    draining.wait()
-
-    async def blocking_generate_on_the_loop():
+    async def loop_with_a_call():
+        loop = await gate.aenter()  # the loop's agenerate, in flight
+        changer = threading.Thread(target=sync, name="changer")
+        changer.start()
+        assert gate._cond.waiting["changer"].wait(60)  # the change waits for the call in flight
         with pytest.raises(GateClosed, match="weights are being swapped"):
-            gate.enter()
+            gate.enter()  # a blocking generate on the same loop
+        other = threading.Thread(target=lambda: asyncio.run(loop_without_calls()), name="other loop")
+        other.start()
+        assert gate._cond.waiting["other loop"].wait(60), "refused: it has no call of its own"
+        gate.leave(loop)  # the agenerate ends: the change runs, then the other loop's call
+        release.set()
+        changer.join(60)
+        other.join(60)
+        assert not changer.is_alive() and not other.is_alive()
 
-    asyncio.run(blocking_generate_on_the_loop())
-    gate.leave()  # the agenerate ends: the change runs
-    release.set()
-    changer.join()
-    assert gate.try_enter()
+    async def loop_without_calls():
+        gate.enter()
+        outcome["entered"] = True
+        gate.leave()
+
+    errors = []
+
+    def run(main):
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported below, on the test's thread
+            errors.append(exc)
+
+    # On a thread of its own: a gate that let the loop wait would deadlock it (the test fails).
+    first = threading.Thread(target=run, args=(loop_with_a_call,), daemon=True)
+    first.start()
+    first.join(120)
+    assert not first.is_alive(), "the loop's blocking entry waited for the change waiting for the loop's call"
+    assert errors == [] and outcome == {"entered": True} and gate.try_enter() and gate._loop_calls == {}

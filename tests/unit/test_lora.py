@@ -233,6 +233,7 @@ def test_lora_config_checks_its_fields():
     # numpy integers (a config read from an array) are ints; the targets are a set.
     config = LoraConfig(rank=np.int64(4), alpha=np.float32(8.0), target_modules=["v_proj", "q_proj"])
     assert config == LoraConfig(4, 8.0, ("q_proj", "v_proj")) and type(config.rank) is int
+    assert LoraConfig(4, np.array(8.0)).alpha == LoraConfig(4, jnp.asarray(8.0)).alpha == 8.0  # 0-d arrays
 
 
 def test_the_trainers_merge_is_the_syncs_and_fresh_adapters_leave_the_base_as_it_is():
