@@ -134,13 +134,15 @@ def test_untied_head_computes_in_the_model_dtype(qwen2_untied_dir):
     reference = greedy_decode(
         CausalLM(DecoderConfig.from_hf(qwen2_untied_dir)), load_hf_params(qwen2_untied_dir), LONG_PROMPTS, 24
     )
-    with RolloutWorker(tiny_worker_config(qwen2_untied_dir)) as worker:
+    with RolloutWorker(tiny_worker_config(qwen2_untied_dir, precompile=True)) as worker:
         specs = {s.path: s for s in worker.engine.leaf_specs()}
         assert specs["lm_head.embedding"].dtype == np.float32
         # float32 logits: greedy decoding agrees with the float32 Flax model token for token,
         # and sampled log-probs to float32 rounding (a head computed in bfloat16 is ~1e-3 off).
         greedy = worker.generate(LONG_PROMPTS, temperature=0.0, max_new_tokens=24, ignore_eos=True)
         assert greedy.completions == reference
+        # The head was set before the forward was precompiled (set after, it recompiled it here).
+        assert greedy.compiles == 0
         report = worker.check_consistency(load_hf_params(qwen2_untied_dir), LONG_PROMPTS, max_new_tokens=8, atol=1e-4)
         assert report.max_abs_diff < 1e-4
 

@@ -126,8 +126,6 @@ class EngineHandle:
             specs = self._model.leaf_specs()
             self._control.token_slots_leaf = next(spec.index for spec in specs if spec.path == TOKEN_SLOTS)
         _open_handles.add(self)
-        if workaround_enabled("untied-head-dtype"):
-            self.call(self._model.align_lm_head_dtype)
         if options.record_routing:
             if not getattr(self._model.runner.model_config.hf_config, "num_experts", 0):
                 raise ValueError(f"record_routing: {options.model_path} is not a mixture-of-experts model")

@@ -111,6 +111,7 @@ def _apply_workarounds() -> None:
         patch_routing_output()
     _patch_model_loading()
     _patch_model_precision()
+    _patch_head_dtype()
     _patch_eos_token_ids()
     _patch_forward_compile_options()
     patch_unmerged_lora()
@@ -592,6 +593,25 @@ def _patch_model_precision() -> None:
 
     if workaround_enabled("bf16-matmul-precision"):
         model_runner.ModelRunner.initialize = _initialize_keeping_16_bit_precision(model_runner.ModelRunner.initialize)
+
+
+def _patch_head_dtype() -> None:
+    from sgl_jax.srt.model_executor import model_runner
+
+    if not workaround_enabled("untied-head-dtype"):
+        return
+    load_model = model_runner.ModelRunner.load_model
+
+    def load_model_with_the_head_in_the_model_dtype(self):
+        load_model(self)
+        # Before the forward is jitted (and precompiled) over the model's graph and state.
+        head = getattr(self.model, "lm_head", None)
+        if head is not None and jnp.dtype(head.dtype) != jnp.dtype(self.dtype):
+            weight = head.embedding.value
+            head.dtype = head.param_dtype = self.dtype
+            head.embedding.value = jax.device_put(weight.astype(self.dtype), weight.sharding)
+
+    model_runner.ModelRunner.load_model = load_model_with_the_head_in_the_model_dtype
 
 
 def eos_id_set(value) -> set[int]:

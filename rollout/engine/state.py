@@ -100,24 +100,6 @@ class ModelState:
         leaves, _ = jax.tree_util.tree_flatten(state)
         forward_cells(self.runner)["model_state_leaves"].cell_contents = leaves
 
-    def align_lm_head_dtype(self) -> None:
-        """Workaround "untied-head-dtype" (before the first forward)."""
-        from flax import nnx
-
-        runner = self.runner
-        head = getattr(runner.model, "lm_head", None)
-        if head is None or jnp.dtype(head.dtype) == jnp.dtype(runner.dtype):
-            return
-        weight = head.embedding.value
-        head.dtype = head.param_dtype = runner.dtype
-        head.embedding.value = jax.device_put(weight.astype(runner.dtype), weight.sharding)
-        graph_def, state = nnx.split(runner.model)
-        leaves, state_def = jax.tree_util.tree_flatten(state)
-        cells = forward_cells(self.runner)
-        cells["model_def"].cell_contents = graph_def
-        cells["model_state_def"].cell_contents = state_def
-        cells["model_state_leaves"].cell_contents = leaves
-
     # ---- KV cache and prefix cache ---------------------------------------------------------
 
     def flush_prefix_cache(self) -> None:

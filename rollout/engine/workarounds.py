@@ -44,7 +44,8 @@ WORKAROUNDS: dict[str, str] = {
     "untied-head-dtype": (
         "Untied models (tie_word_embeddings false) create lm_head with the default param dtype "
         "bfloat16 and compute logits in it whatever the model dtype. The head's dtype and "
-        "weight are set to the model dtype before the first forward is compiled."
+        "weight are set to the model dtype as the model is loaded, before its forward is jitted and "
+        "precompiled."
     ),
     "detokenizer-output-ids": (
         "With a tokenizer loaded, the detokenizer path returns output_ids that silently drop "
