@@ -515,9 +515,11 @@ def check_decode_steps(options: EngineOptions, attention_backend: str) -> None:
     if options.decode_steps <= 1:
         return
     why = None
-    if attention_backend != "native" or not workaround_enabled("native-attention-memory"):
-        # Each step's view of the KV is given through cache_loc to this project's paged attention.
-        why = f"the native attention backend with the paged attention (not {attention_backend!r})"
+    # Each step's view of the KV is given through cache_loc to this project's paged attention.
+    if attention_backend != "native":
+        why = f"the native attention backend (not {attention_backend!r}), where this project's paged attention runs"
+    elif not workaround_enabled("native-attention-memory"):
+        why = "workaround native-attention-memory (its paged attention reads each step's KV)"
     elif not workaround_enabled("sampler"):
         why = "workaround sampler (its sampler returns the log-probs the chunk keeps)"
     elif options.record_routing:

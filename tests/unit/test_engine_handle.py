@@ -3,7 +3,7 @@ engines that can run decode chunks."""
 
 import pytest
 
-from rollout.engine import EngineError, EngineOptions
+from rollout.engine import EngineError, EngineOptions, workarounds
 from rollout.engine.handle import check_decode_steps, default_attention_backend
 from rollout.engine.programs import static_decode_chunks
 
@@ -18,7 +18,7 @@ def test_attention_backend_is_chosen_by_platform(device, backend):
 @pytest.mark.parametrize(
     ("overrides", "backend", "needs"),
     [
-        ({}, "fa", "the native attention backend with the paged attention \\(not 'fa'\\)"),
+        ({}, "fa", "the native attention backend \\(not 'fa'\\)"),
         ({"record_routing": True}, "native", "record_routing off"),
         ({"max_loras": 2}, "native", "max_loras = 1"),
     ],
@@ -30,8 +30,11 @@ def test_engines_that_cannot_run_decode_chunks_are_refused_with_the_reason(overr
     check_decode_steps(EngineOptions(model_path="unused", decode_steps=1, **overrides), backend)
 
 
-def test_decode_chunks_run_on_the_paged_native_attention():
+def test_decode_chunks_run_on_the_paged_native_attention(monkeypatch):
     check_decode_steps(EngineOptions(model_path="unused", decode_steps=8), "native")
+    monkeypatch.setenv(workarounds.DISABLE_ENV, "native-attention-memory")
+    with pytest.raises(EngineError, match="decode_steps=8 needs workaround native-attention-memory"):
+        check_decode_steps(EngineOptions(model_path="unused", decode_steps=8), "native")
 
 
 @pytest.mark.parametrize(
