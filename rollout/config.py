@@ -68,6 +68,10 @@ class WorkerConfig(EngineOptions):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"WorkerConfig.{name} must be a positive int or None, got {value!r}")
+        for name in ("precompile", "record_routing", "prefix_cache", "allow_long_context", "static_decode_chunks"):
+            value = getattr(self, name)  # a string such as "no" would be true
+            if not isinstance(value, bool) and not (name == "static_decode_chunks" and value is None):
+                raise ValueError(f"WorkerConfig.{name} must be a bool, got {value!r}")
         if (
             isinstance(self.pod_timeout_s, bool)
             or not isinstance(self.pod_timeout_s, (int, float))

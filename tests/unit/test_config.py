@@ -92,3 +92,13 @@ def test_routing_is_refused_for_an_moe_config_whose_every_layer_is_dense(tmp_pat
         check_routing_recordable(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(TinyMoeSpec(num_hidden_layers=2).hf_config()))
     check_routing_recordable(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("prefix_cache", "no"), ("precompile", 1), ("static_decode_chunks", "false"), ("allow_long_context", None)],
+)
+def test_switches_are_bools(qwen2_dir, field, value):
+    """A string such as "no" was taken as true."""
+    with pytest.raises(ValueError, match=rf"WorkerConfig\.{field} must be a bool, got {value!r}"):
+        tiny_worker_config(qwen2_dir, **{field: value})
