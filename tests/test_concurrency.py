@@ -132,7 +132,9 @@ def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params
     # the threads themselves, so the list order is the event order: no clocks compared).
     events = []
     gate, leave = worker._gate, worker._gate.leave
-    monkeypatch.setattr(gate, "leave", lambda: (events.append(("leave", threading.current_thread().name)), leave()))
+    monkeypatch.setattr(
+        gate, "leave", lambda *loop: (events.append(("leave", threading.current_thread().name)), leave(*loop))
+    )
     for weights in worker._group.weights:
         monkeypatch.setattr(weights, "commit", _recording(weights.commit, events, "commit"))
 
