@@ -226,6 +226,7 @@ def test_an_engine_failing_after_its_swap_is_failed_and_the_trainers_arrays_surv
         assert not dying.alive
         with pytest.raises(EngineError, match="flush failed"):
             dying.check_alive()
+        assert dying._control.stopped.wait(60), "a failed engine's scheduler loop ends: nothing reads what is freed"
         worker.drop_kv()  # frees what the failed engine owns
         assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(placed))
         worker.rebuild_kv()
