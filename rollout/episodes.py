@@ -734,23 +734,24 @@ class _Episode:
             except Exception as exc:  # the environment's fault ends its episode only
                 logger.warning("episode environment failed at turn %d: %s", index, exc)
                 return ENV_ERROR, f"turn {index}: {type(exc).__name__}: {exc}"
-            if result.done:
-                self.reward += float(result.reward)
-                return DONE, None
-            if index + 1 == limits.max_turns:  # no turn would read the observation
-                self.reward += float(result.reward)
-                return MAX_TURNS, None
-            # A malformed answer ends the episode with no reward for it.
-            if result.observation is None:
-                return ENV_ERROR, f"turn {index}: the environment returned no observation and did not say done"
-            try:
-                appended = self.frames.close_turn(turn.token_ids) + self.frames.observation(result)
-                outside = [t for t in appended if not 0 <= t < self.worker.vocab_size]
-                if outside:
-                    raise ValueError(f"token ids outside the vocabulary [0, {self.worker.vocab_size}): {outside[:5]}")
-            except (TypeError, ValueError) as exc:
-                return ENV_ERROR, f"turn {index}: cannot append the observation: {exc}"
+            read = not result.done and index + 1 < limits.max_turns  # a later turn reads the observation
+            if read:  # a malformed one ends the episode with no reward for the answer
+                if result.observation is None:
+                    return ENV_ERROR, f"turn {index}: the environment returned no observation and did not say done"
+                try:
+                    appended = self.frames.close_turn(turn.token_ids) + self.frames.observation(result)
+                    outside = [t for t in appended if not 0 <= t < self.worker.vocab_size]
+                    if outside:
+                        raise ValueError(
+                            f"token ids outside the vocabulary [0, {self.worker.vocab_size}): {outside[:5]}"
+                        )
+                except (TypeError, ValueError) as exc:
+                    return ENV_ERROR, f"turn {index}: cannot append the observation: {exc}"
             self.reward += float(result.reward)
+            if result.done:
+                return DONE, None
+            if not read:  # the last turn: no turn would read the observation
+                return MAX_TURNS, None
             ended = self._no_room(index + 1, cap, appended)
             if ended is not None:  # the observation is left out: the episode ends before it
                 return ended
