@@ -121,14 +121,17 @@ class EngineWeights:
         }
         return {**flat, **zeros}
 
+    def kernel_paths(self) -> list[str]:
+        """The trainer paths of the model's kernels: what LoRA adapters may adapt."""
+        return [m.trainer for m in self._kernel_mappings()]
+
     def kernel_shapes(self) -> dict[str, np.ndarray]:
         """Trainer kernel path -> a stand-in of the trainer's kernel (its shape, no memory):
         what adapters are checked against when the trainer passes them without their base."""
-        return {
-            m.trainer: np.broadcast_to(np.float32(0), self._trainer_shape(m))
-            for m in self.mappings
-            if m.trainer.endswith(".kernel")
-        }
+        return {m.trainer: np.broadcast_to(np.float32(0), self._trainer_shape(m)) for m in self._kernel_mappings()}
+
+    def _kernel_mappings(self) -> list[ParamMapping]:
+        return [m for m in self.mappings if m.trainer.endswith(".kernel")]
 
     def _as_is(self, m: ParamMapping) -> bool:
         """Whether the engine uses ``m``'s trainer leaf unchanged: not transposed, and no KV

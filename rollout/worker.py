@@ -359,12 +359,9 @@ class RolloutWorker:
             flat = flatten_params(adapters)
         except (TypeError, ValueError) as exc:
             raise SyncError(f"adapters: {exc}") from None
-        collect_adapters(flat, self._group.first.kernel_shapes() if base is None else base, self._kernels(), served)
+        weights = self._group.first
+        collect_adapters(flat, weights.kernel_shapes() if base is None else base, weights.kernel_paths(), served)
         return canonical_adapters(flat), canonical_adapters({path: path for path in flat})
-
-    def _kernels(self) -> list[str]:
-        """The trainer paths of the model's kernels: what LoRA adapters may adapt."""
-        return list(self._group.first.kernel_shapes())
 
     def _sync(
         self,
@@ -397,7 +394,7 @@ class RolloutWorker:
             )
             merged_bytes = 0
             if lora:
-                adapters = collect_adapters(adapter_flat, flat, self._kernels(), lora[1])
+                adapters = collect_adapters(adapter_flat, flat, self._group.first.kernel_paths(), lora[1])
                 if check_finite:  # named here: a merged kernel's NaN would name the kernel
                     paths, factors = list(adapter_flat), list(adapter_flat.values())
                     bad = [paths[i] for i in non_finite_leaves(factors)]
