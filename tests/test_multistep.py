@@ -5,6 +5,7 @@ the same tokens, log-probs and versions as one step per dispatch, with every sch
 import asyncio
 import re
 import threading
+import weakref
 
 import jax
 import numpy as np
@@ -269,6 +270,33 @@ def test_a_chunks_only_loop_of_unknown_trip_count_is_its_steps_and_it_has_no_con
     unknown = [loop for loop in re.findall(r".* while\(.*", text) if "known_trip_count" not in loop]
     assert len(unknown) == 1 and 'op_name="jit(_decode_chunk)/while"' in unknown[0]  # the steps' loop
     assert " conditional(" not in text
+
+
+def test_the_kv_buffers_a_chunk_consumes_live_until_it_is_fetched(chunked, monkeypatch):
+    """At jax 0.8 the thread dropping the last reference to an array donated to a computation
+    still running waits for that computation: had the pool's buffers died as a chunk's loop
+    took them over, dispatching the chunk ahead would wait for the chunk being served, and the
+    host's work between chunks would no longer overlap the device's. (At jax 0.12 dropping
+    them does not wait; held, they cost no memory either way: the loop's outputs reuse them.)"""
+    consumed = {}  # id of a chunk's sampled ids on the device -> weak references to its inputs
+    alive_at_fetch = []
+    run_chunk, fetch = multistep.run_chunk, multistep.DecodeChunk.fetch
+
+    def recording_run(worker, *args, **kwargs):
+        pool = [weakref.ref(buffer) for buffer in worker.model_runner.token_to_kv_pool.kv_buffer]
+        outputs, misses = run_chunk(worker, *args, **kwargs)
+        consumed[id(outputs[0])] = pool
+        return outputs, misses
+
+    def checking_fetch(chunk):
+        if chunk.pending is not None:
+            alive_at_fetch.append(all(ref() is not None for ref in consumed.pop(id(chunk.pending[0]))))
+        fetch(chunk)
+
+    monkeypatch.setattr(multistep, "run_chunk", recording_run)
+    monkeypatch.setattr(multistep.DecodeChunk, "fetch", checking_fetch)
+    chunked.generate(PROMPTS, temperature=1.0, max_new_tokens=3 * STEPS + 1, ignore_eos=True, seed=2)
+    assert alive_at_fetch == [True] * 3  # the first chunk, then two dispatched ahead
 
 
 def test_a_stubbed_device_serves_each_chunk_shapes_first_outputs(chunked):

@@ -91,6 +91,8 @@ class DecodeChunk:
     logprobs: np.ndarray | None = None
     kept: np.ndarray | None = None
     misses: int = 0  # compiles its dispatch caused
+    # The KV buffers its loop consumed (donated), held until it is fetched: see DecodeChunks._launch.
+    consumed: list = dataclasses.field(default_factory=list)
     row_of: dict = dataclasses.field(default_factory=dict)  # id(req) -> row, rows still served
 
     def __post_init__(self):
@@ -107,6 +109,7 @@ class DecodeChunk:
             fetched = jax.device_get(self.pending)
             self.tokens, self.logprobs, self.kept = (np.asarray(x)[: self.steps, :rows] for x in fetched)
             self.pending = None
+            self.consumed = []  # the loop is done: dropping them no longer waits
 
     def last_ids(self) -> jax.Array:
         """The ids its last step samples, [padded rows] (0 past its rows), on the device (before
@@ -359,10 +362,25 @@ class DecodeChunks:
         if self.static:
             last_lens = plan[-1]
             kv_walk = decode_kv_walk(int(last_lens.max()), _widest_row(scheduler))
+        # The pool's buffers before the loop, which it consumes: at jax 0.8 the thread that drops
+        # the last reference to an array donated to a computation still running waits for that
+        # computation (and the one producing the array) to finish. Dropped here, as the pool takes
+        # the loop's outputs, the chunk dispatched ahead waited for the chunk being served and
+        # then for itself: the host's work between chunks no longer overlapped the device's
+        # (step_cost_bench at jax 0.8: 1.67 ms a step, of which 0.33 the host's).
+        consumed = list(worker.model_runner.token_to_kv_pool.kv_buffer)
         pending, misses = run_chunk(worker, mwb, metadata, plan, self.steps, kv_walk, first_ids)
         self.dispatched += 1
         return DecodeChunk(
-            reqs, self.control.weight_version, slots, first_lens, mwb, metadata, pending=pending, misses=misses
+            reqs,
+            self.control.weight_version,
+            slots,
+            first_lens,
+            mwb,
+            metadata,
+            pending=pending,
+            misses=misses,
+            consumed=consumed,
         )
 
     def _steps_for(self, reqs, first_lens: np.ndarray, served_ahead: int) -> int:
