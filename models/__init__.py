@@ -2,6 +2,7 @@
 sglang-jax, and tiny random model dirs for tests and examples."""
 
 from .decoder_flax import CausalLM, DecoderConfig, Llama3RopeScaling, greedy_decode, rope_inv_freq
+from .hf_config import HF_DEFAULTS, with_hf_defaults
 from .logprobs import (
     completion_log_probs,
     engine_sampling_params,
@@ -18,6 +19,7 @@ from .tiny_moe import TinyMoeSpec
 
 __all__ = [
     "FAMILIES",
+    "HF_DEFAULTS",
     "MAPPINGS",
     "Condition",
     "EngineTransform",
@@ -46,5 +48,6 @@ __all__ = [
     "table_logits",
     "tiny_llama3_spec",
     "tiny_random_llama_spec",
+    "with_hf_defaults",
     "write_tiny_model",
 ]

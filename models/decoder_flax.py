@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .hf_config import with_hf_defaults
 from .logprobs import table_logits
 
 
@@ -127,8 +128,9 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, source: str | Path | dict, dtype: str = "float32") -> DecoderConfig:
-        """From an HF ``config.json`` (a model dir, the file, or its parsed dict)."""
-        source = read_hf_config(source)
+        """From an HF ``config.json`` (a model dir, the file, or its parsed dict); a key it omits
+        takes transformers' default (``models.hf_config``), as the engine's does."""
+        source = with_hf_defaults(read_hf_config(source))
         model_type = source.get("model_type")
         if model_type not in ARCHITECTURES:
             raise ValueError(f"model_type {model_type!r} is not supported ({', '.join(ARCHITECTURES)})")
@@ -143,11 +145,11 @@ class DecoderConfig:
             intermediate_size=source["intermediate_size"],
             num_hidden_layers=source["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=source.get("num_key_value_heads", heads),
+            num_key_value_heads=source.get("num_key_value_heads") or heads,
             head_dim=source.get("head_dim") or source["hidden_size"] // heads,
-            rope_theta=float(source.get("rope_theta", 1_000_000.0)),
-            rms_norm_eps=float(source.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(source.get("tie_word_embeddings", True)),
+            rope_theta=float(source["rope_theta"]),
+            rms_norm_eps=float(source["rms_norm_eps"]),
+            tie_word_embeddings=bool(source["tie_word_embeddings"]),
             dtype=dtype,
             rope_scaling=Llama3RopeScaling.from_hf(source.get("rope_scaling")),
         )

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from . import qwen3_moe
 from .decoder_flax import MLP, DecoderConfig, read_hf_config
+from .hf_config import with_hf_defaults
 from .moe import replay_route, route
 
 _expert_init = nn.initializers.variance_scaling(
@@ -58,11 +59,14 @@ class Qwen3MoeConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, source: str | Path | dict, dtype: str = "float32") -> Qwen3MoeConfig:
-        source = read_hf_config(source)
+        source = with_hf_defaults(read_hf_config(source))
         if source.get("model_type") != qwen3_moe.MODEL_TYPE:
             raise ValueError(f"model_type {source.get('model_type')!r} is not {qwen3_moe.MODEL_TYPE!r}")
         qwen3_moe.check_config(source.get)
-        base = DecoderConfig.from_hf({**source, "model_type": "qwen3"}, dtype=dtype)
+        # As Qwen3's attention, but without Qwen3's head_dim default (transformers' Qwen3MoeConfig
+        # has none: hidden size over heads, as the engine takes it).
+        head_dim = source.get("head_dim") or source["hidden_size"] // source["num_attention_heads"]
+        base = DecoderConfig.from_hf({**source, "model_type": "qwen3", "head_dim": head_dim}, dtype=dtype)
         return cls(
             **{
                 **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
@@ -71,8 +75,7 @@ class Qwen3MoeConfig(DecoderConfig):
             num_experts=int(source["num_experts"]),
             num_experts_per_tok=int(source["num_experts_per_tok"]),
             moe_intermediate_size=int(source["moe_intermediate_size"]),
-            # transformers' Qwen3MoeConfig default.
-            norm_topk_prob=bool(source.get("norm_topk_prob", False)),
+            norm_topk_prob=bool(source["norm_topk_prob"]),
             sparse_layers=tuple(sorted(qwen3_moe.sparse_layers(source.get))),
         )
 

@@ -12,17 +12,31 @@ import dataclasses
 from collections.abc import Callable
 
 from . import llama, qwen2, qwen3, qwen3_moe
-from .decoder_flax import CausalLM, DecoderConfig
+from .decoder_flax import CausalLM, DecoderConfig, Llama3RopeScaling
+from .hf_config import with_hf_defaults
 from .mapping import ParamMapping, expand_mappings
 from .qwen3_moe_flax import Qwen3MoeConfig
 
-# RoPE scaling types every family's Flax model and the engine (0.0.2's get_rope, with the
-# "llama3-rope-scaling" workaround) compute alike; None/"default" is plain RoPE.
-DEFAULT_ROPE_TYPES = frozenset({"default", "llama3"})
+# RoPE scaling types a family's Flax model and the engine compute alike; None/"default" is plain
+# RoPE. 0.0.2's Qwen2, Qwen3 and Qwen3-MoE attentions build their RotaryEmbedding without the
+# config's rope_scaling (the engine would run plain RoPE where the trainer scales); its Llama
+# passes it to get_rope (with the "llama3-rope-scaling" workaround).
+PLAIN_ROPE = frozenset({"default"})
+LLAMA_ROPE_TYPES = frozenset({"default", "llama3"})
+
+# Keys whose only value both sides compute, where a config.json sets them: the Flax models run
+# SiLU MLPs, rotate whole heads the neox way (0.0.2's Llama honours rope_is_neox_style, an
+# sglang key) and attend to every earlier token.
+SHARED_VALUES = {
+    "hidden_act": ("silu",),
+    "partial_rotary_factor": (1, 1.0),
+    "rope_is_neox_style": (True,),
+    "use_sliding_window": (False,),
+}
 
 
 def _expand(table, get) -> list[ParamMapping]:
-    return expand_mappings(table, num_layers=int(get("num_hidden_layers")), tied=bool(get("tie_word_embeddings", True)))
+    return expand_mappings(table, num_layers=int(get("num_hidden_layers")), tied=bool(get("tie_word_embeddings")))
 
 
 def _decoder_flax(config: dict, dtype: str):
@@ -37,7 +51,7 @@ class Family:
     mapping: tuple[ParamMapping, ...]
     # (HF config dict, dtype) -> the Flax trainer model (params in the MLLM-JAX layout).
     flax_model: Callable[[dict, str], object]
-    rope_types: frozenset[str] = DEFAULT_ROPE_TYPES
+    rope_types: frozenset[str] = PLAIN_ROPE
     # (table, config getter) -> concrete entries; a family with layer-dependent entries
     # (dense and sparse layers) supplies its own.
     expand: Callable = _expand
@@ -54,7 +68,7 @@ def _qwen3_moe_expand(table, get) -> list[ParamMapping]:
     return expand_mappings(
         table,
         num_layers=int(get("num_hidden_layers")),
-        tied=bool(get("tie_word_embeddings", True)),
+        tied=bool(get("tie_word_embeddings")),
         sparse_layers=qwen3_moe.sparse_layers(get),
     )
 
@@ -66,13 +80,17 @@ def _qwen3_moe_flax(config: dict, dtype: str):
 FAMILIES: dict[str, Family] = {
     "qwen2": Family("qwen2", qwen2.MAPPING, _decoder_flax),
     "qwen3": Family("qwen3", qwen3.MAPPING, _decoder_flax, unsupported_flags=("attention_bias",)),
-    "llama": Family("llama", llama.MAPPING, _decoder_flax, unsupported_flags=("attention_bias", "mlp_bias")),
-    # 0.0.2's Qwen3-MoE attention builds its RotaryEmbedding without the config's rope_scaling.
+    "llama": Family(
+        "llama",
+        llama.MAPPING,
+        _decoder_flax,
+        rope_types=LLAMA_ROPE_TYPES,
+        unsupported_flags=("attention_bias", "mlp_bias"),
+    ),
     qwen3_moe.MODEL_TYPE: Family(
         qwen3_moe.MODEL_TYPE,
         qwen3_moe.MAPPING,
         _qwen3_moe_flax,
-        rope_types=frozenset({"default"}),
         expand=_qwen3_moe_expand,
         unsupported_flags=("attention_bias",),
         check=qwen3_moe.check_config,
@@ -85,13 +103,17 @@ MAPPINGS: dict[str, tuple[ParamMapping, ...]] = {name: family.mapping for name, 
 
 
 def _getter(hf_config):
+    """``get(key, default=None)`` of an HF config: a dict (a parsed config.json, read with
+    transformers' defaults for the keys it omits) or a PretrainedConfig."""
     if isinstance(hf_config, dict):
-        return hf_config.get
+        return with_hf_defaults(hf_config).get
     return lambda key, default=None: getattr(hf_config, key, default)
 
 
-# The sizes every family's table and model are built from.
+# The sizes every family's table is built from, and those only its model needs (a real config has
+# them; a mapping table can be expanded without).
 _SIZES = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+_MODEL_SIZES = ("vocab_size", "intermediate_size")
 
 
 def family_for(hf_config, where: str = "config") -> Family:
@@ -102,31 +124,60 @@ def family_for(hf_config, where: str = "config") -> Family:
     family = FAMILIES.get(model_type)
     if family is None:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)}")
-    scaling = get("rope_scaling")
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in family.rope_types:
-            raise ValueError(
-                f"{where}: rope_scaling type {kind!r} is not supported for {model_type}; "
-                f"supported: none, {', '.join(sorted(family.rope_types))}"
-            )
+    _check_rope_scaling(get, family, where)
     for flag in family.unsupported_flags:
         if get(flag):
             raise ValueError(f"{where}: {flag}={get(flag)!r} is not supported for {model_type}")
+    for key, values in SHARED_VALUES.items():
+        if get(key) is not None and get(key) not in values:
+            raise ValueError(f"{where}: {key}={get(key)!r} is not supported (the trainer model computes {values[0]!r})")
     if family.check is not None:
         try:
             family.check(get)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-    for field in _SIZES:
+    for field in (*_SIZES, *(field for field in _MODEL_SIZES if get(field) is not None)):
         value = get(field)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{where}: {field} must be a positive integer, got {value!r}")
     heads = int(get("num_attention_heads"))
+    kv_heads = get("num_key_value_heads") or heads
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"{where}: num_key_value_heads must be a positive integer dividing num_attention_heads={heads}, "
+            f"got {kv_heads!r}"
+        )
     head_dim = get("head_dim") or int(get("hidden_size")) // heads
     if int(head_dim) % 2:
         raise ValueError(f"{where}: head_dim {head_dim} is odd; rotary embeddings need an even head_dim")
     return family
+
+
+def _check_rope_scaling(get, family: Family, where: str) -> None:
+    scaling = get("rope_scaling")
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in family.rope_types:
+        raise ValueError(
+            f"{where}: rope_scaling type {kind!r} is not supported for {family.model_type}; "
+            f"supported: none, {', '.join(sorted(family.rope_types))}"
+        )
+    if kind != "llama3":
+        return
+    try:
+        llama3 = Llama3RopeScaling.from_hf(scaling)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    # 0.0.2's Llama layer puts a top-level original_max_position_embeddings into rope_scaling;
+    # transformers and the trainer model read the one inside.
+    top_level = get("original_max_position_embeddings")
+    if top_level is not None and top_level != llama3.original_max_position_embeddings:
+        raise ValueError(
+            f"{where}: original_max_position_embeddings={top_level!r} differs from rope_scaling's "
+            f"{llama3.original_max_position_embeddings}: the engine would scale RoPE by the first, the trainer "
+            "model (as transformers) by the second"
+        )
 
 
 def mappings_for(hf_config, where: str = "config") -> list[ParamMapping]:

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import jax
 
-from models import family_for, mappings_for
+from models import family_for, mappings_for, with_hf_defaults
 from trainer_bridge import LoraConfig, check_unmerged_targets
 
 from .engine import EngineOptions
+
+# The longest pod_timeout_s: a week.
+MAX_POD_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +78,13 @@ class WorkerConfig(EngineOptions):
         if (
             isinstance(self.pod_timeout_s, bool)
             or not isinstance(self.pod_timeout_s, (int, float))
-            or not self.pod_timeout_s > 0
+            or not 0 < self.pod_timeout_s <= MAX_POD_TIMEOUT_S
         ):
+            # JAX's coordination service takes its waits in whole milliseconds: inf raised
+            # OverflowError at the first pod call, and 1e18 s timed out at once.
             raise ValueError(
-                f"WorkerConfig.pod_timeout_s must be a positive number of seconds, got {self.pod_timeout_s!r}"
+                f"WorkerConfig.pod_timeout_s must be a number of seconds in (0, {MAX_POD_TIMEOUT_S:.0f}], "
+                f"got {self.pod_timeout_s!r}"
             )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"WorkerConfig.context_length must be >= 2, got {self.context_length}")
@@ -142,12 +148,12 @@ class WorkerConfig(EngineOptions):
         Returns each engine's devices. A model path that is not a local directory (an HF hub
         id) skips the model checks."""
         self.check_model_dir()
-        check_model_family(self.model_path)
+        groups = self.device_groups()
+        check_model_family(self.model_path, self.tp_size)
         if self.record_routing:
             check_routing_recordable(self.model_path)
         if self.unmerged_lora is not None:
             check_unmerged_lora(self.model_path, self.unmerged_lora)
-        groups = self.device_groups()
         limit = model_context_limit(self.model_path)
         if (
             self.context_length is not None
@@ -173,12 +179,27 @@ _CONTEXT_LENGTH_KEYS = (
 )
 
 
-def check_model_family(model_path: str) -> None:
+def check_model_family(model_path: str, tp_size: int = 1) -> None:
     """ValueError naming the field when a local model directory's config.json asks for what the
-    trainer model or the engine does not support (model_type, RoPE scaling type, head_dim)."""
+    trainer model or the engine does not support (model_type, RoPE scaling type, head_dim), or
+    has heads that ``tp_size`` devices cannot split: the attention heads evenly, the KV heads
+    evenly or by repeating each on ``tp_size / num_key_value_heads`` devices."""
     config_file = Path(model_path) / "config.json"
-    if config_file.is_file():
-        family_for(json.loads(config_file.read_text()), where=str(config_file))
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    family_for(config, where=str(config_file))
+    config = with_hf_defaults(config)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads % tp_size:
+        raise ValueError(f"WorkerConfig.tp_size={tp_size} does not divide num_attention_heads={heads} ({config_file})")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"WorkerConfig.tp_size={tp_size} and num_key_value_heads={kv_heads} ({config_file}): the engine splits "
+            "KV heads evenly over the devices, or repeats each on tp_size / num_key_value_heads of them; "
+            "neither divides the other"
+        )
 
 
 def check_routing_recordable(model_path: str) -> None:

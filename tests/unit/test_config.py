@@ -26,7 +26,7 @@ def test_tp_size_beyond_the_devices_is_refused_before_the_engine_starts(qwen2_di
     # An explicit device list: the count checked is that of the given devices.
     with pytest.raises(ValueError, match=r"tp_size \(2\) = 2 devices, but the worker is given 1"):
         tiny_worker_config(qwen2_dir, tp_size=2, devices=jax.devices()[:1]).validate()
-    tiny_worker_config(qwen2_dir, tp_size=4).validate()
+    tiny_worker_config(qwen2_dir, tp_size=2, dp_size=2).validate()
 
 
 def test_context_beyond_the_model_is_refused_unless_allowed(qwen2_dir):
@@ -92,6 +92,14 @@ def test_routing_is_refused_for_an_moe_config_whose_every_layer_is_dense(tmp_pat
         check_routing_recordable(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(TinyMoeSpec(num_hidden_layers=2).hf_config()))
     check_routing_recordable(str(tmp_path))
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, True, float("inf"), float("nan"), 1e18, "60"])
+def test_pod_timeout_is_a_finite_positive_number_of_seconds_the_runtime_can_wait(qwen2_dir, timeout):
+    """The coordination service waits in whole milliseconds: inf raised OverflowError at the
+    first pod call, and 1e18 s named every process lost at once."""
+    with pytest.raises(ValueError, match=r"WorkerConfig\.pod_timeout_s must be a number of seconds in \(0, 604800\]"):
+        tiny_worker_config(qwen2_dir, pod_timeout_s=timeout)
 
 
 @pytest.mark.parametrize(

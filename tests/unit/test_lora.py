@@ -278,7 +278,8 @@ def test_a_loss_through_the_merge_trains_the_adapters():
 def qwen_mappings(model_type="qwen2", **config):
     from models import mappings_for
 
-    hf = {"model_type": model_type, "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8}
+    hf = {"model_type": model_type, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+    hf["hidden_size"] = 8
     hf |= {"tie_word_embeddings": False, **config}
     return mappings_for(hf)
 
