@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer_bridge import relabel
+from trainer_bridge import device_order, relabel
 
 from . import kv, stream
 from .config import WorkerConfig
@@ -273,16 +273,29 @@ class EngineGroup:
     def _reshard(self, shardings: tuple, arrays: list, call: str) -> list[jax.Array]:
         """One jitted identity whose out_shardings are ``shardings``: XLA moves the bytes with
         collectives over every process. A lost process fails the collective (its sockets close):
-        PodError naming it, after the survivors compare notes (at most ``pod.timeout_s``)."""
-        key = (shardings, tuple((x.shape, x.dtype, x.sharding) for x in arrays))
-        fn = self._reshard_fns.get(key)
-        if fn is None:
-            fn = self._reshard_fns[key] = jax.jit(lambda *xs: xs, out_shardings=shardings).lower(*arrays).compile()
+        PodError naming it, after the survivors compare notes (at most ``pod.timeout_s``).
+
+        jit takes no argument whose devices are ordered otherwise than its results' (a trainer
+        mesh from ``jax.make_mesh`` or ``mesh_utils`` on a TPU often is): those arrays go through
+        ``jax.device_put``, which reorders their shards first, compiled at the call."""
+        jitted = [i for i, (x, s) in enumerate(zip(arrays, shardings)) if device_order(x.sharding) == device_order(s)]
+        reordered = sorted(set(range(len(arrays))) - set(jitted))
+        same_order = [arrays[i] for i in jitted]
+        key = (tuple(shardings[i] for i in jitted), tuple((x.shape, x.dtype, x.sharding) for x in same_order))
+
+        def compiled():
+            if key not in self._reshard_fns and jitted:
+                self._reshard_fns[key] = jax.jit(lambda *xs: xs, out_shardings=key[0]).lower(*same_order).compile()
+            return self._reshard_fns.get(key)
+
         # Compiled everywhere first, then started together: the CPU collectives (gloo) give a
-        # peer 30 s to join, less than a compile may take on a loaded host.
-        self.pod.agree(f"{call} (reshard)")
+        # peer 30 s to join, less than a compile may take on a loaded host. A process whose
+        # compile fails says so: the others raise at once rather than wait in the collective.
+        fn = self.pod.settle(f"{call} (reshard)", compiled)
         try:
-            return jax.block_until_ready(list(fn(*arrays)))
+            out = dict(zip(jitted, fn(*same_order))) if jitted else {}
+            out |= {i: jax.device_put(arrays[i], shardings[i]) for i in reordered}
+            return jax.block_until_ready([out[i] for i in range(len(arrays))])
         except Exception as exc:  # the runtime's own error type differs between jax versions
             lost = self.pod.lost_processes(call)
             raise PodError(

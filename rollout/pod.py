@@ -20,11 +20,13 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import jax
 import numpy as np
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 # Workers are created in the same order by every process (creation is itself an SPMD call):
@@ -59,13 +61,17 @@ def _client():
 
 
 def tree_fingerprint(flat: Mapping[str, object]) -> str:
-    """A short hash of a flat tree's paths, shapes, dtypes and placements (no values read)."""
+    """A short hash of a flat tree's paths, shapes, dtypes and placements (no values read): an
+    array over several processes' devices with its mesh's device order, which every process
+    sees alike (a process-local one's devices are its own)."""
     parts = []
     for path, leaf in flat.items():
         sharding = getattr(leaf, "sharding", None)
         placement = (
             repr(sharding.spec) + repr(sharding.mesh.shape) if hasattr(sharding, "spec") else type(leaf).__name__
         )
+        if hasattr(sharding, "mesh") and not sharding.is_fully_addressable:
+            placement += repr([device.id for device in sharding.mesh.devices.flat])
         parts.append(f"{path}:{tuple(np.shape(leaf))}:{getattr(leaf, 'dtype', None)}:{placement}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -130,6 +136,36 @@ class Pod:
             # Every process has finished the previous exchange (it wrote this one): drop my old key.
             client.key_value_delete(f"{self.namespace}/{self._calls - 1}/{self.process_index}")
         return [calls[p][2] for p in range(self.process_count)]
+
+    def settle(self, call: str, action: Callable[[], T]) -> T:
+        """``action()``'s result once every process's part of ``call`` succeeded: each runs its
+        own, then all exchange how it went. A process whose part raised raises that error; the
+        others a PodError naming it and its error, at once (not after ``timeout_s``, counted
+        lost). So a call whose commit comes after this changes nothing on any process when one
+        of them fails its part (a NaN only one process's shards hold: its weight version no
+        longer lagged the others' for good)."""
+        try:
+            result, error = action(), None
+        except Exception as exc:
+            result, error = None, exc
+        outcome = "" if error is None else f"{type(error).__name__}: {str(error)[:400]}"
+        try:
+            outcomes = self.agree(call, "", outcome)
+        except PodError:
+            if error is not None:
+                raise error from None
+            raise
+        if error is not None:
+            raise error
+        failed = {p: o for p, o in enumerate(outcomes) if o}
+        if failed:
+            raise PodError(
+                f"{call}: process(es) {sorted(failed)} failed their part ("
+                + "; ".join(f"process {p}: {o}" for p, o in sorted(failed.items()))
+                + "); nothing was changed on any process.",
+                tuple(sorted(failed)),
+            )
+        return result
 
     def lost_processes(self, call: str) -> tuple[int, ...]:
         """After a collective failed: the processes that do not report the same failure within

@@ -35,6 +35,7 @@ from trainer_bridge import (
     SyncReport,
     beyond_range,
     canonical_adapters,
+    check_live,
     collect_adapters,
     flatten_params,
     is_adapter_tree,
@@ -384,6 +385,7 @@ class RolloutWorker:
             adapter_flat = flatten_params(lora[0]) if lora else {}
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
+        check_live({**flat, **adapter_flat})
         with self._closed_is_clear(), self._sync_lock, counting_compiles() as compiles:
             # Before any collective: every process makes this call with a tree of this structure.
             self._group.pod.agree(
@@ -392,18 +394,25 @@ class RolloutWorker:
                 f"in_flight={in_flight} recompute_kv={recompute_kv} "
                 f"lora={lora and (tree_fingerprint(adapter_flat), lora[1])}",
             )
-            merged_bytes = 0
-            if lora:
-                adapters = collect_adapters(adapter_flat, flat, self._group.first.kernel_paths(), lora[1])
-                if check_finite:  # named here: a merged kernel's NaN would name the kernel
-                    paths, factors = list(adapter_flat), list(adapter_flat.values())
-                    bad = [paths[i] for i in non_finite_leaves(factors)]
-                    if bad:
-                        raise SyncError(f"non-finite values (nan/inf) in: {', '.join(bad[:8])}")
-                flat = merge_adapters(flat, adapters, lora[1])
-                merged_bytes = sum(flat[adapter.kernel].nbytes for adapter in adapters)
-            trees, gathered = self._group.localize(flat, call)
-            prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
+
+            def prepare():
+                merged, merged_bytes = flat, 0
+                if lora:
+                    adapters = collect_adapters(adapter_flat, flat, self._group.first.kernel_paths(), lora[1])
+                    if check_finite:  # named here: a merged kernel's NaN would name the kernel
+                        paths, factors = list(adapter_flat), list(adapter_flat.values())
+                        bad = [paths[i] for i in non_finite_leaves(factors)]
+                        if bad:
+                            raise SyncError(f"non-finite values (nan/inf) in: {', '.join(bad[:8])}")
+                    merged = merge_adapters(flat, adapters, lora[1])
+                    merged_bytes = sum(merged[adapter.kernel].nbytes for adapter in adapters)
+                trees, gathered = self._group.localize(merged, call)
+                prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
+                return prepared, gathered, merged_bytes
+
+            # In a pod every process commits or none does: one whose shards fail a check (a NaN
+            # in its part of the tree) would otherwise stay a version behind the others for good.
+            prepared, gathered, merged_bytes = self._group.pod.settle(f"{call} (prepared)", prepare)
             with self._swapping(reason, in_flight):
                 version = self.weight_version + 1
                 committed = self._group.commit(prepared, version, in_flight=in_flight, recompute_kv=recompute_kv)
@@ -429,6 +438,7 @@ class RolloutWorker:
             flat = flatten_params(params)
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
+        check_live(flat)
         weights = self._group.first
         weights.plan_for(weights.with_adapters(flat), allow_cast=True)
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from rollout import PodError, RolloutWorker  # noqa: E402
 from rollout.launch import join, leave  # noqa: E402
 from tests.helpers import tiny_worker_config  # noqa: E402
-from trainer_bridge import flatten_params, load_hf_params, restore_params, unflatten_params  # noqa: E402
+from trainer_bridge import SyncError, flatten_params, load_hf_params, restore_params, unflatten_params  # noqa: E402
 
 # Six global prompts: process p generates prompts[3p : 3p + 3] with prompt_offset=3p.
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [30, 31], [60, 61, 62], [7]]
@@ -96,6 +96,15 @@ def main(model_dir: str, out_dir: str) -> None:
         "seconds": time.perf_counter() - start,
     }
     results["fsdp_greedy"] = worker.generate(PROMPTS[mine], **GREEDY).completions
+    # The same layout on a mesh whose devices run in another order than jax.devices() (as
+    # jax.make_mesh may order a TPU's), the processes' devices swapped.
+    swapped = Mesh(np.array(jax.devices()[2:] + jax.devices()[:2]), ("fsdp",))
+    results["swapped_fsdp"] = sync_figures(
+        worker.sync_params(
+            unflatten_params(global_tree(host, {p: s.update(mesh=swapped) for p, s in fsdp_shardings.items()}))
+        )
+    )
+    results["swapped_fsdp_greedy"] = worker.generate(PROMPTS[mine], **GREEDY).completions
     save()
 
     # An orbax checkpoint written by both processes (each its own shards), loaded by both.
@@ -128,6 +137,16 @@ def main(model_dir: str, out_dir: str) -> None:
         results["disagree_trees"] = {"message": str(exc), "processes": list(exc.processes)}
     results["after_disagreement"] = sync_figures(worker.sync_params(unflatten_params(placed)))
     results["after_disagreement_greedy"] = worker.generate(PROMPTS[mine], **GREEDY).completions
+    # A NaN in process 1's part of the tree alone: neither process commits (process 0 did, and
+    # the two processes' weight versions stayed apart for good).
+    nan_norm = np.full_like(host["model.norm.scale"], np.nan)
+    poisoned = {**host, "model.norm.scale": nan_norm} if me == 1 else host
+    try:
+        worker.sync_params(unflatten_params(global_tree(poisoned, placed_shardings)), check_finite=True)
+    except (PodError, SyncError) as exc:
+        results["one_process_nan"] = {"error": type(exc).__name__, "message": str(exc)}
+        results["one_process_nan"]["processes"] = list(getattr(exc, "processes", ()))
+    results["after_one_process_nan"] = sync_figures(worker.sync_params(unflatten_params(placed)))
     save()
 
     # A process killed inside a sync: after every check, as the collective reshard starts

@@ -71,6 +71,9 @@ def test_placed_tree_syncs_at_zero_bytes_and_an_fsdp_tree_through_one_reshard(po
     fsdp = _both(pod, "fsdp")
     assert all(f["bytes_gathered"] > 0 and f["bytes_copied"] == 0 for f in fsdp), fsdp
     assert _both(pod, "fsdp_greedy") == _both(pod, "greedy")
+    # On a mesh of another device order (jit refused it: "incompatible devices").
+    assert all(f["bytes_gathered"] > 0 for f in _both(pod, "swapped_fsdp"))
+    assert _both(pod, "swapped_fsdp_greedy") == _both(pod, "greedy")
 
 
 def test_checkpoint_written_by_two_processes_loads_in_two_processes(pod):
@@ -88,8 +91,18 @@ def test_disagreeing_calls_are_a_named_error_and_change_nothing(pod):
         assert [e["processes"] for e in errors] == [[1], [1]], errors
         assert "process 0: sync_params(" in errors[0]["message"]
     assert "process 1: drop_kv()" in _both(pod, "disagree_calls")[0]["message"]
-    assert _both(pod, "after_disagreement") == [{"bytes_copied": 0, "bytes_gathered": 0, "version": 5}] * 2
+    assert _both(pod, "after_disagreement") == [{"bytes_copied": 0, "bytes_gathered": 0, "version": 6}] * 2
     assert _both(pod, "after_disagreement_greedy") == _both(pod, "greedy")
+
+
+def test_a_sync_one_process_fails_its_part_of_changes_no_process(pod):
+    """A NaN in process 1's shards only: process 1 raises its SyncError, process 0 a PodError
+    naming it and its error at once, and neither commits: the next sync is one version on both."""
+    errors = _both(pod, "one_process_nan")
+    assert errors[1]["error"] == "SyncError" and "model.norm.scale" in errors[1]["message"], errors
+    assert errors[0]["error"] == "PodError" and errors[0]["processes"] == [1], errors
+    assert "process 1: SyncError" in errors[0]["message"] and "model.norm.scale" in errors[0]["message"]
+    assert [r["version"] for r in _both(pod, "after_one_process_nan")] == [7, 7]
 
 
 def test_a_process_killed_mid_sync_is_named_within_the_bound_and_the_survivor_leaves(pod):

@@ -14,6 +14,7 @@ import pytest
 from bench.serve_load import ADMIN_TOKEN, run_load
 from rollout import RolloutWorker
 from rollout.chat import parse_tool_calls, render_chat
+from rollout.server import Server, ServerConfig, WorkerBackend
 from tests.helpers import serve_process, tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -334,6 +335,25 @@ def test_admin_requires_the_admin_token(http):
     # The API key is not the admin token.
     assert http.get("/admin/weights_checksum").status_code == 403
     assert http.post("/admin/drop_kv").status_code == 403
+
+
+@pytest.mark.one_end
+def test_admin_calls_a_pod_makes_together_are_refused_on_one_host(worker):
+    """In a pod, loading weights and dropping the KV cache are calls every process makes
+    together: one host's admin route paired with another host's next trainer call, or waited
+    for a partner that never came and wrote that host off as lost."""
+    backend = WorkerBackend(worker)
+    backend.pod_processes = 2  # what jax.process_count() says in a pod of two
+    version = worker.weight_version
+    routes = [("drop_kv", {}), ("rebuild_kv", {}), ("reload_weights", {"path": "/nowhere", "format": "hf"})]
+    routes.append(("load_lora", {"lora_path": "/nowhere"}))
+    with Server(backend, ServerConfig(port=0, admin_token=ADMIN_TOKEN)) as server:
+        for route, body in routes:
+            response = httpx.post(f"{server.url}/admin/{route}", json=body, headers=ADMIN)
+            assert response.status_code == 409, (route, response.text)
+            assert response.json()["error"]["code"] == "pod_spmd_call"
+            assert "every process makes together" in response.json()["error"]["message"]
+    assert not worker.kv_dropped and worker.weight_version == version
 
 
 @pytest.mark.one_end

@@ -334,6 +334,15 @@ def test_deleted_and_donated_buffers(tp_worker, hf_flat):
     with pytest.raises(SyncError, match=r"'model\.norm\.scale' has been deleted"):
         tp_worker.sync_params(unflatten_params(dead))
     assert greedy(tp_worker).completions == before
+    # A deleted leaf placed elsewhere: it was read before it was checked (a bare RuntimeError).
+    elsewhere = dict(hf_flat)
+    elsewhere["model.layers_1.mlp.up_proj.kernel"] = jax.device_put(hf_flat["model.layers_1.mlp.up_proj.kernel"])
+    elsewhere["model.layers_1.mlp.up_proj.kernel"].delete()
+    with pytest.raises(SyncError, match=r"'model\.layers_1\.mlp\.up_proj\.kernel' has been deleted"):
+        tp_worker.sync_params(unflatten_params(elsewhere))
+    with pytest.raises(SyncError, match=r"'model\.layers_1\.mlp\.up_proj\.kernel' has been deleted"):
+        tp_worker.check_params(unflatten_params(elsewhere))
+    assert greedy(tp_worker).completions == before
     # The engine serves the trainer's own buffers; the trainer then donates them.
     tp_worker.sync_params(unflatten_params(placed))
     placed["model.layers_0.mlp.up_proj.kernel"].delete()

@@ -297,6 +297,17 @@ def build_plan(
     return plans
 
 
+def check_live(flat: Mapping[str, object]) -> None:
+    """Deleted arrays (donated to a train step, say) are a SyncError naming their paths; read
+    first, one failed deep in the sync as a bare RuntimeError."""
+    deleted = [path for path, leaf in flat.items() if isinstance(leaf, jax.Array) and leaf.is_deleted()]
+    if deleted:
+        raise SyncError(
+            f"{', '.join(repr(path) for path in deleted[:8])} {'has' if len(deleted) == 1 else 'have'} been "
+            "deleted (donated to a train step?); pass live params"
+        )
+
+
 def _transform(x, plan: LeafPlan, head_dim: int):
     if plan.transform is EngineTransform.TRANSPOSE:
         x = x.T
@@ -369,13 +380,6 @@ class SyncPlan:
             return tuple(_transform(x, p, head_dim) for x, p in zip(arrays, copies))
 
         self._copy_fn = jax.jit(transform_all, out_shardings=tuple(p.engine.sharding for p in copies))
-
-    def check_live(self, flat: Mapping[str, object]) -> None:
-        """Deleted arrays are a SyncError naming the paths."""
-        for p in self.leaves:
-            leaf = flat[p.trainer_path]
-            if isinstance(leaf, jax.Array) and leaf.is_deleted():
-                raise SyncError(f"'{p.trainer_path}' has been deleted (donated to a train step?); pass live params")
 
     def execute(self, flat: Mapping[str, object]) -> dict[int, jax.Array]:
         """New engine leaves by engine index. Trainer arrays are never modified."""

@@ -8,7 +8,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
+import jax
+
 from ..batch import RolloutBatch, StreamChunk
+from .protocol import ApiError
 
 # Why generation is refused while /admin/drop_kv holds the KV cache dropped.
 KV_HELD = "the KV cache was dropped through /admin/drop_kv"
@@ -54,6 +57,21 @@ class WorkerBackend:
         self.worker = worker
         self.model_path = str(worker.config.model_path)
         self.model_name = Path(self.model_path.rstrip("/")).name or "model"
+        # The processes of this worker's job: in a pod, weight loads and KV drops are calls every
+        # process makes together (docs/pods.md), which one host's admin route cannot be.
+        self.pod_processes = jax.process_count()
+
+    def _one_host_call(self, route: str) -> None:
+        if self.pod_processes > 1:
+            # It would pair with another host's next trainer call, or wait for a partner that
+            # never comes and write that host off as lost.
+            raise ApiError(
+                409,
+                f"/admin/{route} is refused in a pod of {self.pod_processes} processes: loading weights or "
+                "dropping the KV cache is a call every process makes together (the SPMD rule, docs/pods.md); "
+                "make it from the trainer's program on every host",
+                code="pod_spmd_call",
+            )
 
     @property
     def tokenizer(self):
@@ -94,6 +112,7 @@ class WorkerBackend:
     def reload_weights(
         self, path: str, format: str, step: int | None, in_flight: bool = False, recompute_kv: bool = False
     ) -> dict:
+        self._one_host_call("reload_weights")
         swap = dict(in_flight=in_flight, recompute_kv=recompute_kv)
         if format == "orbax":
             report = self.worker.load_checkpoint(path, step=step, **swap)
@@ -104,6 +123,7 @@ class WorkerBackend:
     def load_lora(
         self, path: str, step: int | None, name: str | None, in_flight: bool = False, recompute_kv: bool = False
     ) -> dict:
+        self._one_host_call("load_lora")
         # Named adapters beside the default ones need slots (max_loras > 1); otherwise the name
         # only labels the default adapters.
         named = name if self.worker.config.max_loras > 1 else None
@@ -117,11 +137,13 @@ class WorkerBackend:
         return self.worker.unload_adapters(name)
 
     def drop_kv(self) -> dict:
+        self._one_host_call("drop_kv")
         # Held by the worker, not the routes: a request past the routes' check that reached the
         # worker after the drop would otherwise have rebuilt the cache.
         return dataclasses.asdict(self.worker.drop_kv(hold=KV_HELD))
 
     def rebuild_kv(self) -> dict:
+        self._one_host_call("rebuild_kv")
         return dataclasses.asdict(self.worker.rebuild_kv())
 
     def memory(self) -> dict:

@@ -53,3 +53,54 @@ def test_after_a_process_is_found_missing_the_next_call_fails_at_once_naming_it(
     assert later.value.processes == (1,)
     assert {k: v for k, v in store.values.items() if k in written} == written, "the failed call wrote nothing"
     assert "rollout/0/2/0" not in store.values
+
+
+def test_a_part_another_process_failed_is_a_named_error_at_once_and_its_result_unused(store):
+    store.key_value_set("rollout/0/1/1", "sync_params (prepared)||SyncError: non-finite values in: w")
+    parts = []
+    with pytest.raises(PodError, match=r"process\(es\) \[1\] failed their part \(process 1: SyncError: non-fin") as e:
+        Pod(0, 2, 1.0, "rollout/0").settle("sync_params (prepared)", lambda: parts.append("prepared"))
+    assert e.value.processes == (1,) and parts == ["prepared"]
+    assert pod_module.gone_processes() == frozenset(), "a process that failed its part is not lost"
+
+
+def test_a_part_this_process_failed_raises_its_own_error_after_telling_the_others(store):
+    store.key_value_set("rollout/0/1/1", "sync_params (prepared)||")
+
+    def fail():
+        raise ValueError("a NaN here")
+
+    with pytest.raises(ValueError, match="a NaN here"):
+        Pod(0, 2, 1.0, "rollout/0").settle("sync_params (prepared)", fail)
+    assert store.values["rollout/0/1/0"] == "sync_params (prepared)||ValueError: a NaN here"
+    store.key_value_set("rollout/0/2/1", "sync_params (prepared)||")
+    assert Pod(0, 2, 1.0, "rollout/0", _calls=1).settle("sync_params (prepared)", lambda: 7) == 7
+
+
+def test_a_global_arrays_fingerprint_has_its_meshs_device_order():
+    """Two processes whose trees differ only in their mesh's device order were one call to the
+    exchange, and one of them failed alone in the reshard. A process-local array's devices are
+    left out: each process's are its own."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    class GlobalSharding:  # what tree_fingerprint reads of a NamedSharding over several processes
+        def __init__(self, devices):
+            self.spec, self.mesh, self.is_fully_addressable = PartitionSpec("fsdp"), Mesh(devices, ("fsdp",)), False
+
+    class GlobalLeaf:
+        shape, dtype = (8, 4), np.dtype("float32")
+
+        def __init__(self, devices):
+            self.sharding = GlobalSharding(devices)
+
+    devices = np.array(jax.devices())
+    natural, reversed_ = GlobalLeaf(devices), GlobalLeaf(devices[::-1])
+    assert pod_module.tree_fingerprint({"w": natural}) != pod_module.tree_fingerprint({"w": reversed_})
+    assert pod_module.tree_fingerprint({"w": natural}) == pod_module.tree_fingerprint({"w": GlobalLeaf(devices)})
+    local = [
+        jax.device_put(np.ones((8, 4), np.float32), NamedSharding(Mesh(d, ("fsdp",)), PartitionSpec("fsdp")))
+        for d in (devices, devices[::-1])
+    ]
+    assert pod_module.tree_fingerprint({"w": local[0]}) == pod_module.tree_fingerprint({"w": local[1]})
