@@ -31,7 +31,7 @@ from .errors import (  # noqa: E402
     WorkerUnavailable,
 )
 from .kv import EngineMemory, KvReport, MemoryReport  # noqa: E402
-from .pod import PodError  # noqa: E402
+from .pod import PeerSyncError, PodError  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 from .worker import RolloutWorker  # noqa: E402
 
@@ -44,6 +44,7 @@ __all__ = [
     "KvReport",
     "LimitExceeded",
     "MemoryReport",
+    "PeerSyncError",
     "PlatformError",
     "PodError",
     "RolloutBatch",

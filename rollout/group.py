@@ -277,9 +277,16 @@ class EngineGroup:
 
         jit takes no argument whose devices are ordered otherwise than its results' (a trainer
         mesh from ``jax.make_mesh`` or ``mesh_utils`` on a TPU often is): those arrays go through
-        ``jax.device_put``, which reorders their shards first, compiled at the call."""
-        jitted = [i for i, (x, s) in enumerate(zip(arrays, shardings)) if device_order(x.sharding) == device_order(s)]
-        reordered = sorted(set(range(len(arrays))) - set(jitted))
+        ``jax.device_put``, which reorders their shards first, compiled at the call (so not
+        before every process is ready: a compile longer than the collectives' wait fails it).
+        Arrays on other devices stay in the jitted identity, whose compile refuses them on every
+        process alike."""
+        reordered = [
+            i
+            for i, (x, s) in enumerate(zip(arrays, shardings))
+            if device_order(x.sharding) != device_order(s) and set(device_order(x.sharding)) == set(device_order(s))
+        ]
+        jitted = sorted(set(range(len(arrays))) - set(reordered))
         same_order = [arrays[i] for i in jitted]
         key = (tuple(shardings[i] for i in jitted), tuple((x.shape, x.dtype, x.sharding) for x in same_order))
 

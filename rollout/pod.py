@@ -26,6 +26,8 @@ from typing import TypeVar
 import jax
 import numpy as np
 
+from trainer_bridge import SyncError
+
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
@@ -47,9 +49,38 @@ class PodError(RuntimeError):
     ``processes`` are the process indices that disagree or did not answer.
     """
 
-    def __init__(self, message: str, processes: tuple[int, ...]):
+    def __init__(self, message: str, processes: tuple[int, ...], exchanged: bool = False):
         super().__init__(message)
         self.processes = processes
+        # Raised by an exchange every process made (and raises from too): nothing is left to tell
+        # the others, and no process is lost.
+        self.exchanged = exchanged
+
+
+class PeerSyncError(PodError, SyncError):
+    """Another process's part of a sync failed its checks (a SyncError there). A SyncError on
+    this process too, so a trainer that skips a step on SyncError skips it on every process, and
+    their calls stay in step."""
+
+    def __init__(self, message: str, processes: tuple[int, ...]):
+        PodError.__init__(self, message, processes, exchanged=True)
+        self.non_finite = ()
+
+
+# The fingerprint of a settle's exchange (Pod.settle): its payload is the process's outcome.
+_SETTLED = "settled"
+
+
+def _failed_parts(call: str, failed: dict[int, str]) -> PodError:
+    """The error for processes whose part of ``call`` failed (outcomes by process)."""
+    message = (
+        f"{call}: process(es) {sorted(failed)} failed their part ("
+        + "; ".join(f"process {p}: {outcome}" for p, outcome in sorted(failed.items()))
+        + "); nothing was changed on any process."
+    )
+    if all(outcome.startswith(f"{SyncError.__name__}:") for outcome in failed.values()):
+        return PeerSyncError(message, tuple(sorted(failed)))
+    return PodError(message, tuple(sorted(failed)), exchanged=True)
 
 
 def _client():
@@ -120,6 +151,12 @@ class Pod:
         calls = {p: v.split("|", 2) for p, v in values.items()}
         votes = collections.Counter((c, f) for c, f, _ in calls.values())
         if len(votes) > 1:
+            # A process whose part of a settled call failed reached that call's exchange while
+            # the others went on to the next one (a nested settle's): named as failing, not as
+            # making another call.
+            failed = {p: payload for p, (_, f, payload) in calls.items() if f == _SETTLED and payload}
+            if failed:
+                raise _failed_parts(call, failed)
             # Named: the processes off the most common call (ties: off process 0's), the same
             # list in every process.
             usual = max(votes, key=lambda k: (votes[k], k == tuple(calls[0][:2])))
@@ -131,6 +168,7 @@ class Pod:
                 "weight and KV calls in the same order with trees of the same structure (the SPMD rule, "
                 "docs/pods.md). Nothing was changed.",
                 tuple(differ),
+                exchanged=True,
             )
         if self._calls > 1:
             # Every process has finished the previous exchange (it wrote this one): drop my old key.
@@ -141,30 +179,31 @@ class Pod:
         """``action()``'s result once every process's part of ``call`` succeeded: each runs its
         own, then all exchange how it went. A process whose part raised raises that error; the
         others a PodError naming it and its error, at once (not after ``timeout_s``, counted
-        lost). So a call whose commit comes after this changes nothing on any process when one
-        of them fails its part (a NaN only one process's shards hold: its weight version no
-        longer lagged the others' for good)."""
+        lost; a :class:`PeerSyncError` where that error was a SyncError). So a call whose commit
+        comes after this changes nothing on any process when one of them fails its part (a NaN
+        only one process's shards hold: its weight version no longer lagged the others' for
+        good). ``action`` may settle calls of its own: when one process fails before reaching
+        them, every process raises at that exchange, and none makes this one."""
         try:
             result, error = action(), None
+        except PodError as exc:
+            if exc.exchanged:  # every process raises from the exchange that raised it
+                raise
+            result, error = None, exc
         except Exception as exc:
             result, error = None, exc
         outcome = "" if error is None else f"{type(error).__name__}: {str(error)[:400]}"
         try:
-            outcomes = self.agree(call, "", outcome)
+            outcomes = self.agree(call, _SETTLED, outcome)
         except PodError:
             if error is not None:
                 raise error from None
             raise
         if error is not None:
             raise error
-        failed = {p: o for p, o in enumerate(outcomes) if o}
+        failed = {p: outcome for p, outcome in enumerate(outcomes) if outcome}
         if failed:
-            raise PodError(
-                f"{call}: process(es) {sorted(failed)} failed their part ("
-                + "; ".join(f"process {p}: {o}" for p, o in sorted(failed.items()))
-                + "); nothing was changed on any process.",
-                tuple(sorted(failed)),
-            )
+            raise _failed_parts(call, failed)
         return result
 
     def lost_processes(self, call: str) -> tuple[int, ...]:

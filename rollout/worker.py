@@ -62,7 +62,7 @@ from .group import EngineGroup
 from .in_place_updates import check_in_place_updates
 from .kv import KvReport, MemoryReport
 from .phase_log import PhaseLog
-from .pod import Pod, tree_fingerprint
+from .pod import PeerSyncError, Pod, tree_fingerprint
 from .sampling import GenerateRequest, RequestValidator, SamplingParams
 from .weight_tools import check_swap_mode
 
@@ -385,7 +385,6 @@ class RolloutWorker:
             adapter_flat = flatten_params(lora[0]) if lora else {}
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
-        check_live({**flat, **adapter_flat})
         with self._closed_is_clear(), self._sync_lock, counting_compiles() as compiles:
             # Before any collective: every process makes this call with a tree of this structure.
             self._group.pod.agree(
@@ -396,6 +395,9 @@ class RolloutWorker:
             )
 
             def prepare():
+                # Before anything reads them; in a pod, a leaf deleted on one process only is its
+                # part failing, which the others hear of at once.
+                check_live({**flat, **adapter_flat})
                 merged, merged_bytes = flat, 0
                 if lora:
                     adapters = collect_adapters(adapter_flat, flat, self._group.first.kernel_paths(), lora[1])
@@ -410,8 +412,8 @@ class RolloutWorker:
                 prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
                 return prepared, gathered, merged_bytes
 
-            # In a pod every process commits or none does: one whose shards fail a check (a NaN
-            # in its part of the tree) would otherwise stay a version behind the others for good.
+            # In a pod every process reaches its commit or none does: one whose shards fail a
+            # check (a NaN in its part of the tree) would otherwise stay a version behind for good.
             prepared, gathered, merged_bytes = self._group.pod.settle(f"{call} (prepared)", prepare)
             with self._swapping(reason, in_flight):
                 version = self.weight_version + 1
@@ -1006,6 +1008,8 @@ def _naming_factors_as_given(given: Mapping[str, str]) -> Iterator[None]:
         # Longest first, and never inside a longer name: "x.lora_a" is not read in "x.lora_a_1".
         names = "|".join(map(re.escape, sorted(renamed, key=len, reverse=True)))
         message = re.sub(rf"(?<![\w.])(?:{names})(?![\w.])", lambda m: renamed[m.group(0)], str(exc))
+        if isinstance(exc, PeerSyncError):  # another process's failure: still one, renamed
+            raise PeerSyncError(message, exc.processes) from None
         raise SyncError(message, [renamed.get(path, path) for path in exc.non_finite]) from None
 
 

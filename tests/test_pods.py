@@ -96,11 +96,12 @@ def test_disagreeing_calls_are_a_named_error_and_change_nothing(pod):
 
 
 def test_a_sync_one_process_fails_its_part_of_changes_no_process(pod):
-    """A NaN in process 1's shards only: process 1 raises its SyncError, process 0 a PodError
-    naming it and its error at once, and neither commits: the next sync is one version on both."""
+    """A NaN in process 1's shards only: process 1 raises its SyncError, process 0 a PeerSyncError
+    (a PodError and a SyncError) naming it and its error at once, and neither commits: the next
+    sync is one version on both."""
     errors = _both(pod, "one_process_nan")
     assert errors[1]["error"] == "SyncError" and "model.norm.scale" in errors[1]["message"], errors
-    assert errors[0]["error"] == "PodError" and errors[0]["processes"] == [1], errors
+    assert errors[0]["error"] == "PeerSyncError" and errors[0]["processes"] == [1], errors
     assert "process 1: SyncError" in errors[0]["message"] and "model.norm.scale" in errors[0]["message"]
     assert [r["version"] for r in _both(pod, "after_one_process_nan")] == [7, 7]
 

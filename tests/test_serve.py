@@ -346,7 +346,7 @@ def test_admin_calls_a_pod_makes_together_are_refused_on_one_host(worker):
     backend.pod_processes = 2  # what jax.process_count() says in a pod of two
     version = worker.weight_version
     routes = [("drop_kv", {}), ("rebuild_kv", {}), ("reload_weights", {"path": "/nowhere", "format": "hf"})]
-    routes.append(("load_lora", {"lora_path": "/nowhere"}))
+    routes += [("load_lora", {"lora_path": "/nowhere"}), ("perturb_weights", {"seed": 1, "scale": 0.1})]
     with Server(backend, ServerConfig(port=0, admin_token=ADMIN_TOKEN)) as server:
         for route, body in routes:
             response = httpx.post(f"{server.url}/admin/{route}", json=body, headers=ADMIN)

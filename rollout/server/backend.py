@@ -57,8 +57,8 @@ class WorkerBackend:
         self.worker = worker
         self.model_path = str(worker.config.model_path)
         self.model_name = Path(self.model_path.rstrip("/")).name or "model"
-        # The processes of this worker's job: in a pod, weight loads and KV drops are calls every
-        # process makes together (docs/pods.md), which one host's admin route cannot be.
+        # The processes of this worker's job: in a pod, weight changes and KV drops are calls
+        # every process makes together (docs/pods.md), which one host's admin route cannot be.
         self.pod_processes = jax.process_count()
 
     def _one_host_call(self, route: str) -> None:
@@ -67,9 +67,9 @@ class WorkerBackend:
             # never comes and write that host off as lost.
             raise ApiError(
                 409,
-                f"/admin/{route} is refused in a pod of {self.pod_processes} processes: loading weights or "
-                "dropping the KV cache is a call every process makes together (the SPMD rule, docs/pods.md); "
-                "make it from the trainer's program on every host",
+                f"/admin/{route} is refused in a pod of {self.pod_processes} processes: changing the weights "
+                "or dropping the KV cache is a call every process makes together (the SPMD rule, "
+                "docs/pods.md); make it from the trainer's program on every host",
                 code="pod_spmd_call",
             )
 
@@ -107,6 +107,7 @@ class WorkerBackend:
         return self.worker.weights_checksum()
 
     def perturb_weights(self, seed: int, scale: float, num_leaves: int, in_flight: bool = False) -> dict:
+        self._one_host_call("perturb_weights")
         return self.worker.perturb_weights(seed, scale, num_leaves, in_flight=in_flight)
 
     def reload_weights(

@@ -5,7 +5,8 @@ tests/test_pods.py."""
 import pytest
 
 from rollout import pod as pod_module
-from rollout.pod import Pod, PodError
+from rollout.pod import PeerSyncError, Pod, PodError
+from trainer_bridge import SyncError
 
 
 class KeyValueStore:
@@ -56,24 +57,37 @@ def test_after_a_process_is_found_missing_the_next_call_fails_at_once_naming_it(
 
 
 def test_a_part_another_process_failed_is_a_named_error_at_once_and_its_result_unused(store):
-    store.key_value_set("rollout/0/1/1", "sync_params (prepared)||SyncError: non-finite values in: w")
+    store.key_value_set("rollout/0/1/1", "sync_params (prepared)|settled|SyncError: non-finite values in: w")
     parts = []
     with pytest.raises(PodError, match=r"process\(es\) \[1\] failed their part \(process 1: SyncError: non-fin") as e:
         Pod(0, 2, 1.0, "rollout/0").settle("sync_params (prepared)", lambda: parts.append("prepared"))
     assert e.value.processes == (1,) and parts == ["prepared"]
+    # A SyncError there is one here too: a loop skipping a step on SyncError skips it everywhere.
+    assert isinstance(e.value, PeerSyncError) and isinstance(e.value, SyncError)
     assert pod_module.gone_processes() == frozenset(), "a process that failed its part is not lost"
 
 
+def test_a_peer_failing_before_a_nested_settle_is_named_at_that_exchange_and_none_follows(store):
+    """Process 1 failed its part of a sync before the reshard's own settle: its outcome met
+    process 0's reshard exchange. Both raise there; a second exchange would have waited out the
+    timeout and written process 1 off as lost."""
+    store.key_value_set("rollout/0/1/1", "sync_params (prepared)|settled|SyncError: a NaN in w")
+    pod = Pod(0, 2, 1.0, "rollout/0")
+    with pytest.raises(PeerSyncError, match=r"process\(es\) \[1\] failed their part \(process 1: SyncError: a NaN"):
+        pod.settle("sync_params (prepared)", lambda: pod.settle("sync_params (reshard)", lambda: "compiled"))
+    assert pod._calls == 1 and pod_module.gone_processes() == frozenset()
+
+
 def test_a_part_this_process_failed_raises_its_own_error_after_telling_the_others(store):
-    store.key_value_set("rollout/0/1/1", "sync_params (prepared)||")
+    store.key_value_set("rollout/0/1/1", "sync_params (prepared)|settled|")
 
     def fail():
         raise ValueError("a NaN here")
 
     with pytest.raises(ValueError, match="a NaN here"):
         Pod(0, 2, 1.0, "rollout/0").settle("sync_params (prepared)", fail)
-    assert store.values["rollout/0/1/0"] == "sync_params (prepared)||ValueError: a NaN here"
-    store.key_value_set("rollout/0/2/1", "sync_params (prepared)||")
+    assert store.values["rollout/0/1/0"] == "sync_params (prepared)|settled|ValueError: a NaN here"
+    store.key_value_set("rollout/0/2/1", "sync_params (prepared)|settled|")
     assert Pod(0, 2, 1.0, "rollout/0", _calls=1).settle("sync_params (prepared)", lambda: 7) == 7
 
 

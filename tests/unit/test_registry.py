@@ -10,6 +10,7 @@ import pytest
 
 from models import (
     FAMILIES,
+    HF_DEFAULTS,
     Condition,
     DecoderConfig,
     TinyModelSpec,
@@ -95,6 +96,14 @@ def test_heads_the_engine_cannot_split_over_tp_size_are_refused_by_name(tmp_path
         return
     with pytest.raises(ValueError, match=rf"tp_size={tp_size} .*heads={kv_heads if heads % tp_size == 0 else heads}"):
         check_model_family(str(model_dir), tp_size)
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_DEFAULTS))
+def test_the_defaults_table_is_transformers_own(model_type):
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type)
+    assert {key: getattr(defaults, key) for key in HF_DEFAULTS[model_type]} == HF_DEFAULTS[model_type]
 
 
 def _hf_side(model_type: str, config: dict) -> dict:
