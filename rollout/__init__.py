@@ -30,6 +30,7 @@ from .errors import (  # noqa: E402
     WorkerClosed,
     WorkerUnavailable,
 )
+from .gate import OwnCallsInFlight  # noqa: E402
 from .kv import EngineMemory, KvReport, MemoryReport  # noqa: E402
 from .pod import PeerSyncError, PodError  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
@@ -44,6 +45,7 @@ __all__ = [
     "KvReport",
     "LimitExceeded",
     "MemoryReport",
+    "OwnCallsInFlight",
     "PeerSyncError",
     "PlatformError",
     "PodError",

@@ -23,6 +23,12 @@ class GateClosed(RuntimeError):
         self.reason = reason
 
 
+class OwnCallsInFlight(RuntimeError):
+    """A blocking change (a sync, a KV drop, a release for training) on a thread whose event loop
+    has calls of the worker in flight: it would wait for them, which that loop cannot run while
+    its thread waits."""
+
+
 class EngineGate:
     def __init__(self):
         self._cond = threading.Condition()
@@ -82,15 +88,30 @@ class EngineGate:
                     del self._loop_calls[loop]
             self._cond.notify_all()
 
+    def check_no_own_calls(self, what: str) -> None:
+        """:class:`OwnCallsInFlight` if this thread runs an event loop with calls admitted
+        (:meth:`aenter`) that have not left: ``what`` would wait for them for ever."""
+        loop = _running_loop()
+        with self._cond:
+            calls = self._loop_calls[loop] if loop is not None else 0
+        if calls:
+            raise OwnCallsInFlight(
+                f"{what} on a thread whose event loop has {calls} call(s) of this worker in flight: it waits for "
+                "them, which that loop cannot run while its thread waits. Await them first, or make this call "
+                "from another thread (await asyncio.to_thread(...))"
+            )
+
     @contextlib.contextmanager
     def exclusive(self, reason: str) -> Iterator[None]:
         """Run the block with no admitted call in flight and none admitted meanwhile.
-        Re-entrant on the owning thread; exclusive blocks of other threads queue."""
+        Re-entrant on the owning thread; exclusive blocks of other threads queue. On a thread
+        whose event loop has calls in flight, :class:`OwnCallsInFlight` (nothing closed)."""
         me = threading.get_ident()
         with self._cond:
             if self._owner == me:
                 self._depth += 1
             else:
+                self.check_no_own_calls(f"waiting for calls to end ({reason})")  # the lock is re-entrant
                 self._cond.wait_for(lambda: self._reason is None)
                 self._reason, self._owner, self._depth = reason, me, 1
                 try:

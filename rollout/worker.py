@@ -380,6 +380,8 @@ class RolloutWorker:
         start = time.perf_counter()
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
+        if not in_flight:  # before any other process hears of the call: it would wait for ever
+            self._gate.check_no_own_calls(f"{call}()")
         try:
             flat = flatten_params(params)
             adapter_flat = flatten_params(lora[0]) if lora else {}
@@ -576,6 +578,8 @@ class RolloutWorker:
             targets = {saved_as[name]: target for name, target in by_name.items()}
         else:
             targets = self._group.checkpoint_targets(saved, item_dir)
+        if not in_flight:
+            self._gate.check_no_own_calls("load_checkpoint()")
         # The restore is itself collective in a multi-process job (every process reads its shards).
         self._group.pod.agree("load_checkpoint", tree_fingerprint(targets))
         restored = restore_tree(item_dir, wrap_like(targets, wrapped))
@@ -624,6 +628,7 @@ class RolloutWorker:
         already waiting to start included. Dropping twice frees nothing more.
         """
         self._check_open()
+        self._gate.check_no_own_calls("drop_kv()")
         self._group.pod.agree("drop_kv")
         return self._drop_kv(hold)
 
@@ -648,6 +653,7 @@ class RolloutWorker:
         lifting a ``drop_kv(hold=...)``. After :meth:`released_for_training`, refused
         (``WorkerUnavailable``) until the next ``sync_params``: the train step's memory."""
         self._check_open()
+        self._gate.check_no_own_calls("rebuild_kv()")
         self._group.pod.agree("rebuild_kv")
         return self._rebuild_kv(lift_hold=True)
 
@@ -677,6 +683,7 @@ class RolloutWorker:
         drop report.
         """
         self._check_open()
+        self._gate.check_no_own_calls("released_for_training()")
         self._group.pod.agree("released_for_training")
         # After any sync being prepared: its commit would serve the leaves released here again.
         with self._sync_lock, self._gate.exclusive("a train step is running"):

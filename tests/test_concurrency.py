@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from rollout import RolloutWorker, WorkerUnavailable, compile_count, counting_compiles
+from rollout import OwnCallsInFlight, RolloutWorker, WorkerUnavailable, compile_count, counting_compiles
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -210,6 +210,27 @@ def _recording(fn, events, name):
         return fn(*args, **kwargs)
 
     return wrapped
+
+
+def test_a_change_on_a_loop_whose_own_call_runs_is_refused_and_the_call_finishes(worker, params):
+    """drop_kv(), rebuild_kv(), a sync or a release for training on an event loop's thread while
+    that loop's agenerate ran waited for that call for ever (the loop cannot run it meanwhile),
+    and every generate of every thread after it."""
+
+    async def main():
+        task = asyncio.create_task(worker.agenerate([PROMPTS[0]], temperature=0.0, max_new_tokens=200, ignore_eos=True))
+        while not worker._gate.active_calls:  # admitted on this loop (it runs between our awaits only)
+            await asyncio.sleep(0)
+        changes = [worker.drop_kv, worker.rebuild_kv, lambda: worker.sync_params(params)]
+        changes.append(lambda: worker.released_for_training().__enter__())
+        for change in changes:
+            with pytest.raises(OwnCallsInFlight, match="call\\(s\\) of this worker in flight"):
+                change()
+        return await task
+
+    assert int(asyncio.run(main()).completion_mask.sum()) == 200
+    assert not worker.kv_dropped
+    assert int(worker.generate([PROMPTS[0]], max_new_tokens=2).completion_mask.sum()) == 2
 
 
 def test_compile_counter_sees_what_cache_miss_count_missed(worker):

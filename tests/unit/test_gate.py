@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from rollout.gate import EngineGate, GateClosed
+from rollout.gate import EngineGate, GateClosed, OwnCallsInFlight
 
 
 class _InterruptedDrain(type(threading.Condition())):
@@ -99,3 +99,23 @@ def test_a_blocking_entry_is_refused_on_a_loop_whose_own_calls_a_pending_change_
     first.join(120)
     assert not first.is_alive(), "the loop's blocking entry waited for the change waiting for the loop's call"
     assert errors == [] and outcome == {"entered": True} and gate.try_enter() and gate._loop_calls == {}
+
+
+def test_a_change_on_a_loop_whose_own_calls_are_in_flight_is_refused_and_closes_nothing():
+    """drop_kv() (or a sync) on an event loop's thread while that loop's agenerate ran waited
+    for that call for ever, and every other thread's generate behind it."""
+    gate = EngineGate()
+
+    async def main():
+        loop = await gate.aenter()  # this loop's own call, in flight
+        with pytest.raises(OwnCallsInFlight, match=r"drop_kv\(\) on a thread whose event loop has 1 call"):
+            gate.check_no_own_calls("drop_kv()")
+        with pytest.raises(OwnCallsInFlight), gate.exclusive("the KV cache is being dropped"):
+            pytest.fail("the exclusive block ran with the loop's own call in flight")
+        assert gate.exclusive_reason is None and gate.try_enter()  # nothing was closed
+        gate.leave()
+        gate.leave(loop)
+        with gate.exclusive("the KV cache is being dropped"):  # none of its own left: it runs
+            assert gate.exclusive_reason == "the KV cache is being dropped"
+
+    asyncio.run(main())
