@@ -116,9 +116,11 @@ _SIZES = ("num_hidden_layers", "num_attention_heads", "hidden_size")
 _MODEL_SIZES = ("vocab_size", "intermediate_size")
 
 
-def family_for(hf_config, where: str = "config") -> Family:
+def family_for(hf_config, where: str = "config", tp_size: int = 1) -> Family:
     """The family of an HF config (dict or PretrainedConfig), after checking that the trainer
-    model and the engine both support what it asks for. ValueError naming the field otherwise."""
+    model and the engine both support what it asks for, its heads split over ``tp_size``
+    tensor-parallel devices (the attention heads evenly, the KV heads evenly or each repeated on
+    ``tp_size / num_key_value_heads`` devices). ValueError naming the field otherwise."""
     get = _getter(hf_config)
     model_type = get("model_type")
     family = FAMILIES.get(model_type)
@@ -146,6 +148,13 @@ def family_for(hf_config, where: str = "config") -> Family:
         raise ValueError(
             f"{where}: num_key_value_heads must be a positive integer dividing num_attention_heads={heads}, "
             f"got {kv_heads!r}"
+        )
+    if heads % tp_size:
+        raise ValueError(f"{where}: tp_size={tp_size} does not divide num_attention_heads={heads}")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"{where}: tp_size={tp_size} and num_key_value_heads={kv_heads}: the engine splits KV heads evenly "
+            "over the devices, or repeats each on tp_size / num_key_value_heads of them; neither divides the other"
         )
     head_dim = get("head_dim") or int(get("hidden_size")) // heads
     if int(head_dim) % 2:

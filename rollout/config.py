@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jax
 
-from models import family_for, mappings_for, with_hf_defaults
+from models import family_for, mappings_for
 from trainer_bridge import LoraConfig, check_unmerged_targets
 
 from .engine import EngineOptions
@@ -182,24 +182,10 @@ _CONTEXT_LENGTH_KEYS = (
 def check_model_family(model_path: str, tp_size: int = 1) -> None:
     """ValueError naming the field when a local model directory's config.json asks for what the
     trainer model or the engine does not support (model_type, RoPE scaling type, head_dim), or
-    has heads that ``tp_size`` devices cannot split: the attention heads evenly, the KV heads
-    evenly or by repeating each on ``tp_size / num_key_value_heads`` devices."""
+    has heads that ``tp_size`` devices cannot split (``models.family_for``)."""
     config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
-        return
-    config = json.loads(config_file.read_text())
-    family_for(config, where=str(config_file))
-    config = with_hf_defaults(config)
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    if heads % tp_size:
-        raise ValueError(f"WorkerConfig.tp_size={tp_size} does not divide num_attention_heads={heads} ({config_file})")
-    if kv_heads % tp_size and tp_size % kv_heads:
-        raise ValueError(
-            f"WorkerConfig.tp_size={tp_size} and num_key_value_heads={kv_heads} ({config_file}): the engine splits "
-            "KV heads evenly over the devices, or repeats each on tp_size / num_key_value_heads of them; "
-            "neither divides the other"
-        )
+    if config_file.is_file():
+        family_for(json.loads(config_file.read_text()), where=str(config_file), tp_size=tp_size)
 
 
 def check_routing_recordable(model_path: str) -> None:

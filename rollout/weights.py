@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import EngineTransform, ParamMapping, mappings_for
-from trainer_bridge import EngineLeaf, SyncError, SyncPlan, adapter_mappings, build_plan, check_live, plan_key
+from trainer_bridge import EngineLeaf, SyncError, SyncPlan, adapter_mappings, build_plan, plan_key
 
 from .engine import EngineHandle, device_buffers, in_slot
 
@@ -173,7 +173,6 @@ class EngineWeights:
                 flat = {path: leaf for path, leaf in flat.items() if path not in kept}
                 plan = self.plan_for(flat, allow_cast, partial=True)
         known = frozenset(p.engine.index for p in plan.leaves if self._source(p.engine.index) is flat[p.trainer_path])
-        check_live(flat)
         updates = plan.execute(flat)
         if check_finite:  # what the engine would serve: a cast's overflow too
             plan.check_finite(flat, updates, known)

@@ -397,9 +397,9 @@ class RolloutWorker:
             )
 
             def prepare():
-                # Before anything reads them; in a pod, a leaf deleted on one process only is its
-                # part failing, which the others hear of at once.
-                check_live({**flat, **adapter_flat})
+                # Before anything reads them (adapter factors: collect_adapters); in a pod, a leaf
+                # deleted on one process only is its part failing, which the others hear of at once.
+                check_live(flat)
                 merged, merged_bytes = flat, 0
                 if lora:
                     adapters = collect_adapters(adapter_flat, flat, self._group.first.kernel_paths(), lora[1])
