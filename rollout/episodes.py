@@ -43,7 +43,7 @@ import numpy as np
 from .batch import RolloutBatch, pack_rollouts
 from .chat import ChatError, ParsedTurn, normalize_tools, parse_tool_calls, render_chat
 from .errors import InvalidRequest
-from .sampling import MAX_SAMPLING_SEED, SamplingParams, as_int, pad_width, row_seeds, token_id_list
+from .sampling import MAX_SAMPLING_SEED, SamplingParams, as_int, outside_vocabulary, pad_width, row_seeds, token_id_list
 
 logger = logging.getLogger(__name__)
 
@@ -740,11 +740,8 @@ class _Episode:
                     return ENV_ERROR, f"turn {index}: the environment returned no observation and did not say done"
                 try:
                     appended = self.frames.close_turn(turn.token_ids) + self.frames.observation(result)
-                    outside = [t for t in appended if not 0 <= t < self.worker.vocab_size]
-                    if outside:
-                        raise ValueError(
-                            f"token ids outside the vocabulary [0, {self.worker.vocab_size}): {outside[:5]}"
-                        )
+                    if outside := outside_vocabulary(appended, self.worker.vocab_size):
+                        raise ValueError(f"token ids outside the vocabulary [0, {self.worker.vocab_size}): {outside}")
                 except (TypeError, ValueError) as exc:
                     return ENV_ERROR, f"turn {index}: cannot append the observation: {exc}"
             self.reward += float(result.reward)

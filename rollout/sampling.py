@@ -42,6 +42,11 @@ def _as_float(name: str, value) -> float:
     return value
 
 
+def outside_vocabulary(ids, vocab_size: int) -> list[int]:
+    """The first five of ``ids`` that are not token ids of a ``vocab_size`` vocabulary."""
+    return [t for t in ids if not 0 <= t < vocab_size][:5]
+
+
 def token_id_list(name: str, values, vocab_size: int) -> tuple[int, ...]:
     """A flat sequence of token ids in ``[0, vocab_size)``: ints only, no floats, bools,
     strings, bytes or nesting."""
@@ -54,9 +59,8 @@ def token_id_list(name: str, values, vocab_size: int) -> tuple[int, ...]:
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
             raise InvalidRequest(name, f"{name}[{j}] must be an int token id, got {value!r} ({type(value).__name__})")
         ids.append(int(value))
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(name, f"{name} has token ids outside [0, {vocab_size}): {bad[:5]}")
+    if bad := outside_vocabulary(ids, vocab_size):
+        raise InvalidRequest(name, f"{name} has token ids outside [0, {vocab_size}): {bad}")
     return tuple(ids)
 
 
@@ -165,12 +169,12 @@ def prompt_token_ids(prompts, *, vocab_size: int, tokenizer=None, model_path: st
                     f"prompts[{i}] is a string but the model directory {model_path} has no tokenizer: pass token ids",
                 )
             tokens = encode_text(tokenizer, prompt, f"prompts[{i}]")
-            outside = [t for t in tokens if not 0 <= t < vocab_size]
-            if outside:  # tokens added to the tokenizer with no embedding: a NaN row in the batch
+            if outside := outside_vocabulary(tokens, vocab_size):
+                # tokens added to the tokenizer with no embedding: a NaN row in the batch
                 raise InvalidRequest(
                     f"prompts[{i}]",
                     f"prompts[{i}] encodes to token ids outside the model's vocabulary [0, {vocab_size}): "
-                    f"{outside[:5]} (the tokenizer has tokens the model has no embeddings for)",
+                    f"{outside} (the tokenizer has tokens the model has no embeddings for)",
                 )
         else:
             tokens = list(token_id_list(f"prompts[{i}]", prompt, vocab_size))
