@@ -53,11 +53,13 @@ class RolloutBatch:
     # no forward took the token as input (padding, each completion's last token). A trainer
     # replays them (``CausalLM.apply(..., routed_experts=...)``) to route as the engine did.
     routed_experts: np.ndarray | None = None
-    # [B] int32: the prompt tokens of each row the engine found in its prefix cache (not
-    # prefilled for that row); 0 where a row shared nothing with the cache.
+    # [B] int32: the prompt tokens of each row the engine held in its prefix cache when the call
+    # came (not prefilled by this call); 0 where a row shared nothing with the cache. A prompt's
+    # n samples share one prefill: each reports the same.
     cached_tokens: np.ndarray | None = None
     # [B] int32: the tokens each row's prefills computed (its prompt less what the cache held;
-    # a row the engine retracted under memory pressure and prefilled again counts both).
+    # a row the engine retracted under memory pressure and prefilled again counts both). A
+    # prompt's shared prefill counts on its first row: the rows add up to the call's prefill.
     prefill_tokens: np.ndarray | None = None
 
     @property
@@ -86,7 +88,8 @@ class StreamChunk:
     weight_version: int
     logprobs: list[float] | None = None  # of token_ids, with return_logprobs=True
     token_versions: list[int] | None = None  # the weight version that sampled each of token_ids
-    # The prompt tokens the engine found in its prefix cache for this row (known once prefilled).
+    # The prompt tokens the engine held in its prefix cache when the call came (as
+    # RolloutBatch.cached_tokens; known once the row is prefilled).
     cached_tokens: int | None = None
 
 

@@ -144,20 +144,39 @@ def test_a_prompt_samples_depend_on_seed_index_and_sample_only(worker):
 
 def test_samples_of_a_prompt_prefill_only_its_last_token(worker):
     """The n samples of a prompt find it in the prefix cache (the engine prefills it once
-    first): each prefills one token, not the whole prompt again."""
+    first): each prefills one token, not the whole prompt again. That one prefill is the call's:
+    every sample reports what the cache held before the call, and the prompt's first row counts
+    the prefill, so the rows' prefill_tokens add up to what the call computed."""
     prompts = [[300 + i for i in range(40)], [400 + i for i in range(25)]]  # not cached before
     params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, n=3)
     outputs = worker.engine.generate(prompts, params, np.arange(6).reshape(2, 3))
-    assert [o.cached_tokens for o in outputs] == [39] * 3 + [24] * 3
+    assert [o.cached_tokens for o in outputs] == [0] * 6
+    assert [o.prefill_tokens for o in outputs] == [40 + 1, 1, 1, 25 + 1, 1, 1]
     assert [o.completion_tokens for o in outputs] == [4] * 6
+    # Extended by 10 tokens: the samples found the 40 cached (and what the call added, less its last token).
+    longer = [prompts[0] + [700 + i for i in range(10)]]
+    outputs = worker.engine.generate(longer, params, np.arange(3).reshape(1, 3))
+    assert [o.cached_tokens for o in outputs] == [40] * 3
+    assert [o.prefill_tokens for o in outputs] == [10 + 1, 1, 1]
     single = worker.engine.generate([[500 + i for i in range(30)]], dataclasses.replace(params, n=1), np.zeros((1, 1)))
-    assert single[0].cached_tokens == 0
-    twice = [[600 + i for i in range(20)]] * 2  # a prompt given twice: all its samples find it cached
+    assert single[0].cached_tokens == 0 and single[0].prefill_tokens == 30
+    twice = [[600 + i for i in range(20)]] * 2  # a prompt given twice: prefilled once, charged once
     outputs = worker.engine.generate(twice, params, np.arange(6).reshape(2, 3))
-    assert [o.cached_tokens for o in outputs] == [19] * 6
-    assert [o.prefill_tokens for o in outputs] == [1] * 6
+    assert [o.cached_tokens for o in outputs] == [0] * 6
+    assert [o.prefill_tokens for o in outputs] == [20 + 1] + [1] * 5
     batch = worker.generate([[200 + i for i in range(30)]], n=2, max_new_tokens=2, ignore_eos=True, seed=3)
-    assert batch.cached_tokens.tolist() == [29, 29] and batch.prefill_tokens.tolist() == [1, 1]
+    assert batch.cached_tokens.tolist() == [0, 0] and batch.prefill_tokens.tolist() == [31, 1]
+
+    async def streamed():
+        return [
+            c
+            async for c in worker.astream(
+                [[10 + i * 7 % 290 for i in range(30)]], n=2, max_new_tokens=2, ignore_eos=True
+            )
+        ]
+
+    last = {c.row: c for c in asyncio.run(streamed())}
+    assert [last[r].cached_tokens for r in (0, 1)] == [0, 0]
 
 
 @pytest.fixture(scope="module")

@@ -293,6 +293,13 @@ def test_chat_with_tools_reports_the_prompt_tokens_the_engine_found_cached(clien
     assert shared == len(prompt_ids(asked, add_generation_prompt=False)) + 1  # and the next turn's <|im_start|>
     assert first.usage.prompt_tokens_details.cached_tokens < shared
     assert second.usage.prompt_tokens_details.cached_tokens == shared
+    # A new question with n > 1: what the cache held before it (the framing it shares with the
+    # first), though its samples found the whole prompt that the request itself prefilled once.
+    other = [{"role": "user", "content": "4+0="}]
+    third = client.chat.completions.create(messages=other, n=3, **(request | {"temperature": 1.0}))
+    other_ids = prompt_ids(other)
+    framing = next(i for i, (a, b) in enumerate(zip(first_ids, other_ids)) if a != b)
+    assert third.usage.prompt_tokens_details.cached_tokens == framing < len(other_ids) - 1
 
     # Again, streamed: all of it is cached but the last token, which the engine computes.
     chunks = list(

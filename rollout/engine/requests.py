@@ -113,7 +113,7 @@ class RequestLoop:
             return True
 
         async def pump():
-            await self._cache_prompts(prompts, params)
+            shared = await self._cache_prompts(prompts, params)
             with (
                 self._logprobs_collected(rids, params.return_logprobs) as sinks,
                 self._versions_collected(rids) as (versions, prefilled),
@@ -128,6 +128,8 @@ class RequestLoop:
                     count = len(output.output_ids)
                     output = dataclasses.replace(output, token_versions=versions[row][:count])
                     output = _with_prefills(output, prefilled[row])
+                    if shared is not None:
+                        output = shared.charged(row, output)
                     if sinks is not None:
                         output = dataclasses.replace(output, **sinks[row].first(count))
                     if not deliver((row, output)):
@@ -250,7 +252,7 @@ class RequestLoop:
         ):
             yield sinks, prefilled
 
-    async def _cache_prompts(self, prompts, params: SamplingParams) -> None:
+    async def _cache_prompts(self, prompts, params: SamplingParams) -> SharedPrefills | None:
         """Prefill every prompt once, before its ``n`` samples are sent, so they find it in the
         prefix cache and each prefills only its last token (its last page, with a page size
         above 1). Sent together, all ``n`` would be scheduled before any is cached and each
@@ -259,23 +261,32 @@ class RequestLoop:
         the cache and the samples prefill in full under the new weights, as any request would.
         Skipped where it cannot pay: one sample per prompt, no prefix cache, and batches whose
         distinct prompts take more than half the KV pool (the cache would evict the first before
-        their samples run, and every prompt would be prefilled n + 1 times)."""
+        their samples run, and every prompt would be prefilled n + 1 times). What they prefilled
+        is charged to the call's rows (:class:`SharedPrefills`); None where none was sent."""
         if params.n == 1 or not workaround_enabled("one-request-per-sample") or not self._prefix_cache:
-            return
+            return None
         # A one-token prompt has nothing to share: a request always prefills its last token.
         distinct = [ids for ids in dict.fromkeys(tuple(map(int, ids)) for ids in prompts) if len(ids) > 1]
         if not distinct or sum(map(len, distinct)) > self._kv_pool_tokens // 2:
-            return
+            return None
         request, rids = self._request(
             distinct, dataclasses.replace(params, n=1), np.zeros((len(distinct), 1), np.int64)
         )
         for sampling in request.sampling_params:
             sampling["max_new_tokens"] = 0  # below what SamplingParams accepts from a caller
-        with self._aborted_if_cancelled(rids), self._sent_whole(rids, params):
-            await self._tokenizer_manager.generate_request(request, None).__anext__()
+        with (
+            self._versions_collected(rids) as (_, prefilled),
+            self._aborted_if_cancelled(rids),
+            self._sent_whole(rids, params),
+        ):
+            results = await self._tokenizer_manager.generate_request(request, None).__anext__()
+        if isinstance(results, dict):
+            results = [results]
+        outputs = [_with_prefills(_to_output(r), sink) for r, sink in zip(results, prefilled)]
+        return SharedPrefills.of(prompts, params.n, dict(zip(distinct, outputs)))
 
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
-        await self._cache_prompts(prompts, params)
+        shared = await self._cache_prompts(prompts, params)
         request, rids = self._request(prompts, params, seeds)
         with (
             self._logprobs_collected(rids, params.return_logprobs) as sinks,
@@ -294,6 +305,8 @@ class RequestLoop:
             versions = [None] * len(outputs)
         else:
             outputs = [_with_prefills(out, sink) for out, sink in zip(outputs, prefilled)]
+            if shared is not None:
+                outputs = [shared.charged(row, out) for row, out in enumerate(outputs)]
         for i, (out, tokens) in enumerate(zip(outputs, versions)):
             if tokens is not None and len(tokens) != out.completion_tokens:
                 raise EngineError(
@@ -429,6 +442,40 @@ def _with_prefills(output: GenerateOutput, prefilled: list) -> GenerateOutput:
     if prefilled[1] is not None and workaround_enabled("retracted-cached-tokens"):
         output = dataclasses.replace(output, cached_tokens=prefilled[1])
     return output
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefills:
+    """What a call's prompt-only requests (:meth:`RequestLoop._cache_prompts`) prefilled, charged
+    to the call's rows (prompt-major, ``n`` a prompt): each sample of a prompt reports the prompt
+    tokens the cache held before the call (its own count takes in what the prompt-only request
+    had just put there: all but the last token), and the first row of each prompt also counts
+    the tokens that request computed, so the rows' ``prefill_tokens`` add up to the call's."""
+
+    n: int
+    prompts: tuple[tuple[int, ...], ...]
+    first_rows: dict[tuple[int, ...], int]
+    prefills: dict[tuple[int, ...], GenerateOutput]
+
+    @classmethod
+    def of(cls, prompts, n: int, prefills: dict[tuple[int, ...], GenerateOutput]) -> SharedPrefills:
+        keys = tuple(tuple(map(int, ids)) for ids in prompts)
+        first_rows: dict[tuple[int, ...], int] = {}
+        for index, key in enumerate(keys):
+            first_rows.setdefault(key, index * n)
+        return cls(n, keys, first_rows, prefills)
+
+    def charged(self, row: int, output: GenerateOutput) -> GenerateOutput:
+        prompt = self.prompts[row // self.n]
+        shared = self.prefills.get(prompt)
+        if shared is None:  # a one-token prompt: nothing was sent for it
+            return output
+        return dataclasses.replace(
+            output,
+            # Less where the cache lost the prompt in between (a weight sync flushes it).
+            cached_tokens=min(output.cached_tokens, shared.cached_tokens),
+            prefill_tokens=output.prefill_tokens + (shared.prefill_tokens if row == self.first_rows[prompt] else 0),
+        )
 
 
 def _to_output(result: dict, finished_only: bool = True) -> GenerateOutput:

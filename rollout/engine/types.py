@@ -103,10 +103,12 @@ class GenerateOutput:
     completion_tokens: int
     cache_miss_count: int
     # Prompt tokens found in the prefix cache (the engine's count: a request it retracted and
-    # prefilled again counts each admission's hits, and may pass its prompt's length).
+    # prefilled again counts each admission's hits, and may pass its prompt's length). For the
+    # samples of a prompt prefilled first on its own (n > 1), what the cache held before that.
     cached_tokens: int = 0
     # Tokens this request's prefills computed (its prompt less what the cache held; a retracted
-    # request's prefill again of its prompt and sampled tokens added). Our count, exact.
+    # request's prefill again of its prompt and sampled tokens added). Our count, exact. The
+    # first sample of a prompt prefilled on its own also counts that prefill.
     prefill_tokens: int = 0
     # Log-prob of each output token under the distribution it was drawn from (requested only).
     logprobs: list[float] | None = None
