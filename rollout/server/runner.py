@@ -94,13 +94,16 @@ class Server:
             while not stop.wait(0.5) and self.running:
                 pass
         finally:
-            signal.signal(signal.SIGINT, previous[signal.SIGINT])
-            signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM while draining: the drain goes on"))
-            logger.info("draining running requests (up to %s s) on %s", self.config.drain_timeout_s, self.url)
-            try:
+            # Python's own Ctrl-C, whatever SIGINT did before: a server started in the background
+            # of a shell inherits SIGINT ignored, and the drain could then not be cut short.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:  # from here a KeyboardInterrupt may come at any line
+                signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM while draining: the drain goes on"))
+                logger.info("draining running requests (up to %s s) on %s", self.config.drain_timeout_s, self.url)
                 self.close()
             finally:
-                signal.signal(signal.SIGTERM, previous[signal.SIGTERM])
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     def __enter__(self) -> Server:
         return self

@@ -6,6 +6,8 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
+import signal
 import socket
 import threading
 
@@ -398,6 +400,68 @@ def test_a_request_that_outlives_the_drain_timeout_gets_a_503_saying_the_server_
         assert response.status_code == 503 and response.headers["content-type"] == "application/json"
         last = response.json()
     assert last["error"]["code"] == "worker_closed" and "drain timeout" in last["error"]["message"]
+
+
+class HeldBackend(StubBackend):
+    """A generate that runs until ``release`` is set (``started`` is set when one begins)."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.started, self.release = threading.Event(), threading.Event()
+
+    async def generate(self, prompts, **sampling):
+        self.started.set()
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        raise RuntimeError("released")
+
+
+class LogEvent(logging.Handler):
+    def __init__(self, words: str):
+        super().__init__()
+        self.words, self.seen = words, threading.Event()
+
+    def emit(self, record):
+        if self.words in record.getMessage():
+            self.seen.set()
+
+
+def test_a_second_sigint_stops_the_drain_even_where_sigint_was_inherited_ignored(backend):
+    """A server started in the background of a shell inherits SIGINT ignored: the first SIGINT
+    drains, the second stops at once (it was ignored and the drain ran to its end)."""
+    held = HeldBackend(backend.tokenizer)
+    server = Server(held, ServerConfig(port=0, served_model_name="tiny", drain_timeout_s=60))
+    draining = LogEvent("draining running requests")
+    runner_log = logging.getLogger("rollout.server.runner")
+    level = runner_log.level
+    runner_log.setLevel(logging.INFO)
+    runner_log.addHandler(draining)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def interrupt_twice():
+        assert held.started.wait(timeout=60)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert draining.seen.wait(timeout=60)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            request = pool.submit(httpx.post, server.url + "/v1/completions", json=COMPLETION, timeout=60)
+            signals = pool.submit(interrupt_twice)
+            with pytest.raises(KeyboardInterrupt):
+                server.wait()
+            signals.result()
+            # Cut short: the request is still held (only its release or the 60 s drain ends it).
+            # (Thread.is_alive cannot say: a join interrupted by Ctrl-C marks the thread stopped.)
+            assert not request.done()
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # put back
+            held.release.set()
+    finally:
+        signal.signal(signal.SIGINT, before)
+        runner_log.removeHandler(draining)
+        runner_log.setLevel(level)
+        held.release.set()
+        server.close()
 
 
 class HeldTokenizer:
