@@ -51,7 +51,7 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         in_flight, recompute_kv = body.get("in_flight", True), body.get("recompute_kv", False)
         for name, value in (("in_flight", in_flight), ("recompute_kv", recompute_kv)):
             if not isinstance(value, bool):
-                raise invalid(name, f"'{name}' must be a boolean, got {value!r}")
+                raise invalid(name, f"'{name}' must be a boolean, got {value!r:.80}")
         check_swap_mode(in_flight, recompute_kv)  # before the admin lock is waited for
         return in_flight, recompute_kv
 
@@ -68,7 +68,7 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         seed = perturb_seed(seed)
         number = finite_number(scale)
         if number is None:
-            raise invalid("scale", f"'scale' must be a number, got {scale!r}")
+            raise invalid("scale", f"'scale' must be a number, got {scale!r:.80}")
         async with admin.lock:
             before = await run(backend.weights_checksum)
             report = await run(backend.perturb_weights, seed, number, num_leaves, in_flight)
@@ -82,7 +82,7 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         path, fmt, step = body.get("path"), body.get("format", "orbax"), body.get("step")
         checked_path(path, "path")
         if fmt not in ("orbax", "hf"):
-            raise invalid("format", f"'format' must be 'orbax' or 'hf', got {fmt!r}")
+            raise invalid("format", f"'format' must be 'orbax' or 'hf', got {fmt!r:.80}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or fmt != "orbax"):
             raise invalid("step", "'step' must be an int, and only with format 'orbax'")
         in_flight, recompute_kv = swap_mode(body)
@@ -100,11 +100,11 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         path, name, step = body.get("lora_path"), body.get("lora_name"), body.get("step")
         checked_path(path, "lora_path")
         if name is not None and not isinstance(name, str):
-            raise invalid("lora_name", f"'lora_name' must be a string, got {name!r}")
+            raise invalid("lora_name", f"'lora_name' must be a string, got {name!r:.80}")
         if name == state.model_name:
             raise invalid("lora_name", f"'lora_name' {name!r} is the served model's name: requests could not pick it")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-            raise invalid("step", f"'step' must be an int, got {step!r}")
+            raise invalid("step", f"'step' must be an int, got {step!r:.80}")
         in_flight, recompute_kv = swap_mode(body)
         async with admin.lock:
             try:

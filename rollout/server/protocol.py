@@ -175,10 +175,10 @@ def _number(body: dict, name: str, default: float, low: float, high: float, *, l
     if value is None:
         return default
     if finite_number(value) is None:
-        raise invalid(name, f"'{name}' must be a number, got {value!r}")
+        raise invalid(name, f"'{name}' must be a number, got {value!r:.80}")
     if value > high or value < low or (low_open and value == low):
         bounds = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise invalid(name, f"'{name}' must be in {bounds}, got {value!r}")
+        raise invalid(name, f"'{name}' must be in {bounds}, got {value!r:.80}")
     return float(value)
 
 
@@ -187,9 +187,9 @@ def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(name, f"'{name}' must be an integer, got {value!r}")
+        raise invalid(name, f"'{name}' must be an integer, got {value!r:.80}")
     if not low <= value <= high:
-        raise invalid(name, f"'{name}' must be in [{low}, {high}], got {value}")
+        raise invalid(name, f"'{name}' must be in [{low}, {high}], got {value!r:.80}")
     return value
 
 
@@ -201,7 +201,7 @@ def _zero_or_null(body: dict, name: str) -> int | None:
         raise invalid(
             name,
             f"'{name}' must be 0 or null: only the sampled token's log-prob is returned, "
-            f"no top alternatives (got {value!r})",
+            f"no top alternatives (got {value!r:.80})",
         )
     return value
 
@@ -247,7 +247,7 @@ def _common(
             raise invalid(name, f"'{name}' is not supported by this server")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise invalid("stream", f"'stream' must be a boolean, got {stream!r}")
+        raise invalid("stream", f"'stream' must be a boolean, got {stream!r:.80}")
     options = body.get("stream_options")
     if options is not None and not stream:
         raise invalid("stream_options", "'stream_options' is only allowed with 'stream': true")
@@ -256,13 +256,13 @@ def _common(
         raise invalid("stream_options", "'stream_options' must be an object")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise invalid("stream_options", f"'stream_options.include_usage' must be a boolean, got {include_usage!r}")
+        raise invalid("stream_options", f"'stream_options.include_usage' must be a boolean, got {include_usage!r:.80}")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        raise invalid("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
+        raise invalid("ignore_eos", f"'ignore_eos' must be a boolean, got {ignore_eos!r:.80}")
     return_routing = body.get("return_routing", False)
     if not isinstance(return_routing, bool):
-        raise invalid("return_routing", f"'return_routing' must be a boolean, got {return_routing!r}")
+        raise invalid("return_routing", f"'return_routing' must be a boolean, got {return_routing!r:.80}")
     if return_routing and stream:
         raise invalid("return_routing", "'return_routing' is not supported with 'stream': true")
     if max_tokens is not None and max_tokens >= context_length:
@@ -343,7 +343,7 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, bool]:
     if choice is not None and choice not in TOOL_CHOICES:
         raise invalid(
             "tool_choice",
-            f"'tool_choice' must be 'auto' or 'none', got {choice!r}: this server cannot make the model "
+            f"'tool_choice' must be 'auto' or 'none', got {choice!r:.80}: this server cannot make the model "
             "call a tool ('required' or a named function)",
         )
     return tools, tools is not None and choice != "none"
@@ -358,7 +358,7 @@ def chat_request(
     max_tokens = _int(body, name, None, 1, 2**31 - 1)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise invalid("logprobs", f"'logprobs' must be a boolean, got {logprobs!r}")
+        raise invalid("logprobs", f"'logprobs' must be a boolean, got {logprobs!r:.80}")
     _zero_or_null(body, "top_logprobs")
     request = _common(body, [prompt_ids], "messages", max_tokens, context_length)
     return dataclasses.replace(request, logprobs=bool(logprobs), tool_calls=tool_calls)
