@@ -17,6 +17,18 @@ def test_group_advantages():
         group_advantages(rewards, 3)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("group_size", [3, 12, 24])
+def test_a_group_of_one_repeated_reward_gets_exactly_zero_advantage(scale, group_size):
+    """Shaped rewards such as 0.45 or 0.895: float32's mean of a group of them is not the
+    reward, and the group's std (as small) divided the remainder into advantages up to 0.15."""
+    for reward in (0.45, 0.895, 0.3, 1.0):
+        rewards = np.concatenate([np.full(group_size, reward), np.arange(group_size) / group_size])
+        advantages = group_advantages(rewards.astype(np.float32), group_size, scale)
+        assert (advantages[:group_size] == 0).all(), (reward, advantages[:3])
+        assert (advantages[group_size:] != 0).any()
+
+
 def test_group_advantages_scaled_by_the_group_the_batch_or_nothing():
     # A group a shaped reward pays 0.45 / 0.40 and a group with a right answer (1.0).
     rewards = np.array([0.45, 0.40, 0.45, 0.40, 1.0, 0.0, 0.0, 0.0], np.float32)
