@@ -1,7 +1,8 @@
 """The engine's TPU kernels (Pallas) on CPU, in Pallas' TPU interpret mode (``pytest -k
-interpret``): the fused KV-cache write runs and writes what a scatter writes; the ragged paged
-attention kernel (the "fa" backend) traces. Both need workaround "tpu-kernel-jax-names" at jax
-0.12. What this proves and does not: docs/platforms.md."""
+interpret``): the fused KV-cache write writes what a scatter writes; the ragged paged attention
+kernel (the "fa" backend) computes what a numpy attention over the same pages does and writes
+the new tokens' K and V. Both need workaround "tpu-kernel-jax-names" at jax 0.12. What this
+proves and does not: docs/platforms.md."""
 
 import jax
 import jax.numpy as jnp
@@ -49,44 +50,70 @@ def test_the_engines_kv_write_kernel_in_tpu_interpret_mode_writes_what_a_scatter
     np.testing.assert_array_equal(np.asarray(written), expected)
 
 
-def test_the_engines_attention_kernel_traces_in_tpu_interpret_mode():
-    """flash_attention.ragged_paged_attention, a decode and a prefill sequence: the kernel and
-    its specs trace to a pallas_call (at jax 0.12 only with "tpu-kernel-jax-names": pltpu.ANY).
-    Running it stops in JAX's TPU interpreter, which cannot DMA through the reshaped page
-    table the kernel reads (docs/platforms.md)."""
+def reference_attention(q, new_kv, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, page_size):
+    """(the attention, the cache with the new tokens' K and V written) of the engine's ragged
+    paged attention, from its inputs' meaning: sequence ``s`` has ``kv_lens[s]`` keys, the last
+    of them its new tokens (``cu_q_lens``); key ``p`` lives in page
+    ``page_indices[ceil(cu_kv_lens[s] / page_size) + p // page_size]`` at ``p % page_size``, K
+    and V of KV head ``h`` at fused heads ``2h`` and ``2h + 1``; query token ``j`` sees keys up
+    to its own position."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = new_kv.shape[1] // 2
+    out, written = np.zeros_like(q), cache.copy()
+    for s in range(len(kv_lens)):
+        q_start, q_len, kv_len = cu_q_lens[s], cu_q_lens[s + 1] - cu_q_lens[s], kv_lens[s]
+        if kv_len == 0:
+            continue
+        first_page = -(-cu_kv_lens[s] // page_size)
+        keys = np.zeros((kv_len, 2 * kv_heads, head_dim), q.dtype)
+        for p in range(kv_len):
+            page, offset = page_indices[first_page + p // page_size], p % page_size
+            if p >= kv_len - q_len:  # a new token's K and V, written to its slot
+                written[page, offset] = new_kv[q_start + p - (kv_len - q_len)]
+            keys[p] = written[page, offset]
+        for j in range(q_len):
+            seen = keys[: kv_len - q_len + j + 1]
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                scores = seen[:, 2 * kv] @ q[q_start + j, h] / np.sqrt(head_dim)
+                weights = np.exp(scores - scores.max())
+                out[q_start + j, h] = weights / weights.sum() @ seen[:, 2 * kv + 1]
+    return out, written
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("pages_in_order", [True, False], ids=["pages-in-order", "pages-shuffled"])
+def test_the_engines_attention_kernel_in_tpu_interpret_mode_computes_attention(kv_heads, pages_in_order):
+    """flash_attention.ragged_paged_attention (the "fa" backend), in float32: a decode row,
+    a 7-token prefill after 33 cached keys and an empty sequence give the attention and the
+    written cache a numpy reference gives (at jax 0.12 only with "tpu-kernel-jax-names").
+    JAX's TPU interpreter cannot read through the reshaped and bitcast refs the kernel DMAs
+    and loads through; tests/tpu_interpret.py teaches it (the kernel's semantics are the
+    interpreter's; docs/platforms.md says what this proves)."""
     from sgl_jax.srt.layers.attention.flash_attn_kernel.flash_attention import ragged_paged_attention
 
-    heads, kv_heads, head_dim, page_size, pages, seqs, pages_per_seq = 2, 1, 128, 16, 16, 4, 4
-    rng = np.random.default_rng(0)
-    tokens = 8
-    q = jnp.asarray(rng.normal(size=(tokens, heads, head_dim)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(tokens, kv_heads, head_dim)), jnp.float32)
-    cache = jnp.asarray(rng.normal(size=(pages, page_size, 2 * kv_heads, head_dim)), jnp.float32)
-    kv_lens = jnp.asarray([20, 40, 0, 0], jnp.int32)  # a decode row, then a 7-token prefill
-    page_indices = jnp.arange(seqs * pages_per_seq, dtype=jnp.int32) % pages
-    cu_q_lens = jnp.asarray([0, 1, 8, 8, 8], jnp.int32)
-    cu_kv_lens = jnp.asarray([0, 20, 60, 60, 60], jnp.int32)
-    distribution = jnp.asarray([1, 2, 2], jnp.int32)  # 1 decode-only, 1 prefill-only sequence
+    from tests.tpu_interpret import interpreting_reshaped_refs
 
-    def attention(q, k, v, cache):
-        return ragged_paged_attention(
-            q,
-            k,
-            v,
-            cache,
-            kv_lens,
-            page_indices,
-            cu_q_lens,
-            cu_kv_lens,
-            distribution,
+    heads, head_dim, page_size, pages = 4, 128, 16, 16
+    rng = np.random.default_rng(kv_heads)
+    tokens = 8
+    q = rng.normal(size=(tokens, heads, head_dim)).astype(np.float32)
+    k, v = (rng.normal(size=(tokens, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+    cache = rng.normal(size=(pages, page_size, 2 * kv_heads, head_dim)).astype(np.float32)
+    kv_lens = np.array([20, 40, 0, 0], np.int32)  # a decode row, then 33 cached keys and 7 new
+    page_indices = np.arange(pages, dtype=np.int32) if pages_in_order else rng.permutation(pages).astype(np.int32)
+    cu_q_lens = np.array([0, 1, 8, 8, 8], np.int32)
+    cu_kv_lens = np.array([0, 20, 60, 60, 60], np.int32)
+    distribution = np.array([1, 2, 2], np.int32)  # 1 decode-only, 1 prefill-only sequence
+    new_kv = np.stack([k, v], axis=2).reshape(tokens, 2 * kv_heads, head_dim)  # k0, v0, k1, v1
+    expected, written = reference_attention(q, new_kv, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, page_size)
+    with pltpu.force_tpu_interpret_mode(), interpreting_reshaped_refs():
+        out, updated = ragged_paged_attention(
+            *map(jnp.asarray, (q, k, v, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)),
             sm_scale=head_dim**-0.5,
             num_kv_pages_per_block=2,
             num_queries_per_block=8,
             vmem_limit_bytes=64 << 20,
         )
-
-    with pltpu.force_tpu_interpret_mode():
-        traced = jax.make_jaxpr(attention)(q, k, k, cache)
-    assert "pallas_call" in str(traced)
-    outputs = traced.out_avals
-    assert outputs[0].shape == q.shape  # the attention, then the updated cache
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(updated).reshape(written.shape), written)
