@@ -204,8 +204,12 @@ def test_mismatched_sharding_is_resharded_correctly(tp_worker, hf_flat, qwen2_di
             lambda f: {**f, "model.norm.scale": np.full(f["model.norm.scale"].shape, 1e300)},
             r"values beyond float32's range \(\|x\| > 3.40282e\+38\), finite in the tree, .* in: model\.norm\.scale$",
         ),
+        (  # JAX takes no big-endian array (it failed as a TypeError naming an argument index)
+            lambda f: {**f, "model.norm.scale": f["model.norm.scale"].astype(">f4")},
+            r"'model\.norm\.scale' has dtype >f4, in the other byte order .* pass leaf\.astype\('<f4'\)",
+        ),
     ],
-    ids=["missing", "extra", "shape", "kv-heads", "dtype", "non-finite", "overflow"],
+    ids=["missing", "extra", "shape", "kv-heads", "dtype", "non-finite", "overflow", "byte-order"],
 )
 def test_bad_trees_fail_cleanly_and_old_weights_keep_serving(tp_worker, hf_flat, corrupt, message):
     tp_worker.sync_params(unflatten_params(hf_flat))
@@ -214,6 +218,42 @@ def test_bad_trees_fail_cleanly_and_old_weights_keep_serving(tp_worker, hf_flat,
         tp_worker.sync_params(unflatten_params(corrupt(dict(hf_flat))), check_finite=True)
     assert tp_worker.weight_version == version
     assert greedy(tp_worker).completions == before
+
+
+def test_weakly_typed_and_host_memory_leaves_sync_without_a_recompile_or_a_raw_error(tp_worker, hf_flat):
+    """A weakly typed leaf in the engine's placement (``jnp.full(shape, 1.0)``) is served through
+    its own buffers, as a strongly typed array: aliased as it was, the engine's forward compiled
+    again for it. A leaf in host memory (offloaded params) is copied to the device: taken as it
+    was (the same slices), the sync failed as a raw ValueError, or at jax 0.8 an XLA error."""
+    placed = engine_placed(tp_worker, hf_flat)
+    path = "model.norm.scale"
+    sharding = placed[path].sharding
+    engine_index = {leaf.path: leaf.index for leaf in tp_worker.leaves}[
+        next(m.engine for m in tp_worker.mappings if m.trainer == path)
+    ]
+    ones = {**placed, path: jax.device_put(np.ones(placed[path].shape, np.float32), sharding)}
+    tp_worker.sync_params(unflatten_params(ones))
+    expected = greedy(tp_worker).completions
+    weak = jax.device_put(jnp.full(placed[path].shape, 1.0), sharding)
+    assert weak.weak_type and weak.sharding == sharding
+    report = tp_worker.sync_params(unflatten_params({**ones, path: weak}))
+    assert report.leaves_relabeled == 1
+    served = tp_worker.engine.weight_leaves()[engine_index]
+    assert not served.weak_type
+    assert [s.data.unsafe_buffer_pointer() for s in served.addressable_shards] == [
+        s.data.unsafe_buffer_pointer() for s in weak.addressable_shards
+    ]
+    after = greedy(tp_worker)
+    assert after.compiles == 0 and after.completions == expected
+
+    tp_worker.sync_params(unflatten_params(placed))
+    expected = greedy(tp_worker).completions
+    for spec in (sharding.spec, P()):
+        host = jax.device_put(placed[path], NamedSharding(sharding.mesh, spec, memory_kind="pinned_host"))
+        tp_worker.sync_params(unflatten_params({**placed, path: host}))
+        assert tp_worker.engine.weight_leaves()[engine_index].sharding.memory_kind == sharding.memory_kind
+        after = greedy(tp_worker)
+        assert after.compiles == 0 and after.completions == expected, spec
 
 
 def test_the_finiteness_check_finds_nan_and_inf_but_not_a_sum_that_overflows():

@@ -131,7 +131,7 @@ def _placement(sharding: jax.sharding.Sharding):
 def _leaf_signature(path: str, leaf) -> tuple:
     # Runs for every leaf of every sync: dtype objects, not their (slow) string forms.
     if isinstance(leaf, jax.Array):
-        return (leaf.shape, leaf.dtype, _placement(leaf.sharding))
+        return (leaf.shape, leaf.dtype, _placement(leaf.sharding), leaf.weak_type)
     if isinstance(leaf, np.ndarray):
         return (np.ndarray, leaf.shape, leaf.dtype)
     if isinstance(leaf, jax.ShapeDtypeStruct):
@@ -204,7 +204,11 @@ def _on_engine_devices(x, engine_sharding: jax.sharding.Sharding):
     several engines, or the engine's devices in another order) is taken whole onto the
     engine's devices: relabeled where each of them already holds all of it, gathered
     otherwise."""
-    if not isinstance(x, jax.Array) or device_order(x.sharding) == device_order(engine_sharding):
+    if not isinstance(x, jax.Array):
+        return x
+    if x.sharding.memory_kind != engine_sharding.memory_kind:  # host-offloaded params, say
+        x = jax.device_put(x, x.sharding.with_memory_kind(engine_sharding.memory_kind))
+    if device_order(x.sharding) == device_order(engine_sharding):
         return x
     if isinstance(engine_sharding, NamedSharding):
         whole = NamedSharding(engine_sharding.mesh, PartitionSpec())
@@ -282,13 +286,22 @@ def build_plan(
             )
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             raise SyncError(f"'{m.trainer}' has dtype {dtype}, expected a floating dtype ({engine.dtype})")
+        if not dtype.isnative:
+            raise SyncError(
+                f"'{m.trainer}' has dtype {dtype.str}, in the other byte order than this machine's, which "
+                f"JAX does not take: pass leaf.astype('{dtype.newbyteorder('=').str}')"
+            )
         cast = dtype != engine.dtype
         if cast and not allow_cast:
             raise SyncError(f"'{m.trainer}' has dtype {dtype}, expected {engine.dtype} (casting is disabled)")
         as_is = m.engine_transform is not EngineTransform.TRANSPOSE and repeat == 1 and not cast
-        if as_is and isinstance(leaf, jax.Array) and leaf.sharding == engine.sharding:
+        # In the engine's memory (device, not host): its buffers can be served as they are.
+        held = as_is and isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == engine.sharding.memory_kind
+        if held and leaf.sharding == engine.sharding and not leaf.weak_type:
             action = LeafAction.ALIAS
-        elif as_is and isinstance(leaf, jax.Array) and same_slices(leaf, engine.sharding):
+        elif held and same_slices(leaf, engine.sharding):
+            # Also a weakly typed leaf's buffers: the relabeled array is not weak, where the
+            # leaf itself would have made the engine's forward compile again for it.
             action = LeafAction.RELABEL
         else:
             action = LeafAction.COPY
