@@ -34,7 +34,8 @@ start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`
 loop), ``testing`` (its test hooks), ``inflight`` (weight swaps with requests running),
 ``routing`` (MoE routing recorded for replay), ``sessions`` (a conversation's prefix kept
 cached between its calls), ``lora`` (LoRA adapters computed unmerged), ``multistep`` (several
-decode steps per dispatch), ``tpu_kernels`` (the TPU kernels' JAX names), ``profile`` (where
+decode steps per dispatch), ``tpu_kernels`` (the TPU kernels' JAX names), ``tpu_interpret`` (the TPU path's kernels
+interpreted on any device, for CI), ``profile`` (where
 steps spend their time, and a stubbed device that leaves only the host's work), ``types``
 (options, outputs, errors; no sgl_jax import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
 """
@@ -47,6 +48,7 @@ from .multistep import DecodeChunkStats
 from .patches import engine_version, install_workarounds
 from .profile import Step, StepSplit, StepTimes, profile_steps, stubbed_device
 from .sessions import SessionStats
+from .tpu_interpret import tpu_interpret_mode
 from .types import (
     DEFAULT_WATCHDOG_TIMEOUT_S,
     EngineError,
@@ -79,5 +81,6 @@ __all__ = [
     "install_workarounds",
     "profile_steps",
     "stubbed_device",
+    "tpu_interpret_mode",
     "workaround_enabled",
 ]

@@ -88,11 +88,11 @@ def test_the_engines_attention_kernel_in_tpu_interpret_mode_computes_attention(k
     a 7-token prefill after 33 cached keys and an empty sequence give the attention and the
     written cache a numpy reference gives (at jax 0.12 only with "tpu-kernel-jax-names").
     JAX's TPU interpreter cannot read through the reshaped and bitcast refs the kernel DMAs
-    and loads through; tests/tpu_interpret.py teaches it (the kernel's semantics are the
+    and loads through; rollout/engine/tpu_interpret.py teaches it (the kernel's semantics are the
     interpreter's; docs/platforms.md says what this proves)."""
     from sgl_jax.srt.layers.attention.flash_attn_kernel.flash_attention import ragged_paged_attention
 
-    from tests.tpu_interpret import interpreting_reshaped_refs
+    from rollout.engine.tpu_interpret import interpreting_reshaped_refs
 
     heads, head_dim, page_size, pages = 4, 128, 16, 16
     rng = np.random.default_rng(kv_heads)
