@@ -288,11 +288,13 @@ def test_a_stop_token_sampled_last_ends_as_stop(worker):
 
 
 def test_calls_retracted_in_a_tight_kv_pool_all_return(qwen2_dir):
-    """Six calls of 3 samples each in a 128-token pool: decode runs out of slots and retracts
+    """Six calls of 3 rows each in a 128-token pool: decode runs out of slots and retracts
     requests, which must be admitted again for the tokens they have left (one retracted after
     59 of its 60 tokens waited forever: 0.0.2 counted its sampled tokens and all 60 new ones).
     A retracted row reports the prompt tokens its first prefill found cached (0.0.2 added the
-    second prefill's: more than the prompt has)."""
+    second prefill's: more than the prompt has). A call's rows are one prompt given three
+    times, n=1: with n > 1 the rows report what the cache held before the call, which hides
+    the engine's count."""
     lengths = (3, 9, 17, 40, 60, 8)
 
     async def calls(worker):
@@ -300,8 +302,7 @@ def test_calls_retracted_in_a_tight_kv_pool_all_return(qwen2_dir):
             asyncio.gather(
                 *[
                     worker.agenerate(
-                        [list(range(5 + i, 12 + 2 * i))],
-                        n=3,
+                        [list(range(5 + i, 12 + 2 * i))] * 3,
                         temperature=1.0,
                         max_new_tokens=m,
                         ignore_eos=True,
