@@ -266,7 +266,8 @@ class RequestLoop:
         if params.n == 1 or not workaround_enabled("one-request-per-sample") or not self._prefix_cache:
             return None
         # A one-token prompt has nothing to share: a request always prefills its last token.
-        distinct = [ids for ids in dict.fromkeys(tuple(map(int, ids)) for ids in prompts) if len(ids) > 1]
+        keys = [tuple(map(int, ids)) for ids in prompts]
+        distinct = [ids for ids in dict.fromkeys(keys) if len(ids) > 1]
         if not distinct or sum(map(len, distinct)) > self._kv_pool_tokens // 2:
             return None
         request, rids = self._request(
@@ -279,11 +280,14 @@ class RequestLoop:
             self._aborted_if_cancelled(rids),
             self._sent_whole(rids, params),
         ):
-            results = await self._tokenizer_manager.generate_request(request, None).__anext__()
-        if isinstance(results, dict):
-            results = [results]
+            results = await self._answers(request)
         outputs = [_with_prefills(_to_output(r), sink) for r, sink in zip(results, prefilled)]
-        return SharedPrefills.of(prompts, params.n, dict(zip(distinct, outputs)))
+        return SharedPrefills.of(keys, params.n, dict(zip(distinct, outputs)))
+
+    async def _answers(self, request) -> list[dict]:
+        """The engine's answer to every request of ``request``, once all have finished."""
+        results = await self._tokenizer_manager.generate_request(request, None).__anext__()
+        return [results] if isinstance(results, dict) else results
 
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
         shared = await self._cache_prompts(prompts, params)
@@ -297,9 +301,7 @@ class RequestLoop:
             self._aborted_if_cancelled(rids),
             self._sent_whole(rids, params),
         ):
-            results = await self._tokenizer_manager.generate_request(request, None).__anext__()
-        if isinstance(results, dict):
-            results = [results]
+            results = await self._answers(request)
         outputs = [_to_output(r) for r in results]
         if len(outputs) != len(rids):  # the engine's own n: its rows are not our request ids
             versions = [None] * len(outputs)
@@ -458,12 +460,11 @@ class SharedPrefills:
     prefills: dict[tuple[int, ...], GenerateOutput]
 
     @classmethod
-    def of(cls, prompts, n: int, prefills: dict[tuple[int, ...], GenerateOutput]) -> SharedPrefills:
-        keys = tuple(tuple(map(int, ids)) for ids in prompts)
+    def of(cls, prompts: list[tuple[int, ...]], n: int, prefills: dict[tuple[int, ...], GenerateOutput]):
         first_rows: dict[tuple[int, ...], int] = {}
-        for index, key in enumerate(keys):
-            first_rows.setdefault(key, index * n)
-        return cls(n, keys, first_rows, prefills)
+        for index, prompt in enumerate(prompts):
+            first_rows.setdefault(prompt, index * n)
+        return cls(n, tuple(prompts), first_rows, prefills)
 
     def charged(self, row: int, output: GenerateOutput) -> GenerateOutput:
         prompt = self.prompts[row // self.n]
