@@ -288,13 +288,14 @@ def test_a_stop_token_sampled_last_ends_as_stop(worker):
 
 
 def test_calls_retracted_in_a_tight_kv_pool_all_return(qwen2_dir):
-    """Six calls of 3 rows each in a 128-token pool: decode runs out of slots and retracts
-    requests, which must be admitted again for the tokens they have left (one retracted after
-    59 of its 60 tokens waited forever: 0.0.2 counted its sampled tokens and all 60 new ones).
-    A retracted row reports the prompt tokens its first prefill found cached (0.0.2 added the
-    second prefill's: more than the prompt has). A call's rows are one prompt given three
-    times, n=1: with n > 1 the rows report what the cache held before the call, which hides
-    the engine's count."""
+    """A 128-token pool. First one call of a 20-token prompt given three times, 60 new tokens
+    each: its rows are admitted together (a call is one prefill), no two of them fit to the
+    end, so decode retracts one. Then six calls of 3 rows each at once: which rows are retracted
+    depends on how the calls interleave, but every call returns (one retracted after 59 of its
+    60 tokens waited forever: 0.0.2 counted its sampled tokens and all 60 new ones). A
+    retracted row reports the prompt tokens its first prefill found cached (0.0.2 added the
+    second prefill's: more than the prompt has). Rows are one prompt repeated with n=1: with
+    n > 1 the rows report what the cache held before the call, which hides the engine's count."""
     lengths = (3, 9, 17, 40, 60, 8)
 
     async def calls(worker):
@@ -315,13 +316,15 @@ def test_calls_retracted_in_a_tight_kv_pool_all_return(qwen2_dir):
         )
 
     with RolloutWorker(tiny_worker_config(qwen2_dir, max_total_tokens=128)) as worker:
+        alone = worker.generate([list(range(5, 25))] * 3, temperature=1.0, max_new_tokens=60, ignore_eos=True)
         batches = asyncio.run(calls(worker))
         assert [[len(c) for c in b.completions] for b in batches] == [[m] * 3 for m in lengths]
         assert worker.engine.testing.kv_tokens_held() == 0
-    prompt_lengths = [7 + i for i in range(len(lengths))]
-    # Retracted rows prefilled again: more than their prompt less its cached part.
-    assert any((b.prefill_tokens > length).any() for b, length in zip(batches, prompt_lengths))
-    for batch, length in zip(batches, prompt_lengths):
+    assert [len(c) for c in alone.completions] == [60] * 3
+    # The retracted row was prefilled again: more than its prompt less its cached part.
+    assert (alone.prefill_tokens > 20).any(), alone.prefill_tokens
+    assert (alone.cached_tokens < 20).all(), alone.cached_tokens
+    for batch, length in zip(batches, [7 + i for i in range(len(lengths))]):
         assert (batch.cached_tokens < length).all(), (batch.cached_tokens, length)
 
 
