@@ -93,7 +93,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("rollout").setLevel(log_level.upper())
     with RolloutWorker(worker_config) as worker:
-        start_server(worker, server_config).wait()
+        # The worker closes inside wait(): a SIGTERM repeated while it shuts down lets it finish.
+        start_server(worker, server_config).wait(then=worker.close)
 
 
 if __name__ == "__main__":

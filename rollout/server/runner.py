@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Callable
 
 import uvicorn
 
@@ -84,10 +85,10 @@ class Server:
         self._socket.close()
         logger.info("stopped serving on %s", self.url)
 
-    def wait(self) -> None:
-        """Block until SIGINT or SIGTERM, then :meth:`close` (main thread only). While it
-        drains, another SIGTERM (a supervisor repeating itself) is let be; another SIGINT
-        (Ctrl-C again) stops at once."""
+    def wait(self, then: Callable[[], None] | None = None) -> None:
+        """Block until SIGINT or SIGTERM, then :meth:`close` and ``then()`` (main thread only;
+        e.g. the worker's ``close``). While they run, another SIGTERM (a supervisor repeating
+        itself) is let be; another SIGINT (Ctrl-C again) stops at once."""
         stop = threading.Event()
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -101,6 +102,8 @@ class Server:
                 signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM while draining: the drain goes on"))
                 logger.info("draining running requests (up to %s s) on %s", self.config.drain_timeout_s, self.url)
                 self.close()
+                if then is not None:
+                    then()
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)

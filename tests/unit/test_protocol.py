@@ -465,6 +465,43 @@ def test_a_second_sigint_stops_the_drain_even_where_sigint_was_inherited_ignored
         server.close()
 
 
+def test_a_sigterm_repeated_while_the_worker_closes_after_the_drain_lets_it_finish(backend):
+    """``wait(then=worker.close)``: a supervisor repeating SIGTERM once the drain is over, while
+    the engine stops, is let be (``python -m rollout.serve`` was killed there, exit -15); the
+    handlers are put back after."""
+    server = Server(backend, ServerConfig(port=0, served_model_name="tiny"))
+    let_be = LogEvent("SIGTERM while draining")
+    runner_log = logging.getLogger("rollout.server.runner")
+    level = runner_log.level
+    runner_log.setLevel(logging.INFO)
+    runner_log.addHandler(let_be)
+    terminated = threading.Event()
+
+    def own_handler(*_):
+        terminated.set()
+
+    before = signal.signal(signal.SIGTERM, own_handler)
+    closed = []
+
+    def close_worker():
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert let_be.seen.wait(timeout=60)
+        closed.append(True)
+
+    try:
+        threading.Thread(target=server.close).start()  # wait() then drains as after a signal
+        server.wait(then=close_worker)
+        assert closed == [True] and not terminated.is_set()
+        assert signal.getsignal(signal.SIGTERM) is own_handler  # put back
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert terminated.wait(timeout=60)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        runner_log.removeHandler(let_be)
+        runner_log.setLevel(level)
+        server.close()
+
+
 class HeldTokenizer:
     """The chat tokenizer, except that encoding ``HELD`` waits until released (a prompt that
     takes long to tokenize), then refuses it."""
