@@ -1,5 +1,6 @@
 """Shared test helpers: of tests/ and tests/unit/ (the unit layer, which boots no engine)."""
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -404,3 +405,74 @@ def swap_during(worker, new_params, reached: Callable[[], bool], generate: Calla
         t.join(300)
     assert not errors, errors
     return results["batch"], results["report"]
+
+
+@contextlib.contextmanager
+def admitted_together(worker, requests: int, timeout: float = 300):
+    """Calls made inside, from several threads or tasks, are admitted by the engines together
+    however those are scheduled: every engine of ``worker`` is held before its next batch until
+    ``requests`` requests (rows, all engines together) have been sent to them. Without it a
+    loaded host can send one call many forwards after another."""
+    from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
+
+    send = TokenizerManager._send_one_request
+    lock, sent, all_sent = threading.Lock(), [0], threading.Event()
+    holding = threading.Semaphore(0)
+
+    def counted_send(self, *args, **kwargs):
+        state = send(self, *args, **kwargs)
+        with lock:
+            sent[0] += 1
+            if sent[0] >= requests:
+                all_sent.set()
+        return state
+
+    def hold():
+        holding.release()
+        if not all_sent.wait(timeout):
+            raise TimeoutError(f"{sent[0]} of the {requests} requests expected were sent")
+
+    TokenizerManager._send_one_request = counted_send
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(worker.engines)) as pool:
+            holds = [pool.submit(engine.call_at_boundary, hold) for engine in worker.engines]
+            for _ in holds:  # every scheduler held before the first request is sent
+                assert holding.acquire(timeout=timeout)
+            try:
+                yield
+            finally:
+                all_sent.set()  # a body that failed before sending all must not leave them held
+                held_for = [future.exception() for future in holds]
+        assert sent[0] == requests, f"{sent[0]} requests sent, {requests} expected"
+        assert held_for == [None] * len(holds), held_for
+    finally:
+        TokenizerManager._send_one_request = send
+
+
+@contextlib.contextmanager
+def held_mid_call(worker, until: Callable[[], bool], timeout: float = 300):
+    """Holds ``worker``'s first engine at the first forward boundary where a request has sampled
+    a token, until ``until()`` holds (polled there) or the block ends: a call is then still
+    running, whatever the host's load, when the block checks or does what needs one running.
+    Yields an event set once the engine is held."""
+    engine = worker.engine
+    held, leaving = threading.Event(), threading.Event()
+
+    def sampling():
+        return any(n >= 1 for n in engine.testing.output_lengths().values())
+
+    def hold():
+        held.set()
+        deadline = time.monotonic() + timeout
+        while not (leaving.is_set() or until()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"held for {timeout} s and the condition never held")
+            time.sleep(0.001)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holding = pool.submit(engine.call_at_boundary, hold, when=sampling)
+        try:
+            yield held
+        finally:
+            leaving.set()
+        holding.result(timeout)

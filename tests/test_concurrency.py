@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from rollout import OwnCallsInFlight, RolloutWorker, WorkerUnavailable, compile_count, counting_compiles
-from tests.helpers import tiny_worker_config
+from tests.helpers import admitted_together, held_mid_call, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 # Batching across threads and event loops, the sync gate: the worker's Python, which no supported
@@ -54,18 +54,23 @@ def _run_in_threads(*fns):
 
 
 def test_generates_from_two_threads_are_batched_together(worker):
-    kwargs = dict(temperature=1.0, max_new_tokens=40, ignore_eos=True, n=2, seed=11)
+    """Two threads' calls share the engine's forwards (the batching is the engine's: the calls
+    are admitted together however the threads are scheduled) and get what each alone gets."""
+    kwargs = dict(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=11)
     engine = worker.engine
     start = engine.forward_count
     alone = worker.generate(PROMPTS, **kwargs)
     sequential = engine.forward_count - start
     start = engine.forward_count
-    a, b = _run_in_threads(lambda: worker.generate(PROMPTS, **kwargs), lambda: worker.generate(PROMPTS[:2], **kwargs))
+    with admitted_together(worker, requests=len(PROMPTS) + 2):
+        a, b = _run_in_threads(
+            lambda: worker.generate(PROMPTS, **kwargs), lambda: worker.generate(PROMPTS[:2], **kwargs)
+        )
     together = engine.forward_count - start
     # Serialized calls would need about twice the forwards of one call; batched ones about as many.
     assert together < 1.5 * sequential, (together, sequential)
     assert a.completions == alone.completions
-    assert b.completions == alone.completions[:4]
+    assert b.completions == alone.completions[:2]
 
 
 def test_agenerate_runs_many_calls_at_once_on_one_loop(worker):
@@ -127,7 +132,6 @@ def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params
     worker.sync_params(params)
     version = worker.weight_version
     long_call = dict(temperature=1.0, max_new_tokens=150, ignore_eos=True, n=4, seed=1)
-    started = threading.Event()
     # The order in which the code under test leaves the gate and commits the swap (appended by
     # the threads themselves, so the list order is the event order: no clocks compared).
     events = []
@@ -139,22 +143,21 @@ def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params
         monkeypatch.setattr(weights, "commit", _recording(weights.commit, events, "commit"))
 
     def generate_long():
-        started.set()
         return worker.generate(PROMPTS, **long_call)
 
     def sync_during():
-        started.wait()
-        while worker.active_calls == 0:  # the long call has been admitted
-            time.sleep(0.001)
+        assert held.wait(300)  # the long call is running
         return worker.sync_params(params)
 
     def generate_after_sync_started():
-        started.wait()
+        assert held.wait(300)
         while worker.unavailable_reason is None:
             time.sleep(0.001)
         return worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=4)
 
-    long_batch, report, late = _run_in_threads(generate_long, sync_during, generate_after_sync_started)
+    # The long call is held mid-decode until the sync waits for it.
+    with held_mid_call(worker, until=lambda: worker.unavailable_reason is not None) as held:
+        long_batch, report, late = _run_in_threads(generate_long, sync_during, generate_after_sync_started)
     assert long_batch.weight_version == version
     assert report.version == version + 1
     assert late.weight_version == version + 1, "a call issued while a swap waits runs after it"

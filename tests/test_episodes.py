@@ -240,20 +240,26 @@ class SyncTalk:
 
 
 def test_a_failing_environment_ends_its_own_episode_only(episode_worker):
-    envs = [Failing("raise"), Failing("hang"), Failing("return"), SyncTalk(), Talk(2)]
-    limits = EpisodeLimits(max_turns=4, max_new_tokens=6, env_timeout_s=1.0)
-    out = episode_worker.run_episodes(
-        [[{"role": "user", "content": "hi"}]] * len(envs), lambda i, j: envs[i], limits=limits, seed=2
-    )
-    statuses = [(e.status, e.error) for e in out.episodes]
+    def run(envs, **limits):
+        limits = EpisodeLimits(max_turns=4, max_new_tokens=6, **limits)
+        return episode_worker.run_episodes(
+            [[{"role": "user", "content": "hi"}]] * len(envs), lambda i, j: envs[i], limits=limits, seed=2
+        ).episodes
+
+    # The hanging one alone under a short timeout: a step on a thread starved for that long on a
+    # loaded host would fail too.
+    hung = run([Failing("hang")], env_timeout_s=1.0)
+    episodes = run([Failing("raise"), Failing("return"), SyncTalk(), Talk(2)])
+    episodes.insert(1, hung[0])
+    statuses = [(e.status, e.error) for e in episodes]
     assert statuses[0] == ("env_error", "turn 1: RuntimeError: the tool server is down")
     assert statuses[1][0] == "env_error" and "more than 1.0 s (EpisodeLimits.env_timeout_s)" in statuses[1][1]
     assert statuses[2] == ("env_error", "turn 1: TypeError: the environment's step returned int, not a StepResult")
     assert statuses[3:] == [("done", None), ("done", None)]
     # Each failed episode keeps what happened before the failure, for inspection or training.
-    assert all(len(e.turns) == 2 for e in out.episodes[:3])
+    assert all(len(e.turns) == 2 for e in episodes[:3])
     # Token observations are framed as the template frames text.
-    framed = out.episodes[3]
+    framed = episodes[3]
     observation = framed.token_ids[framed.turns[0].end : framed.turns[0].observation_end]
     content = episode_worker.tokenizer.decode([5, 6, 7])
     assert episode_worker.tokenizer.decode(observation) == (

@@ -631,8 +631,9 @@ def test_a_cancel_storm_leaves_nothing_to_compile_or_wait_for(worker, chat_dir):
     asyncio.run(storm())
     wait_until(lambda: engine.requests_in_flight == 0 and worker.active_calls == 0)
     assert engine.testing.kv_tokens_held() == 0
+    assert engine.testing.boundary_calls_queued == 0  # no swap left behind for the drain to wait on
     report = worker.sync_params(params)
-    assert report.compiles == 0 and report.seconds < 1.0, report
+    assert report.compiles == 0, report
 
 
 @pytest.mark.one_end

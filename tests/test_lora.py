@@ -18,7 +18,7 @@ import trainer_bridge.sync
 from models import flax_model_for, greedy_decode
 from rollout import RolloutWorker
 from rollout.errors import InvalidRequest
-from tests.helpers import tiny_worker_config
+from tests.helpers import admitted_together, tiny_worker_config
 from trainer_bridge import LoraConfig, SyncError, flatten_params, load_hf_params, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8, 100, 3], [100, 3], [12, 34, 56]]
@@ -311,7 +311,8 @@ def test_named_adapters_serve_their_own_policy_beside_the_default_ones(slotted, 
         return [batch.completions for batch in batches]
 
     expected = [served.tokens, served.other_tokens, served.base_tokens, served.other_tokens]
-    assert asyncio.run(together()) == expected
+    with admitted_together(worker, requests=4 * len(PROMPTS)):
+        assert asyncio.run(together()) == expected
     assert max(map(len, forwards)) == 3, "the calls' rows ran in forwards together"
 
 

@@ -18,7 +18,7 @@ from trainer_bridge import load_hf_params
 LAUNCH_TIMEOUT_S = 420
 # leave() after a loss in a job of 2 ends the survivor at once; this also covers the launcher
 # noticing the exit on a loaded machine. JAX's own way out takes the heartbeat timeout (300 s).
-LEAVE_BOUND_S = 10
+LEAVE_BOUND_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_a_process_killed_mid_sync_is_named_within_the_bound_and_the_survivor_le
     runs, results, logs, returned_at = pod
     assert runs[1].returncode == -9 and runs[0].returncode == 0, logs
     survivor = results[0]
-    bound = pod_program.LOSS_TIMEOUT_S + 15  # the roll call's wait, plus the failed collective
+    bound = pod_program.LOSS_TIMEOUT_S + 45  # the roll call's wait, the failed collective, a loaded host
     for key in ("killed_mid_sync", "next_call_after_loss"):
         assert survivor[key]["processes"] == [1] and "[1]" in survivor[key]["message"], survivor[key]
     assert survivor["killed_mid_sync"]["seconds"] < bound, survivor["killed_mid_sync"]

@@ -15,7 +15,7 @@ from bench.serve_load import ADMIN_TOKEN, run_load
 from rollout import RolloutWorker
 from rollout.chat import parse_tool_calls, render_chat
 from rollout.server import Server, ServerConfig, WorkerBackend
-from tests.helpers import serve_process, tiny_worker_config
+from tests.helpers import admitted_together, held_mid_call, serve_process, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 API_KEY = "sk-test"
@@ -255,7 +255,8 @@ def test_concurrent_requests_are_batched_by_the_engine(server, worker):
     alone = asyncio.run(send(prompts[:1]))
     one = engine.forward_count - start
     start = engine.forward_count
-    together = asyncio.run(send(prompts))
+    with admitted_together(worker, requests=len(prompts)):
+        together = asyncio.run(send(prompts))
     six = engine.forward_count - start
     # Serialized requests would take about six times the forwards of one.
     assert six < 2 * one, (six, one)
@@ -641,12 +642,13 @@ def test_close_drains_running_requests(worker, chat_dir):
     thread = threading.Thread(
         target=lambda: result.update(r=httpx.post(server.url + "/v1/completions", json=body, timeout=120))
     )
-    thread.start()
-    while worker.active_calls == 0 and thread.is_alive():  # wait until the request is running
-        time.sleep(0.01)
-    assert worker.active_calls == 1, "the request still runs when the server closes"
-    server.close()
-    thread.join()
+    # The request is held mid-decode until the close has begun.
+    with held_mid_call(worker, until=lambda: server._uvicorn.should_exit) as held:
+        thread.start()
+        assert held.wait(300)
+        assert worker.active_calls == 1, "the request still runs when the server closes"
+        server.close()
+        thread.join()
     assert result["r"].status_code == 200
     assert len(result["r"].json()["choices"][0]["token_ids"]) == 160
     assert not server.running
