@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker
-from rollout.engine import EngineError, EngineHandle, multistep, profile_steps, stubbed_device
+from rollout.engine import EngineError, EngineHandle, multistep, patches, profile_steps, stubbed_device
 from rollout.engine.programs import engine_compiler_options, forward_cells
 from tests.helpers import perturbed_params, swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import load_hf_params
@@ -246,7 +246,7 @@ def test_a_chunks_only_loop_of_unknown_trip_count_is_its_steps_and_it_has_no_con
     loop of unknown trip count, and the branch index of a conditional, to the host and waits,
     at every iteration. In a static chunk's program (a GPU's by default, compiled for the CPU
     here) the attention's loops have known trip counts (its KV walk), the draw is the batch's,
-    and the penalties' conditional is left out. (A filtering draw keeps the shared filters'
+    and there is no penalties' conditional. (A filtering draw keeps the shared filters'
     conditionals.)"""
     calls = []
     program = multistep.chunk_program
@@ -269,6 +269,25 @@ def test_a_chunks_only_loop_of_unknown_trip_count_is_its_steps_and_it_has_no_con
     text = program("cpu").lower(*args, **kwargs).compile().as_text()
     unknown = [loop for loop in re.findall(r".* while\(.*", text) if "known_trip_count" not in loop]
     assert len(unknown) == 1 and 'op_name="jit(_decode_chunk)/while"' in unknown[0]  # the steps' loop
+    assert " conditional(" not in text
+
+
+@pytest.mark.parametrize("draw", ["greedy", "sampled"])
+def test_a_one_step_draw_has_no_conditional(plain, monkeypatch, draw):
+    """The one-step path's draw is chosen on the host: its program has no conditional, which a
+    GPU would wait on the host for at every step."""
+    calls = []
+    jitted = patches._jitted_draw
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return jitted(*args, **kwargs)
+
+    monkeypatch.setattr(patches, "_jitted_draw", recording)
+    plain.generate(PROMPTS[:1], max_new_tokens=2, ignore_eos=True, **DRAWS[draw])
+    args, kwargs = calls[-1]
+    assert kwargs["draw"] == {"greedy": "greedy", "sampled": "sample"}[draw]
+    text = jitted.lower(*args, **kwargs).compile().as_text()
     assert " conditional(" not in text
 
 

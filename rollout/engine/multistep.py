@@ -46,10 +46,10 @@ chunk's steps are its only loop of unknown trip count (a filtering draw keeps th
 conditionals). Elsewhere one program per batch size walks what the rows need and chooses the
 draw on the device.
 
-Eligible batches: decode, no penalties (frequency/presence penalties accumulate between
-steps on the host), not the engine's own log-probs (``return_logprob``; the worker's sinks are
-served). Engines: the paged native attention (this project's, ``attention.py``), no MoE routing
-recording and one LoRA slot; ``handle`` refuses other combinations at start-up.
+Eligible batches: decode, not the engine's own log-probs (``return_logprob``; the worker's
+sinks are served). No sampler applies 0.0.2's penalties (``patches._sample``). Engines: the
+paged native attention (this project's, ``attention.py``), no MoE routing recording and one
+LoRA slot; ``handle`` refuses other combinations at start-up.
 """
 
 from __future__ import annotations
@@ -285,11 +285,7 @@ class DecodeChunks:
     # ---- dispatch ----------------------------------------------------------------------------
 
     def eligible(self, batch) -> bool:
-        return (
-            batch.forward_mode.is_decode()
-            and not batch.return_logprob
-            and not batch.sampling_info.penalizer_orchestrator.is_required
-        )
+        return batch.forward_mode.is_decode() and not batch.return_logprob
 
     def dispatch(self, batch):
         """Run up to ``steps`` decode steps of ``batch`` (prepared for its first) in one call and
@@ -599,8 +595,7 @@ def _decode_chunk(
         with _tracing_kv_walk(kv_walk):
             logits_output, layers_kv, _ = model(batch, jax.tree_util.tree_unflatten(kv_def, kv), logits_metadata)
         sampler = nnx.merge(sampler_def, jax.tree_util.tree_unflatten(sampler_state_def, sampler_leaves))
-        # No penalties: a batch with penalties is not chunked (they accumulate on the host).
-        new_ids, new_logprobs, new_kept = sampler(logits_output, sampling_metadata, positions, draw, penalties=False)
+        new_ids, new_logprobs, new_kept = sampler(logits_output, sampling_metadata, positions, draw)
         new_ids = new_ids.astype(jnp.int32)
         kv = [jax.lax.with_sharding_constraint(layer, kv_pool.kv_sharding) for layer in layers_kv]
         outputs = (tokens.at[i].set(new_ids), logprobs.at[i].set(new_logprobs), kept.at[i].set(new_kept))

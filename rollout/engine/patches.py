@@ -216,15 +216,14 @@ _DRAWS = {"greedy": _greedy_with_logprobs, "sample": _draw_unfiltered, "filter":
 DRAW_KINDS = tuple(_DRAWS)
 
 
-def _sample(sampler, logits_output, m, positions, draw: str | None = None, penalties: bool = True):
+def _sample(sampler, logits_output, m, positions, draw: str | None = None):
     """(token ids [B], their log-probs [B], kept counts [B]) of a batch's logits, by ``sampler``
-    (the engine's ``Sampler``: its penalties and RNG); ``draw`` names the draw (:data:`_DRAWS`),
-    or None to choose on the device. ``penalties`` False: the batch has none (a decode chunk's),
-    so the sampler's conditional on whether it has is left out (on a GPU, a wait for the host)."""
+    (the engine's ``Sampler``: its RNG); ``draw`` names the draw (:data:`_DRAWS`), or None to
+    choose on the device. 0.0.2's penalties (frequency, presence, min-new-tokens) are not
+    applied: no request asks for them (``requests._sampling_dict`` sends none, the server refuses
+    them); serving them would need the trainer's log-probs to apply them too."""
     logits = logits_output.next_token_logits
     logits = jnp.reshape(logits, (-1, logits.shape[-1]))
-    if penalties:
-        logits = sampler.apply_penalties(logits, m)
     _, rng = jax.random.split(sampler.rngs.params())
     operands = (logits, m.temperatures, m.top_ks, m.top_ps, m.min_ps, m.sampling_seeds, positions, rng)
     if draw is not None:
@@ -232,12 +231,10 @@ def _sample(sampler, logits_output, m, positions, draw: str | None = None, penal
     return jax.lax.cond(m.is_all_greedy, _greedy_with_logprobs, _draw_with_logprobs, operands)
 
 
-def _sample_with_logprobs(
-    self, logits_output, sampling_metadata, positions, draw: str | None = None, penalties: bool = True
-):
+def _sample_with_logprobs(self, logits_output, sampling_metadata, positions, draw: str | None = None):
     """``Sampler.__call__`` replacement: the draw named (a decode chunk's, :func:`draw_kind`),
     or chosen on the device."""
-    return _sample(self, logits_output, sampling_metadata, positions, draw, penalties)
+    return _sample(self, logits_output, sampling_metadata, positions, draw)
 
 
 @functools.partial(jax.jit, static_argnames=("sampler_state_def", "draw"))

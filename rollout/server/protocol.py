@@ -18,7 +18,9 @@ MAX_STOP_TOKEN_IDS = 256
 # Far above any body this server accepts (a chat message's content part is 5 deep); json.loads
 # recurses once per level, so deeper bodies are refused before it runs.
 MAX_JSON_DEPTH = 64
-# Accepted only with their neutral value: the engine has no equivalent.
+# Accepted only with their neutral value: the worker does not serve them. (0.0.2's frequency and
+# presence penalizers run only under its overlap scheduler, and the trainer's log-probs would have
+# to apply them too; it has no repetition penalty, a field vLLM's and SGLang's clients send.)
 _NEUTRAL = {
     "echo": (None, False),
     "best_of": (None, 1),
@@ -26,6 +28,7 @@ _NEUTRAL = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
     "functions": (None, []),
 }
 

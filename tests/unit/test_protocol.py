@@ -159,6 +159,31 @@ def test_text_that_is_not_valid_unicode_is_a_400_naming_the_field(http, path, bo
         assert found["message"].startswith(param + " ")
 
 
+UNSERVED = [
+    ("echo", True, False),
+    ("best_of", 2, 1),
+    ("suffix", "x", ""),
+    ("logit_bias", {"5": 10}, {}),
+    ("presence_penalty", 0.5, 0.0),
+    ("frequency_penalty", 0.5, 0),
+    ("repetition_penalty", 1.1, 1.0),
+    ("functions", [{"name": "f"}], []),
+]
+
+
+@pytest.mark.parametrize("path,base", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize("field,value,neutral", UNSERVED, ids=[u[0] for u in UNSERVED])
+def test_a_field_the_worker_does_not_serve_is_refused_unless_neutral(http, backend, path, base, field, value, neutral):
+    """A client's repetition_penalty (vLLM's, SGLang's) or frequency_penalty was not applied:
+    refused with a 400 naming it, rather than ignored; its neutral value goes through."""
+    found = error(post(http, path, {**base, field: value}), 400)
+    assert found["param"] == field and found["message"] == f"'{field}' is not supported by this server"
+    assert backend.reached == []
+    post(http, path, {**base, field: neutral})
+    assert len(backend.reached) == 1
+    backend.reached.clear()  # reached on purpose
+
+
 # ---- nesting -------------------------------------------------------------------------------------
 
 DEEP = 100_000
