@@ -19,8 +19,9 @@ too), and slow (each DMA of the kernel is a Python callback). Inside it:
   the numpy view the transforms make of it (each must give a view: a reshape that would copy,
   or a bitcast between widths as bfloat16 packing makes, is refused), and the access goes on
   with no transforms. What the kernel computes is the interpreter's, unchanged. These are
-  private JAX internals, at each end of the supported range: a JAX release that moves them
-  fails loudly here.
+  private JAX internals, which moved three times between 0.8.0 and 0.10.1: each is looked for
+  where the installed release keeps it (``_interpreter``, ``_set_buffer``), and a release that
+  moves one again fails loudly here.
 
 What it proves and does not: docs/platforms.md.
 """
@@ -38,25 +39,32 @@ import numpy as np
 from jax._src.state import indexing
 from jax._src.state import types as state_types
 
-
-def _interpreter():
-    """(the module with get/store/swap, the shared memory's getter, how a buffer's array is set,
-    the interpreter's own indexer-to-numpy-index function): jax 0.12's interpreter or 0.8's."""
-    module = importlib.import_module("jax._src.pallas.mosaic.interpret.interpret_pallas_call")
-    if hasattr(module, "_get_shared_memory"):  # jax 0.12: the accesses live in interpret_pallas_call
-        utils = importlib.import_module("jax._src.pallas.mosaic.interpret.utils")
-        return module, module._get_shared_memory, _set_buffer_0_12, utils.to_range
-    memory = importlib.import_module("jax._src.pallas.mosaic.interpret.shared_memory")
-    return memory, memory.get_shared_memory, _set_buffer_0_8, memory._to_range
+_INTERPRETER = "jax._src.pallas.mosaic.interpret"
 
 
-def _set_buffer_0_8(buffer, array):
-    previous = buffer.content
-    buffer.content = array
-    return lambda: setattr(buffer, "content", previous)
+def _interpreter(import_module=importlib.import_module):
+    """(the module with get/store/swap, the shared memory's getter, the interpreter's own
+    indexer-to-numpy-index function), each found where the installed release has it: jax 0.8.0
+    keeps the accesses in ``shared_memory`` (``_to_range`` beside them), 0.8.1 moved them to
+    ``interpret_pallas_call`` (``_to_range`` there too), 0.8.2 moved ``to_range`` to ``utils``."""
+    calls = import_module(f"{_INTERPRETER}.interpret_pallas_call")
+    if not hasattr(calls, "_get_shared_memory"):
+        memory = import_module(f"{_INTERPRETER}.shared_memory")
+        return memory, memory.get_shared_memory, memory._to_range
+    to_range = getattr(calls, "_to_range", None)
+    if to_range is None:
+        to_range = import_module(f"{_INTERPRETER}.utils").to_range
+    return calls, calls._get_shared_memory, to_range
 
 
-def _set_buffer_0_12(buffer, array):
+def _set_buffer(buffer, array):
+    """Make ``array`` the interpreter's buffer for one access; returns the undo. Up to jax 0.10.0
+    a buffer holds its array in a field, ``content``; from 0.10.1 in ``_content`` (``content``
+    a read-only property), its shape in ``_logical_shape``."""
+    if not hasattr(buffer, "_logical_shape"):
+        previous = buffer.content
+        buffer.content = array
+        return lambda: setattr(buffer, "content", previous)
     previous = (buffer._content, buffer._logical_shape)
     buffer._content, buffer._logical_shape = array, tuple(array.shape)
 
@@ -95,7 +103,7 @@ def _view(array: np.ndarray, transforms, to_range) -> np.ndarray:
 _VIEWS_LOCK = threading.RLock()
 
 
-def _through_views(access, module, shared_memory, set_buffer, to_range):
+def _through_views(access, module, shared_memory, to_range):
     signature = inspect.signature(access)
 
     @functools.wraps(access)
@@ -112,7 +120,7 @@ def _through_views(access, module, shared_memory, set_buffer, to_range):
         # is another access's view only while that access holds this lock.
         with _VIEWS_LOCK:
             buffer = shared_memory().mem[key]
-            restore = set_buffer(buffer, _view(buffer.content, transforms, to_range))
+            restore = _set_buffer(buffer, _view(buffer.content, transforms, to_range))
             try:
                 return access(*bound.args, **bound.kwargs)
             finally:
@@ -121,7 +129,7 @@ def _through_views(access, module, shared_memory, set_buffer, to_range):
     # jax 0.12's DMAs call the function its error handler wraps (``get.__wrapped__``).
     inner = getattr(access, "__wrapped__", None)
     if inner is not None:
-        through_views.__wrapped__ = _through_views(inner, module, shared_memory, set_buffer, to_range)
+        through_views.__wrapped__ = _through_views(inner, module, shared_memory, to_range)
     return through_views
 
 
@@ -129,10 +137,10 @@ def _through_views(access, module, shared_memory, set_buffer, to_range):
 def interpreting_reshaped_refs():
     """The interpreter's buffer accesses through views of reshaped and bitcast refs while this
     lasts (process-wide)."""
-    module, shared_memory, set_buffer, to_range = _interpreter()
+    module, shared_memory, to_range = _interpreter()
     originals = {name: getattr(module, name) for name in ("get", "store", "swap")}
     for name, access in originals.items():
-        setattr(module, name, _through_views(access, module, shared_memory, set_buffer, to_range))
+        setattr(module, name, _through_views(access, module, shared_memory, to_range))
     try:
         yield
     finally:

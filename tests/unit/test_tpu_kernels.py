@@ -4,6 +4,8 @@ kernel (the "fa" backend) computes what a numpy attention over the same pages do
 the new tokens' K and V. Both need workaround "tpu-kernel-jax-names" at jax 0.12. What this
 proves and does not: docs/platforms.md."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rollout.engine import install_workarounds
+from rollout.engine import install_workarounds, tpu_interpret
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,3 +119,67 @@ def test_the_engines_attention_kernel_in_tpu_interpret_mode_computes_attention(k
         )
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(updated).reshape(written.shape), written)
+
+
+class _FieldBuffer:
+    """A buffer as jax 0.8.0 to 0.10.0 keep one: its array in a field."""
+
+    def __init__(self, content):
+        self.content = content
+
+
+class _PropertyBuffer:
+    """A buffer as jax 0.10.1 on keep one: ``_content`` and ``_logical_shape``, ``content`` a
+    read-only property."""
+
+    def __init__(self, content):
+        self._content, self._logical_shape = content, content.shape
+
+    @property
+    def content(self):
+        return self._content
+
+
+def _layout(release: str):
+    """An importer of the interpreter's modules, laid out as ``release`` lays them out."""
+
+    def to_range(*_):
+        return release
+
+    def get_shared_memory():
+        return release
+
+    calls, memory, utils = types.SimpleNamespace(), types.SimpleNamespace(), types.SimpleNamespace()
+    if release == "0.8.0":
+        memory.get_shared_memory, memory._to_range = get_shared_memory, to_range
+    else:
+        calls._get_shared_memory = get_shared_memory
+        if release == "0.8.1":
+            calls._to_range = to_range
+        else:
+            utils.to_range = to_range
+    modules = {"interpret_pallas_call": calls, "shared_memory": memory, "utils": utils}
+    return lambda name: modules[name.rsplit(".", 1)[1]], calls, memory
+
+
+@pytest.mark.parametrize("release", ["0.8.0", "0.8.1", "0.8.2", "0.12.0"])
+def test_tpu_interpret_finds_the_interpreters_internals_where_each_release_keeps_them(release):
+    """The interpreter's internals moved between the supported releases (0.8.1 and 0.8.2 moved
+    the accesses and the index function, 0.10.1 a buffer's array); CI runs 0.8.0 and the newest
+    only, so the lookups of each layout are checked here on stand-ins."""
+    import_module, calls, memory = _layout(release)
+    module, shared_memory, to_range = tpu_interpret._interpreter(import_module)
+    assert module is (memory if release == "0.8.0" else calls)
+    assert shared_memory() == to_range() == release
+
+
+@pytest.mark.parametrize("buffer_type", [_FieldBuffer, _PropertyBuffer], ids=["field", "property"])
+def test_tpu_interpret_swaps_a_buffers_array_for_one_access_and_back(buffer_type):
+    whole = np.arange(12.0)
+    buffer = buffer_type(whole)
+    restore = tpu_interpret._set_buffer(buffer, whole.reshape(3, 4))
+    assert buffer.content.shape == (3, 4) and np.shares_memory(buffer.content, whole)
+    if buffer_type is _PropertyBuffer:
+        assert buffer._logical_shape == (3, 4)
+    restore()
+    assert buffer.content is whole and getattr(buffer, "_logical_shape", (12,)) == (12,)
