@@ -13,14 +13,13 @@ from .logprobs import (
 from .mapping import Condition, EngineTransform, ParamMapping, expand_mappings
 from .moe import replay_route, route
 from .qwen3_moe_flax import Qwen3MoeConfig, router_choices
-from .registry import FAMILIES, MAPPINGS, Family, family_for, flax_model_for, mappings_for
+from .registry import FAMILIES, Family, family_for, flax_model_for, mappings_for
 from .tiny import TinyModelSpec, random_hf_weights, tiny_llama3_spec, tiny_random_llama_spec, write_tiny_model
 from .tiny_moe import TinyMoeSpec
 
 __all__ = [
     "FAMILIES",
     "HF_DEFAULTS",
-    "MAPPINGS",
     "Condition",
     "EngineTransform",
     "Family",

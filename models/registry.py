@@ -98,9 +98,6 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
-# model_type -> mapping table (the tables alone).
-MAPPINGS: dict[str, tuple[ParamMapping, ...]] = {name: family.mapping for name, family in FAMILIES.items()}
-
 
 def _getter(hf_config):
     """``get(key, default=None)`` of an HF config: a dict (a parsed config.json, read with

@@ -63,7 +63,7 @@ def _open(file: Path):
 
 
 def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
-    """Read an HF checkpoint of a registered model type (``models.MAPPINGS``) into a nested
+    """Read an HF checkpoint of a registered model type (``models.FAMILIES``) into a nested
     trainer param dict of numpy arrays.
 
     ``dtype=None`` keeps each tensor's stored dtype (bfloat16 comes back as ml_dtypes').

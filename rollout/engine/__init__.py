@@ -27,17 +27,8 @@ its request loop (``requests.RequestLoop``). The handle's methods that change we
 may be called from any thread. Test hooks are apart, in ``EngineHandle.testing``
 (``testing.EngineTesting``): ``inject_failure`` makes an engine fail as an engine bug would.
 
-Modules: ``workarounds`` (the registry ``WORKAROUNDS`` and its switches; imports nothing),
-``patches`` (the 0.0.2 patches themselves), ``start_up`` (one start-up at a time, and which
-engine is being built), ``runtime`` (the engine's threads), ``handle`` (``EngineHandle``:
-start-up, facts, calls, close), ``state`` (its weights and KV pool), ``requests`` (its request
-loop), ``testing`` (its test hooks), ``inflight`` (weight swaps with requests running),
-``routing`` (MoE routing recorded for replay), ``sessions`` (a conversation's prefix kept
-cached between its calls), ``lora`` (LoRA adapters computed unmerged), ``multistep`` (several
-decode steps per dispatch), ``tpu_kernels`` (the TPU kernels' JAX names), ``tpu_interpret`` (the TPU path's kernels
-interpreted on any device, for CI), ``profile`` (where
-steps spend their time, and a stubbed device that leaves only the host's work), ``types``
-(options, outputs, errors; no sgl_jax import). The supported sglang-jax release is ``rollout.versions.ENGINE``.
+Modules: each is named, with what it holds, in docs/design.md ("Layout"). The supported
+sglang-jax release is ``rollout.versions.ENGINE``.
 """
 
 from .buffers import device_buffers, device_nbytes
