@@ -409,10 +409,12 @@ def swap_during(worker, new_params, reached: Callable[[], bool], generate: Calla
 
 @contextlib.contextmanager
 def admitted_together(worker, requests: int, timeout: float = 300):
-    """Calls made inside, from several threads or tasks, are admitted by the engines together
-    however those are scheduled: every engine of ``worker`` is held before its next batch until
-    ``requests`` requests (rows, all engines together) have been sent to them. Without it a
-    loaded host can send one call many forwards after another."""
+    """Calls made inside, from several threads or tasks, reach the engines while they wait:
+    every engine of ``worker`` is held before its next batch until ``requests`` requests (rows,
+    all engines together) have been sent to them. Without it a loaded host can send one call
+    many forwards after another; with it a call whose requests are still in the socket when the
+    hold ends joins one forward later at most. The calls must be n=1: with n > 1 a call sends
+    its prompts first and waits for their prefill, which the hold would keep from running."""
     from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 
     send = TokenizerManager._send_one_request
@@ -436,9 +438,9 @@ def admitted_together(worker, requests: int, timeout: float = 300):
     try:
         with concurrent.futures.ThreadPoolExecutor(len(worker.engines)) as pool:
             holds = [pool.submit(engine.call_at_boundary, hold) for engine in worker.engines]
-            for _ in holds:  # every scheduler held before the first request is sent
-                assert holding.acquire(timeout=timeout)
             try:
+                for _ in holds:  # every scheduler held before the first request is sent
+                    assert holding.acquire(timeout=timeout)
                 yield
             finally:
                 all_sent.set()  # a body that failed before sending all must not leave them held
@@ -470,7 +472,8 @@ def held_mid_call(worker, until: Callable[[], bool], timeout: float = 300):
             time.sleep(0.001)
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        holding = pool.submit(engine.call_at_boundary, hold, when=sampling)
+        # Also once the block ends: a block that failed before any token must not leave it queued.
+        holding = pool.submit(engine.call_at_boundary, hold, when=lambda: leaving.is_set() or sampling())
         try:
             yield held
         finally:

@@ -289,8 +289,10 @@ def test_a_stop_token_sampled_last_ends_as_stop(worker):
 
 def test_calls_retracted_in_a_tight_kv_pool_all_return(qwen2_dir):
     """A 128-token pool. First one call of a 20-token prompt given three times, 60 new tokens
-    each: its rows are admitted together (a call is one prefill), no two of them fit to the
-    end, so decode retracts one. Then six calls of 3 rows each at once: which rows are retracted
+    each: the scheduler reserves an admitted row's new tokens, so it admits the first row alone
+    (20 + 60), then a second once the prompt is cached (1 + 60); the two rows' 20 + 2 x 60 tokens
+    overflow the pool before they end, and decode retracts one (arithmetic, not timing; it needs
+    the prefix cache, on by default). Then six calls of 3 rows each at once: which rows are retracted
     depends on how the calls interleave, but every call returns (one retracted after 59 of its
     60 tokens waited forever: 0.0.2 counted its sampled tokens and all 60 new ones). A
     retracted row reports the prompt tokens its first prefill found cached (0.0.2 added the

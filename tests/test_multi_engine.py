@@ -73,9 +73,10 @@ def generate_in_threads(engines, prompts, params) -> list:
 
 @contextlib.contextmanager
 def meeting_in_a_forward(engines):
-    """Each engine's next forward waits, inside it, for every other engine's: engines that cannot
-    run forwards at the same time fail it (the barrier breaks after 120 s and the forwards raise)
-    rather than passing or failing by how the threads happened to be scheduled."""
+    """Each engine's next forward call waits, inside it, for every other engine's: engines whose
+    schedulers cannot be inside a forward at the same time (a lock around them, one thread for
+    all) fail it (the barrier breaks after 120 s and the forwards raise), rather than passing or
+    failing by how the threads happened to be scheduled. A lock inside the forward would pass."""
     barrier = threading.Barrier(len(engines), timeout=120)
     met = []
     runners = [engine.testing.model_runner for engine in engines]

@@ -38,12 +38,26 @@ DRAWS = {
 
 @pytest.fixture(scope="module")
 def plain_and_its_first_compiles(qwen2_dir):
-    with RolloutWorker(_config(qwen2_dir)) as w:
-        # Right after start-up, before any other call: what a batch of each draw compiles.
+    """The worker, what a batch of each draw compiles right after start-up, and whether each
+    forward of its start-up's precompile came with penalties."""
+    from sgl_jax.srt.managers.tp_worker import ModelWorker
+
+    forward = ModelWorker.forward_batch_generation
+    penalized = []
+
+    def recording(self, batch, *args, **kwargs):
+        metadata = args[2] if len(args) > 2 else kwargs.get("sampling_metadata")
+        penalized.append(bool(metadata is not None and metadata.do_penalties))
+        return forward(self, batch, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelWorker, "forward_batch_generation", recording)
+        w = RolloutWorker(_config(qwen2_dir))
+    with w:
         first = {
             name: w.generate(PROMPTS, max_new_tokens=3, ignore_eos=True, **kw).compiles for name, kw in DRAWS.items()
         }
-        yield w, first
+        yield w, first, penalized
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +67,11 @@ def plain(plain_and_its_first_compiles):
 
 def test_a_precompiled_engine_compiles_nothing_for_any_draw(plain_and_its_first_compiles):
     """The precompile's made-up batches filter (top-k, top-p, min-p); it compiles the greedy and
-    the unfiltered draw's programs too, for the same batch sizes."""
-    assert plain_and_its_first_compiles[1] == dict.fromkeys(DRAWS, 0)
+    the unfiltered draw's programs too, for the same batch sizes. It compiles no sampler for
+    penalties, which no sampler applies (0.0.2 precompiled one per draw and batch size)."""
+    _, first, penalized = plain_and_its_first_compiles
+    assert first == dict.fromkeys(DRAWS, 0)
+    assert penalized and not any(penalized), penalized
 
 
 @pytest.fixture(scope="module")

@@ -220,8 +220,8 @@ def _sample(sampler, logits_output, m, positions, draw: str | None = None):
     """(token ids [B], their log-probs [B], kept counts [B]) of a batch's logits, by ``sampler``
     (the engine's ``Sampler``: its RNG); ``draw`` names the draw (:data:`_DRAWS`), or None to
     choose on the device. 0.0.2's penalties (frequency, presence, min-new-tokens) are not
-    applied: no request asks for them (``requests._sampling_dict`` sends none, the server refuses
-    them); serving them would need the trainer's log-probs to apply them too."""
+    applied: no request carries them (``requests._sampling_dict`` sends none); serving them would
+    need the trainer's log-probs to apply them too."""
     logits = logits_output.next_token_logits
     logits = jnp.reshape(logits, (-1, logits.shape[-1]))
     _, rng = jax.random.split(sampler.rngs.params())
@@ -273,6 +273,12 @@ def _metadata_knowing_its_draw(build):
         return metadata
 
     return classmethod(from_model_worker_batch)
+
+
+def _no_penalties_to_precompile(self, future_token_ids_map=None) -> None:
+    """``ModelWorker.precompile_penalties`` replacement: no sampler applies penalties
+    (:func:`_sample`), so the programs 0.0.2 compiles for them (a sampler per draw and batch size,
+    keyed by a made-up batch that has them) would never run."""
 
 
 def _precompiling_every_draw(run_precompile):
@@ -372,6 +378,7 @@ def _patch_sampler() -> None:
             build = SamplingMetadata.__dict__[name].__func__
             setattr(SamplingMetadata, name, _metadata_knowing_its_draw(build))
         tp_worker.ModelWorker.run_precompile = _precompiling_every_draw(tp_worker.ModelWorker.run_precompile)
+        tp_worker.ModelWorker.precompile_penalties = _no_penalties_to_precompile
         scheduler.Scheduler.run_batch = _run_batch_collecting_logprobs(scheduler.Scheduler.run_batch)
 
 

@@ -18,9 +18,9 @@ MAX_STOP_TOKEN_IDS = 256
 # Far above any body this server accepts (a chat message's content part is 5 deep); json.loads
 # recurses once per level, so deeper bodies are refused before it runs.
 MAX_JSON_DEPTH = 64
-# Accepted only with their neutral value: the worker does not serve them. (0.0.2's frequency and
-# presence penalizers run only under its overlap scheduler, and the trainer's log-probs would have
-# to apply them too; it has no repetition penalty, a field vLLM's and SGLang's clients send.)
+# Accepted only with their neutral value: the worker does not serve them. Penalties and a minimum
+# length change the distribution the trainer's log-probs would have to recompute (no request
+# carries them to the engine); repetition_penalty and min_tokens are vLLM's and SGLang's fields.
 _NEUTRAL = {
     "echo": (None, False),
     "best_of": (None, 1),
@@ -29,6 +29,7 @@ _NEUTRAL = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
     "functions": (None, []),
 }
 
@@ -246,7 +247,9 @@ def _common(
     body: dict, prompts: list, prompt_field: str, max_tokens: int | None, context_length: int
 ) -> GenerationRequest:
     for name, neutral in _NEUTRAL.items():
-        if body.get(name) not in neutral:
+        value = body.get(name)
+        # Of the neutral value's own type: true is not 1.
+        if not any(type(value) is type(v) and value == v for v in neutral):
             raise invalid(name, f"'{name}' is not supported by this server")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

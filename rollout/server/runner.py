@@ -101,9 +101,11 @@ class Server:
             try:  # from here a KeyboardInterrupt may come at any line
                 signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM while draining: the drain goes on"))
                 logger.info("draining running requests (up to %s s) on %s", self.config.drain_timeout_s, self.url)
-                self.close()
-                if then is not None:
-                    then()
+                try:
+                    self.close()
+                finally:
+                    if then is not None:
+                        then()
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)

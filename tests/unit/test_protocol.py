@@ -167,15 +167,18 @@ UNSERVED = [
     ("presence_penalty", 0.5, 0.0),
     ("frequency_penalty", 0.5, 0),
     ("repetition_penalty", 1.1, 1.0),
+    ("min_tokens", 4, 0),
+    ("best_of", True, None),
     ("functions", [{"name": "f"}], []),
 ]
 
 
 @pytest.mark.parametrize("path,base", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
-@pytest.mark.parametrize("field,value,neutral", UNSERVED, ids=[u[0] for u in UNSERVED])
+@pytest.mark.parametrize("field,value,neutral", UNSERVED, ids=[f"{f}={v!r}" for f, v, _ in UNSERVED])
 def test_a_field_the_worker_does_not_serve_is_refused_unless_neutral(http, backend, path, base, field, value, neutral):
-    """A client's repetition_penalty (vLLM's, SGLang's) or frequency_penalty was not applied:
-    refused with a 400 naming it, rather than ignored; its neutral value goes through."""
+    """A client's repetition_penalty or min_tokens (vLLM's, SGLang's), or frequency_penalty, was
+    not applied: refused with a 400 naming it, rather than ignored (best_of: true passed as 1);
+    its neutral value goes through."""
     found = error(post(http, path, {**base, field: value}), 400)
     assert found["param"] == field and found["message"] == f"'{field}' is not supported by this server"
     assert backend.reached == []
