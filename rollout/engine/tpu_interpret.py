@@ -148,6 +148,18 @@ def interpreting_reshaped_refs():
             setattr(module, name, access)
 
 
+def interpret_params():
+    """The interpreter's settings here: each DMA runs when it is started. Its default runs a DMA
+    at the first wait on its semaphores, from a queue of pending DMAs keyed by semaphore id
+    alone, which the devices' kernels share (a TODO in JAX's source); with two devices a thread
+    then spun forever on an empty queue (1 of 4 tp 2 engine runs at jax 0.8, none of 6 with
+    DMAs run at start). A kernel that read a DMA's target before waiting for it would go
+    unnoticed here."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(dma_execution_mode="eager")
+
+
 def _tpu_v4_block_sizes(q_dtype, kv_dtype, q_heads, kv_heads, head_dim, page_size, max_num_tokens, pages_per_seq):
     """0.0.2's ``get_tuned_block_sizes`` for a TPU v4, whatever the device."""
     return min(pages_per_seq, 512 // page_size), min(max_num_tokens, 32)
@@ -175,7 +187,7 @@ def tpu_interpret_mode():
 
     previous_mode = jax_config.pallas_tpu_interpret_mode_context_manager.get_global()
     block_sizes = flash_attention.get_tuned_block_sizes
-    pltpu.set_tpu_interpret_mode()
+    pltpu.set_tpu_interpret_mode(interpret_params())
     model_runner.ModelRunner._get_attention_backend = keeping_fa
     flash_attention.get_tuned_block_sizes = _tpu_v4_block_sizes
     try:

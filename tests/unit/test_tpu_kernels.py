@@ -45,7 +45,7 @@ def test_the_engines_kv_write_kernel_in_tpu_interpret_mode_writes_what_a_scatter
     expected[slots[slots >= 0]] = fused[slots >= 0]
     mesh = Mesh(np.array(jax.devices()[:tp]), ("tensor",))
     heads = NamedSharding(mesh, P(None, "tensor", None))
-    with pltpu.force_tpu_interpret_mode(), mesh_context(mesh):
+    with pltpu.force_tpu_interpret_mode(tpu_interpret.interpret_params()), mesh_context(mesh):
         written = update_fused_kv_cache(
             jax.device_put(fused, heads), jnp.asarray(slots), jax.device_put(pool, heads), page_size=page_size
         )
@@ -109,7 +109,7 @@ def test_the_engines_attention_kernel_in_tpu_interpret_mode_computes_attention(k
     distribution = np.array([1, 2, 2], np.int32)  # 1 decode-only, 1 prefill-only sequence
     new_kv = np.stack([k, v], axis=2).reshape(tokens, 2 * kv_heads, head_dim)  # k0, v0, k1, v1
     expected, written = reference_attention(q, new_kv, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, page_size)
-    with pltpu.force_tpu_interpret_mode(), interpreting_reshaped_refs():
+    with pltpu.force_tpu_interpret_mode(tpu_interpret.interpret_params()), interpreting_reshaped_refs():
         out, updated = ragged_paged_attention(
             *map(jnp.asarray, (q, k, v, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)),
             sm_scale=head_dim**-0.5,
