@@ -152,7 +152,7 @@ def interpret_params():
     """The interpreter's settings here: each DMA runs when it is started. Its default runs a DMA
     at the first wait on its semaphores, from a queue of pending DMAs keyed by semaphore id
     alone, which the devices' kernels share (a TODO in JAX's source); with two devices a thread
-    then spun forever on an empty queue (1 of 4 tp 2 engine runs at jax 0.8, none of 6 with
+    then spun forever on an empty queue (1 of 4 tp 2 engine runs at jax 0.8, none of 14 with
     DMAs run at start). A kernel that read a DMA's target before waiting for it would go
     unnoticed here."""
     from jax.experimental.pallas import tpu as pltpu
