@@ -362,6 +362,14 @@ def _noisy(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return x + (0.5 * x.std() * rng.standard_normal(x.shape)).astype(x.dtype)
 
 
+def wait_until(condition, timeout: float = 120.0) -> None:
+    """Poll state the code under test sets (not a sleep standing in for an event)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
 def swap_at_token(worker, new_params, position, generate: Callable, **swap):
     """Run ``generate()`` (one request) while an in-flight sync lands exactly when the request has
     ``position`` tokens. Returns (batch, sync report)."""
@@ -376,7 +384,8 @@ def swap_at_token(worker, new_params, position, generate: Callable, **swap):
 def swap_during(worker, new_params, reached: Callable[[], bool], generate: Callable, **swap):
     """Run ``generate()`` while an in-flight sync lands at the first forward boundary where
     ``reached()`` (scheduler thread): a boundary call holds the scheduler there until the sync
-    has queued its swap, which then runs at that same boundary. Returns (batch, sync report)."""
+    has queued its swap, which then runs at that same boundary. Returns (batch, sync report).
+    A failure anywhere lets the hold go: a hold left queued would stop the module's next call."""
     engine = worker.engine
     held, release, results, errors = threading.Event(), threading.Event(), {}, []
 
@@ -391,18 +400,26 @@ def swap_during(worker, new_params, reached: Callable[[], bool], generate: Calla
             errors.append(exc)
             held.set()
 
-    threads = [threading.Thread(target=run, args=("hold", lambda: engine.call_at_boundary(hold, when=reached)))]
+    def hold_at():  # also once the hold is let go
+        return release.is_set() or reached()
+
+    threads = [threading.Thread(target=run, args=("hold", lambda: engine.call_at_boundary(hold, when=hold_at)))]
     threads.append(threading.Thread(target=run, args=("batch", generate)))
     for t in threads:
         t.start()
-    assert held.wait(300) and not errors, errors
-    sync = threading.Thread(target=run, args=("report", lambda: worker.sync_params(new_params, in_flight=True, **swap)))
-    sync.start()
-    while engine.testing.boundary_calls_queued == 0 and sync.is_alive():  # the swap is queued behind the hold
-        time.sleep(0.001)
-    release.set()
-    for t in [*threads, sync]:
-        t.join(300)
+    try:
+        assert held.wait(300) and not errors, errors
+        sync = threading.Thread(
+            target=run, args=("report", lambda: worker.sync_params(new_params, in_flight=True, **swap))
+        )
+        sync.start()
+        threads.append(sync)
+        while engine.testing.boundary_calls_queued == 0 and sync.is_alive():  # the swap is queued behind the hold
+            time.sleep(0.001)
+    finally:
+        release.set()
+        for t in threads:
+            t.join(300)
     assert not errors, errors
     return results["batch"], results["report"]
 

@@ -5,14 +5,13 @@ import contextlib
 import gc
 import logging
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from rollout import OwnCallsInFlight, RolloutWorker, WorkerUnavailable, compile_count, counting_compiles
-from tests.helpers import admitted_together, held_mid_call, tiny_worker_config
+from tests.helpers import admitted_together, held_mid_call, tiny_worker_config, wait_until
 from trainer_bridge import load_hf_params
 
 # Batching across threads and event loops, the sync gate: the worker's Python, which no supported
@@ -44,12 +43,14 @@ def _run_in_threads(*fns):
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i, fn), name=fn.__name__) for i, fn in enumerate(fns)]
+    # Daemons: a thread stuck after a failure must not keep the session from ending.
+    threads = [threading.Thread(target=run, args=(i, fn), name=fn.__name__, daemon=True) for i, fn in enumerate(fns)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
+    assert not [t.name for t in threads if t.is_alive()], "still running after 300 s"
     return results
 
 
@@ -151,8 +152,7 @@ def test_sync_waits_only_for_running_calls_and_versions_are_exact(worker, params
 
     def generate_after_sync_started():
         assert held.wait(300)
-        while worker.unavailable_reason is None:
-            time.sleep(0.001)
+        wait_until(lambda: worker.unavailable_reason is not None, timeout=300)
         return worker.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=4)
 
     # The long call is held mid-decode until the sync waits for it.
@@ -190,15 +190,17 @@ def test_a_release_for_training_waits_for_a_sync_being_prepared(worker, params, 
         return worker.sync_params(params)
 
     def release():
-        prepared.wait()
+        assert prepared.wait(300)
         with worker.released_for_training():
             events.append("released")
             released.set()
 
     def let_the_sync_go():
-        prepared.wait()
-        released.wait(3)  # set within it only where the release did not wait for the sync
-        go.set()
+        try:
+            assert prepared.wait(300)
+            released.wait(3)  # set within it only where the release did not wait for the sync
+        finally:
+            go.set()  # the sync goes whatever failed here
 
     _run_in_threads(sync, release, let_the_sync_go)
     assert events == ["sync committing", "released"]

@@ -10,7 +10,6 @@ import logging
 import signal
 import socket
 import threading
-import time
 
 import httpx
 import jax
@@ -22,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from rollout import RolloutWorker
 from rollout.errors import InvalidRequest, LimitExceeded, WorkerClosed, WorkerUnavailable
 from rollout.server import Server, ServerConfig, WorkerBackend
-from tests.helpers import serve_process, tiny_worker_config
+from tests.helpers import serve_process, tiny_worker_config, wait_until
 from trainer_bridge import SyncError, load_hf_params
 
 PROMPT = [5, 17, 42, 8]
@@ -47,14 +46,6 @@ def server(worker):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
-
-
-def wait_until(condition, timeout: float = 120.0) -> None:
-    """Poll state the code under test sets (not a sleep standing in for an event)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
 
 
 def chat_dir_name(worker) -> str:
@@ -180,6 +171,7 @@ def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everyw
             worker.load_hf(qwen2_dir)
     finally:
         server.close()
+        worker.close()  # where the test failed before its own close: no engine left running
 
 
 @pytest.mark.one_end
