@@ -379,3 +379,11 @@ def test_a_stubbed_device_repeats_each_shapes_first_decode_outputs_and_stops_at_
     logprobs = with_logprobs.logprobs[with_logprobs.completion_mask].reshape(len(PROMPTS), 6)
     np.testing.assert_array_equal(logprobs[:, 2:], np.repeat(logprobs[:, 1:2], 4, axis=1))
     assert worker.generate(PROMPTS, **kwargs).completions == real
+    # The decoded tokens' KV was never written: a prompt extending a completion made under the
+    # stub is answered as with an empty prefix cache, not from what those slots held.
+    extended = [prompt + completion for prompt, completion in zip(PROMPTS, first)]
+    after = worker.generate(extended, return_logprobs=True, **kwargs)
+    worker.engine.testing.flush_prefix_cache()
+    fresh = worker.generate(extended, return_logprobs=True, **kwargs)
+    assert after.completions == fresh.completions
+    np.testing.assert_allclose(after.logprobs, fresh.logprobs, atol=1e-5)

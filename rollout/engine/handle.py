@@ -503,6 +503,11 @@ class EngineHandle:
 _open_handles: set[EngineHandle] = set()
 
 
+def open_engines() -> list[EngineHandle]:
+    """The engines of this process not closed yet."""
+    return list(_open_handles)
+
+
 @atexit.register
 def _close_open_handles() -> None:
     for handle in list(_open_handles):

@@ -23,6 +23,7 @@ import time
 
 import jax
 
+from .handle import open_engines
 from .patches import install_workarounds, leave_token_logprobs, left_token_logprobs, logprobs_requested
 
 
@@ -145,8 +146,9 @@ def stubbed_device():
     dispatch), and the ids read are the same arrays each step.
 
     Prefills run as usual. For benchmarks only: the sampled ids repeat, and the KV of decoded
-    tokens is not written although the prefix cache keeps their prefixes (restart the worker,
-    or send no prompt that extends a completion generated here). Process-wide; open it outside
+    tokens is not written although the prefix cache keeps their prefixes, so at exit every
+    engine's prefix cache is flushed (once idle): a later prompt that extends a completion made
+    here is prefilled, not served stale KV. Process-wide; open it outside
     :func:`profile_steps`, whose timing wrappers would otherwise see only each shape's first
     call."""
     outputs: dict = {}
@@ -192,5 +194,10 @@ def stubbed_device():
 
         return stub_forward, stub_sample, stub_chunk
 
-    with _steps_replaced(stubbed):
-        yield
+    try:
+        with _steps_replaced(stubbed):
+            yield
+    finally:
+        for engine in open_engines():
+            if engine.alive:  # a stopped engine has no cache to serve from
+                engine.testing.flush_prefix_cache()
