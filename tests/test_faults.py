@@ -72,10 +72,12 @@ def test_worker_errors_are_typed_and_name_the_field(worker, chat_dir):
     assert too_long.value.field == "max_new_tokens"
     with worker.released_for_training():
         pass
-    with pytest.raises(WorkerUnavailable) as stale:
-        worker.generate([PROMPT])
-    assert "train step" in stale.value.reason and stale.value.retryable
-    worker.load_hf(chat_dir)
+    try:
+        with pytest.raises(WorkerUnavailable) as stale:
+            worker.generate([PROMPT])
+        assert "train step" in stale.value.reason and stale.value.retryable
+    finally:  # serving again for the module's later tests, whatever failed here
+        worker.load_hf(chat_dir)
 
 
 class _FailingBackend(WorkerBackend):

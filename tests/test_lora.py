@@ -182,9 +182,11 @@ def test_a_leaf_served_unchecked_is_checked_when_it_comes_again(served):
     norm = "model.norm.scale"
     poisoned = {**flat, norm: jax.device_put(np.full(flat[norm].shape, np.nan, np.float32), flat[norm].sharding)}
     worker.sync_params(poisoned, check_finite=False)
-    with pytest.raises(SyncError, match=f"nan/inf\\) in: {norm}"):
-        worker.sync_params(poisoned)
-    worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
+    try:
+        with pytest.raises(SyncError, match=f"nan/inf\\) in: {norm}"):
+            worker.sync_params(poisoned)
+    finally:  # the module's later tests are served the base, whatever failed here
+        worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
     assert served.greedy() == served.tokens
 
 
