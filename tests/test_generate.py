@@ -214,17 +214,19 @@ def test_worker_idles_quietly(worker):
 def test_qwen3_token_ids_only_and_close(qwen3_dir):
     before = {t.ident for t in threading.enumerate()}
     worker = RolloutWorker(tiny_worker_config(qwen3_dir))
-    assert worker.tokenizer is None
-    with pytest.raises(ValueError, match="has no tokenizer"):
-        worker.generate(["text"])
-    greedy = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=8, ignore_eos=True)
-    again = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=8, ignore_eos=True)
-    assert greedy.completions == again.completions
-    assert greedy.completion_texts is None
-    # top_k=1 leaves only the most likely token: sampling at temperature 1 is greedy decoding.
-    sampled = worker.generate(PROMPTS, n=3, temperature=1.0, top_k=1, max_new_tokens=8, ignore_eos=True)
-    assert sampled.completions == [c for c in greedy.completions for _ in range(3)]
-    worker.close()
+    try:
+        assert worker.tokenizer is None
+        with pytest.raises(ValueError, match="has no tokenizer"):
+            worker.generate(["text"])
+        greedy = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        again = worker.generate(PROMPTS, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        assert greedy.completions == again.completions
+        assert greedy.completion_texts is None
+        # top_k=1 leaves only the most likely token: sampling at temperature 1 is greedy decoding.
+        sampled = worker.generate(PROMPTS, n=3, temperature=1.0, top_k=1, max_new_tokens=8, ignore_eos=True)
+        assert sampled.completions == [c for c in greedy.completions for _ in range(3)]
+    finally:  # no engine left running into later tests when an assertion fails
+        worker.close()
     worker.close()
     assert worker.closed
     left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("sglang")]

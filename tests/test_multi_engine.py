@@ -105,9 +105,10 @@ def device_ids(array) -> set[int]:
 def reference(qwen2_dir):
     """One engine on all four devices (the default mesh)."""
     engine = EngineHandle(tiny_options(qwen2_dir, tp_size=2))
-    greedy = [out.output_ids for out in engine.generate(PROMPTS, *GREEDY)]
-    engine.close()
-    return greedy
+    try:
+        return [out.output_ids for out in engine.generate(PROMPTS, *GREEDY)]
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -218,13 +219,15 @@ def test_close_joins_every_thread_and_gpu_precision_stays_in_the_engine(qwen2_di
     monkeypatch.setattr(ModelRunner, "initialize", initialize_like_on_gpu)
     before = set(threading.enumerate())
     engine = EngineHandle(tiny_options(qwen2_dir, (jax.devices()[1],), name="engine 9"))
-    assert jax.config.jax_default_matmul_precision is None
-    assert engine.call(lambda: jax.config.jax_default_matmul_precision) == "highest"
-    engine.generate(PROMPTS[:1], GREEDY[0], GREEDY[1][:1])
-    started = [t.name for t in set(threading.enumerate()) - before]
+    try:
+        assert jax.config.jax_default_matmul_precision is None
+        assert engine.call(lambda: jax.config.jax_default_matmul_precision) == "highest"
+        engine.generate(PROMPTS[:1], GREEDY[0], GREEDY[1][:1])
+        started = [t.name for t in set(threading.enumerate()) - before]
+    finally:  # closed whatever failed: an engine left running would be in later tests' counts
+        engine.close()
     for role in runtime.ENGINE_THREAD_ROLES:
         assert f"sglang-jax::{role} engine 9 (devices 1)" in started
-    engine.close()
     # tqdm (model loading's progress bar) keeps one monitor thread per process, not per engine.
     left = [t.name for t in set(threading.enumerate()) - before if t.name != "tqdm_monitor"]
     assert left == []
