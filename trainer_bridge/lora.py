@@ -21,7 +21,7 @@ import numpy as np
 
 from models import EngineTransform, ParamMapping
 
-from .sync import SyncError, replicated_beside
+from .sync import SyncError, device_order, replicated_beside
 from .tree import flatten_params, unflatten_params
 
 # Every linear projection of the dense families (attention and MLP).
@@ -208,11 +208,21 @@ def adapter_mappings(mappings: Sequence[ParamMapping], config: LoraConfig) -> li
 
 def merge_adapters(base: Mapping[str, object], adapters: Sequence[Adapter], config: LoraConfig) -> dict:
     """``base`` (flat) with each adapted kernel replaced by ``kernel + scale * A @ B``: one jitted
-    program for all of them, in float32, each result in its kernel's dtype and sharding. The
-    base arrays are read, not changed; the results are new buffers."""
+    program for the kernels on each set of devices (a jitted call takes its inputs on one set,
+    and a trainer may keep its kernels on several), in float32, each result in its kernel's
+    dtype and sharding. The base arrays are read, not changed; the results are new buffers."""
     merged = dict(base)
-    if not adapters:
-        return merged
+    groups: dict[tuple, list[Adapter]] = {}
+    for adapter in adapters:  # uncommitted arrays and numpy go where jit puts them
+        kernel = base[adapter.kernel]
+        committed = isinstance(kernel, jax.Array) and kernel.committed
+        groups.setdefault(device_order(kernel.sharding) if committed else (), []).append(adapter)
+    for group in groups.values():
+        merged.update(_merged_on_one_set(base, group, config))
+    return merged
+
+
+def _merged_on_one_set(base: Mapping[str, object], adapters: Sequence[Adapter], config: LoraConfig) -> dict:
     kernels = [base[adapter.kernel] for adapter in adapters]
     shardings = tuple(getattr(k, "sharding", None) for k in kernels)
     placed = all(isinstance(s, jax.sharding.Sharding) for s in shardings)
@@ -221,10 +231,10 @@ def merge_adapters(base: Mapping[str, object], adapters: Sequence[Adapter], conf
     program = _merge_program(config.scale, shardings if placed else None)
     try:
         results = program(kernels, a_factors, b_factors)
-    except (ValueError, TypeError) as exc:  # e.g. kernels on devices no one program spans
-        raise SyncError(f"adapters: merging them into their kernels failed: {exc}") from exc
-    merged.update({adapter.kernel: result for adapter, result in zip(adapters, results)})
-    return merged
+    except (ValueError, TypeError) as exc:
+        paths = [adapter.kernel for adapter in adapters]
+        raise SyncError(f"adapters of {paths[:4]}: merging them into their kernels failed: {exc}") from exc
+    return {adapter.kernel: result for adapter, result in zip(adapters, results)}
 
 
 def _beside(factor, kernel):

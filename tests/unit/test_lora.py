@@ -219,6 +219,24 @@ def test_adapters_on_other_devices_than_their_kernels_are_merged_where_the_kerne
         np.testing.assert_allclose(np.asarray(out[path]), np.asarray(expected[path]), rtol=1e-6, atol=1e-6)
 
 
+def test_kernels_on_several_sets_of_devices_are_merged_each_where_it_is():
+    """A jitted program takes its inputs on one set of devices: kernels a trainer keeps on
+    several (one on a mesh, one on a device of its own, another mesh in reverse order) were
+    refused with JAX's words about argument indices. Each set is merged in a program of its own."""
+    devices = jax.devices()
+    on_mesh = NamedSharding(Mesh(np.array(devices[:2]), ("tp",)), PartitionSpec(None, "tp"))
+    reversed_mesh = NamedSharding(Mesh(np.array(devices[:2][::-1]), ("tp",)), PartitionSpec())
+    kernels = sorted(KERNELS)
+    places = {kernels[0]: on_mesh, kernels[1]: jax.sharding.SingleDeviceSharding(devices[3])}
+    places |= {path: reversed_mesh for path in kernels[2:]}
+    base = {path: jax.device_put(leaf, places[path]) if path in places else leaf for path, leaf in base_tree().items()}
+    out = merged(adapter_tree(), base)
+    expected = merged(adapter_tree())
+    for path in KERNELS:
+        assert out[path].sharding == places[path], path
+        np.testing.assert_allclose(np.asarray(out[path]), np.asarray(expected[path]), rtol=1e-6, atol=1e-6)
+
+
 def test_lora_config_checks_its_fields():
     for rank in (0, True, 2.0):
         with pytest.raises(ValueError, match="rank must be a positive int"):
