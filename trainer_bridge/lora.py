@@ -21,7 +21,7 @@ import numpy as np
 
 from models import EngineTransform, ParamMapping
 
-from .sync import SyncError, device_order, replicated_beside
+from .sync import SyncError, call_placement, replicated_beside
 from .tree import flatten_params, unflatten_params
 
 # Every linear projection of the dense families (attention and MLP).
@@ -213,10 +213,8 @@ def merge_adapters(base: Mapping[str, object], adapters: Sequence[Adapter], conf
     dtype and sharding. The base arrays are read, not changed; the results are new buffers."""
     merged = dict(base)
     groups: dict[tuple, list[Adapter]] = {}
-    for adapter in adapters:  # uncommitted arrays and numpy go where jit puts them
-        kernel = base[adapter.kernel]
-        committed = isinstance(kernel, jax.Array) and kernel.committed
-        groups.setdefault(device_order(kernel.sharding) if committed else (), []).append(adapter)
+    for adapter in adapters:
+        groups.setdefault(call_placement(base[adapter.kernel]), []).append(adapter)
     for group in groups.values():
         merged.update(_merged_on_one_set(base, group, config))
     return merged

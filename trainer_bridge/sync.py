@@ -198,6 +198,12 @@ def device_order(sharding: jax.sharding.Sharding) -> tuple:
     return tuple(sharding._device_assignment)
 
 
+def call_placement(x) -> tuple:
+    """The devices a jitted call takes ``x`` on, in order: leaves with the same can be inputs of
+    one call. () for uncommitted arrays and numpy, which go wherever the call's others are."""
+    return device_order(x.sharding) if isinstance(x, jax.Array) and x.committed else ()
+
+
 def _on_engine_devices(x, engine_sharding: jax.sharding.Sharding):
     """``x`` as an input the engine's jitted copy accepts: a jitted call needs its inputs on
     the devices of its outputs, in their order. An array elsewhere (a trainer mesh spanning
@@ -354,9 +360,8 @@ def non_finite_leaves(leaves: Sequence[jax.Array], *, one_call: bool = True) -> 
         sums = jax.device_get([_leaf_sum(x) for x in leaves])
     else:
         groups: dict[tuple, list[int]] = {}
-        for i, x in enumerate(leaves):  # uncommitted arrays and numpy go where jit puts them
-            committed = isinstance(x, jax.Array) and x.committed
-            groups.setdefault(device_order(x.sharding) if committed else (), []).append(i)
+        for i, x in enumerate(leaves):
+            groups.setdefault(call_placement(x), []).append(i)
         sums = np.empty(len(leaves), np.float32)
         for members in groups.values():
             sums[members] = np.asarray(_leaf_sums(*(leaves[i] for i in members)))
