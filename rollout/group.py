@@ -179,16 +179,17 @@ class EngineGroup:
         by engine index. An engine that fails during its drop counts as failed: the others'
         drops stand, and the worker sees them dropped."""
         reports = {}
-        for index, w in self.live().items():
-            try:
-                reports[index] = kv.drop_kv(w.engine)
-            except EngineError:
-                if w.engine.alive:
-                    raise
         for index, w in enumerate(self.weights):
-            if index not in reports:
-                reports[index] = kv.free_failed_kv(w.engine)
-                w.free_owned()
+            if w.engine.alive:
+                try:
+                    reports[index] = kv.drop_kv(w.engine)
+                    continue
+                except EngineError:
+                    if w.engine.alive:
+                        raise
+            reports[index] = kv.free_failed_kv(w.engine)
+            w.free_owned()
+        self.live()  # with no engine running, its error: after freeing what the failed ones held
         return reports
 
     def rebuild_kv(self) -> dict[int, KvReport]:

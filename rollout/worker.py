@@ -636,6 +636,7 @@ class RolloutWorker:
         with self._closed_is_clear(), self._gate.exclusive("the KV cache is being dropped"), self._state_lock:
             self._kv_hold_reason = hold or self._kv_hold_reason
             if self._kv_dropped:
+                self._group.live()  # no engine running: its error, not a drop that did nothing
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
             try:

@@ -225,10 +225,13 @@ def test_qwen3_token_ids_only_and_close(qwen3_dir):
         # top_k=1 leaves only the most likely token: sampling at temperature 1 is greedy decoding.
         sampled = worker.generate(PROMPTS, n=3, temperature=1.0, top_k=1, max_new_tokens=8, ignore_eos=True)
         assert sampled.completions == [c for c in greedy.completions for _ in range(3)]
+        kv_buffers = worker.engine.kv_buffers()
     finally:  # no engine left running into later tests when an assertion fails
         worker.close()
     worker.close()
     assert worker.closed
+    # Freed while the worker is still referenced (as a `with` block's name stays bound).
+    assert kv_buffers and all(buffer.is_deleted() for buffer in kv_buffers)
     left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("sglang")]
     assert left == []
     with pytest.raises(RuntimeError, match="closed"):

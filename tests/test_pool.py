@@ -142,6 +142,18 @@ def test_a_failed_engine_is_named_and_the_others_serve_on(qwen2_dir, params, sin
         # (Device 0 is also jax's default device: the calls meanwhile left a few KB there.)
         kv_bytes = held.engines[failed].kv_bytes
         assert held.live_bytes_per_device[device] - after.live_bytes_per_device[device] > 0.9 * kv_bytes > 0
+        # With no engine left, a drop still frees what the last one holds, then says it failed
+        # (it once raised first, freeing nothing, and the next drop reported success).
+        worker.sync_params(params)
+        last = worker.engines[1 - failed]
+        last.testing.inject_failure(RuntimeError("the last engine failed"))
+        with pytest.raises(EngineError, match="the last engine failed"):
+            worker.generate(PROMPTS, **GREEDY)
+        buffers = last.kv_buffers()  # rebuilt by that generate
+        for _ in range(2):
+            with pytest.raises(EngineError, match="engine thread failed"):
+                worker.drop_kv()
+            assert buffers and all(buffer.is_deleted() for buffer in buffers)
     finally:
         worker.close()
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]

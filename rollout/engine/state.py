@@ -36,8 +36,14 @@ class ModelState:
         self._kv_allocator = None
 
     def close(self) -> None:
-        """Drop the references to the engine objects (and so to device memory)."""
-        self.scheduler = self._engine = self._kv_allocator = None
+        """Free the KV pool and drop the references to the engine objects (and so to the rest of
+        its device memory). The pool is deleted, not only let go: the engine's objects reach each
+        other (its prefix cache reaches the pool), and a handle the caller keeps would keep them."""
+        try:
+            if self.scheduler is not None:
+                self.delete_kv_buffers()
+        finally:
+            self.scheduler = self._engine = self._kv_allocator = None
 
     @property
     def runner(self):
