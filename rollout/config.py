@@ -148,6 +148,11 @@ class WorkerConfig(EngineOptions):
         Returns each engine's devices. A model path that is not a local directory (an HF hub
         id) skips the model checks."""
         self.check_model_dir()
+        if self.phase_log is not None and not Path(self.phase_log).parent.is_dir():
+            raise ValueError(
+                f"WorkerConfig.phase_log={self.phase_log!r}: its directory {str(Path(self.phase_log).parent)!r} "
+                "does not exist"
+            )
         groups = self.device_groups()
         check_model_family(self.model_path, self.tp_size)
         if self.record_routing:

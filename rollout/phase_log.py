@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
 
+logger = logging.getLogger(__name__)
+
 
 class PhaseLog:
+    """Appends to ``path`` (None: records nothing). A record that cannot be written is logged,
+    not raised: it comes after the phase's change, which stands (a sync's weights serve), and a
+    caller told otherwise would retry a change that was made or lose a generated batch."""
+
     def __init__(self, path: str | None, memory: Callable):
         self._path = path
         self._memory = memory
         self._lock = threading.Lock()
+        self._failing = False  # the last write failed: the next failure is not logged again
 
     def record(self, phase: str, seconds: float, **details) -> None:
         if self._path is None:
@@ -28,5 +36,17 @@ class PhaseLog:
             "live_bytes": sum(memory.live_bytes_per_device.values()),
             "live_bytes_per_device": memory.live_bytes_per_device,
         }
-        with self._lock, open(self._path, "a", encoding="utf-8") as log:
-            log.write(json.dumps(record) + "\n")
+        with self._lock:
+            try:
+                with open(self._path, "a", encoding="utf-8") as log:
+                    log.write(json.dumps(record) + "\n")
+            except OSError as exc:
+                if not self._failing:
+                    logger.error(
+                        "phase log %s: cannot write the %r record (%s); phases go unrecorded", self._path, phase, exc
+                    )
+                self._failing = True
+                return
+            if self._failing:
+                logger.warning("phase log %s: writing again from the %r record", self._path, phase)
+            self._failing = False

@@ -84,10 +84,10 @@ class RolloutWorker:
         self._group = EngineGroup(config, device_groups, Pod.current(config.pod_timeout_s))
         try:
             self._set_up(config)
+            self._phases.record("engine_ready", time.perf_counter() - start)
         except BaseException:
             self._group.close()
             raise
-        self._phases.record("engine_ready", time.perf_counter() - start)
 
     def _set_up(self, config: WorkerConfig) -> None:
         # Lock order (always taken in this order, never the reverse): ``_sync_lock`` (one

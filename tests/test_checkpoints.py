@@ -209,3 +209,11 @@ def test_phase_log_records_the_lifecycle(worker, params):
     # live_bytes counts every live array: dropping the KV cache lowers it by at least the pool.
     assert synced["live_bytes"] - dropped["live_bytes"] >= kv_bytes
     assert all(line["live_bytes"] == sum(line["live_bytes_per_device"].values()) for line in lines)
+    # A log that cannot be written fails no call: the sync's change stands, the batch comes back.
+    log = Path(worker.config.phase_log)
+    moved = log.parent.rename(log.parent.with_name("moved-away"))
+    try:
+        assert worker.sync_params(params).version == report.version + 1 == worker.weight_version
+        assert len(greedy(worker)) == len(PROMPTS)
+    finally:
+        moved.rename(log.parent)

@@ -64,6 +64,13 @@ def test_missing_model_dir_is_a_clear_error(tmp_path):
         RolloutWorker(tiny_worker_config(tmp_path / "nowhere"))
 
 
+def test_a_phase_log_in_a_missing_directory_is_refused_before_the_engine_starts(qwen2_dir, tmp_path):
+    missing = tmp_path / "no-such-dir" / "phases.jsonl"
+    with pytest.raises(ValueError, match=r"phase_log=.*no-such-dir.*does not exist"):
+        tiny_worker_config(qwen2_dir, phase_log=str(missing)).validate()
+    tiny_worker_config(qwen2_dir, phase_log=str(tmp_path / "phases.jsonl")).validate()
+
+
 def test_unmerged_lora_must_be_a_lora_config_whose_targets_the_model_has(qwen2_dir):
     with pytest.raises(ValueError, match="unmerged_lora must be a LoraConfig or None, got '16,32'"):
         tiny_worker_config(qwen2_dir, unmerged_lora="16,32")
