@@ -131,6 +131,8 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
     def checked_path(path, param: str) -> None:
         if not isinstance(path, str) or not path:
             raise invalid(param, f"'{param}' must be a non-empty string")
+        if "\x00" in path:  # no file system takes one (os functions raise ValueError)
+            raise invalid(param, f"'{param}' must not contain a NUL character")
         root = state.config.reload_root
         if root is not None and not _is_under(path, root):
             raise ApiError(

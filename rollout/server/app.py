@@ -38,11 +38,12 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
         error = api_error(exc, prompt_field=prompt_field, where=f"{request.method} {request.url.path}")
         return JSONResponse(error.body(), status_code=error.status, headers=retry_after(error, config.retry_after_s))
 
-    # Known types are answered by the app; Exception (the rest) by Starlette's outermost
-    # middleware, which also re-raises it for the server's log.
+    # Known types are answered by the app, the rest by _UnexpectedErrors; Exception stays
+    # registered for an error in the middleware itself (Starlette's outermost answers it).
     for kind in (*KNOWN_ERRORS, Exception):
         app.add_exception_handler(kind, any_error)
 
+    app.add_middleware(_UnexpectedErrors, answer=any_error)
     app.add_middleware(_CancelledAtShutdown)
     app.add_middleware(_RequestLog)
     app.include_router(health_router(state))
@@ -52,6 +53,36 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
         app.include_router(admin_router(state, admin))
         closers.append(admin.close)
     return app
+
+
+class _UnexpectedErrors:
+    """An unexpected error is answered here (a 500 naming the request id under which
+    ``api_error`` logged its traceback), not re-raised. Re-raised, Starlette's outermost
+    middleware answered it, uvicorn logged it a second time and closed the client's keep-alive
+    connection (its next request on it could be reset), and the request log saw no status. One
+    raised after its response began (a stream) still ends the connection: nothing else can."""
+
+    def __init__(self, app, answer):
+        self.app = app
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:
+            if started:
+                raise
+            response = await self.answer(Request(scope), exc)
+            await response(scope, receive, send)
 
 
 class _RequestLog:
@@ -77,12 +108,18 @@ class _RequestLog:
             logger.info(
                 "%s %s %d tokens=%d/%d %.3fs",
                 scope["method"],
-                scope["path"],
+                _printable(scope["path"]),
                 status[0],
                 prompt,
                 completion,
                 time.perf_counter() - start,
             )
+
+
+def _printable(path: str) -> str:
+    """``path`` (percent-decoded) with its control characters escaped: a client's ``%0A`` would
+    otherwise write a line of its own making into the log."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in path)
 
 
 class _CancelledAtShutdown:

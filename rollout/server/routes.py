@@ -12,11 +12,12 @@ from .state import SharedState
 def health_router(state: SharedState) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health")
+    # HEAD too: load balancers' and uptime checkers' probes often send it.
+    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok"}
 
-    @router.get("/ready")
+    @router.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         reason = state.backend.unavailable_reason
         if reason is None and not state.backend.kv_present:

@@ -159,6 +159,44 @@ def test_text_that_is_not_valid_unicode_is_a_400_naming_the_field(http, path, bo
         assert found["message"].startswith(param + " ")
 
 
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/admin/reload_weights", {"path": "/tmp/model\x00", "format": "hf"}, "path"),
+        ("/admin/load_lora", {"lora_path": "/tmp/\x00adapters"}, "lora_path"),
+    ],
+)
+@pytest.mark.parametrize("reload_root", [None, "/tmp"])
+def test_a_nul_in_an_admin_path_is_a_400_naming_the_field(backend, path, body, param, reload_root):
+    """It was a 500 from the reload root's check (os.path.realpath raising ValueError)."""
+    config = ServerConfig(served_model_name="tiny", admin_token="admin", reload_root=reload_root)
+    with TestClient(build_app(backend, config), raise_server_exceptions=False) as client:
+        found = error(post(client, path, body, headers=ADMIN), 400)
+    assert found["param"] == param and "NUL" in found["message"]
+
+
+def test_health_and_ready_answer_head_probes_with_their_status(http, backend):
+    assert http.head("/health").status_code == 200 and http.head("/ready").status_code == 200
+    backend.unavailable_reason = "a train step is running"
+    try:
+        assert http.head("/ready").status_code == 503
+    finally:
+        backend.unavailable_reason = None
+
+
+def test_a_chat_over_the_token_limit_without_max_tokens_is_told_the_default_it_got(backend):
+    """The limit counts a chat's default (the rest of the context a row): the 413 named a field
+    the client never sent."""
+    config = ServerConfig(served_model_name="tiny", max_tokens_per_request=2000)
+    with TestClient(build_app(backend, config), raise_server_exceptions=False) as client:
+        unlimited = {key: value for key, value in CHAT.items() if key != "max_tokens"}
+        found = error(post(client, "/v1/chat/completions", {**unlimited, "n": 16}), 413)
+        assert found["param"] == "max_tokens"
+        assert "with no max_tokens sent a row may take the rest of the context" in found["message"]
+        sent = error(post(client, "/v1/chat/completions", {**unlimited, "n": 16, "max_tokens": 200}), 413)
+        assert "no max_tokens sent" not in sent["message"]
+
+
 UNSERVED = [
     ("echo", True, False),
     ("best_of", 2, 1),
@@ -603,3 +641,49 @@ def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(backend)
             each.setLevel(level)
     assert not [r.getMessage() for r in records if r.levelno >= logging.ERROR]
     assert any(" 499 " in r.getMessage() for r in records if r.name == "rollout.server.app")
+
+
+def test_an_unexpected_error_is_a_500_logged_once_with_its_status_and_the_connection_serves_on(backend):
+    """It was answered by Starlette's outermost middleware and re-raised: uvicorn logged a second
+    traceback and closed the keep-alive connection (a client's next request on it could be
+    reset), and the request log read status 0. A path's control characters are escaped there."""
+    records = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler, loggers = Capture(), [logging.getLogger("rollout.server"), logging.getLogger("uvicorn.error")]
+    levels = [each.level for each in loggers]
+    for each in loggers:
+        each.addHandler(handler)
+        each.setLevel(logging.INFO)
+    # The stub has no memory(): an AttributeError, as any bug in a route would raise.
+    server = Server(StubBackend(backend.tokenizer), ServerConfig(port=0, served_model_name="tiny", admin_token="admin"))
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as connection:
+            answers = connection.makefile("rb")
+
+            def ask(path: str) -> tuple[int, bytes]:
+                connection.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer admin\r\n\r\n".encode())
+                status = int(answers.readline().split()[1])
+                length = 0
+                while (line := answers.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.decode().partition(":")
+                    length = int(value) if name.lower() == "content-length" else length
+                return status, answers.read(length)
+
+            status, body = ask("/admin/memory")
+            assert status == 500 and b"internal error (request id req-" in body
+            assert ask("/health")[0] == 200  # the same connection
+            assert ask("/v1/models/x%0A2026-12-01%20fake%20line")[0] == 404
+    finally:
+        server.close()
+        for each, level in zip(loggers, levels):
+            each.removeHandler(handler)
+            each.setLevel(level)
+    errors = [r for r in records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].name == "rollout.server.errors" and errors[0].exc_info
+    lines = [r.getMessage() for r in records if r.name == "rollout.server.app"]
+    assert any(line.startswith("GET /admin/memory 500 ") for line in lines)
+    assert any(line.startswith("GET /v1/models/x\\n2026-12-01 fake line 404 ") for line in lines)
