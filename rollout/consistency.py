@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import completion_log_probs, flax_model_for
-from trainer_bridge import flatten_params, unflatten_params
+from trainer_bridge import flatten_params, non_finite_leaves, unflatten_params
 
 from .errors import InvalidRequest
 from .sampling import as_int
@@ -141,6 +141,7 @@ def check_consistency(
         ],
         seconds=time.perf_counter() - start,
     )
+    _check_trainer_finite(report, trainer, batch.completion_mask, params, _float_dtype(tree))
     for name, value, limit in (
         ("max |Δ log p|", report.max_abs_diff, atol),
         ("mean |Δ log p|", report.mean_abs_diff, mean_atol),
@@ -160,6 +161,30 @@ def check_consistency(
                 report,
             )
     return report
+
+
+def _check_trainer_finite(
+    report: ConsistencyReport, trainer: np.ndarray, mask: np.ndarray, params: Mapping, dtype: str
+) -> None:
+    """A trainer's log-prob that is NaN or inf is no mismatch the engine could cause (it serves
+    finite weights only: a sync refuses others): a ConsistencyError naming the cause."""
+    bad = ~np.isfinite(trainer) & mask
+    if not bad.any():
+        return
+    row, column = (int(i) for i in np.argwhere(bad)[0])
+    flat = flatten_params(params)
+    paths = list(flat)
+    non_finite = [paths[i] for i in non_finite_leaves(list(flat.values()), one_call=False)]
+    if non_finite:
+        cause = f"params hold NaN or inf at {', '.join(non_finite[:8])}" + (" ..." if len(non_finite) > 8 else "")
+    else:
+        cause = f"params are finite: the Flax forward overflows in {dtype}"
+    raise ConsistencyError(
+        f"the trainer's recomputed log-probs are not finite at {int(bad.sum())} of {int(mask.sum())} completion "
+        f"tokens (first: row {row}, column {column}): {cause}. The engine cannot be serving these params: "
+        "sync_params refuses non-finite values",
+        report,
+    )
 
 
 def _float_dtype(tree) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import EngineTransform, ParamMapping, mappings_for
-from trainer_bridge import EngineLeaf, SyncError, SyncPlan, adapter_mappings, build_plan, plan_key
+from trainer_bridge import EngineLeaf, SyncError, SyncPlan, adapter_mappings, build_plan, path_mismatch, plan_key
 
 from .engine import EngineHandle, device_buffers, in_slot
 
@@ -301,10 +301,7 @@ class EngineWeights:
         missing = sorted(set(expected) - set(saved))
         extra = sorted(set(saved) - set(expected))
         if missing or extra:
-            raise SyncError(
-                f"checkpoint {item_dir} does not match the model: missing {len(missing)} expected "
-                f"path(s) {missing[:8]}; {len(extra)} unexpected path(s) {extra[:8]}"
-            )
+            raise SyncError(f"checkpoint {item_dir} does not match the model: {path_mismatch(missing, extra)}")
         replicated = self.replicated()
         targets = {}
         for path, meta in saved.items():

@@ -628,6 +628,11 @@ class RolloutWorker:
         already waiting to start included. Dropping twice frees nothing more.
         """
         self._check_open()
+        if hold is not None and (not isinstance(hold, str) or not hold.strip()):
+            # An empty reason held nothing (a falsy hold is no hold), anything else would be shown as one.
+            raise InvalidRequest(
+                "hold", f"hold must be a non-empty string (the reason given to refused calls) or None, got {hold!r:.80}"
+            )
         self._gate.check_no_own_calls("drop_kv()")
         self._group.pod.agree("drop_kv")
         return self._drop_kv(hold)

@@ -99,9 +99,14 @@ def test_bad_checkpoints_leave_the_worker_serving(worker, params, qwen3_dir, tmp
     other = orbax_save(tmp_path / "qwen3", load_hf_params(qwen3_dir))
     with pytest.raises(
         SyncError,
-        match=r"does not match the model: missing \d+ expected path\(s\) \['model\.layers_0\.self_attn\.k_proj\.bias'",
+        match=r"does not match the model: missing \d+ expected path\(s\): model\.layers_0\.self_attn\.k_proj\.bias, ",
     ):
         worker.load_checkpoint(other)
+    assert_still_serving(worker, expected, version)
+    # An extra leaf alone is named alone (it read "missing 0 expected path(s) []; 1 unexpected ...").
+    extra = orbax_save(tmp_path / "extra", {**params, "value_head": {"kernel": np.ones((4, 1), np.float32)}})
+    with pytest.raises(SyncError, match=r"does not match the model: 1 unexpected path\(s\): value_head\.kernel$"):
+        worker.load_checkpoint(extra)
     assert_still_serving(worker, expected, version)
 
     flat = flatten_params(params)

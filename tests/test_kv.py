@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from rollout import RolloutWorker, counting_compiles
-from rollout.errors import WorkerUnavailable
+from rollout.errors import InvalidRequest, WorkerUnavailable
 from rollout.kv import live_device_buffers, live_device_bytes
 from tests.helpers import tiny_worker_config
 from trainer_bridge import load_hf_params
@@ -99,6 +99,10 @@ def test_a_held_drop_refuses_generate_until_rebuilt(worker):
     """drop_kv(hold=reason) (a server's /admin/drop_kv): the cache stays dropped, generate is a
     WorkerUnavailable with the reason, a train step's release keeps the hold, rebuild_kv lifts it."""
     reference = greedy(worker)
+    for bad in ("", "  ", 5):  # "" held nothing, 5 was taken as the reason
+        with pytest.raises(InvalidRequest, match="hold must be a non-empty string"):
+            worker.drop_kv(hold=bad)
+    assert not worker.kv_dropped
     worker.drop_kv(hold="held for the test")
     try:
         assert worker.unavailable_reason == "held for the test"

@@ -224,6 +224,17 @@ def test_greedy_rows_report_the_temperature_one_log_prob(synced):
     np.testing.assert_allclose(outputs[0].logprobs, batch.logprobs[0, batch.prompt_width :], atol=1e-5)
 
 
+def test_a_non_finite_trainer_tree_is_named_not_reported_as_a_mismatch(synced):
+    """It read "max |Δ log p| = nan ... check the weight mapping and dtypes"."""
+    worker, _, params = synced
+    flat = flatten_params(params)
+    path = next(p for p in flat if p.endswith("mlp.down_proj.kernel"))
+    broken = np.array(flat[path], copy=True)
+    broken[0, 0] = np.nan
+    with pytest.raises(ConsistencyError, match=rf"not finite at \d+ of \d+ completion tokens .*NaN or inf at {path}"):
+        worker.check_consistency(unflatten_params({**flat, path: broken}), PROMPTS, max_new_tokens=4, atol=1e-4)
+
+
 def test_temperatures_the_engine_runs_greedy_report_greedy_log_probs(synced):
     """The engine runs a temperature below 1e-6 as greedy: its rows report what greedy rows
     report, which the trainer's recompute at that temperature gives too; a top_k past int32

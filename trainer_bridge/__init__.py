@@ -40,7 +40,7 @@ from .sync import (
     relabel,
     replicated_beside,
 )
-from .tree import flatten_params, unflatten_params, unwrap_params
+from .tree import flatten_params, path_mismatch, unflatten_params, unwrap_params
 
 __all__ = [
     "Adapter",
@@ -74,6 +74,7 @@ __all__ = [
     "flatten_params",
     "load_hf_params",
     "non_finite_leaves",
+    "path_mismatch",
     "plan_key",
     "device_order",
     "relabel",

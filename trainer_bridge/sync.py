@@ -31,6 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import EngineTransform, ParamMapping
 
+from .tree import path_mismatch
+
 
 class SyncError(ValueError):
     """The param tree cannot be synced; nothing was changed. ``non_finite``: the trainer paths
@@ -268,13 +270,8 @@ def build_plan(
     missing = [p for p in expected_paths if p not in flat]
     extra = [p for p in flat if p not in seen_trainer]
     if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} expected path(s): {', '.join(missing[:8])}")
-        if extra:
-            parts.append(f"{len(extra)} unexpected path(s): {', '.join(extra[:8])}")
         hint = _wrapper_hint(flat, seen_trainer)
-        raise SyncError("param tree does not match the model: " + hint + "; ".join(parts))
+        raise SyncError("param tree does not match the model: " + hint + path_mismatch(missing, extra))
     unmapped = [] if partial else [p.path for p in engine_leaves if p.path not in seen_engine and not p.engine_state]
     if unmapped:
         raise SyncError(f"engine leaves with no mapping entry: {', '.join(unmapped[:8])}")

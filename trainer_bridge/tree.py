@@ -51,3 +51,14 @@ def unflatten_params(flat: Mapping[str, Any]) -> dict:
             raise ValueError(f"param path '{path}' is a leaf and the prefix of other paths")
         node[last] = leaf
     return tree
+
+
+def path_mismatch(missing: list[str], extra: list[str], shown: int = 8) -> str:
+    """ "missing N expected path(s): a, b; M unexpected path(s): c", naming only what is there
+    (the first ``shown`` of each)."""
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)} expected path(s): {', '.join(missing[:shown])}")
+    if extra:
+        parts.append(f"{len(extra)} unexpected path(s): {', '.join(extra[:shown])}")
+    return "; ".join(parts)
