@@ -776,7 +776,16 @@ class RolloutWorker:
             try:
                 version = self.weight_version
                 future = self._group.submit(request.prompts, request.params, request.seeds)
-                outputs = future.result() if blocking else await asyncio.wrap_future(future)
+                if blocking:
+                    try:
+                        outputs = future.result()
+                    except BaseException:
+                        # Ctrl-C (KeyboardInterrupt) while it waits: its rows are aborted, as a
+                        # cancelled agenerate's, not left generating for nobody.
+                        future.cancel()
+                        raise
+                else:
+                    outputs = await asyncio.wrap_future(future)
             finally:
                 self._gate.leave(loop)
         return self._pack(request, outputs, version, compiles.value)

@@ -584,6 +584,36 @@ def test_a_cancelled_agenerate_aborts_its_rows(worker):
     assert abandoned_forwards(worker, start) < LONG // 4
 
 
+class Interrupted(BaseException):
+    """Stands in for KeyboardInterrupt, which pytest would take as its own."""
+
+
+@pytest.mark.one_end
+def test_an_interrupted_blocking_generate_aborts_its_rows(worker):
+    """Ctrl-C in a blocking generate left its rows generating: the next KV drop, drain sync or
+    train step's release waited for them."""
+    engine, main, started = worker.engine, threading.get_ident(), []
+
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    def interrupter():
+        wait_until(lambda: engine.requests_in_flight > 0)
+        started.append(engine.forward_count)
+        signal.pthread_kill(main, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    thread = threading.Thread(target=interrupter, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(Interrupted):
+            worker.generate([PROMPT], max_new_tokens=LONG, ignore_eos=True)
+    finally:
+        thread.join(timeout=60)
+        signal.signal(signal.SIGUSR1, previous)
+    assert abandoned_forwards(worker, started[0]) < LONG // 4
+
+
 @pytest.mark.one_end
 def test_a_cancel_storm_leaves_nothing_to_compile_or_wait_for(worker, chat_dir):
     """50 agenerate calls of varied shapes cancelled at varied moments while in-flight swaps
