@@ -2,6 +2,7 @@
 their statuses, admission limits, NaN on every load path, OpenAI conformance details."""
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import gc
@@ -582,6 +583,32 @@ def test_a_cancelled_agenerate_aborts_its_rows(worker):
 
     start = asyncio.run(cancelled())
     assert abandoned_forwards(worker, start) < LONG // 4
+
+
+def test_weights_donated_during_a_call_fail_it_and_the_next_sync_serves_again(worker, chat_dir):
+    """A train step donating the served params while a generate runs (outside
+    released_for_training): the call fails with WorkerUnavailable saying why, and the engine
+    serves again after the next sync (its thread failed for good: only a new worker served)."""
+    params = jax.device_put(load_hf_params(chat_dir), worker.param_shardings())
+    greedy = dict(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    try:
+        assert worker.sync_params(params).bytes_copied == 0  # the engine serves the trainer's arrays
+        expected = worker.generate([PROMPT], **greedy).completions
+        step = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x * 1.0, tree), donate_argnums=0)
+        engine = worker.engine
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(worker.generate, [PROMPT], n=4, max_new_tokens=LONG, ignore_eos=True)
+            wait_until(lambda: engine.requests_in_flight > 0)
+            stepped = step(params)
+            with pytest.raises(WorkerUnavailable, match="freed while it ran .* rows were aborted"):
+                call.result(timeout=120)
+        assert engine.alive and engine.requests_in_flight == 0 and engine.testing.kv_tokens_held() == 0
+        with pytest.raises(WorkerUnavailable, match="were freed"):
+            worker.generate([PROMPT], **greedy)
+        worker.sync_params(stepped)
+        assert worker.generate([PROMPT], **greedy).completions == expected
+    finally:  # serving the model's own weights for the module's later tests
+        worker.load_hf(chat_dir)
 
 
 class Interrupted(BaseException):

@@ -123,6 +123,7 @@ class RequestLoop:
                 self._sent_whole(rids, params),
             ):
                 async for result in self._tokenizer_manager.generate_request(request, None):
+                    self._raise_if_engine_aborted(result)
                     row = int(result.get("index", 0))
                     output = _to_output(result, finished_only=False)
                     count = len(output.output_ids)
@@ -240,6 +241,7 @@ class RequestLoop:
         except asyncio.CancelledError:
             for rid in rids:
                 self._tokenizer_manager.abort_request(rid)
+                self._control.aborted.pop(rid, None)  # an engine's abort no one will read
             raise
 
     @contextlib.contextmanager
@@ -287,7 +289,20 @@ class RequestLoop:
     async def _answers(self, request) -> list[dict]:
         """The engine's answer to every request of ``request``, once all have finished."""
         results = await self._tokenizer_manager.generate_request(request, None).__anext__()
-        return [results] if isinstance(results, dict) else results
+        results = [results] if isinstance(results, dict) else results
+        for result in results:
+            self._raise_if_engine_aborted(result)
+        return results
+
+    def _raise_if_engine_aborted(self, result: dict) -> None:
+        """The error of a request the engine aborted itself (``freed.abort_everything``), if
+        ``result`` is its answer. 0.0.2 keeps the state of a request it answers with an abort:
+        dropped here."""
+        meta = result.get("meta_info", {})
+        error = self._control.aborted.pop(meta.get("id"), None)
+        if error is not None:
+            self._tokenizer_manager.rid_to_state.pop(meta.get("id"), None)
+            raise error
 
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
         shared = await self._cache_prompts(prompts, params)

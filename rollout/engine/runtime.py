@@ -15,6 +15,7 @@ import traceback
 import jax
 from jax._src import config as jax_config
 
+from . import freed
 from .lora import write_token_slots
 from .routing import RoutingRecorder
 from .start_up import current_start_up, default_device
@@ -120,6 +121,8 @@ class SchedulerControl:
         self.token_slots_leaf: int | None = None
         # Decode steps computed ahead (EngineOptions.decode_steps, multistep.DecodeChunks).
         self.decode_chunks = None
+        # rid -> the error of a request the engine aborted itself (freed.py), read with its answer.
+        self.aborted: dict[str, BaseException] = {}
         self.error: BaseException | None = None
         self.error_traceback = ""
         self.stop_requested = False
@@ -434,7 +437,14 @@ def _scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
     )
     try:
         if workaround_enabled("process-kill-on-error"):
-            scheduler.event_loop_normal()
+            while True:
+                try:
+                    scheduler.event_loop_normal()
+                except Exception as exc:
+                    error = freed.freed_weights_error(scheduler)
+                    if error is None:
+                        raise
+                    freed.abort_everything(scheduler, control, error, exc)  # the calls fail, the engine serves on
         else:
             # The engine's own loop wrapper: an exception signals SIGQUIT to this process.
             scheduler_loop_after_create(server_args, scheduler)
