@@ -85,7 +85,10 @@ def parse_args(argv=None) -> tuple[WorkerConfig, ServerConfig, str]:
         if bad:
             parser.error(f"--devices: no local device {bad[0]} (there are {len(local)})")
         worker["devices"] = tuple(local[i] for i in worker["devices"])
-    return WorkerConfig(**worker), ServerConfig(**server), args.log_level
+    try:
+        return WorkerConfig(**worker), ServerConfig(**server), args.log_level
+    except ValueError as exc:  # a flag's value the config refuses: usage and the reason, no traceback
+        parser.error(str(exc))
 
 
 def main(argv=None) -> None:

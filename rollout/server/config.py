@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,5 +45,7 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"ServerConfig.{name} must be a positive int or None, got {value!r}")
+        if self.reload_root is not None and not os.path.isdir(self.reload_root):
+            raise ValueError(f"ServerConfig.reload_root must be an existing directory, got {self.reload_root!r}")
         if self.max_body_bytes < 1 or self.retry_after_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("ServerConfig.max_body_bytes must be >= 1, retry_after_s and drain_timeout_s >= 0")

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from rollout.batch import StreamChunk
 from rollout.errors import InvalidRequest, LimitExceeded, WorkerClosed, WorkerUnavailable
+from rollout.serve import parse_args
 from rollout.server import Server, ServerConfig
 from rollout.server.app import build_app
 from rollout.server.backend import KV_HELD
@@ -687,3 +688,17 @@ def test_an_unexpected_error_is_a_500_logged_once_with_its_status_and_the_connec
     lines = [r.getMessage() for r in records if r.name == "rollout.server.app"]
     assert any(line.startswith("GET /admin/memory 500 ") for line in lines)
     assert any(line.startswith("GET /v1/models/x\\n2026-12-01 fake line 404 ") for line in lines)
+
+
+def test_a_flag_value_the_configs_refuse_is_a_usage_error_naming_it(tmp_path, capsys):
+    """It was a traceback (the config's ValueError)."""
+    for flags, words in (
+        (["--port", "70000"], "ServerConfig.port must be an int in [0, 65535], got 70000"),
+        (["--admin-token", ""], "ServerConfig.admin_token must be a non-empty string"),
+        (["--reload-root", str(tmp_path / "missing")], "reload_root must be an existing directory"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(["--model-path", str(tmp_path), *flags])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage:") and words in err and "Traceback" not in err
