@@ -166,19 +166,24 @@ def check_consistency(
 def _check_trainer_finite(
     report: ConsistencyReport, trainer: np.ndarray, mask: np.ndarray, params: Mapping, dtype: str
 ) -> None:
-    """A trainer's log-prob that is NaN or inf is no mismatch the engine could cause (it serves
-    finite weights only: a sync refuses others): a ConsistencyError naming the cause."""
+    """Trainer log-probs that are NaN, or -inf from a tree holding NaN or inf, are no mismatch
+    the engine could cause (it serves finite weights only: a sync refuses others): a
+    ConsistencyError naming the cause. A -inf from finite params is a mismatch (the trainer
+    gives a sampled token no probability: its filter kept other tokens), left to the caller."""
     bad = ~np.isfinite(trainer) & mask
     if not bad.any():
         return
-    row, column = (int(i) for i in np.argwhere(bad)[0])
     flat = flatten_params(params)
     paths = list(flat)
     non_finite = [paths[i] for i in non_finite_leaves(list(flat.values()), one_call=False)]
     if non_finite:
         cause = f"params hold NaN or inf at {', '.join(non_finite[:8])}" + (" ..." if len(non_finite) > 8 else "")
-    else:
+    elif np.isnan(trainer[mask]).any():
         cause = f"params are finite: the Flax forward overflows in {dtype}"
+        bad = np.isnan(trainer) & mask
+    else:
+        return
+    row, column = (int(i) for i in np.argwhere(bad)[0])
     raise ConsistencyError(
         f"the trainer's recomputed log-probs are not finite at {int(bad.sum())} of {int(mask.sum())} completion "
         f"tokens (first: row {row}, column {column}): {cause}. The engine cannot be serving these params: "

@@ -625,7 +625,8 @@ class RolloutWorker:
         Waits for running generate calls. ``generate`` while dropped rebuilds first; with
         ``hold`` (a reason, e.g. a server's "the KV cache was dropped through /admin/drop_kv")
         it is refused instead (``WorkerUnavailable(hold)``) until :meth:`rebuild_kv`, calls
-        already waiting to start included. Dropping twice frees nothing more.
+        already waiting to start included. Dropping twice frees nothing more. With every engine
+        failed it frees what they hold, then raises their ``EngineError`` (a second drop too).
         """
         self._check_open()
         if hold is not None and (not isinstance(hold, str) or not hold.strip()):
@@ -776,16 +777,12 @@ class RolloutWorker:
             try:
                 version = self.weight_version
                 future = self._group.submit(request.prompts, request.params, request.seeds)
-                if blocking:
-                    try:
-                        outputs = future.result()
-                    except BaseException:
-                        # Ctrl-C (KeyboardInterrupt) while it waits: its rows are aborted, as a
-                        # cancelled agenerate's, not left generating for nobody.
-                        future.cancel()
-                        raise
-                else:
-                    outputs = await asyncio.wrap_future(future)
+                try:
+                    outputs = future.result() if blocking else await asyncio.wrap_future(future)
+                finally:
+                    # A call left unanswered (Ctrl-C in a blocking wait, a cancelled agenerate)
+                    # aborts its rows, not left generating for nobody; a no-op once answered.
+                    future.cancel()
             finally:
                 self._gate.leave(loop)
         return self._pack(request, outputs, version, compiles.value)

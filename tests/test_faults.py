@@ -595,6 +595,7 @@ def test_weights_donated_during_a_call_fail_it_and_the_next_sync_serves_again(wo
         assert worker.sync_params(params).bytes_copied == 0  # the engine serves the trainer's arrays
         expected = worker.generate([PROMPT], **greedy).completions
         step = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x * 1.0, tree), donate_argnums=0)
+        step(jax.tree_util.tree_map(jax.numpy.copy, params))  # compiled before the call, on copies
         engine = worker.engine
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             call = pool.submit(worker.generate, [PROMPT], n=4, max_new_tokens=LONG, ignore_eos=True)
@@ -603,6 +604,7 @@ def test_weights_donated_during_a_call_fail_it_and_the_next_sync_serves_again(wo
             with pytest.raises(WorkerUnavailable, match="freed while it ran .* rows were aborted"):
                 call.result(timeout=120)
         assert engine.alive and engine.requests_in_flight == 0 and engine.testing.kv_tokens_held() == 0
+        assert engine.testing.requests_remembered() == 0
         with pytest.raises(WorkerUnavailable, match="were freed"):
             worker.generate([PROMPT], **greedy)
         worker.sync_params(stepped)

@@ -233,6 +233,11 @@ def test_a_non_finite_trainer_tree_is_named_not_reported_as_a_mismatch(synced):
     broken[0, 0] = np.nan
     with pytest.raises(ConsistencyError, match=rf"not finite at \d+ of \d+ completion tokens .*NaN or inf at {path}"):
         worker.check_consistency(unflatten_params({**flat, path: broken}), PROMPTS, max_new_tokens=4, atol=1e-4)
+    # Finite but other params: under top-k the trainer gives some sampled tokens no probability
+    # (-inf), a mismatch of weights, not an overflow.
+    other = {**flat, path: flat[path] * 50.0}
+    with pytest.raises(ConsistencyError, match=r"train-inference mismatch: max \|Δ log p\| = inf .*weight mapping"):
+        worker.check_consistency(unflatten_params(other), PROMPTS, n=4, max_new_tokens=8, top_k=3, atol=1e-4)
 
 
 def test_temperatures_the_engine_runs_greedy_report_greedy_log_probs(synced):

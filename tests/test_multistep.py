@@ -231,13 +231,16 @@ def test_weights_donated_under_a_chunk_fail_its_call_and_the_next_sync_serves_ag
     try:
         chunked.sync_params(params)
         expected = chunked.generate(PROMPTS, max_new_tokens=STEPS + 2, temperature=0.0, ignore_eos=True)
+        step(jax.tree_util.tree_map(jax.numpy.copy, params))  # compiled before the call, on copies
+        dispatched = engine.decode_chunk_stats.dispatched
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             call = pool.submit(chunked.generate, PROMPTS, n=2, max_new_tokens=200, ignore_eos=True)
-            wait_until(lambda: engine.decode_chunk_stats.dispatched > 0 and engine.requests_in_flight > 0)
+            # This call's chunks run: the next one, dispatched ahead, meets the freed weights.
+            wait_until(lambda: engine.decode_chunk_stats.dispatched > dispatched)
             stepped = step(params)
             with pytest.raises(WorkerUnavailable, match="freed while it ran"):
                 call.result(timeout=120)
-        assert engine.alive and engine.testing.kv_tokens_held() == 0
+        assert engine.alive and engine.testing.kv_tokens_held() == 0 and engine.testing.requests_remembered() == 0
         chunked.sync_params(stepped)
         again = chunked.generate(PROMPTS, max_new_tokens=STEPS + 2, temperature=0.0, ignore_eos=True)
         assert again.completions == expected.completions

@@ -18,6 +18,22 @@ from .programs import forward_cells
 logger = logging.getLogger(__name__)
 
 
+def aborted_for_freed_weights(scheduler, control, exc: Exception) -> bool:
+    """Whether ``exc``, raised out of the scheduler loop, was a dispatch meeting freed weight
+    leaves (some of the forward's leaves are deleted: the engine's dispatch raised a ValueError
+    at jax 0.8, a RuntimeError at jax 0.12): then every request was aborted and the loop may go
+    on. False (the engine fails) for any other
+    error, and where no request was there to abort (an error no abort can end)."""
+    error = freed_weights_error(scheduler)
+    if error is None:
+        return False
+    if any(buffer.is_deleted() for buffer in scheduler.tp_worker.worker.model_runner.token_to_kv_pool.kv_buffer):
+        return False  # the failed dispatch consumed the KV pool (not seen at jax 0.8-0.12): nothing to serve on
+    aborted = abort_everything(scheduler, control, error)
+    logger.error("%s: %s (%d requests aborted)", control.name, error, aborted, exc_info=exc)
+    return aborted > 0
+
+
 def freed_weights_error(scheduler) -> WorkerUnavailable | None:
     """The error of the calls running when the engine found weight leaves freed (deleted since
     they were put in place), or None if none is."""
@@ -34,12 +50,13 @@ def freed_weights_error(scheduler) -> WorkerUnavailable | None:
     )
 
 
-def abort_everything(scheduler, control, error: WorkerUnavailable, cause: BaseException) -> int:
-    """Abort every request ``scheduler`` holds, their calls failing with ``error`` (through
-    ``control.aborted``), and forget all KV state, after the scheduler loop raised ``cause``
-    anywhere (a forward, a decode chunk dispatched ahead). Returns how many were aborted."""
-    from sgl_jax.srt.managers.io_struct import AbortReq
-    from sgl_jax.srt.managers.schedule_batch import ScheduleBatch
+def abort_everything(scheduler, control, error: WorkerUnavailable) -> int:
+    """Finish every request ``scheduler`` holds as aborted, their calls failing with ``error``
+    (``control.aborted``, read with each answer), and forget all KV state. The answers go out
+    as any request's last output does (``stream_output``): on the outputs' own socket, after
+    what was sent before them, and the tokenizer manager forgets the requests. Returns how many
+    were aborted."""
+    from sgl_jax.srt.managers.schedule_batch import FINISH_ABORT, ScheduleBatch
 
     reqs = list(scheduler.waiting_queue) + list(scheduler.running_batch.reqs)
     for batch in (scheduler.cur_batch, scheduler.last_batch):
@@ -47,15 +64,18 @@ def abort_everything(scheduler, control, error: WorkerUnavailable, cause: BaseEx
             reqs += batch.reqs
     if scheduler.chunked_req is not None:
         reqs.append(scheduler.chunked_req)
-    rids = list(dict.fromkeys(req.rid for req in reqs if not req.finished()))
+    reqs = list({id(req): req for req in reqs if not req.finished()}.values())
     if control.decode_chunks is not None:
         control.decode_chunks.release()
     scheduler.waiting_queue.clear()
     scheduler.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
     scheduler.cur_batch = scheduler.chunked_req = None
     inflight.reset_kv_state(scheduler)
-    for rid in rids:  # recorded before the answer goes out: the request loop reads it with the answer
-        control.aborted[rid] = error
-        scheduler.send_to_tokenizer.send_pyobj(AbortReq(rid))
-    logger.error("%s: %s (%d requests aborted; the engine failed with %r)", control.name, error, len(rids), cause)
-    return len(rids)
+    # Answered last: a caller told of the abort finds the engine holding nothing.
+    for req in reqs:
+        # Only a call still waiting reads (and drops) its entry: one that already left has none.
+        if req.rid in control.version_sinks:
+            control.aborted[req.rid] = error
+        req.finished_reason = FINISH_ABORT(error.reason)
+    scheduler.stream_output(reqs, False)
+    return len(reqs)

@@ -491,7 +491,9 @@ class EngineHandle:
                     sock.close(linger=0)
         control.wake_reader.close()
         control.wake_writer.close()
-        # Drop references to device memory (weights, KV) held by the engine objects.
+        # Drop references to device memory (weights, KV) held by the engine objects; the decode
+        # chunks reach the whole scheduler.
+        control.decode_chunks = None
         self._model.close()
         self._scheduler = None
         self._engine = None

@@ -117,6 +117,7 @@ class RequestLoop:
             with (
                 self._logprobs_collected(rids, params.return_logprobs) as sinks,
                 self._versions_collected(rids) as (versions, prefilled),
+                self._engine_aborts_dropped(rids),
                 self._session_pinned(rids, params.session),
                 self._lora_slotted(rids, params.lora),
                 self._aborted_if_cancelled(rids),
@@ -241,7 +242,6 @@ class RequestLoop:
         except asyncio.CancelledError:
             for rid in rids:
                 self._tokenizer_manager.abort_request(rid)
-                self._control.aborted.pop(rid, None)  # an engine's abort no one will read
             raise
 
     @contextlib.contextmanager
@@ -279,6 +279,7 @@ class RequestLoop:
             sampling["max_new_tokens"] = 0  # below what SamplingParams accepts from a caller
         with (
             self._versions_collected(rids) as (_, prefilled),
+            self._engine_aborts_dropped(rids),
             self._aborted_if_cancelled(rids),
             self._sent_whole(rids, params),
         ):
@@ -296,13 +297,20 @@ class RequestLoop:
 
     def _raise_if_engine_aborted(self, result: dict) -> None:
         """The error of a request the engine aborted itself (``freed.abort_everything``), if
-        ``result`` is its answer. 0.0.2 keeps the state of a request it answers with an abort:
-        dropped here."""
-        meta = result.get("meta_info", {})
-        error = self._control.aborted.pop(meta.get("id"), None)
+        ``result`` is its answer: a copy, each call's own traceback."""
+        error = self._control.aborted.get(result.get("meta_info", {}).get("id"))
         if error is not None:
-            self._tokenizer_manager.rid_to_state.pop(meta.get("id"), None)
-            raise error
+            raise type(error)(error.reason, str(error))
+
+    @contextlib.contextmanager
+    def _engine_aborts_dropped(self, rids: list[str]):
+        """The engine's aborts of the call's requests forgotten however the call ends (one raised
+        at the first row's answer leaves the others')."""
+        try:
+            yield
+        finally:
+            for rid in rids:
+                self._control.aborted.pop(rid, None)
 
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[GenerateOutput]:
         shared = await self._cache_prompts(prompts, params)
@@ -310,6 +318,7 @@ class RequestLoop:
         with (
             self._logprobs_collected(rids, params.return_logprobs) as sinks,
             self._versions_collected(rids) as (versions, prefilled),
+            self._engine_aborts_dropped(rids),
             self._routing_collected(rids, params.return_routing) as routing,
             self._session_pinned(rids, params.session),
             self._lora_slotted(rids, params.lora),

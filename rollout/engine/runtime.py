@@ -441,10 +441,8 @@ def _scheduler_loop(scheduler, control: SchedulerControl, server_args) -> None:
                 try:
                     scheduler.event_loop_normal()
                 except Exception as exc:
-                    error = freed.freed_weights_error(scheduler)
-                    if error is None:
-                        raise
-                    freed.abort_everything(scheduler, control, error, exc)  # the calls fail, the engine serves on
+                    if not freed.aborted_for_freed_weights(scheduler, control, exc):
+                        raise  # the calls of freed weights fail, the engine serves on; not others
         else:
             # The engine's own loop wrapper: an exception signals SIGQUIT to this process.
             scheduler_loop_after_create(server_args, scheduler)

@@ -45,6 +45,10 @@ class ModelState:
         finally:
             self.scheduler = self._engine = self._kv_allocator = None
 
+    def tokenizer_manager(self):
+        """The engine's tokenizer manager (its request loop's side of each request)."""
+        return self._engine.tokenizer_manager
+
     @property
     def runner(self):
         """The engine's model runner."""

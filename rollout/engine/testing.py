@@ -64,6 +64,11 @@ class EngineTesting:
         """Calls queued with :meth:`EngineHandle.call_at_boundary` that have not started."""
         return self._control.boundary_calls_queued
 
+    def requests_remembered(self) -> int:
+        """Requests the request side still keeps state of: the tokenizer manager's, and engine
+        aborts not read yet (freed.py). 0 once every call ended."""
+        return len(self._model.tokenizer_manager().rid_to_state) + len(self._control.aborted)
+
     def output_lengths(self) -> dict[str, int]:
         """rid -> tokens sampled so far of every request the scheduler holds. Scheduler thread
         only (a ``call_at_boundary`` condition, for instance)."""

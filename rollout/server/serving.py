@@ -109,12 +109,10 @@ class Serving:
         if lora is not None:
             sampling["lora"] = lora
         tokens = call_tokens(prompts, req.n, sampling["max_new_tokens"])
-        what = "tokens (prompt + max_tokens, over every row)"
+        what = "tokens (prompt + max_tokens, over every row"
         if req.max_tokens is None:  # a chat's default: the client never named the field
-            what += (
-                f"; with no max_tokens sent a row may take the rest of the context, "
-                f"{sampling['max_new_tokens']} tokens: send max_tokens"
-            )
+            what += f"; with no max_tokens sent, a row may take the rest of the context: {sampling['max_new_tokens']}"
+        what += ")"
         check_limit(
             "max_tokens",
             what,

@@ -193,7 +193,7 @@ def test_a_chat_over_the_token_limit_without_max_tokens_is_told_the_default_it_g
         unlimited = {key: value for key, value in CHAT.items() if key != "max_tokens"}
         found = error(post(client, "/v1/chat/completions", {**unlimited, "n": 16}), 413)
         assert found["param"] == "max_tokens"
-        assert "with no max_tokens sent a row may take the rest of the context" in found["message"]
+        assert "with no max_tokens sent, a row may take the rest of the context: " in found["message"]
         sent = error(post(client, "/v1/chat/completions", {**unlimited, "n": 16, "max_tokens": 200}), 413)
         assert "no max_tokens sent" not in sent["message"]
 
