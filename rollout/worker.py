@@ -43,10 +43,9 @@ from trainer_bridge import (
     merge_adapters,
     non_finite_leaves,
     resolve_checkpoint,
-    restore_tree,
+    restore_saved,
     saved_layout,
     unflatten_params,
-    wrap_like,
 )
 
 from . import episodes, kv, stream, weight_tools
@@ -558,7 +557,8 @@ class RolloutWorker:
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
         item_dir = resolve_checkpoint(path, step)
-        saved, wrapped = saved_layout(item_dir)
+        layout = saved_layout(item_dir)
+        saved = layout.flat
         adapters = is_adapter_tree(saved)
         if adapters_only and not adapters:
             other = next(p for p in saved if not is_adapter_tree({p: None})) if saved else "<empty tree>"
@@ -582,7 +582,7 @@ class RolloutWorker:
             self._gate.check_no_own_calls("load_checkpoint()")
         # The restore is itself collective in a multi-process job (every process reads its shards).
         self._group.pod.agree("load_checkpoint", tree_fingerprint(targets))
-        restored = restore_tree(item_dir, wrap_like(targets, wrapped))
+        restored = restore_saved(item_dir, layout, targets)
         swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
         try:
             if adapters:

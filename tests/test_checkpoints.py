@@ -57,11 +57,17 @@ def test_orbax_checkpoint_equals_a_direct_sync(worker, params, tmp_path):
     assert report.leaves_copied == sum(m.engine_transform.value != "identity" for m in worker.mappings)
 
 
-def test_wrapped_params_tree(worker, params, tmp_path):
+def test_wrapped_params_tree_and_a_train_states_params(worker, params, tmp_path):
     worker.sync_params(params)
     expected = greedy(worker)
     worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
     worker.load_checkpoint(orbax_save(tmp_path / "wrapped", {"params": params}))
+    assert greedy(worker) == expected
+    # A train state (the RL examples' checkpoints): its params alone are read (a TypeError, once).
+    worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, params))
+    moments = jax.tree_util.tree_map(jax.numpy.zeros_like, params)
+    state = {"params": params, "opt_state": ({"mu": moments}, [np.int32(3)]), "step": np.int32(3)}
+    worker.load_checkpoint(orbax_save(tmp_path / "state", state))
     assert greedy(worker) == expected
 
 

@@ -5,9 +5,9 @@ from .checkpoint import (
     checkpoint_tree_metadata,
     resolve_checkpoint,
     restore_params,
+    restore_saved,
     restore_tree,
     saved_layout,
-    wrap_like,
 )
 from .hf import load_hf_params, safetensors_files
 from .lora import (
@@ -60,8 +60,8 @@ __all__ = [
     "resolve_checkpoint",
     "restore_params",
     "restore_tree",
+    "restore_saved",
     "saved_layout",
-    "wrap_like",
     "EngineLeaf",
     "LeafAction",
     "LeafPlan",

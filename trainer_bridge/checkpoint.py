@@ -1,12 +1,17 @@
 """Orbax checkpoints of trainer param trees: locate, inspect, restore onto given shardings.
 
 A checkpoint is either a ``StandardCheckpointer`` directory or a ``CheckpointManager`` root
-whose numbered step directories hold the params (as the manager's ``default`` item).
+whose numbered step directories (``7``, ``00000007``, ``step_7``) hold the params (as the
+manager's ``default`` item, or an item named ``params``). The tree saved is the params, the
+params under ``{'params': ...}``, or a train state holding them under ``'params'`` beside other
+items (``{'params', 'opt_state', 'step'}``, as the RL examples save), whose params alone are read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .tree import flatten_params, unflatten_params
+from .tree import flatten_params, unflatten_params, unwrap_params
 
 
 class CheckpointError(ValueError):
@@ -31,20 +36,32 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory")
-    steps = sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
+    steps: dict[int, Path] = {}
+    for child in path.iterdir():
+        number = _STEP_NAME.fullmatch(child.name)
+        if child.is_dir() and number:
+            if int(number[1]) in steps:
+                raise CheckpointError(f"checkpoint root {path} has two directories of step {int(number[1])}")
+            steps[int(number[1])] = child
     if steps:
         if step is None:
-            step = steps[-1]
+            step = max(steps)
         elif step not in steps:
-            raise CheckpointError(f"checkpoint root {path} has no step {step}; it has steps {steps}")
-        path = path / str(step)
+            raise CheckpointError(f"checkpoint root {path} has no step {step}; it has steps {sorted(steps)}")
+        path = steps[step]
     elif step is not None:
         raise CheckpointError(
             f"{path} is a single checkpoint, not a CheckpointManager root: step={step} does not apply"
         )
-    if (path / "default").is_dir():
-        path = path / "default"
+    for item in ("default", "params"):  # a manager's one unnamed item, or its item of that name
+        if (path / item).is_dir():
+            return path / item
     return path
+
+
+# A CheckpointManager's step directory: the step, zero-padded or not, after an optional prefix
+# (``step_format_fixed_length``, ``step_prefix``); never its temporary directories.
+_STEP_NAME = re.compile(r"(?:[A-Za-z][A-Za-z0-9]*_)?(\d+)")
 
 
 def _checkpointer():
@@ -66,12 +83,19 @@ def checkpoint_tree_metadata(item_dir: Path) -> dict:
     return dict(tree)
 
 
-def restore_tree(item_dir: Path, target: Any) -> Any:
+def restore_tree(item_dir: Path, target: Any, *, partial: bool = False) -> Any:
     """Restore the tree at ``item_dir`` as ``target`` says (a tree of ``jax.ShapeDtypeStruct``
-    with shardings, or of arrays whose shape, dtype and sharding to take)."""
+    with shardings, or of arrays whose shape, dtype and sharding to take); ``partial``: only
+    the subtrees ``target`` has (orbax's partial restore: the rest is not read)."""
+    import orbax.checkpoint as ocp
+
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
     try:
-        return _checkpointer().restore(item_dir, abstract)
+        if not partial:
+            return _checkpointer().restore(item_dir, abstract)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+        args = ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True)
+        return ocp.PyTreeCheckpointer().restore(item_dir, args=args)
     except Exception as exc:
         raise CheckpointError(f"cannot restore checkpoint {item_dir}: {_restore_failure(exc)}") from exc
 
@@ -91,11 +115,13 @@ def _restore_failure(exc: BaseException) -> str:
 def restore_params(path: str | Path, target: Mapping, *, step: int | None = None) -> dict:
     """Restore a trainer param tree onto the trainer's own shardings (to resume training).
 
-    ``target`` is the trainer's param tree (arrays or ShapeDtypeStructs) in the saved layout
-    (with or without a ``{'params': ...}`` wrapper, as it was saved).
+    ``target`` is the trainer's param tree (arrays or ShapeDtypeStructs), with or without a
+    ``{'params': ...}`` wrapper (the result has the same); the checkpoint may be a train state
+    (its params alone are read).
     """
     item_dir = resolve_checkpoint(path, step)
-    saved = flatten_params(checkpoint_tree_metadata(item_dir))
+    layout = saved_layout(item_dir)
+    saved = layout.flat
     wanted = flatten_params(target)
     missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
     if missing or extra:
@@ -110,15 +136,33 @@ def restore_params(path: str | Path, target: Mapping, *, step: int | None = None
         if jnp.issubdtype(saved[key].dtype, jnp.floating) != jnp.issubdtype(leaf.dtype, jnp.floating):
             # A restore casts to the target's dtype: integers would come back as weights, silently.
             raise CheckpointError(f"checkpoint {item_dir}: '{key}' has dtype {saved[key].dtype}, expected {leaf.dtype}")
-    return restore_tree(item_dir, target)
+    restored = restore_saved(item_dir, layout, wanted)
+    params = restored["params"] if layout.under_params else restored
+    return {"params": params} if unwrap_params(target) is not target else params
 
 
-def saved_layout(item_dir: Path) -> tuple[dict, bool]:
-    """(flat path -> leaf metadata, whether the tree is wrapped as {'params': ...})."""
+@dataclasses.dataclass(frozen=True)
+class SavedLayout:
+    """Where a checkpoint keeps its params: ``flat`` (flat path -> leaf metadata), whether they
+    are under ``'params'``, and whether anything else is saved beside them (a train state: the
+    params are read alone, by a partial restore)."""
+
+    flat: dict
+    under_params: bool
+    beside_others: bool
+
+
+def saved_layout(item_dir: Path) -> SavedLayout:
     tree = checkpoint_tree_metadata(item_dir)
-    return flatten_params(tree), set(tree) == {"params"}
+    if isinstance(tree.get("params"), Mapping):
+        return SavedLayout(flatten_params(tree["params"]), True, set(tree) != {"params"})
+    return SavedLayout(flatten_params(tree), False, False)
 
 
-def wrap_like(flat: Mapping[str, Any], wrapped: bool) -> dict:
-    tree = unflatten_params(flat)
-    return {"params": tree} if wrapped else tree
+def restore_saved(item_dir: Path, layout: SavedLayout, targets: Mapping[str, Any]) -> dict:
+    """The params of the checkpoint at ``item_dir`` restored as ``targets`` say (flat path ->
+    ``jax.ShapeDtypeStruct`` with a sharding), nested as saved (``{'params': ...}`` where they
+    are under it), the train state's other items left unread."""
+    tree = unflatten_params(targets)
+    target = {"params": tree} if layout.under_params else tree
+    return restore_tree(item_dir, target, partial=layout.beside_others)

@@ -38,3 +38,64 @@ def test_a_resume_refuses_integers_saved_where_the_trainer_has_weights(params, t
     path = orbax_save(tmp_path / "integer", unflatten_params(flat | {key: np.ones(flat[key].shape, np.int32)}))
     with pytest.raises(CheckpointError, match=rf"'{key}' has dtype int32, expected float32"):
         restore_params(path, params)
+
+
+def train_state(params) -> dict:
+    """What the RL examples save: the params beside the optimizer's state (tuples and lists,
+    which no param tree has) and the step."""
+    moments = jax.tree_util.tree_map(np.zeros_like, params)
+    return {"params": params, "opt_state": ({"mu": moments}, [np.int32(3)]), "step": np.int32(3)}
+
+
+def test_a_train_states_params_are_restored_alone_as_the_target_is_wrapped(params, tmp_path):
+    """It failed with "param tree node 'opt_state' is a list" (a TypeError)."""
+    path = orbax_save(tmp_path / "state", train_state(params))
+    bare = restore_params(path, params)
+    wrapped = restore_params(path, {"params": params})
+    assert set(wrapped) == {"params"}
+    for restored in (bare, wrapped["params"]):
+        for (key, got), want in zip(flatten_params(restored).items(), flatten_params(params).values()):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "options,names",
+    [
+        ({}, ["1", "2"]),
+        ({"step_format_fixed_length": 8}, ["00000001", "00000002"]),
+        ({"step_prefix": "step"}, ["step_1", "step_2"]),
+    ],
+    ids=["plain", "zero-padded", "prefixed"],
+)
+def test_a_managers_steps_are_found_however_it_names_them(params, tmp_path, options, names):
+    """A zero-padded name was looked for as "2", a prefixed one not at all."""
+    import orbax.checkpoint as ocp
+
+    from trainer_bridge import resolve_checkpoint
+
+    root = tmp_path / "run"
+    small = {"w": jax.device_put(np.arange(4, dtype=np.float32))}
+    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(**options)) as manager:
+        for step in (1, 2):
+            manager.save(step, args=ocp.args.StandardSave(jax.tree_util.tree_map(lambda x: x * step, small)))
+        manager.wait_until_finished()
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == names
+    assert resolve_checkpoint(root).parent.name == names[1]
+    assert resolve_checkpoint(root, step=1).parent.name == names[0]
+    restored = restore_params(root, small, step=1)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), small["w"])
+    with pytest.raises(CheckpointError, match=r"has no step 3; it has steps \[1, 2\]"):
+        resolve_checkpoint(root, step=3)
+
+
+def test_a_managers_item_named_params_is_the_params(params, tmp_path):
+    import orbax.checkpoint as ocp
+
+    from trainer_bridge import resolve_checkpoint
+
+    root = tmp_path / "run"
+    small = {"w": jax.device_put(np.arange(4, dtype=np.float32))}
+    with ocp.CheckpointManager(root) as manager:
+        manager.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave(small)))
+        manager.wait_until_finished()
+    assert resolve_checkpoint(root) == root / "5" / "params"
