@@ -245,6 +245,20 @@ class RLConfig:
             raise ValueError("warm_start_steps shows worked tool episodes: it needs max_turns > 1")
         if self.preset not in TINY_MODELS and (self.model is None or self.dataset is None):
             raise ValueError(f"preset {self.preset!r} needs a model and a dataset")
+        if self.preset in TINY_MODELS:
+            # Both were taken and ignored: a run trained the tiny model and recorded the other's name.
+            given = [f"--{name}" for name in ("model", "dataset") if getattr(self, name) is not None]
+            if given:
+                raise ValueError(
+                    f"preset {self.preset!r} builds its own model and task: {' and '.join(given)} are for the "
+                    "qwen2.5-3b presets"
+                )
+            if self.max_turns > 1 and not TINY_MODELS[self.preset](self.seed).chat_template:
+                # Caught here, not after the engine started, at the first episode's prompts.
+                raise ValueError(
+                    f"max_turns > 1 (tool episodes) needs a model with a chat template: preset {self.preset!r} has "
+                    "none (tiny-tools has one)"
+                )
 
 
 @dataclasses.dataclass

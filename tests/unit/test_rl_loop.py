@@ -37,10 +37,11 @@ def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monk
     # A local model dir named by another path is the same run.
     other = tmp_path / "other"
     other.mkdir()
-    claim_output_dir(dataclasses.replace(config, model=str(chat_dir)), other)
+    local = dataclasses.replace(PRESETS["qwen2.5-3b"], model=str(chat_dir), seed=2)
+    claim_output_dir(local, other)
     (other / "checkpoints" / "1").mkdir(parents=True)
     monkeypatch.chdir(chat_dir.parent)
-    claim_output_dir(dataclasses.replace(config, model=chat_dir.name), other)
+    claim_output_dir(dataclasses.replace(local, model=chat_dir.name), other)
 
 
 def test_a_resume_for_more_steps_warns_that_the_decay_changes(tmp_path, caplog):
@@ -282,6 +283,23 @@ def test_float_settings_must_be_finite(make):
     log NaN metrics and save NaN checkpoints, --kl-beta nan switch the KL off."""
     with pytest.raises(ValueError, match=r"\w+ must be a finite number, got (nan|inf|-inf)"):
         make()
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--model", "/my/model"], "preset 'tiny' builds its own model and task: --model are for"),
+        (["--preset", "tiny-moe", "--dataset", "d.jsonl"], "--dataset are for the qwen2.5-3b presets"),
+        (["--preset", "tiny-moe", "--max-turns", "3"], "max_turns > 1 .* needs a model with a chat template"),
+        (["--max-turns", "2"], "preset 'tiny' has none"),
+    ],
+)
+def test_flags_a_tiny_preset_cannot_use_are_refused_before_anything_starts(flags, words):
+    """--model and --dataset were ignored (the tiny model trained, run.json recorded the other);
+    --max-turns failed at the first episode, after the engine started."""
+    with pytest.raises(ValueError, match=words):
+        parse_args(flags)
+    parse_args(["--preset", "tiny-tools", "--max-turns", "2"])
 
 
 def test_checkpoint_every_must_be_at_least_one():
