@@ -21,7 +21,7 @@ import numpy as np
 
 from models import EngineTransform, ParamMapping
 
-from .sync import SyncError, call_placement, replicated_beside
+from .sync import SyncError, call_placement, check_byte_order, replicated_beside
 from .tree import flatten_params, unflatten_params
 
 # Every linear projection of the dense families (attention and MLP).
@@ -147,6 +147,7 @@ def _check_factor(path: str, leaf) -> None:
         raise SyncError(f"adapters: '{path}' has been deleted (donated to a train step?); pass live adapters")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise SyncError(f"adapters: '{path}' has dtype {dtype}, expected a floating dtype")
+    check_byte_order(f"adapters: '{path}'", dtype)
 
 
 def is_adapter_tree(flat: Mapping[str, object]) -> bool:

@@ -289,11 +289,7 @@ def build_plan(
             )
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             raise SyncError(f"'{m.trainer}' has dtype {dtype}, expected a floating dtype ({engine.dtype})")
-        if not dtype.isnative:
-            raise SyncError(
-                f"'{m.trainer}' has dtype {dtype.str}, in the other byte order than this machine's, which "
-                f"JAX does not take: pass leaf.astype('{dtype.newbyteorder('=').str}')"
-            )
+        check_byte_order(f"'{m.trainer}'", dtype)
         cast = dtype != engine.dtype
         if cast and not allow_cast:
             raise SyncError(f"'{m.trainer}' has dtype {dtype}, expected {engine.dtype} (casting is disabled)")
@@ -344,6 +340,17 @@ def _float32_sum(x):
 _leaf_sum = jax.jit(_float32_sum)
 _leaf_sums = jax.jit(lambda *xs: jnp.stack([_float32_sum(x) for x in xs]))
 _all_finite = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
+
+
+def check_byte_order(what: str, dtype: np.dtype) -> None:
+    """SyncError for an array of ``dtype`` in the other byte order than this machine's (a numpy
+    array read from a big-endian file), which JAX does not take."""
+    dtype = np.dtype(dtype)
+    if not dtype.isnative:
+        raise SyncError(
+            f"{what} has dtype {dtype.str}, in the other byte order than this machine's, which JAX does "
+            f"not take: pass leaf.astype('{dtype.newbyteorder('=').str}')"
+        )
 
 
 def non_finite_leaves(leaves: Sequence[jax.Array], *, one_call: bool = True) -> list[int]:

@@ -159,6 +159,11 @@ def drop(flat, suffix):
             CONFIG,
             "'model.layers_0.mlp.down_proj.lora_a' has been deleted (donated to a train step?)",
         ),
+        (  # a raw JAX TypeError naming no path, once
+            adapter_tree() | {"model.layers_1.mlp.up_proj.lora_b": np.zeros((RANK, INTER), ">f4")},
+            CONFIG,
+            "'model.layers_1.mlp.up_proj.lora_b' has dtype >f4, in the other byte order than this machine's",
+        ),
     ],
     ids=[
         "unknown-leaf",
@@ -171,6 +176,7 @@ def drop(flat, suffix):
         "integer",
         "not-an-array",
         "deleted",
+        "big-endian",
     ],
 )
 def test_a_bad_adapter_tree_is_a_sync_error_naming_the_path(adapters, config, message):
