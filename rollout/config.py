@@ -193,6 +193,41 @@ def check_model_family(model_path: str, tp_size: int = 1) -> None:
         family_for(json.loads(config_file.read_text()), where=str(config_file), tp_size=tp_size)
 
 
+# Settings of a model's forward that its weights' shapes do not show: the engine keeps those it
+# started with, so weights made for others would be served under them, silently.
+_FORWARD_SETTINGS = (
+    "model_type",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "tie_word_embeddings",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+)
+
+
+def check_same_forward(served_path: str, model_dir) -> None:
+    """CheckpointError naming the fields where the HF directory ``model_dir``'s config.json sets
+    the forward otherwise than the served model's (both read by transformers, defaults filled)."""
+    from transformers import AutoConfig
+
+    from trainer_bridge import CheckpointError
+
+    served, new = (AutoConfig.from_pretrained(str(path)).to_dict() for path in (served_path, model_dir))
+    differ = [key for key in _FORWARD_SETTINGS if served.get(key) != new.get(key)]
+    if differ:
+        found = ", ".join(f"{key} {new.get(key)!r} (served: {served.get(key)!r})" for key in differ)
+        raise CheckpointError(
+            f"{Path(model_dir) / 'config.json'} sets the forward otherwise than the served model: {found}; "
+            "the engine would serve these weights under the served model's settings. Start a worker on that "
+            "model instead"
+        )
+
+
 def check_routing_recordable(model_path: str) -> None:
     """ValueError unless a local model directory has layers with routed experts (a hub id passes)."""
     config_file = Path(model_path) / "config.json"

@@ -51,7 +51,7 @@ from trainer_bridge import (
 from . import episodes, kv, stream, weight_tools
 from .batch import RolloutBatch, StreamChunk, pack_rollouts
 from .compiles import counting_compiles
-from .config import WorkerConfig, has_tokenizer_files
+from .config import WorkerConfig, check_same_forward, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
 from .engine import EngineHandle, GenerateOutput, SessionStats, in_slot
 from .episodes import EpisodeBatch, EpisodeLimits, run_until_returned
@@ -489,12 +489,15 @@ class RolloutWorker:
     ) -> SyncReport:
         """Serve the weights of an HF safetensors directory (single file or sharded with an
         index json), through the same plan as ``sync_params`` (NaN/inf refused unless
-        ``check_finite=False``; ``in_flight``, ``recompute_kv`` as there). On error nothing
-        changes."""
+        ``check_finite=False``; ``in_flight``, ``recompute_kv`` as there). A config.json that
+        sets the forward otherwise than the served model's (heads, RoPE, norm epsilon, ...: what
+        the weights' shapes do not show) is refused. On error nothing changes."""
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
+        params = load_hf_params(model_dir, dtype=None)  # its errors first: a missing dir, a file
+        check_same_forward(self.config.model_path, model_dir)
         return self._sync(
-            load_hf_params(model_dir, dtype=None),
+            params,
             "load_hf",
             allow_cast=True,
             check_finite=check_finite,

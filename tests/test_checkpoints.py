@@ -200,6 +200,15 @@ def test_load_hf_sharded_and_bad_files(worker, qwen2_dir, params, scaled, tmp_pa
         worker.load_hf(tmp_path / "missing-dir")
     assert_still_serving(worker, expected, version)
 
+    # Weights of the same shapes made for another forward (they were served under this one's).
+    other = write_sharded_copy(Path(qwen2_dir), tmp_path / "other-forward")
+    config = json.loads((other / "config.json").read_text())
+    config.update(rope_theta=config.get("rope_theta", 10000.0) * 2, rms_norm_eps=1e-3)
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"sets the forward otherwise .*rms_norm_eps 0\.001 \(served: .*rope_theta"):
+        worker.load_hf(other)
+    assert_still_serving(worker, expected, version)
+
 
 def test_phase_log_records_the_lifecycle(worker, params):
     report = worker.sync_params(params)
