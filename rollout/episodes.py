@@ -43,7 +43,16 @@ import numpy as np
 from .batch import RolloutBatch, pack_rollouts
 from .chat import ChatError, ParsedTurn, normalize_tools, parse_tool_calls, render_chat
 from .errors import InvalidRequest
-from .sampling import MAX_SAMPLING_SEED, SamplingParams, as_int, outside_vocabulary, pad_width, row_seeds, token_id_list
+from .sampling import (
+    MAX_SAMPLING_SEED,
+    SamplingParams,
+    as_call_seed,
+    as_int,
+    outside_vocabulary,
+    pad_width,
+    row_seeds,
+    token_id_list,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -214,23 +223,36 @@ _STEP_THREADS: contextvars.ContextVar[concurrent.futures.Executor | None] = cont
 )
 
 
+# What an environment's function may raise that asyncio cannot carry as its error: it cannot set
+# StopIteration on a future (the call would never return), and takes SystemExit and
+# KeyboardInterrupt for the event loop's own end (every episode ended with an empty
+# CancelledError). Raised as RuntimeErrors: the episode's error, as any other.
+_ESCAPES = (StopIteration, SystemExit, KeyboardInterrupt)
+
+
+def _escaped(function: Callable, exc: BaseException) -> RuntimeError:
+    return RuntimeError(f"{getattr(function, '__name__', function)!s} raised {exc!r}")
+
+
 async def _call(function: Callable, /, *args, **kwargs):
     """``function``'s answer; a plain function runs on a thread (the episode's)."""
-    if inspect.iscoroutinefunction(function):
-        return await function(*args, **kwargs)
-    return await _maybe_await(await _on_thread(_STEP_THREADS.get(), function, *args, **kwargs))
+    try:
+        if inspect.iscoroutinefunction(function):
+            return await function(*args, **kwargs)
+        return await _maybe_await(await _on_thread(_STEP_THREADS.get(), function, *args, **kwargs))
+    except _ESCAPES as exc:
+        raise _escaped(function, exc) from exc
 
 
 def _on_thread(threads: concurrent.futures.Executor | None, function: Callable, /, *args, **kwargs) -> asyncio.Future:
-    """``function(*args, **kwargs)`` on one of ``threads``. Its StopIteration and SystemExit are
-    raised as RuntimeErrors: asyncio cannot set the first on a future (the call would never
-    return) and takes the second for the event loop's own exit."""
+    """``function(*args, **kwargs)`` on one of ``threads``, its ``_ESCAPES`` raised as
+    RuntimeErrors."""
 
     def run():
         try:
             return function(*args, **kwargs)
-        except (StopIteration, SystemExit) as exc:
-            raise RuntimeError(f"{getattr(function, '__name__', function)!s} raised {exc!r}") from exc
+        except _ESCAPES as exc:
+            raise _escaped(function, exc) from exc
 
     return asyncio.get_running_loop().run_in_executor(threads, run)
 
@@ -304,6 +326,8 @@ class TurnFrames:
         self._tokenizer = tokenizer
         self._tools = normalize_tools(list(tools) if isinstance(tools, (list, tuple)) else tools)
         self.templated = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+        if self._tools and not self.templated:  # nothing would write them where the model reads
+            raise ChatError("tools", "tools need a tokenizer with a chat template (it writes them into the prompt)")
         self._frames: dict[str, tuple[str, str]] = {}
         self._turn_end_text = ""
         self.turn_end: list[int] = []
@@ -580,7 +604,7 @@ def _checked_limits(limits) -> EpisodeLimits:
 def _call_seed(seed) -> int:
     if seed is None:
         return int(np.random.default_rng().integers(MAX_SAMPLING_SEED))
-    return as_int("seed", seed)
+    return as_call_seed(seed)
 
 
 def _conversation_cap(worker, limits: EpisodeLimits, prompt_length: int) -> tuple[int, str]:

@@ -32,6 +32,15 @@ def as_int(name: str, value, *, minimum: int | None = None) -> int:
     return value
 
 
+def as_call_seed(value) -> int:
+    """A call's seed: an int64, or InvalidRequest (a wider one would wrap onto another's draws)."""
+    seed = as_int("seed", value)
+    low, high = CALL_SEED_RANGE
+    if not low <= seed <= high:
+        raise InvalidRequest("seed", f"seed must be an int64 (in [{low}, {high}]), got {seed}")
+    return seed
+
+
 def _as_float(name: str, value) -> float:
     """A finite real number (int, float or numpy scalar, not bool), or InvalidRequest."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -119,11 +128,7 @@ class SamplingParams:
                 raise InvalidRequest(flag, f"{flag} must be a bool, got {getattr(self, flag)!r}")
             set_(self, flag, bool(getattr(self, flag)))
         if self.seed is not None:
-            seed = as_int("seed", self.seed)
-            low, high = CALL_SEED_RANGE
-            if not low <= seed <= high:
-                raise InvalidRequest("seed", f"seed must be an int64 (in [{low}, {high}]), got {seed}")
-            set_(self, "seed", seed)
+            set_(self, "seed", as_call_seed(self.seed))
         if self.session is not None and (not isinstance(self.session, str) or not self.session):
             raise InvalidRequest("session", f"session must be a non-empty string or None, got {self.session!r}")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):

@@ -374,11 +374,23 @@ def test_arguments_are_checked_before_any_episode_starts(tokenizer, arguments, f
     assert made == [] and worker.calls == 0
 
 
-def test_a_message_prompt_without_a_chat_template_is_named():
+def test_a_message_prompt_or_tools_without_a_chat_template_are_named():
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(InvalidRequest, match=r"prompts\[1\]: message prompts need a tokenizer") as error:
         asyncio.run(run_episodes(ScriptedWorker(), [[5], messages], lambda i, j: Done()))
     assert error.value.field == "prompts[1]"
+    # Taken and ignored: the model never saw them.
+    with pytest.raises(InvalidRequest, match="tools need a tokenizer with a chat template") as error:
+        asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: Done(), tools=[LONG_TOOL]))
+    assert error.value.field == "tools"
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
+def test_a_seed_past_int64_is_refused_as_generate_refuses_it(seed):
+    """It wrapped: 2**70 drew what 2**70 + 2**64 draws."""
+    with pytest.raises(InvalidRequest, match="seed must be an int64") as error:
+        asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: Done(), seed=seed))
+    assert error.value.field == "seed"
 
 
 def test_checked_arguments_run():
@@ -501,6 +513,32 @@ def test_a_synchronous_step_raising_stopiteration_ends_its_episode_at_once():
     limits = EpisodeLimits(max_turns=2, max_new_tokens=2, env_timeout_s=30)  # only if the step never returns
     (episode_,) = asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: Exhausted(), limits=limits)).episodes
     assert episode_.status == "env_error" and episode_.error == "turn 0: RuntimeError: step raised StopIteration()"
+
+
+def test_steps_raising_exit_or_interrupt_end_their_episode_only_sync_or_async():
+    """An async step's SystemExit, or any step's KeyboardInterrupt, was taken by asyncio for the
+    event loop's end: the run failed with an empty CancelledError, every episode lost."""
+
+    class Exits:
+        async def step(self, turn):
+            raise SystemExit(2)
+
+    class Interrupts:
+        def step(self, turn):
+            raise KeyboardInterrupt
+
+    class AsyncInterrupts:
+        async def step(self, turn):
+            raise KeyboardInterrupt
+
+    envs = [Exits(), Interrupts(), AsyncInterrupts(), Done()]
+    out = asyncio.run(run_episodes(ScriptedWorker(), [[5], [6], [7], [8]], lambda i, j: envs[i]))
+    assert [e.status for e in out.episodes] == ["env_error"] * 3 + ["done"]
+    assert [e.error for e in out.episodes[:3]] == [
+        "turn 0: RuntimeError: step raised SystemExit(2)",
+        "turn 0: RuntimeError: step raised KeyboardInterrupt()",
+        "turn 0: RuntimeError: step raised KeyboardInterrupt()",
+    ]
 
 
 class Answers:
