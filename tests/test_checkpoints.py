@@ -205,7 +205,8 @@ def test_load_hf_sharded_and_bad_files(worker, qwen2_dir, params, scaled, tmp_pa
     config = json.loads((other / "config.json").read_text())
     config.update(rope_theta=config.get("rope_theta", 10000.0) * 2, rms_norm_eps=1e-3)
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"sets the forward otherwise .*rms_norm_eps 0\.001 \(served: .*rope_theta"):
+    differ = r"sets the forward otherwise .*rms_norm_eps 0\.001 \(served: .*rope_theta"
+    with pytest.raises(CheckpointError, match=differ):
         worker.load_hf(other)
     assert_still_serving(worker, expected, version)
 
