@@ -26,6 +26,19 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
 
+def completion_text(tokenizer, token_ids) -> str:
+    """The text of a completion's ``token_ids``: special tokens skipped, but the tool-call markup
+    kept where the tokenizer registers it as special (a fine-tune's ``add_special_tokens``; Qwen's
+    own is not): skipped, every call the model wrote was lost to the parser, silently."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = {i for i, token in added.items() if token.special}
+    markup = {i for i in special if added[i].content in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)}
+    if not markup:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+    skipped = (special | set(tokenizer.all_special_ids)) - markup
+    return tokenizer.decode([i for i in token_ids if i not in skipped], skip_special_tokens=False)
+
+
 class ChatError(ValueError):
     """Messages or tools a chat template cannot take, or a template that fails. ``field`` names
     where, as a path in an OpenAI request body (``messages[2].tool_calls[0].function.arguments``,

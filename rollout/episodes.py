@@ -867,11 +867,14 @@ class _Episode:
 
     async def _call_step(self, env: Environment, turn: Turn):
         _STEP_THREADS.set(self.threads)  # in this step's task only: where ToolEnvironment's plain calls run
-        if inspect.iscoroutinefunction(env.step):
-            result = await env.step(turn)
-        else:  # on a thread of the run's own: the timeout counts from the step's start
-            result = await _on_thread(self.threads, env.step, turn)
-        return await _maybe_await(result)
+        try:
+            if inspect.iscoroutinefunction(env.step):
+                result = await env.step(turn)
+            else:  # on a thread of the run's own: the timeout counts from the step's start
+                result = await _on_thread(self.threads, env.step, turn)
+            return await _maybe_await(result)
+        except _ESCAPES as exc:
+            raise _escaped(env.step, exc) from exc
 
     def _append(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)

@@ -50,6 +50,7 @@ from trainer_bridge import (
 
 from . import episodes, kv, stream, weight_tools
 from .batch import RolloutBatch, StreamChunk, pack_rollouts
+from .chat import completion_text
 from .compiles import counting_compiles
 from .config import WorkerConfig, check_same_forward, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
@@ -948,7 +949,7 @@ class RolloutWorker:
         completions = [list(o.output_ids[: params.max_new_tokens]) for o in outputs]
         texts = None
         if self._tokenizer is not None:
-            texts = [self._tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+            texts = [completion_text(self._tokenizer, c) for c in completions]
         return pack_rollouts(
             request.prompts,
             completions,

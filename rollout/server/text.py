@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from ..chat import completion_text
+
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
 
 
@@ -63,11 +65,10 @@ class IncrementalText:
         if self._tokenizer is None:
             self.token_ids.extend(token_ids)
             return ""
-        decode = self._tokenizer.decode
         for token in token_ids:
             self.token_ids.append(token)
-            before = decode(self.token_ids[self._prefix : self._read], skip_special_tokens=True)
-            after = decode(self.token_ids[self._prefix :], skip_special_tokens=True)
+            before = completion_text(self._tokenizer, self.token_ids[self._prefix : self._read])
+            after = completion_text(self._tokenizer, self.token_ids[self._prefix :])
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 self._text += after[len(before) :]
                 self._prefix, self._read = self._read, len(self.token_ids)
@@ -80,7 +81,7 @@ class IncrementalText:
         if self.stopped or self._tokenizer is None:
             return ""
         # Exactly what the whole completion decodes to; its sent part is unchanged.
-        self._text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self._text = completion_text(self._tokenizer, self.token_ids)
         return self._emit(final=True)
 
     def _emit(self, *, final: bool) -> str:

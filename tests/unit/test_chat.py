@@ -11,7 +11,17 @@ from transformers import AutoTokenizer
 
 from models.tiny import TinyModelSpec, write_tiny_model
 from rollout.batch import StreamChunk, pack_rollouts
-from rollout.chat import ChatError, ParsedTurn, ToolCall, ToolCallStream, parse_tool_calls, render_chat
+from rollout.chat import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ChatError,
+    ParsedTurn,
+    ToolCall,
+    ToolCallStream,
+    completion_text,
+    parse_tool_calls,
+    render_chat,
+)
 from rollout.server import Server, ServerConfig
 from rollout.server.tools import call_id_prefix, reply_message, split_piece, tool_call_deltas
 
@@ -161,6 +171,21 @@ def test_without_tools_the_template_renders_plain_chatml(tokenizer):
         "<|im_start|>assistant\n3<|im_end|>\n<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n"
     )
     assert render_chat(tokenizer, messages[:2], tools=[], add_generation_prompt=False).endswith("1+2=<|im_end|>\n")
+
+
+def test_a_completions_text_keeps_tool_call_markup_a_tokenizer_registers_as_special(chat_dir):
+    """Decoded with the special tokens skipped, a fine-tune's special <tool_call> went, and the
+    parser found no call in a turn that made one (its reward then the final answer's)."""
+    plain = AutoTokenizer.from_pretrained(chat_dir)
+    marked = AutoTokenizer.from_pretrained(chat_dir)
+    marked.add_special_tokens({"additional_special_tokens": [TOOL_CALL_OPEN, TOOL_CALL_CLOSE]})
+    eos = marked.convert_tokens_to_ids(marked.eos_token)
+    ids = marked.encode(ADD, add_special_tokens=False) + [eos]
+    assert marked.decode(ids, skip_special_tokens=True) != ADD  # what the worker decoded
+    assert completion_text(marked, ids) == ADD  # the end of turn still skipped
+    assert parse_tool_calls(completion_text(marked, ids)).tool_calls == [ToolCall("add", {"a": 1, "b": 2}, "call_0")]
+    plain_ids = plain.encode("1+2=", add_special_tokens=False) + [eos]
+    assert completion_text(plain, plain_ids) == plain.decode(plain_ids, skip_special_tokens=True) == "1+2="
 
 
 def test_tools_a_template_does_not_write_are_refused(chat_dir):
