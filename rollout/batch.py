@@ -33,6 +33,7 @@ class RolloutBatch:
     seeds: np.ndarray  # [B] int64, the sampling seed of each row
     # XLA compilations in the process during the call (JAX compile events); 0 proves none.
     compiles: int = 0
+    # Each completion's text: special tokens skipped, tool-call markup kept (chat.completion_text).
     completion_texts: list[str] | None = None
     # [B, T] float32 aligned with ``tokens`` (generate(..., return_logprobs=True), else None):
     # the log-prob of each completion token under the distribution the engine drew it from,

@@ -124,7 +124,7 @@ class Turn:
 
     index: int  # 0 for the first turn
     token_ids: list[int]  # as sampled, the stop token included
-    text: str  # the tokens' text (special tokens skipped); "" without a tokenizer
+    text: str  # the tokens' text (rollout.chat.completion_text); "" without a tokenizer
     finish_reason: str  # "stop" (a stop token), "length" (the turn's token budget)
     parsed: ParsedTurn  # the text's tool calls (rollout.chat.parse_tool_calls)
 
