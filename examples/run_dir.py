@@ -196,7 +196,15 @@ def restore_or_init(manager, trees: dict[str, Any]) -> TrainState:
         lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=getattr(x, "sharding", None)),
         {**trees, "step": 0},
     )
-    restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+    try:
+        restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+    except Exception as exc:  # orbax's own error names no file (a JSONDecodeError of a damaged one)
+        earlier = sorted(step for step in manager.all_steps() if step < latest)
+        advice = f"move it away to resume from step {earlier[-1]}" if earlier else "move it away to start over"
+        raise ValueError(
+            f"{Path(manager.directory) / str(latest)}: the latest checkpoint cannot be restored "
+            f"({type(exc).__name__}: {exc}); {advice}"
+        ) from exc
     logger.info("resumed from step %d", latest)
     step = int(restored.pop("step"))
     return TrainState(restored, step)

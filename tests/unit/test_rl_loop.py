@@ -16,7 +16,16 @@ from examples.grpo import GRPO, PRESETS, GRPOConfig, parse_args
 from examples.ppo import PPOConfig
 from examples.reporting import check_plotting, summarize
 from examples.rl_loop import EVAL_STREAM, Task, _evaluate, cli, set_up, step_seed, worker_config
-from examples.run_dir import claim_output_dir, keep_metrics_through, output_dir_lock, read_metrics
+from examples.run_dir import (
+    TrainState,
+    checkpoint_manager,
+    claim_output_dir,
+    keep_metrics_through,
+    output_dir_lock,
+    read_metrics,
+    restore_or_init,
+    save_train_state,
+)
 from rollout.launch import PROCESS_ID_ENV
 
 
@@ -145,6 +154,22 @@ def test_a_half_written_checkpoint_binds_nothing(tmp_path):
     (tmp_path / "checkpoints" / "4").mkdir()
     with pytest.raises(ValueError, match="seed=0; this one has seed=2"):
         claim_output_dir(config, tmp_path)
+
+
+def test_a_damaged_latest_checkpoint_is_named_with_the_step_to_resume_from(tmp_path):
+    """It failed with orbax's JSONDecodeError, naming no file."""
+    trees = {"params": {"w": jax.numpy.arange(4.0)}}
+    manager = checkpoint_manager(tmp_path)
+    for step in (1, 2):
+        save_train_state(manager, TrainState(trees, step))
+    manager.wait_until_finished()
+    for file in (tmp_path / "checkpoints" / "2").rglob("*"):
+        if file.is_file() and file.suffix in ("", ".json") and file.stat().st_size:
+            file.write_text("{not json")  # every metadata file, whichever orbax reads first
+    with pytest.raises(
+        ValueError, match=r"checkpoints/2: the latest checkpoint cannot be restored .*resume from step 1"
+    ):
+        restore_or_init(checkpoint_manager(tmp_path), trees)
 
 
 def test_a_damaged_or_missing_run_record_is_refused_naming_the_file(tmp_path):
