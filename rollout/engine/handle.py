@@ -126,6 +126,11 @@ class EngineHandle:
             specs = self._model.leaf_specs()
             self._control.token_slots_leaf = next(spec.index for spec in specs if spec.path == TOKEN_SLOTS)
         _open_handles.add(self)
+        # Registered again at each start, so it runs before the exit handlers JAX registered
+        # meanwhile (they run last first): run after them, it stopped an engine mid-forward on
+        # torn-down caches, which logged a failure (a KeyError) at every exit with a call running.
+        atexit.unregister(_close_open_handles)
+        atexit.register(_close_open_handles)
         if options.record_routing:
             if not getattr(self._model.runner.model_config.hf_config, "num_experts", 0):
                 raise ValueError(f"record_routing: {options.model_path} is not a mixture-of-experts model")
@@ -510,7 +515,6 @@ def open_engines() -> list[EngineHandle]:
     return list(_open_handles)
 
 
-@atexit.register
 def _close_open_handles() -> None:
     for handle in list(_open_handles):
         with contextlib.suppress(Exception):
