@@ -26,6 +26,13 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or does not match what it is restored into."""
 
 
+# A CheckpointManager's step directory: the step, zero-padded or not, after an optional prefix
+# (``step_format_fixed_length``, ``step_prefix``); never its temporary directories.
+_STEP_NAME = re.compile(r"(?:(.+)_)?([0-9]+)")
+# Files of a single checkpoint's own directory (orbax's tree metadata).
+_CHECKPOINT_FILES = ("_METADATA", "_sharding", "manifest.ocdbt")
+
+
 def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
     """The directory holding the param tree: ``path`` itself, or step ``step`` (default the
     latest) of a CheckpointManager root."""
@@ -37,12 +44,14 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory")
     steps: dict[int, Path] = {}
-    for child in path.iterdir():
+    single = any((path / name).is_file() for name in _CHECKPOINT_FILES)  # its folders are leaves, not steps
+    for child in [] if single else path.iterdir():
         number = _STEP_NAME.fullmatch(child.name)
-        if child.is_dir() and number:
-            if int(number[1]) in steps:
-                raise CheckpointError(f"checkpoint root {path} has two directories of step {int(number[1])}")
-            steps[int(number[1])] = child
+        # A prefixed name (step_prefix) counts where orbax wrote a step there: not tensorboard_5/.
+        if child.is_dir() and number and (number[1] is None or (child / "_CHECKPOINT_METADATA").is_file()):
+            if int(number[2]) in steps:
+                raise CheckpointError(f"checkpoint root {path} has two directories of step {int(number[2])}")
+            steps[int(number[2])] = child
     if steps:
         if step is None:
             step = max(steps)
@@ -57,11 +66,6 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
         if (path / item).is_dir():
             return path / item
     return path
-
-
-# A CheckpointManager's step directory: the step, zero-padded or not, after an optional prefix
-# (``step_format_fixed_length``, ``step_prefix``); never its temporary directories.
-_STEP_NAME = re.compile(r"(?:[A-Za-z][A-Za-z0-9]*_)?(\d+)")
 
 
 def _checkpointer():
@@ -136,33 +140,44 @@ def restore_params(path: str | Path, target: Mapping, *, step: int | None = None
         if jnp.issubdtype(saved[key].dtype, jnp.floating) != jnp.issubdtype(leaf.dtype, jnp.floating):
             # A restore casts to the target's dtype: integers would come back as weights, silently.
             raise CheckpointError(f"checkpoint {item_dir}: '{key}' has dtype {saved[key].dtype}, expected {leaf.dtype}")
-    restored = restore_saved(item_dir, layout, wanted)
-    params = restored["params"] if layout.under_params else restored
+    params = restore_saved(item_dir, layout, wanted)
     return {"params": params} if unwrap_params(target) is not target else params
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedLayout:
-    """Where a checkpoint keeps its params: ``flat`` (flat path -> leaf metadata), whether they
-    are under ``'params'``, and whether anything else is saved beside them (a train state: the
-    params are read alone, by a partial restore)."""
+    """Where a checkpoint keeps its params: ``flat`` (flat path -> leaf metadata), how many
+    ``'params'`` keys they are under (``{'params': {'params': ...}}``: flax's variables in a
+    TrainState), and whether anything else is saved beside them (a train state: the params are
+    read alone, by a partial restore)."""
 
     flat: dict
-    under_params: bool
+    depth: int
     beside_others: bool
 
 
 def saved_layout(item_dir: Path) -> SavedLayout:
-    tree = checkpoint_tree_metadata(item_dir)
-    if isinstance(tree.get("params"), Mapping):
-        return SavedLayout(flatten_params(tree["params"]), True, set(tree) != {"params"})
-    return SavedLayout(flatten_params(tree), False, False)
+    tree, depth, beside = checkpoint_tree_metadata(item_dir), 0, False
+    while isinstance(tree.get("params"), Mapping):
+        beside = beside or set(tree) != {"params"}
+        tree, depth = tree["params"], depth + 1
+    # (flatten_params would take one more {'params': ...} off; there is none left.)
+    return SavedLayout(flatten_params(tree), depth, beside)
 
 
 def restore_saved(item_dir: Path, layout: SavedLayout, targets: Mapping[str, Any]) -> dict:
     """The params of the checkpoint at ``item_dir`` restored as ``targets`` say (flat path ->
-    ``jax.ShapeDtypeStruct`` with a sharding), nested as saved (``{'params': ...}`` where they
-    are under it), the train state's other items left unread."""
-    tree = unflatten_params(targets)
-    target = {"params": tree} if layout.under_params else tree
-    return restore_tree(item_dir, target, partial=layout.beside_others)
+    ``jax.ShapeDtypeStruct`` with a sharding), the train state's other items left unread; the
+    params alone, out of their ``{'params': ...}`` wrappers."""
+    target = unflatten_params(targets)
+    for _ in range(layout.depth):
+        target = {"params": target}
+    restored = restore_tree(item_dir, target, partial=layout.beside_others)
+    for _ in range(layout.depth):
+        restored = restored["params"]
+    # A partial restore gives a leaf it did not find as the target's own stand-in, silently
+    # (a key with a '.', which the flat paths split).
+    unread = [path for path, leaf in flatten_params(restored).items() if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if unread:
+        raise CheckpointError(f"checkpoint {item_dir}: {len(unread)} leaves were not found where read: {unread[:8]}")
+    return restored

@@ -47,15 +47,27 @@ def train_state(params) -> dict:
     return {"params": params, "opt_state": ({"mu": moments}, [np.int32(3)]), "step": np.int32(3)}
 
 
-def test_a_train_states_params_are_restored_alone_as_the_target_is_wrapped(params, tmp_path):
-    """It failed with "param tree node 'opt_state' is a list" (a TypeError)."""
-    path = orbax_save(tmp_path / "state", train_state(params))
+@pytest.mark.parametrize("variables", [False, True], ids=["params", "flax-variables"])
+def test_a_train_states_params_are_restored_alone_as_the_target_is_wrapped(params, tmp_path, variables):
+    """It failed with "param tree node 'opt_state' is a list" (a TypeError). A flax TrainState
+    made of variables holds {'params': {'params': ...}}."""
+    path = orbax_save(tmp_path / "state", train_state({"params": params} if variables else params))
     bare = restore_params(path, params)
     wrapped = restore_params(path, {"params": params})
     assert set(wrapped) == {"params"}
     for restored in (bare, wrapped["params"]):
         for (key, got), want in zip(flatten_params(restored).items(), flatten_params(params).values()):
+            assert isinstance(got, jax.Array), key
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=key)
+
+
+def test_a_leaf_a_partial_restore_does_not_find_is_named(tmp_path):
+    """orbax hands such a leaf back as the target's own stand-in, silently: a key with a '.',
+    which the flat paths split into two."""
+    w = jax.device_put(np.ones(3, np.float32))
+    path = orbax_save(tmp_path / "dotted", {"params": {"a.b": w}, "step": np.int32(1)})
+    with pytest.raises(CheckpointError, match=r"1 leaves were not found where read: \['a\.b'\]"):
+        restore_params(path, {"a.b": w})
 
 
 @pytest.mark.parametrize(
@@ -79,7 +91,8 @@ def test_a_managers_steps_are_found_however_it_names_them(params, tmp_path, opti
         for step in (1, 2):
             manager.save(step, args=ocp.args.StandardSave(jax.tree_util.tree_map(lambda x: x * step, small)))
         manager.wait_until_finished()
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == names
+    (root / "tensorboard_5").mkdir()  # a run's other folder, no step of the manager's
+    assert sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "tensorboard_5") == names
     assert resolve_checkpoint(root).parent.name == names[1]
     assert resolve_checkpoint(root, step=1).parent.name == names[0]
     restored = restore_params(root, small, step=1)
