@@ -23,6 +23,7 @@ from rollout.chat import (
     render_chat,
 )
 from rollout.server import Server, ServerConfig
+from rollout.server.text import IncrementalText
 from rollout.server.tools import call_id_prefix, reply_message, split_piece, tool_call_deltas
 
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -186,6 +187,10 @@ def test_a_completions_text_keeps_tool_call_markup_a_tokenizer_registers_as_spec
     assert parse_tool_calls(completion_text(marked, ids)).tool_calls == [ToolCall("add", {"a": 1, "b": 2}, "call_0")]
     plain_ids = plain.encode("1+2=", add_special_tokens=False) + [eos]
     assert completion_text(plain, plain_ids) == plain.decode(plain_ids, skip_special_tokens=True) == "1+2="
+    # The server's streamed text, token by token, is the same.
+    streamed = IncrementalText(marked, [])
+    pieces = [streamed.add([token]) for token in ids]
+    assert "".join(pieces) + streamed.finish() == ADD
 
 
 def test_tools_a_template_does_not_write_are_refused(chat_dir):
