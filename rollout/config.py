@@ -217,7 +217,7 @@ def check_same_forward(served_path: str, model_dir) -> None:
 
     from trainer_bridge import CheckpointError
 
-    served, new = (AutoConfig.from_pretrained(str(path)).to_dict() for path in (served_path, model_dir))
+    served, new = (_forward_settings(AutoConfig.from_pretrained(str(p)).to_dict()) for p in (served_path, model_dir))
     differ = [key for key in _FORWARD_SETTINGS if served.get(key) != new.get(key)]
     if differ:
         found = ", ".join(f"{key} {new.get(key)!r} (served: {served.get(key)!r})" for key in differ)
@@ -226,6 +226,22 @@ def check_same_forward(served_path: str, model_dir) -> None:
             "the engine would serve these weights under the served model's settings. Start a worker on that "
             "model instead"
         )
+
+
+def _forward_settings(config: dict) -> dict:
+    """``config``'s forward settings as the forward reads them: an unwritten head_dim is hidden /
+    heads, and rope_scaling's type may be written as ``type`` or ``rope_type`` (Qwen2.5's README
+    writes the first, exports the second)."""
+    settings = {key: config.get(key) for key in _FORWARD_SETTINGS}
+    if settings["head_dim"] is None and config.get("hidden_size") and config.get("num_attention_heads"):
+        settings["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    scaling = settings["rope_scaling"]
+    if isinstance(scaling, dict):
+        scaling = dict(scaling)
+        kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
+        scaling.pop("type", None)
+        settings["rope_scaling"] = {**scaling, "rope_type": kind}
+    return settings
 
 
 def check_routing_recordable(model_path: str) -> None:

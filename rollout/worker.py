@@ -44,6 +44,7 @@ from trainer_bridge import (
     non_finite_leaves,
     resolve_checkpoint,
     restore_saved,
+    safetensors_files,
     saved_layout,
     unflatten_params,
 )
@@ -495,10 +496,10 @@ class RolloutWorker:
         the weights' shapes do not show) is refused. On error nothing changes."""
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
-        params = load_hf_params(model_dir, dtype=None)  # its errors first: a missing dir, a file
-        check_same_forward(self.config.model_path, model_dir)
+        safetensors_files(model_dir)  # a missing dir, a file, no weights: named first, as the load names them
+        check_same_forward(self.config.model_path, model_dir)  # before reading the weights
         return self._sync(
-            params,
+            load_hf_params(model_dir, dtype=None),
             "load_hf",
             allow_cast=True,
             check_finite=check_finite,

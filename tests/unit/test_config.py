@@ -71,6 +71,32 @@ def test_a_phase_log_in_a_missing_directory_is_refused_before_the_engine_starts(
     tiny_worker_config(qwen2_dir, phase_log=str(tmp_path / "phases.jsonl")).validate()
 
 
+def test_load_hfs_forward_check_reads_settings_as_the_forward_does(qwen2_dir, tmp_path):
+    """What the shapes do not show is compared as the forward reads it: an export that writes the
+    implied head_dim, or rope_scaling's type under the other key, is the same forward."""
+    from rollout.config import check_same_forward
+    from trainer_bridge import CheckpointError
+
+    base = json.loads((qwen2_dir / "config.json").read_text())
+
+    def variant(name, without=(), **changes):
+        directory = tmp_path / name
+        directory.mkdir()
+        config = {key: value for key, value in {**base, **changes}.items() if key not in without}
+        (directory / "config.json").write_text(json.dumps(config))
+        return directory
+
+    check_same_forward(str(qwen2_dir), qwen2_dir)
+    assert base["head_dim"] == base["hidden_size"] // base["num_attention_heads"]
+    check_same_forward(str(qwen2_dir), variant("implied-head-dim", without=("head_dim",)))
+    linear = variant("type", rope_scaling={"type": "linear", "factor": 2.0})
+    check_same_forward(str(linear), variant("rope-type", rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    with pytest.raises(CheckpointError, match=r"eps.*config\.json sets the forward otherwise.*rms_norm_eps 0\.01"):
+        check_same_forward(str(qwen2_dir), variant("eps", rms_norm_eps=0.01))
+    with pytest.raises(CheckpointError, match=r"rope_scaling .*'factor': 4\.0"):
+        check_same_forward(str(linear), variant("factor", rope_scaling={"type": "linear", "factor": 4.0}))
+
+
 def test_unmerged_lora_must_be_a_lora_config_whose_targets_the_model_has(qwen2_dir):
     with pytest.raises(ValueError, match="unmerged_lora must be a LoraConfig or None, got '16,32'"):
         tiny_worker_config(qwen2_dir, unmerged_lora="16,32")
