@@ -250,14 +250,13 @@ class RLConfig:
             given = [f"--{name}" for name in ("model", "dataset") if getattr(self, name) is not None]
             if given:
                 raise ValueError(
-                    f"preset {self.preset!r} builds its own model and task: {' and '.join(given)} are for the "
-                    "qwen2.5-3b presets"
+                    f"preset {self.preset!r} builds its own model and task: {' and '.join(given)} "
+                    f"{'is' if len(given) == 1 else 'are'} for the qwen2.5-3b presets"
                 )
             if self.max_turns > 1 and not TINY_MODELS[self.preset](self.seed).chat_template:
                 # Caught here, not after the engine started, at the first episode's prompts.
                 raise ValueError(
-                    f"max_turns > 1 (tool episodes) needs a model with a chat template: preset {self.preset!r} has "
-                    "none (tiny-tools has one)"
+                    f"max_turns > 1 (tool episodes) needs a model with a chat template: preset {self.preset!r} has none"
                 )
 
 

@@ -226,11 +226,14 @@ _STEP_THREADS: contextvars.ContextVar[concurrent.futures.Executor | None] = cont
 # What an environment's function may raise that asyncio cannot carry as its error: it cannot set
 # StopIteration on a future (the call would never return), and takes SystemExit and
 # KeyboardInterrupt for the event loop's own end (every episode ended with an empty
-# CancelledError). Raised as RuntimeErrors: the episode's error, as any other.
+# CancelledError). Raised as RuntimeErrors: the episode's error, as any other. But for a
+# KeyboardInterrupt on the main thread: there it is the user's Ctrl-C, for the whole run.
 _ESCAPES = (StopIteration, SystemExit, KeyboardInterrupt)
 
 
 def _escaped(function: Callable, exc: BaseException) -> RuntimeError:
+    if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        raise exc
     return RuntimeError(f"{getattr(function, '__name__', function)!s} raised {exc!r}")
 
 

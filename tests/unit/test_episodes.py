@@ -1,6 +1,7 @@
 """Episodes without an engine: the chat template's framing, the tool environment, the packing."""
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import gc
 import logging
@@ -532,13 +533,19 @@ def test_steps_raising_exit_or_interrupt_end_their_episode_only_sync_or_async():
             raise KeyboardInterrupt
 
     envs = [Exits(), Interrupts(), AsyncInterrupts(), Done()]
-    out = asyncio.run(run_episodes(ScriptedWorker(), [[5], [6], [7], [8]], lambda i, j: envs[i]))
+    # Off the main thread, as the worker's run_episodes runs its loop.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        run = run_episodes(ScriptedWorker(), [[5], [6], [7], [8]], lambda i, j: envs[i])
+        out = pool.submit(asyncio.run, run).result(timeout=60)
     assert [e.status for e in out.episodes] == ["env_error"] * 3 + ["done"]
     assert [e.error for e in out.episodes[:3]] == [
         "turn 0: RuntimeError: step raised SystemExit(2)",
         "turn 0: RuntimeError: step raised KeyboardInterrupt()",
         "turn 0: RuntimeError: step raised KeyboardInterrupt()",
     ]
+    # On the main thread a KeyboardInterrupt is the user's Ctrl-C (asyncio's second): the run's.
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(run_episodes(ScriptedWorker(), [[7]], lambda i, j: AsyncInterrupts()))
 
 
 class Answers:

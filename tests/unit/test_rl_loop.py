@@ -313,8 +313,8 @@ def test_float_settings_must_be_finite(make):
 @pytest.mark.parametrize(
     "flags,words",
     [
-        (["--model", "/my/model"], "preset 'tiny' builds its own model and task: --model are for"),
-        (["--preset", "tiny-moe", "--dataset", "d.jsonl"], "--dataset are for the qwen2.5-3b presets"),
+        (["--model", "/my/model"], "preset 'tiny' builds its own model and task: --model is for"),
+        (["--preset", "tiny-moe", "--model", "m", "--dataset", "d.jsonl"], "--model and --dataset are for the qwen"),
         (["--preset", "tiny-moe", "--max-turns", "3"], "max_turns > 1 .* needs a model with a chat template"),
         (["--max-turns", "2"], "preset 'tiny' has none"),
     ],
