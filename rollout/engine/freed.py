@@ -22,8 +22,8 @@ def aborted_for_freed_weights(scheduler, control, exc: Exception) -> bool:
     """Whether ``exc``, raised out of the scheduler loop, was a dispatch meeting freed weight
     leaves (some of the forward's leaves are deleted: the engine's dispatch raised a ValueError
     at jax 0.8, a RuntimeError at jax 0.12): then every request was aborted and the loop may go
-    on. False (the engine fails) for any other
-    error, and where no request was there to abort (an error no abort can end)."""
+    on. False (the engine fails) for any other error, and where no request was there to abort
+    (an error no abort can end)."""
     error = freed_weights_error(scheduler)
     if error is None:
         return False
