@@ -238,11 +238,14 @@ def _escaped(function: Callable, exc: BaseException) -> RuntimeError:
 
 
 async def _call(function: Callable, /, *args, **kwargs):
-    """``function``'s answer; a plain function runs on a thread (the episode's)."""
+    """``function``'s answer (awaited if it is an awaitable); a plain function runs on a thread
+    (the episode's)."""
     try:
         if inspect.iscoroutinefunction(function):
-            return await function(*args, **kwargs)
-        return await _maybe_await(await _on_thread(_STEP_THREADS.get(), function, *args, **kwargs))
+            result = await function(*args, **kwargs)
+        else:
+            result = await _on_thread(_STEP_THREADS.get(), function, *args, **kwargs)
+        return await _maybe_await(result)
     except _ESCAPES as exc:
         raise _escaped(function, exc) from exc
 
@@ -869,15 +872,10 @@ class _Episode:
         return result
 
     async def _call_step(self, env: Environment, turn: Turn):
-        _STEP_THREADS.set(self.threads)  # in this step's task only: where ToolEnvironment's plain calls run
-        try:
-            if inspect.iscoroutinefunction(env.step):
-                result = await env.step(turn)
-            else:  # on a thread of the run's own: the timeout counts from the step's start
-                result = await _on_thread(self.threads, env.step, turn)
-            return await _maybe_await(result)
-        except _ESCAPES as exc:
-            raise _escaped(env.step, exc) from exc
+        # In this step's task only: where a plain step (the timeout counts from its start) and
+        # ToolEnvironment's plain calls run.
+        _STEP_THREADS.set(self.threads)
+        return await _call(env.step, turn)
 
     def _append(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)

@@ -54,8 +54,8 @@ def unflatten_params(flat: Mapping[str, Any]) -> dict:
 
 
 def path_mismatch(missing: list[str], extra: list[str], shown: int = 8) -> str:
-    """ "missing N expected path(s): a, b; M unexpected path(s): c", naming only what is there
-    (the first ``shown`` of each)."""
+    """The words ``missing N expected path(s): a, b; M unexpected path(s): c``, naming only what
+    is there (the first ``shown`` of each)."""
     parts = []
     if missing:
         parts.append(f"missing {len(missing)} expected path(s): {', '.join(missing[:shown])}")
