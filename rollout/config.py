@@ -217,12 +217,18 @@ def check_same_forward(served_path: str, model_dir) -> None:
 
     from trainer_bridge import CheckpointError
 
-    served, new = (_forward_settings(AutoConfig.from_pretrained(str(p)).to_dict()) for p in (served_path, model_dir))
+    served = _forward_settings(AutoConfig.from_pretrained(str(served_path)).to_dict())
+    config_file = Path(model_dir) / "config.json"
+    try:  # named as load_hf_params names it (transformers' own words list every model type)
+        new = _forward_settings(AutoConfig.from_pretrained(str(model_dir)).to_dict())
+    except (OSError, ValueError) as exc:
+        reason = "no such file" if not config_file.is_file() else f"{type(exc).__name__}: {str(exc)[:200]}"
+        raise CheckpointError(f"cannot read {config_file}: {reason}") from exc
     differ = [key for key in _FORWARD_SETTINGS if served.get(key) != new.get(key)]
     if differ:
         found = ", ".join(f"{key} {new.get(key)!r} (served: {served.get(key)!r})" for key in differ)
         raise CheckpointError(
-            f"{Path(model_dir) / 'config.json'} sets the forward otherwise than the served model: {found}; "
+            f"{config_file} sets the forward otherwise than the served model: {found}; "
             "the engine would serve these weights under the served model's settings. Start a worker on that "
             "model instead"
         )

@@ -38,13 +38,13 @@ from trainer_bridge import (
     check_live,
     collect_adapters,
     flatten_params,
+    hf_model_dir,
     is_adapter_tree,
     load_hf_params,
     merge_adapters,
     non_finite_leaves,
     resolve_checkpoint,
     restore_saved,
-    safetensors_files,
     saved_layout,
     unflatten_params,
 )
@@ -496,7 +496,7 @@ class RolloutWorker:
         the weights' shapes do not show) is refused. On error nothing changes."""
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
-        safetensors_files(model_dir)  # a missing dir, a file, no weights: named first, as the load names them
+        hf_model_dir(model_dir)  # a missing dir or a file: named first, as the load names them
         check_same_forward(self.config.model_path, model_dir)  # before reading the weights
         return self._sync(
             load_hf_params(model_dir, dtype=None),

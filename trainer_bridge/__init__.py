@@ -9,7 +9,7 @@ from .checkpoint import (
     restore_tree,
     saved_layout,
 )
-from .hf import load_hf_params, safetensors_files
+from .hf import hf_model_dir, load_hf_params, safetensors_files
 from .lora import (
     DEFAULT_TARGET_MODULES,
     FACTOR_NAMES,
@@ -72,6 +72,7 @@ __all__ = [
     "build_plan",
     "check_live",
     "flatten_params",
+    "hf_model_dir",
     "load_hf_params",
     "non_finite_leaves",
     "path_mismatch",

@@ -16,13 +16,19 @@ from .tree import unflatten_params
 _INDEX = "model.safetensors.index.json"
 
 
-def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
-    """HF tensor name -> the file holding it (single file or sharded with an index json)."""
+def hf_model_dir(model_dir: str | Path) -> Path:
+    """``model_dir`` as a Path, or the error naming why it is no model directory."""
     model_dir = Path(model_dir)
     if model_dir.exists() and not model_dir.is_dir():
         raise CheckpointError(f"{model_dir} is a file; load_hf takes the model's directory")
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    return model_dir
+
+
+def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
+    """HF tensor name -> the file holding it (single file or sharded with an index json)."""
+    model_dir = hf_model_dir(model_dir)
     index = model_dir / _INDEX
     if index.exists():
         return _indexed_files(model_dir, index)

@@ -95,6 +95,10 @@ def test_load_hfs_forward_check_reads_settings_as_the_forward_does(qwen2_dir, tm
         check_same_forward(str(qwen2_dir), variant("eps", rms_norm_eps=0.01))
     with pytest.raises(CheckpointError, match=r"rope_scaling .*'factor': 4\.0"):
         check_same_forward(str(linear), variant("factor", rope_scaling={"type": "linear", "factor": 4.0}))
+    # Named as the load names it (transformers' ValueError listed every model type).
+    (tmp_path / "no-config").mkdir()
+    with pytest.raises(CheckpointError, match=r"cannot read .*no-config/config\.json: no such file"):
+        check_same_forward(str(qwen2_dir), tmp_path / "no-config")
 
 
 def test_unmerged_lora_must_be_a_lora_config_whose_targets_the_model_has(qwen2_dir):
