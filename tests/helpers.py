@@ -370,6 +370,19 @@ def wait_until(condition, timeout: float = 120.0) -> None:
         time.sleep(0.005)
 
 
+def donated_during(call: Callable, started: Callable[[], bool], params):
+    """``call()`` on a thread; once ``started()`` holds, a train step donates ``params`` as a
+    trainer's would outside ``released_for_training`` (jitted, compiled first on copies).
+    Returns (the step's output, what ``call`` raised: None if it returned)."""
+    step = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x * 1.0, tree), donate_argnums=0)
+    step(jax.tree_util.tree_map(jnp.copy, params))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(call)
+        wait_until(started)
+        stepped = step(params)
+        return stepped, future.exception(timeout=120)
+
+
 def swap_at_token(worker, new_params, position, generate: Callable, **swap):
     """Run ``generate()`` (one request) while an in-flight sync lands exactly when the request has
     ``position`` tokens. Returns (batch, sync report)."""

@@ -2,12 +2,12 @@
 their statuses, admission limits, NaN on every load path, OpenAI conformance details."""
 
 import asyncio
-import concurrent.futures
 import contextlib
 import ctypes
 import gc
 import json
 import logging
+import re
 import signal
 import socket
 import threading
@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from rollout import RolloutWorker
 from rollout.errors import InvalidRequest, LimitExceeded, WorkerClosed, WorkerUnavailable
 from rollout.server import Server, ServerConfig, WorkerBackend
-from tests.helpers import serve_process, tiny_worker_config, wait_until
+from tests.helpers import donated_during, serve_process, tiny_worker_config, wait_until
 from trainer_bridge import SyncError, load_hf_params
 
 PROMPT = [5, 17, 42, 8]
@@ -594,15 +594,13 @@ def test_weights_donated_during_a_call_fail_it_and_the_next_sync_serves_again(wo
     try:
         assert worker.sync_params(params).bytes_copied == 0  # the engine serves the trainer's arrays
         expected = worker.generate([PROMPT], **greedy).completions
-        step = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x * 1.0, tree), donate_argnums=0)
-        step(jax.tree_util.tree_map(jax.numpy.copy, params))  # compiled before the call, on copies
         engine = worker.engine
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            call = pool.submit(worker.generate, [PROMPT], n=4, max_new_tokens=LONG, ignore_eos=True)
-            wait_until(lambda: engine.requests_in_flight > 0)
-            stepped = step(params)
-            with pytest.raises(WorkerUnavailable, match="freed while it ran .* rows were aborted"):
-                call.result(timeout=120)
+        stepped, error = donated_during(
+            lambda: worker.generate([PROMPT], n=4, max_new_tokens=LONG, ignore_eos=True),
+            lambda: engine.requests_in_flight > 0,
+            params,
+        )
+        assert isinstance(error, WorkerUnavailable) and re.search("freed while it ran .* rows were aborted", str(error))
         assert engine.alive and engine.requests_in_flight == 0 and engine.testing.kv_tokens_held() == 0
         assert engine.testing.requests_remembered() == 0
         with pytest.raises(WorkerUnavailable, match="were freed"):

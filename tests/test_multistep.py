@@ -3,7 +3,6 @@ the same tokens, log-probs and versions as one step per dispatch, with every sch
 (finish, stop, abort, in-flight swap) still landing at its step."""
 
 import asyncio
-import concurrent.futures
 import re
 import threading
 import weakref
@@ -16,7 +15,7 @@ from rollout import RolloutWorker
 from rollout.engine import EngineError, EngineHandle, multistep, patches, profile_steps, stubbed_device
 from rollout.engine.programs import engine_compiler_options, forward_cells
 from rollout.errors import WorkerUnavailable
-from tests.helpers import perturbed_params, swap_at_token, tiny_options, tiny_worker_config, wait_until
+from tests.helpers import donated_during, perturbed_params, swap_at_token, tiny_options, tiny_worker_config
 from trainer_bridge import load_hf_params
 
 STEPS = 4
@@ -226,20 +225,18 @@ def test_weights_donated_under_a_chunk_fail_its_call_and_the_next_sync_serves_ag
     """The chunk dispatched ahead finds the weights freed (a train step donated them outside
     released_for_training): the call fails saying so, no slot is left, and a sync serves again."""
     params = jax.device_put(load_hf_params(qwen2_dir), chunked.param_shardings())
-    step = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x * 1.0, tree), donate_argnums=0)
     engine = chunked.engine
     try:
         chunked.sync_params(params)
         expected = chunked.generate(PROMPTS, max_new_tokens=STEPS + 2, temperature=0.0, ignore_eos=True)
-        step(jax.tree_util.tree_map(jax.numpy.copy, params))  # compiled before the call, on copies
         dispatched = engine.decode_chunk_stats.dispatched
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            call = pool.submit(chunked.generate, PROMPTS, n=2, max_new_tokens=200, ignore_eos=True)
+        stepped, error = donated_during(
+            lambda: chunked.generate(PROMPTS, n=2, max_new_tokens=200, ignore_eos=True),
             # This call's chunks run: the next one, dispatched ahead, meets the freed weights.
-            wait_until(lambda: engine.decode_chunk_stats.dispatched > dispatched)
-            stepped = step(params)
-            with pytest.raises(WorkerUnavailable, match="freed while it ran"):
-                call.result(timeout=120)
+            lambda: engine.decode_chunk_stats.dispatched > dispatched,
+            params,
+        )
+        assert isinstance(error, WorkerUnavailable) and "freed while it ran" in str(error)
         assert engine.alive and engine.testing.kv_tokens_held() == 0 and engine.testing.requests_remembered() == 0
         chunked.sync_params(stepped)
         again = chunked.generate(PROMPTS, max_new_tokens=STEPS + 2, temperature=0.0, ignore_eos=True)
