@@ -496,7 +496,7 @@ class RolloutWorker:
         the weights' shapes do not show) is refused. On error nothing changes."""
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
-        hf_model_dir(model_dir)  # a missing dir or a file: named first, as the load names them
+        hf_model_dir(model_dir)  # a missing dir, a file, no weights: named first, as the load names them
         check_same_forward(self.config.model_path, model_dir)  # before reading the weights
         return self._sync(
             load_hf_params(model_dir, dtype=None),

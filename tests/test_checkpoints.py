@@ -199,6 +199,10 @@ def test_load_hf_sharded_and_bad_files(worker, qwen2_dir, params, scaled, tmp_pa
     with pytest.raises(FileNotFoundError, match="missing-dir"):
         worker.load_hf(tmp_path / "missing-dir")
     assert_still_serving(worker, expected, version)
+    (tmp_path / "no-weights").mkdir()  # named for its weights, before the forward check reads its config
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors file in .*no-weights"):
+        worker.load_hf(tmp_path / "no-weights")
+    assert_still_serving(worker, expected, version)
 
     # Weights of the same shapes made for another forward (they were served under this one's).
     other = write_sharded_copy(Path(qwen2_dir), tmp_path / "other-forward")

@@ -17,12 +17,15 @@ _INDEX = "model.safetensors.index.json"
 
 
 def hf_model_dir(model_dir: str | Path) -> Path:
-    """``model_dir`` as a Path, or the error naming why it is no model directory."""
+    """``model_dir`` as a Path, or the error naming why it is no model directory: missing, a file,
+    or holding no safetensors weights (checked without opening them)."""
     model_dir = Path(model_dir)
     if model_dir.exists() and not model_dir.is_dir():
         raise CheckpointError(f"{model_dir} is a file; load_hf takes the model's directory")
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    if not (model_dir / _INDEX).exists() and next(model_dir.glob("*.safetensors"), None) is None:
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
     return model_dir
 
 
@@ -33,8 +36,6 @@ def safetensors_files(model_dir: str | Path) -> dict[str, Path]:
     if index.exists():
         return _indexed_files(model_dir, index)
     files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
     names: dict[str, Path] = {}
     for file in files:
         for name in _open(file).keys():
