@@ -21,6 +21,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import RolloutError
+
 logger = logging.getLogger(__name__)
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -53,7 +55,7 @@ def _skipped_ids(tokenizer) -> frozenset[int] | None:
     return _SKIPPED[tokenizer]
 
 
-class ChatError(ValueError):
+class ChatError(RolloutError, ValueError):
     """Messages or tools a chat template cannot take, or a template that fails. ``field`` names
     where, as a path in an OpenAI request body (``messages[2].tool_calls[0].function.arguments``,
     ``tools[1].function.name``; ``messages`` for the template itself); the message starts with it

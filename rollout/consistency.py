@@ -23,11 +23,11 @@ import numpy as np
 from models import completion_log_probs, flax_model_for
 from trainer_bridge import flatten_params, non_finite_leaves, unflatten_params
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, RolloutError
 from .sampling import as_int
 
 
-class ConsistencyError(RuntimeError):
+class ConsistencyError(RolloutError, RuntimeError):
     """Engine and trainer log-probs disagree beyond a threshold; ``report`` has the figures."""
 
     def __init__(self, message: str, report: ConsistencyReport):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 
 class RolloutError(Exception):
-    """Base of the errors the worker raises on purpose."""
+    """Base of the errors the worker raises on purpose (``except RolloutError`` catches each
+    error of this package). A bad param tree or checkpoint is ``trainer_bridge``'s
+    ``SyncError`` or ``CheckpointError`` (``ValueError`` s of the package below this one), except
+    a pod's ``PeerSyncError``, both a ``PodError`` and a ``SyncError``."""
 
 
 class InvalidRequest(RolloutError, ValueError):

@@ -14,6 +14,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+from .errors import RolloutError
+
 
 class GateClosed(RuntimeError):
     """A blocking entry refused where waiting could deadlock; ``reason``: the change pending."""
@@ -23,7 +25,7 @@ class GateClosed(RuntimeError):
         self.reason = reason
 
 
-class OwnCallsInFlight(RuntimeError):
+class OwnCallsInFlight(RolloutError, RuntimeError):
     """A blocking change (a sync, a KV drop, a release for training) on a thread whose event loop
     has calls of the worker in flight: it would wait for them, which that loop cannot run while
     its thread waits."""

@@ -28,6 +28,8 @@ import numpy as np
 
 from trainer_bridge import SyncError
 
+from .errors import RolloutError
+
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ _gone: set[int] = set()
 _LEAVING_PREFIX = "rollout/leaving/"
 
 
-class PodError(RuntimeError):
+class PodError(RolloutError, RuntimeError):
     """Processes of a multi-process job disagree on a collective call, or one is lost.
 
     ``processes`` are the process indices that disagree or did not answer.

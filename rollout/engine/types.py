@@ -10,11 +10,13 @@ import numpy as np
 
 from trainer_bridge import LoraConfig
 
+from ..errors import RolloutError
+
 # Seconds without progress on a running forward after which the watchdog fails the engine.
 DEFAULT_WATCHDOG_TIMEOUT_S = 1800.0
 
 
-class EngineError(RuntimeError):
+class EngineError(RolloutError, RuntimeError):
     """The engine failed: its scheduler thread raised, or it was used after it stopped."""
 
 
