@@ -1,7 +1,7 @@
 """sync_params against the published alternatives, on a random Qwen2.5-1.5B-shaped model (or a
 Llama-3.2-1B-shaped one: head_dim 64, GQA 32/8, llama3 RoPE, ``--shape llama3.2-1b``).
 
-    JAX_PLATFORMS=cpu python bench/sync_bench.py [--layers 4] [--shape qwen2.5-1.5b]
+    JAX_PLATFORMS=cpu python -m bench.sync_bench [--layers 4] [--shape qwen2.5-1.5b]
 
 Measured in one run, on this machine: (a) this sync with an aliasable float32 tree, with and
 without ``check_finite`` (a read of every weight), next to one plain read of the weights and

@@ -231,7 +231,7 @@ class RolloutWorker:
         sync: a train step that donates them must be followed by a sync before the next
         generate. ``check_finite`` (on by default) refuses NaN/inf weights, naming the paths, and
         finite ones the cast to the engine's dtype would make infinite: it reads every weight
-        once (about 1.15x one plain read; ``bench.sync_bench``), the price of never serving a
+        once (1.5-2.6x one plain read on XLA:CPU; ``bench.sync_bench``), the price of never serving a
         broken policy silently; pass False where that read matters.
 
         ``in_flight=True`` swaps without draining: each engine stops at its next forward
