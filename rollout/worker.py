@@ -583,10 +583,11 @@ class RolloutWorker:
             targets = {saved_as[name]: target for name, target in by_name.items()}
         else:
             targets = self._group.checkpoint_targets(saved, item_dir)
+        caller = "load_adapters" if adapters_only else "load_checkpoint"
         if not in_flight:
-            self._gate.check_no_own_calls("load_checkpoint()")
+            self._gate.check_no_own_calls(f"{caller}()")
         # The restore is itself collective in a multi-process job (every process reads its shards).
-        self._group.pod.agree("load_checkpoint", tree_fingerprint(targets))
+        self._group.pod.agree(caller, tree_fingerprint(targets))
         restored = restore_saved(item_dir, layout, targets)
         swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
         try:
