@@ -172,7 +172,7 @@ PRESETS = {
 }
 
 # parse_args(argv=None) -> GRPOConfig: --preset and a flag per field.
-parse_args = partial(parse_config, GRPOConfig, PRESETS, description=__doc__)
+parse_args = partial(parse_config, GRPOConfig, PRESETS, description=__doc__, prog="python -m examples.grpo")
 
 
 class GRPO:

@@ -141,7 +141,7 @@ PRESETS = {
 }
 
 # parse_args(argv=None) -> PPOConfig: --preset and a flag per field.
-parse_args = partial(parse_config, PPOConfig, PRESETS, description=__doc__)
+parse_args = partial(parse_config, PPOConfig, PRESETS, description=__doc__, prog="python -m examples.ppo")
 
 
 class PPO:

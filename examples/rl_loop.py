@@ -720,9 +720,18 @@ def _kv_dropped(worker):
     yield worker.drop_kv()
 
 
-def parse_args(config_class: type[RLConfig], presets: dict[str, RLConfig], argv=None, description: str = ""):
-    """A ``config_class`` from the command line: ``--preset`` plus one flag per field."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(
+    config_class: type[RLConfig],
+    presets: dict[str, RLConfig],
+    argv=None,
+    description: str = "",
+    prog: str | None = None,
+):
+    """A ``config_class`` from the command line: ``--preset`` plus one flag per field. ``prog``: the
+    command in its usage line (Python 3.12's own is the file's name, ``grpo.py``, under ``-m``)."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", choices=tuple(presets), default="tiny")
     overridable = [f for f in dataclasses.fields(config_class) if f.name != "preset"]
     for field in overridable:

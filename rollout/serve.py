@@ -55,7 +55,9 @@ def _lora_config(text: str) -> LoraConfig:
 
 
 def parse_args(argv=None) -> tuple[WorkerConfig, ServerConfig, str]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--log-level", default="INFO")
     groups = (
         (parser.add_argument_group("server"), ServerConfig),

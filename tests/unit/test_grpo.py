@@ -36,3 +36,10 @@ def test_config_validation_and_presets():
     assert big.prompts_per_step * big.group_size * (big.max_prompt_tokens + big.max_new_tokens) <= big.kv_tokens
     config = parse_args(["--preset", "qwen2.5-3b", "--steps", "3", "--no-resync"])
     assert config.steps == 3 and config.resync is False and config.max_new_tokens == 512
+
+
+def test_a_command_line_error_names_the_command_a_user_runs(capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--steps", "x"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("usage: python -m examples.grpo ")
