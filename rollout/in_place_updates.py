@@ -6,8 +6,8 @@ sync), as does the trainer's own jitted forward. XLA's CPU backend in jaxlib 0.8
 enough f32 dots through XNNPACK, which packs a dot's weight operand once and reuses the packed
 copy while the operand's address stays the same: after a donated update every compiled function
 that had packed the old values goes on computing with them. Seen: the engine's log-probs drift
-from the trainer's from the second train step on (max |Δ log p| 0.3 -> 1.0 over ten GRPO steps
-of the tiny demo), and the trainer's own jitted log-probs are just as stale. No error, no
+from the trainer's from the second train step on (max |Δ log p| 0.30 at the second GRPO step of
+the tiny demo, 0.99 at the fifth), and the trainer's own jitted log-probs are just as stale. No error, no
 recompile; a fresh copy of the same values is read correctly. Seen on an AVX2-only AMD EPYC, not on
 an Intel Xeon with AVX-512 and AMX: the flag goes on for every CPU of the affected releases, and the
 probe decides whether a process without it may serve.

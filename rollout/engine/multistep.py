@@ -34,7 +34,7 @@ lands between steps:
 
 Attention across the chunk: the forward's ``cache_loc`` is laid out for each row's length at
 the chunk's last step, and a step sees only the slots its position has reached (later ones are
-given as slot 0, the pool's padding slot, which attention never reads). Each query's keys are
+given as slot 0, the pool's padding slot, which attention masks). Each query's keys are
 then those of a one-step forward, in the same chunks of the online softmax.
 
 Static chunks (``EngineOptions.static_decode_chunks``, by default on GPU): XLA's GPU backend
