@@ -5,13 +5,16 @@ the checks of a weight change's arguments that the worker and the admin routes s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from trainer_bridge import EngineLeaf
+from trainer_bridge import EngineLeaf, non_finite_leaves
 
-from . import weight_check
 from .errors import InvalidRequest
 from .group import EngineGroup
 from .sampling import as_int
@@ -45,10 +48,7 @@ def checksum_report(group: EngineGroup, version: int) -> dict:
     several engines, ``per_engine``. The caller holds off swaps (they free the leaves read)."""
     weights = _weight_leaves(group)
     paths = [w.path for w in weights]
-    sums = [
-        weight_check.weights_checksum(paths, [arrays[w.index] for w in weights])
-        for arrays in group.weight_leaves().values()
-    ]
+    sums = [weights_checksum(paths, [arrays[w.index] for w in weights]) for arrays in group.weight_leaves().values()]
     report = {"checksum": sums[0], "weight_version": version, "leaves": len(weights)}
     if len(sums) > 1:
         report["per_engine"] = sums
@@ -86,7 +86,7 @@ class Perturbation:
         new = [self._applied(current[e]) if e in current else {} for e in range(len(group.engines))]
         if check_finite and current:
             perturbed = new[next(iter(current))]
-            bad = weight_check.non_finite(self.paths, [perturbed[w.index] for w in self.leaves])
+            bad = non_finite(self.paths, [perturbed[w.index] for w in self.leaves])
             if bad:
                 message = f"the perturbation makes weights non-finite (nan/inf) in: {', '.join(bad[:8])}"
                 raise InvalidRequest("scale", message)
@@ -95,4 +95,55 @@ class Perturbation:
     def _applied(self, arrays: list) -> dict[int, jax.Array]:
         """One engine's perturbed leaves from its current ones, by leaf index."""
         seed, scale = self.seed, self.scale
-        return {w.index: weight_check.perturbed(arrays[w.index], seed, i, scale) for i, w in enumerate(self.leaves)}
+        return {w.index: perturbed(arrays[w.index], seed, i, scale) for i, w in enumerate(self.leaves)}
+
+
+# ---- on the device: one leaf's bit sum, its noise ------------------------------------------
+
+_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _leaf_sum(x: jax.Array) -> jax.Array:
+    """Sum of the leaf's bit patterns as uint32, modulo 2**32: exact, so the same on every
+    device layout and in every process."""
+    width = jnp.dtype(x.dtype).itemsize
+    if width == 8:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[width]).astype(jnp.uint32)
+    return jnp.sum(bits, dtype=jnp.uint32)
+
+
+# One call per leaf: the leaves need not share devices.
+_leaf_sum_jit = jax.jit(_leaf_sum)
+
+
+def weights_checksum(paths: Sequence[str], leaves: Sequence[jax.Array]) -> str:
+    """Hex digest over (path, dtype, shape, per-leaf bit sum) in the given order."""
+    sums = jax.device_get([_leaf_sum_jit(leaf) for leaf in leaves])
+    digest = hashlib.sha256()
+    for path, leaf, total in zip(paths, leaves, sums):
+        digest.update(f"{path}:{jnp.dtype(leaf.dtype).name}:{tuple(leaf.shape)}:{int(total)};".encode())
+    return digest.hexdigest()[:32]
+
+
+def _add_noise(x, seed, index, scale):
+    noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), x.shape, jnp.float32)
+    return (x.astype(jnp.float32) + scale * noise).astype(x.dtype)
+
+
+# Seed, index and scale are traced: perturbing again (the serving load's swaps) compiles nothing.
+_add_noise_jit = jax.jit(_add_noise)
+
+
+def perturbed(leaf: jax.Array, seed: int, index: int, scale: float) -> jax.Array:
+    """``leaf + scale * normal(fold_in(key(seed), index))`` with the leaf's dtype and sharding."""
+    with np.errstate(over="ignore"):  # a scale beyond float32 is inf: the caller's finiteness check refuses it
+        factor = np.float32(scale)
+    out = _add_noise_jit(leaf, np.uint32(seed), np.uint32(index), factor)
+    return out if out.sharding == leaf.sharding else jax.device_put(out, leaf.sharding)
+
+
+def non_finite(paths: Sequence[str], leaves: Sequence[jax.Array]) -> list[str]:
+    """The paths of the leaves holding a NaN or an inf."""
+    return [paths[i] for i in non_finite_leaves(leaves, one_call=False)]  # perturbs vary num_leaves

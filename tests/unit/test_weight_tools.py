@@ -1,11 +1,11 @@
-"""rollout/weight_check.py: the weights checksum."""
+"""rollout/weight_tools.py: the weights checksum."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollout.weight_check import weights_checksum
+from rollout.weight_tools import weights_checksum
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
