@@ -50,7 +50,7 @@ run() { # run LIMIT_SECONDS COMMAND...: bounded and timed; a failure does not st
 
 main() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD FLAX_ALWAYS_SHARD_VARIABLE=false XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+    export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
     # The engine asserts that its device's platform equals JAX_PLATFORMS when that is set.
     unset JAX_PLATFORMS
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
