@@ -79,7 +79,7 @@ class Perturbation:
 
     def new_leaves(self, group: EngineGroup, *, check_finite: bool) -> list[dict[int, jax.Array]]:
         """The perturbed leaves (leaf index -> array) of every engine, as
-        ``RolloutWorker.replace_engine_leaves`` takes them (none for an engine no longer
+        ``RolloutWorker._replace_engine_leaves`` takes them (none for an engine no longer
         running). Non-finite results are refused as a sync refuses them (judged on one engine's:
         every engine holds the same weights)."""
         current = group.weight_leaves()

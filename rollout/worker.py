@@ -611,7 +611,7 @@ class RolloutWorker:
                 exc.non_finite,
             ) from None
 
-    def replace_engine_leaves(
+    def _replace_engine_leaves(
         self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str, *, in_flight: bool = False
     ) -> int:
         """Swap engine-owned arrays in by leaf index, one mapping per engine (same shapes,
@@ -1001,7 +1001,7 @@ class RolloutWorker:
         # Held from reading the leaves to the swap, so no sync lands in between and is undone.
         with self._sync_lock:
             new_leaves = perturbation.new_leaves(self._group, check_finite=check_finite)
-            version = self.replace_engine_leaves(new_leaves, "weights are being perturbed", in_flight=in_flight)
+            version = self._replace_engine_leaves(new_leaves, "weights are being perturbed", in_flight=in_flight)
         return {"leaves": perturbation.paths, "weight_version": version}
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, **options):

@@ -225,7 +225,7 @@ def test_an_engine_failing_after_its_swap_is_failed_and_the_trainers_arrays_surv
         index = next(i for i, leaf in enumerate(leaves[0]) if leaf.dtype == np.float32)
         wrong = jax.device_put(leaves[1][index].astype(np.float16), leaves[1][index].sharding)
         with pytest.raises(SyncError, match="would change from"):
-            worker.replace_engine_leaves([{index: leaves[0][index] + 1}, {index: wrong}], "test")
+            worker._replace_engine_leaves([{index: leaves[0][index] + 1}, {index: wrong}], "test")
         assert worker.engines[0].weight_leaves()[index] is leaves[0][index] and worker.weight_version == 0
 
         worker.sync_params(params)  # host arrays: every leaf copied, the engines' own
