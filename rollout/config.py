@@ -9,7 +9,8 @@ from pathlib import Path
 import jax
 
 from models import family_for, mappings_for
-from trainer_bridge import LoraConfig, check_unmerged_targets
+from trainer_bridge import LoraConfig
+from trainer_bridge.lora import check_unmerged_targets
 
 from .engine import EngineOptions
 

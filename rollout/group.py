@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer_bridge import device_order, relabel
+from trainer_bridge.sync import device_order, relabel
 
 from . import kv, stream
 from .config import WorkerConfig

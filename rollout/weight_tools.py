@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer_bridge import EngineLeaf, non_finite_leaves
+from trainer_bridge import non_finite_leaves
+from trainer_bridge.sync import EngineLeaf
 
 from .errors import InvalidRequest
 from .group import EngineGroup

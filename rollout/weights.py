@@ -14,7 +14,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import EngineTransform, ParamMapping, mappings_for
-from trainer_bridge import EngineLeaf, SyncError, SyncPlan, adapter_mappings, build_plan, path_mismatch, plan_key
+from trainer_bridge import SyncError
+from trainer_bridge.lora import adapter_mappings
+from trainer_bridge.sync import EngineLeaf, SyncPlan, build_plan, plan_key
+from trainer_bridge.tree import path_mismatch
 
 from .engine import EngineHandle, device_buffers, in_slot
 

@@ -29,25 +29,18 @@ import numpy as np
 
 from models import ParamMapping
 from trainer_bridge import (
-    EngineLeaf,
     LoraConfig,
     SyncError,
     SyncReport,
-    beyond_range,
-    canonical_adapters,
-    check_live,
-    collect_adapters,
     flatten_params,
-    hf_model_dir,
-    is_adapter_tree,
     load_hf_params,
-    merge_adapters,
     non_finite_leaves,
-    resolve_checkpoint,
-    restore_saved,
-    saved_layout,
     unflatten_params,
 )
+from trainer_bridge.checkpoint import resolve_checkpoint, restore_saved, saved_layout
+from trainer_bridge.hf import hf_model_dir
+from trainer_bridge.lora import canonical_adapters, collect_adapters, is_adapter_tree, merge_adapters
+from trainer_bridge.sync import EngineLeaf, beyond_range, check_live
 
 from . import episodes, kv, stream, weight_tools
 from .batch import RolloutBatch, StreamChunk, pack_rollouts

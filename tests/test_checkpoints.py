@@ -12,13 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from rollout import RolloutWorker
 from tests.helpers import orbax_save, tiny_worker_config
-from trainer_bridge import (
-    CheckpointError,
-    SyncError,
-    flatten_params,
-    load_hf_params,
-    unflatten_params,
-)
+from trainer_bridge import CheckpointError, SyncError, flatten_params, load_hf_params, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11]]
 

@@ -1,86 +1,29 @@
-"""Trainer param trees -> engine weights: mapping plans, zero-copy sync, checkpoint loading."""
+"""Trainer param trees -> engine weights: mapping plans, zero-copy sync, checkpoint loading.
 
-from .checkpoint import (
-    CheckpointError,
-    checkpoint_tree_metadata,
-    resolve_checkpoint,
-    restore_params,
-    restore_saved,
-    restore_tree,
-    saved_layout,
-)
-from .hf import hf_model_dir, load_hf_params, safetensors_files
-from .lora import (
-    DEFAULT_TARGET_MODULES,
-    FACTOR_NAMES,
-    Adapter,
-    LoraConfig,
-    adapter_mappings,
-    apply_adapters,
-    canonical_adapters,
-    check_unmerged_targets,
-    collect_adapters,
-    init_adapters,
-    is_adapter_tree,
-    merge_adapters,
-)
-from .sync import (
-    EngineLeaf,
-    LeafAction,
-    LeafPlan,
-    SyncError,
-    SyncPlan,
-    SyncReport,
-    beyond_range,
-    build_plan,
-    check_live,
-    device_order,
-    non_finite_leaves,
-    plan_key,
-    relabel,
-    replicated_beside,
-)
-from .tree import flatten_params, path_mismatch, unflatten_params, unwrap_params
+What a trainer uses is here; the sync plans, adapter merging and checkpoint layouts that the
+worker builds on are in the submodules (``sync``, ``lora``, ``checkpoint``, ``hf``, ``tree``)."""
+
+from .checkpoint import CheckpointError, checkpoint_tree_metadata, restore_params, restore_tree
+from .hf import load_hf_params
+from .lora import DEFAULT_TARGET_MODULES, Adapter, LoraConfig, apply_adapters, init_adapters
+from .sync import SyncError, SyncReport, non_finite_leaves, replicated_beside
+from .tree import flatten_params, unflatten_params
 
 __all__ = [
-    "Adapter",
     "DEFAULT_TARGET_MODULES",
-    "FACTOR_NAMES",
-    "LoraConfig",
-    "adapter_mappings",
-    "canonical_adapters",
-    "check_unmerged_targets",
-    "apply_adapters",
-    "collect_adapters",
-    "init_adapters",
-    "is_adapter_tree",
-    "merge_adapters",
+    "Adapter",
     "CheckpointError",
-    "checkpoint_tree_metadata",
-    "resolve_checkpoint",
-    "restore_params",
-    "restore_saved",
-    "restore_tree",
-    "saved_layout",
-    "EngineLeaf",
-    "LeafAction",
-    "LeafPlan",
+    "LoraConfig",
     "SyncError",
-    "SyncPlan",
     "SyncReport",
-    "beyond_range",
-    "build_plan",
-    "check_live",
+    "apply_adapters",
+    "checkpoint_tree_metadata",
     "flatten_params",
-    "hf_model_dir",
+    "init_adapters",
     "load_hf_params",
     "non_finite_leaves",
-    "path_mismatch",
-    "plan_key",
-    "device_order",
-    "relabel",
     "replicated_beside",
-    "safetensors_files",
+    "restore_params",
+    "restore_tree",
     "unflatten_params",
-    "unwrap_params",
 ]

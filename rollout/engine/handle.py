@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainer_bridge import EngineLeaf
+from trainer_bridge.sync import EngineLeaf
 
 from ..sampling import SamplingParams
 from . import inflight, multistep, sessions

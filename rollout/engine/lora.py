@@ -7,7 +7,7 @@ float32 and zero (the adapter is off until a sync fills them); with ``max_loras`
 such pair per slot (``lora_a_1``, ...) and each token's slot in one more leaf. They are attached
 when the model is loaded, before the forward is traced, so the compiled forward reads them like
 any other weight leaf: a sync that swaps them moves only adapter bytes and recompiles nothing. Which layers carry
-them is the mapping table's business (``trainer_bridge.adapter_mappings``: the projection kernels
+them is the mapping table's business (``trainer_bridge.lora.adapter_mappings``: the projection kernels
 whose module is targeted); every one of them must be one of the engine's ``LinearBase`` layers.
 
 Placement follows the layer's weight: A is split like the weight's input axis and B like its
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer_bridge import LoraConfig, adapter_mappings
+from trainer_bridge import LoraConfig
+from trainer_bridge.lora import adapter_mappings
 
 from .programs import forward_cells
 from .types import EngineError

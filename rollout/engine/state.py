@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer_bridge import EngineLeaf
+from trainer_bridge.sync import EngineLeaf
 
 from . import inflight, sessions
 from .buffers import device_nbytes

@@ -83,7 +83,7 @@ def test_a_managers_steps_are_found_however_it_names_them(params, tmp_path, opti
     """A zero-padded name was looked for as "2", a prefixed one not at all."""
     import orbax.checkpoint as ocp
 
-    from trainer_bridge import resolve_checkpoint
+    from trainer_bridge.checkpoint import resolve_checkpoint
 
     root = tmp_path / "run"
     small = {"w": jax.device_put(np.arange(4, dtype=np.float32))}
@@ -104,7 +104,7 @@ def test_a_managers_steps_are_found_however_it_names_them(params, tmp_path, opti
 def test_a_managers_item_named_params_is_the_params(params, tmp_path):
     import orbax.checkpoint as ocp
 
-    from trainer_bridge import resolve_checkpoint
+    from trainer_bridge.checkpoint import resolve_checkpoint
 
     root = tmp_path / "run"
     small = {"w": jax.device_put(np.arange(4, dtype=np.float32))}

@@ -8,19 +8,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import EngineTransform
 from rollout import counting_compiles
-from trainer_bridge import (
-    LoraConfig,
-    SyncError,
+from trainer_bridge import LoraConfig, SyncError, apply_adapters, flatten_params, init_adapters, unflatten_params
+from trainer_bridge.lora import (
     adapter_mappings,
-    apply_adapters,
     canonical_adapters,
     check_unmerged_targets,
     collect_adapters,
-    flatten_params,
-    init_adapters,
     is_adapter_tree,
     merge_adapters,
-    unflatten_params,
 )
 
 HIDDEN, KV, INTER, RANK = 8, 4, 12, 2

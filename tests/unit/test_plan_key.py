@@ -1,4 +1,4 @@
-"""trainer_bridge.plan_key: a sync plan serves the spellings of one placement (a jitted train
+"""trainer_bridge.sync.plan_key: a sync plan serves the spellings of one placement (a jitted train
 step's ``P()`` for ``param_shardings()``' ``P(None, None)``), never another placement."""
 
 import jax
@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainer_bridge import plan_key
+from trainer_bridge.sync import plan_key
 
 
 def _key(sharding):
