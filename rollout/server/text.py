@@ -12,9 +12,13 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
 
 
 def stop_index(text: str, stop: list[str], start: int = 0) -> int:
-    """Where the first stop string begins in ``text`` (searching from ``start``), or -1."""
-    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
-    return min(found, default=-1)
+    """Where ``text`` ends at its first stop string (searching from ``start``), or -1: the start
+    of the occurrence that ends first, as generation meets them (of those ending together, the
+    longest). The earliest start instead would cut a whole text, not streamed, at a stop string
+    that a shorter one inside it had ended before it was complete: streamed, the shorter one
+    cut first."""
+    found = [(i + len(s), i) for s, i in ((s, text.find(s, start)) for s in stop) if i >= 0]
+    return min(found)[1] if found else -1
 
 
 class IncrementalText:

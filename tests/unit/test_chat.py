@@ -576,3 +576,26 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, backend, body, para
     if param == "tool_choice":
         assert "'auto' or 'none'" in error["message"]
     assert len(backend.prompts) == seen  # refused before the backend
+
+
+@pytest.mark.parametrize(
+    "stop, text",
+    [
+        ([" 6:13:", "6:13"], "ab "),  # the shorter one, inside the other, ends first
+        (["6:13", " 6:13:"], "ab "),  # whatever the list's order
+        (["6:1", " 6:13"], "ab "),
+        (["13", ":13"], "ab 6"),  # ending together: the longer one
+        (["xyz", "6:13:x"], "ab "),
+    ],
+)
+def test_the_text_ends_at_the_stop_string_generation_meets_first_streamed_or_not(chat_dir, stop, text):
+    """A whole completion (not streamed) was cut where the first stop string began, which could
+    be one that a shorter stop string inside it had ended before it was complete: streamed, the
+    shorter one had cut first, and the two answers' texts differed."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    ids = tokenizer.encode("ab 6:13:xyz", add_special_tokens=False)
+    whole = IncrementalText(tokenizer, stop)
+    assert whole.add(ids) + whole.finish() == text
+    streamed = IncrementalText(tokenizer, stop)
+    assert "".join(streamed.add([token]) for token in ids) + streamed.finish() == text
+    assert whole.kept == streamed.kept
