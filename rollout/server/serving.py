@@ -127,7 +127,12 @@ class Serving:
         }
         if req.stream:
             chunks = self.backend.stream(prompts, **sampling)
-            first = await anext(chunks)
+            # A client may leave while its rows wait for admission, before any chunk: watched
+            # as a whole answer's is, so its rows never run for nobody.
+            first = await _unless_disconnected(request, anext(chunks))
+            if first is None:
+                await chunks.aclose()
+                return Response(status_code=499)
             base["weight_version"] = first.weight_version
             events = self.events(request, req, prompts, base, first, chunks)
             headers = {WEIGHT_VERSION_HEADER: str(first.weight_version), "Cache-Control": "no-cache"}

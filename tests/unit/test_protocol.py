@@ -702,3 +702,47 @@ def test_a_flag_value_the_configs_refuse_is_a_usage_error_naming_it(tmp_path, ca
         assert exited.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("usage:") and words in err and "Traceback" not in err
+
+
+class QueuedBackend(StubBackend):
+    """A stream whose rows wait for admission until cancelled: ``started`` when a request
+    reaches it, ``closed`` when it is closed before its first chunk."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.started, self.closed = threading.Event(), threading.Event()
+
+    async def stream(self, prompts, **sampling):
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.closed.set()
+        yield  # an async generator that never reaches its first chunk
+
+
+def test_a_client_leaving_a_stream_before_its_first_chunk_closes_it_and_is_logged_499(backend):
+    """The handler awaited the first chunk before answering, watching no disconnect: a client
+    that gave up while its rows queued left them to be admitted and prefilled for nobody, and
+    its request was logged 200."""
+    queued = QueuedBackend(backend.tokenizer)
+    logged = LogEvent("POST /v1/completions 499")
+    logging.getLogger("rollout.server").addHandler(logged)
+    level = logging.getLogger("rollout.server").level
+    logging.getLogger("rollout.server").setLevel(logging.INFO)
+    server = Server(queued, ServerConfig(port=0, served_model_name="tiny"))
+    try:
+        body = json.dumps({**COMPLETION, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as connection:
+            connection.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert queued.started.wait(timeout=60)
+        assert queued.closed.wait(timeout=60)
+        assert logged.seen.wait(timeout=60)
+    finally:
+        server.close()
+        logging.getLogger("rollout.server").removeHandler(logged)
+        logging.getLogger("rollout.server").setLevel(level)
