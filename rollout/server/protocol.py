@@ -232,6 +232,20 @@ def _stop_token_ids(body: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _plain_text_format(response_format) -> None:
+    """A 400 for a format the output would have to follow (JSON mode, a schema): nothing
+    constrains the sampling, and a client relying on it would get a 200 and text of any shape."""
+    if response_format is None or response_format == {"type": "text"}:
+        return
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    shown = f"type {kind!r:.40}" if isinstance(kind, str) else f"{response_format!r:.80}"
+    raise invalid(
+        "response_format",
+        f"'response_format' {shown} is not supported by this server: it does not constrain the output "
+        '(leave it out, or send {"type": "text"})',
+    )
+
+
 def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -251,6 +265,7 @@ def _common(
         # Of the neutral value's own type: true is not 1.
         if not any(type(value) is type(v) and value == v for v in neutral):
             raise invalid(name, f"'{name}' is not supported by this server")
+    _plain_text_format(body.get("response_format"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream", f"'stream' must be a boolean, got {stream!r:.80}")

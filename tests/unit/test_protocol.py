@@ -226,6 +226,28 @@ def test_a_field_the_worker_does_not_serve_is_refused_unless_neutral(http, backe
     backend.reached.clear()  # reached on purpose
 
 
+FORMATS = [
+    ({"type": "json_object"}, "type 'json_object'"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}, "type 'json_schema'"),
+    ("json", "'json'"),
+]
+
+
+@pytest.mark.parametrize("path,base", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize("response_format,shown", FORMATS, ids=["json_object", "json_schema", "a string"])
+def test_a_response_format_the_output_would_have_to_follow_is_refused(
+    http, backend, path, base, response_format, shown
+):
+    """JSON mode and schemas were accepted and ignored: a 200 whose text was not JSON, where the
+    other fields that change the output are refused. Plain text goes through."""
+    found = error(post(http, path, {**base, "response_format": response_format}), 400)
+    assert found["param"] == "response_format" and f"'response_format' {shown} is not supported" in found["message"]
+    assert backend.reached == []
+    post(http, path, {**base, "response_format": {"type": "text"}})
+    assert len(backend.reached) == 1
+    backend.reached.clear()  # reached on purpose
+
+
 # ---- nesting -------------------------------------------------------------------------------------
 
 DEEP = 100_000
