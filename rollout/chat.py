@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -284,6 +285,9 @@ def render_chat(
     return text
 
 
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+
+
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """OpenAI-format messages as HF chat templates take them.
 
@@ -303,6 +307,14 @@ def _message(message: Any, where: str) -> dict:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise ChatError(where, f"{where} must be an object with a string 'role'")
     role = message["role"]
+    # Any name a template may know (system, user, assistant, tool, developer, ipython, ...), but
+    # a name: the template writes it into the prompt as it is, so a newline and markup in it
+    # would open a turn of another role.
+    if not _ROLE.fullmatch(role):
+        raise ChatError(
+            f"{where}.role",
+            f"{where}.role must be a role's name (a letter, then letters, digits, '_' or '-'), got {role!r:.60}",
+        )
     calls = message.get("tool_calls")
     if calls and role != "assistant":
         raise ChatError(f"{where}.tool_calls", f"{where}.tool_calls: only assistant messages make tool calls")
