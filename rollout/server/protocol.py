@@ -78,13 +78,33 @@ def parse_body(raw: bytes) -> dict:
     if _depth(text) > MAX_JSON_DEPTH:
         raise ApiError(400, f"request body is malformed: it nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_int=_bounded_int)
+    except _TooManyDigits as exc:
+        raise ApiError(400, str(exc)) from None
     except ValueError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     _check_unicode(body)
     return body
+
+
+class _TooManyDigits(Exception):
+    pass
+
+
+# Python converts at most 4300 digits (sys.get_int_max_str_digits()); no field takes a number
+# near that long, so a longer one is named as such, not as invalid JSON with Python's advice.
+_MAX_INT_DIGITS = 1000
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > _MAX_INT_DIGITS:
+        raise _TooManyDigits(
+            f"request body holds an integer of {len(digits.lstrip('-'))} digits: no field takes one over "
+            f"{_MAX_INT_DIGITS} digits long"
+        )
+    return int(digits)
 
 
 def _depth(text: str) -> int:

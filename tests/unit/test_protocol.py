@@ -283,6 +283,19 @@ def test_nesting_up_to_the_limit_is_parsed_and_brackets_in_strings_do_not_count(
     )
 
 
+@pytest.mark.parametrize("digits", [1001, 5001])
+def test_an_integer_no_field_takes_is_named_as_such_not_as_invalid_json(digits):
+    """Past 4300 digits Python's int() refused it, and the 400 read "not valid JSON: Exceeds the
+    limit ... use sys.set_int_max_str_digits()"."""
+    with pytest.raises(ApiError) as refused:
+        parse_body(b'{"model": "tiny", "prompt": "1", "max_tokens": -' + b"9" * digits + b"}")
+    assert refused.value.status == 400
+    assert refused.value.message == (
+        f"request body holds an integer of {digits} digits: no field takes one over 1000 digits long"
+    )
+    assert parse_body(b'{"seed": ' + b"9" * 1000 + b"}")["seed"] == int("9" * 1000)
+
+
 @pytest.mark.parametrize("tail", [b"", b"\\", b"[[{"], ids=["end", "lone backslash", "brackets"])
 def test_an_unterminated_string_of_escaped_quotes_is_refused_in_one_pass(tail):
     """A string left open, full of escaped quotes: the depth scan once restarted at each quote
