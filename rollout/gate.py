@@ -90,18 +90,47 @@ class EngineGate:
                     del self._loop_calls[loop]
             self._cond.notify_all()
 
+    def own_calls(self) -> int:
+        """Calls admitted (:meth:`aenter`) on the event loop this thread runs, not yet left."""
+        loop = _running_loop()
+        with self._cond:
+            return self._loop_calls[loop] if loop is not None else 0
+
     def check_no_own_calls(self, what: str) -> None:
         """:class:`OwnCallsInFlight` if this thread runs an event loop with calls admitted
         (:meth:`aenter`) that have not left: ``what`` would wait for them for ever."""
-        loop = _running_loop()
-        with self._cond:
-            calls = self._loop_calls[loop] if loop is not None else 0
+        calls = self.own_calls()
         if calls:
             raise OwnCallsInFlight(
                 f"{what} on a thread whose event loop has {calls} call(s) of this worker in flight: it waits for "
                 "them, which that loop cannot run while its thread waits. Await them first, or make this call "
                 "from another thread (await asyncio.to_thread(...))"
             )
+
+    @contextlib.contextmanager
+    def holding(self, lock: threading.RLock, what: str, poll_s: float = 0.05) -> Iterator[None]:
+        """Hold ``lock``, which a change holds while it waits in :meth:`exclusive`. On a thread
+        whose event loop has calls admitted, such a change would wait for those calls and this
+        thread for the change, for ever (the loop cannot run them while its thread waits): once
+        a change is pending and the lock still taken, :class:`OwnCallsInFlight` instead."""
+        calls = self.own_calls()
+        if not calls:
+            with lock:
+                yield
+            return
+        while not lock.acquire(timeout=poll_s):
+            reason = self._reason
+            if reason is not None:
+                raise OwnCallsInFlight(
+                    f"{what} on a thread whose event loop has {calls} call(s) of this worker in flight, while a "
+                    f"change waits for them ({reason}): it would wait for that change, which waits for calls that "
+                    "loop cannot run while its thread waits. Await them first, or make this call from another "
+                    "thread (await asyncio.to_thread(...))"
+                )
+        try:
+            yield
+        finally:
+            lock.release()
 
     @contextlib.contextmanager
     def exclusive(self, reason: str) -> Iterator[None]:

@@ -279,7 +279,8 @@ class RolloutWorker:
         ask for them (``generate(..., lora=name)``); :meth:`unload_adapters` frees the slot."""
         self._check_open()
         flat, given = self._unmerged_adapters(adapters, lora, None)
-        with self._sync_lock:  # syncs take turns: the slot chosen is still free when it is filled
+        # Syncs take turns: the slot chosen is still free when it is filled.
+        with self._gate.holding(self._sync_lock, "sync_adapters()"):
             slot = self._adapter_slot(name)
             flat = {in_slot(path, slot): leaf for path, leaf in flat.items()}
             swap = dict(check_finite=check_finite, in_flight=in_flight, recompute_kv=recompute_kv)
@@ -381,7 +382,7 @@ class RolloutWorker:
             adapter_flat = flatten_params(lora[0]) if lora else {}
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
-        with self._closed_is_clear(), self._sync_lock, counting_compiles() as compiles:
+        with self._closed_is_clear(), self._gate.holding(self._sync_lock, f"{call}()"), counting_compiles() as compiles:
             # Before any collective: every process makes this call with a tree of this structure.
             self._group.pod.agree(
                 call,
@@ -610,7 +611,7 @@ class RolloutWorker:
         """Swap engine-owned arrays in by leaf index, one mapping per engine (same shapes,
         dtypes and shardings as the leaves they replace); ``in_flight`` as for ``sync_params``
         (the running requests keep their KV). Returns the new weight version."""
-        with self._closed_is_clear(), self._sync_lock, self._swapping(reason, in_flight):
+        with self._closed_is_clear(), self._gate.holding(self._sync_lock, "perturb_weights()"), self._swapping(reason, in_flight):
             version = self.weight_version + 1
             self._group.replace_leaves(dict(enumerate(new_leaves)), version, in_flight=in_flight)
             self.weight_version = version
@@ -977,7 +978,7 @@ class RolloutWorker:
         """A checksum of the weights being served, computed on device: the same weights give
         the same value in any process and any sharding. Returns ``checksum`` (hex, of the
         first engine), ``weight_version``, ``leaves`` and, with several engines, ``per_engine``."""
-        with self._sync_lock:  # no swap frees the leaves being read
+        with self._gate.holding(self._sync_lock, "weights_checksum()"):  # no swap frees the leaves being read
             self._check_weights_alive()
             return weight_tools.checksum_report(self._group, self.weight_version)
 
@@ -992,7 +993,7 @@ class RolloutWorker:
         perturbation = weight_tools.Perturbation.checked(self._group, seed, scale, num_leaves)
         self._check_weights_alive()
         # Held from reading the leaves to the swap, so no sync lands in between and is undone.
-        with self._sync_lock:
+        with self._gate.holding(self._sync_lock, "perturb_weights()"):
             new_leaves = perturbation.new_leaves(self._group, check_finite=check_finite)
             version = self._replace_engine_leaves(new_leaves, "weights are being perturbed", in_flight=in_flight)
         return {"leaves": perturbation.paths, "weight_version": version}

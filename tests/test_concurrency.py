@@ -238,6 +238,33 @@ def test_a_change_on_a_loop_whose_own_call_runs_is_refused_and_the_call_finishes
     assert int(worker.generate([PROMPTS[0]], max_new_tokens=2).completion_mask.sum()) == 2
 
 
+def test_an_in_flight_change_on_a_loop_whose_call_a_drain_sync_waits_for_is_refused(worker, params):
+    """An in-flight sync or a weights checksum on an event loop's thread with an agenerate in
+    flight waited for the sync lock, held by another thread's drain sync that waited for that
+    call: both hung for good. Refused; the call and the drain sync then finish."""
+    drained = []
+
+    async def main():
+        task = asyncio.create_task(worker.agenerate([PROMPTS[0]], temperature=0.0, max_new_tokens=200, ignore_eos=True))
+        while not worker._gate.active_calls:
+            await asyncio.sleep(0)
+        trainer = threading.Thread(target=lambda: drained.append(worker.sync_params(params)), daemon=True)
+        trainer.start()
+        while worker._gate.exclusive_reason is None:  # the drain sync holds the lock, waits for the call
+            assert trainer.is_alive() and not task.done()
+            await asyncio.sleep(0.001)
+        for change in (lambda: worker.sync_params(params, in_flight=True), worker.weights_checksum):
+            with pytest.raises(OwnCallsInFlight, match="while a change waits for them"):
+                change()
+        batch = await task
+        await asyncio.to_thread(trainer.join, 120)
+        return batch
+
+    version = worker.weight_version
+    assert int(asyncio.run(main()).completion_mask.sum()) == 200
+    assert [report.version for report in drained] == [version + 1] == [worker.weight_version]
+
+
 def test_compile_counter_sees_what_cache_miss_count_missed(worker):
     before = compile_count()
     jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0))  # a fresh function: one compilation

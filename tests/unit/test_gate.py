@@ -119,3 +119,54 @@ def test_a_change_on_a_loop_whose_own_calls_are_in_flight_is_refused_and_closes_
             assert gate.exclusive_reason == "the KV cache is being dropped"
 
     asyncio.run(main())
+
+
+def test_waiting_for_a_lock_a_change_holds_while_it_waits_for_the_loops_own_calls_is_refused():
+    """An in-flight sync (or a weights checksum) on a loop's thread with calls in flight waited
+    for the sync lock, which a drain sync of another thread held while it waited for those
+    calls: both waited for ever. Without such a change pending the lock is simply waited for."""
+    gate, lock = EngineGate(), threading.RLock()
+    holder_waits, holder_done = threading.Event(), threading.Event()
+
+    def drain_change():  # as a drain sync: the lock, then the gate's exclusive section
+        with lock:
+            holder_waits.set()
+            with gate.exclusive("weights are being swapped"):
+                pass
+        holder_done.set()
+
+    async def main():
+        loop = await gate.aenter()  # this loop's own call, in flight
+        with gate.holding(lock, "sync_params()"):  # free: taken at once
+            pass
+        change = threading.Thread(target=drain_change, daemon=True)
+        change.start()
+        while gate.exclusive_reason is None:  # the change holds the lock and waits for the call
+            assert change.is_alive()
+            await asyncio.sleep(0.001)
+        assert holder_waits.is_set()
+        with pytest.raises(OwnCallsInFlight, match=r"sync_params\(\) on a thread .* \(weights are being swapped\)"):
+            with gate.holding(lock, "sync_params()"):
+                pytest.fail("the lock was taken while its holder waited for this loop's call")
+        gate.leave(loop)  # the call ends: the change runs
+        await asyncio.to_thread(holder_done.wait, 60)
+        assert holder_done.is_set()
+        change.join()
+
+    errors = []
+
+    def run():
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            errors.append(exc)
+
+    # On a thread of its own: a lock that let the loop wait would deadlock it (the test fails).
+    loop_thread = threading.Thread(target=run, daemon=True)
+    loop_thread.start()
+    loop_thread.join(120)
+    assert not loop_thread.is_alive(), "the loop's thread waited for a lock whose holder waited for its call"
+    assert errors == []
+    # No own calls (another thread, or none in flight): the lock is waited for, not refused.
+    with gate.holding(lock, "sync_params()"):
+        assert lock._is_owned()
