@@ -611,7 +611,11 @@ class RolloutWorker:
         """Swap engine-owned arrays in by leaf index, one mapping per engine (same shapes,
         dtypes and shardings as the leaves they replace); ``in_flight`` as for ``sync_params``
         (the running requests keep their KV). Returns the new weight version."""
-        with self._closed_is_clear(), self._gate.holding(self._sync_lock, "perturb_weights()"), self._swapping(reason, in_flight):
+        with (
+            self._closed_is_clear(),
+            self._gate.holding(self._sync_lock, "perturb_weights()"),
+            self._swapping(reason, in_flight),
+        ):
             version = self.weight_version + 1
             self._group.replace_leaves(dict(enumerate(new_leaves)), version, in_flight=in_flight)
             self.weight_version = version
