@@ -48,7 +48,7 @@ from .chat import completion_text
 from .compiles import counting_compiles
 from .config import WorkerConfig, check_same_forward, has_tokenizer_files
 from .consistency import ConsistencyReport, check_consistency
-from .engine import EngineHandle, GenerateOutput, SessionStats, in_slot
+from .engine import EngineHandle, GenerateOutput, SessionStats, in_slot, interrupts_deferred
 from .episodes import EpisodeBatch, EpisodeLimits, run_until_returned
 from .errors import InvalidRequest, WorkerClosed, WorkerUnavailable
 from .gate import EngineGate, GateClosed
@@ -412,7 +412,8 @@ class RolloutWorker:
             # In a pod every process reaches its commit or none does: one whose shards fail a
             # check (a NaN in its part of the tree) would otherwise stay a version behind for good.
             prepared, gathered, merged_bytes = self._group.pod.settle(f"{call} (prepared)", prepare)
-            with self._swapping(reason, in_flight):
+            # A Ctrl-C while the engines swap: the version they now serve is recorded first.
+            with self._swapping(reason, in_flight), interrupts_deferred():
                 version = self.weight_version + 1
                 committed = self._group.commit(prepared, version, in_flight=in_flight, recompute_kv=recompute_kv)
                 self._stale_reason = None
@@ -615,6 +616,7 @@ class RolloutWorker:
             self._closed_is_clear(),
             self._gate.holding(self._sync_lock, "perturb_weights()"),
             self._swapping(reason, in_flight),
+            interrupts_deferred(),
         ):
             version = self.weight_version + 1
             self._group.replace_leaves(dict(enumerate(new_leaves)), version, in_flight=in_flight)
@@ -679,8 +681,9 @@ class RolloutWorker:
             if not self._kv_dropped:
                 return KvReport(0, 0, 0.0)
             start = time.perf_counter()
-            reports = self._group.rebuild_kv()
-            self._kv_dropped = False
+            with interrupts_deferred():
+                reports = self._group.rebuild_kv()
+                self._kv_dropped = False
         report = kv.combine(list(reports.values()), time.perf_counter() - start)
         self._phases.record("kv_rebuilt", report.seconds, bytes=report.bytes)
         return report

@@ -641,6 +641,50 @@ def test_an_interrupted_blocking_generate_aborts_its_rows(worker):
     assert abandoned_forwards(worker, started[0]) < LONG // 4
 
 
+class _InterruptedOnce:
+    """A future whose first wait is interrupted (Ctrl-C landing as its caller starts waiting)."""
+
+    def __init__(self, future):
+        self._future, self._interrupted = future, False
+
+    def result(self, timeout=None):
+        if not self._interrupted:
+            self._interrupted = True
+            raise KeyboardInterrupt
+        return self._future.result(timeout)
+
+    def done(self):
+        return self._future.done()
+
+
+@pytest.mark.one_end
+@pytest.mark.parametrize("in_flight", [False, True], ids=["drain", "in-flight"])
+def test_a_ctrl_c_while_the_engines_swap_raises_once_the_version_they_serve_is_recorded(
+    worker, chat_dir, monkeypatch, in_flight
+):
+    """The engine ran the queued swap anyway (it cannot be taken back), while the worker kept the
+    old version: the new weights served under it, and the next sync gave its version to a
+    second set of weights."""
+    from rollout.engine import EngineHandle
+
+    params = load_hf_params(chat_dir)
+    worker.sync_params(params)
+    version, expected = worker.weight_version, worker.generate([PROMPT], max_new_tokens=4, temperature=0.0)
+    scaled = jax.tree_util.tree_map(lambda x: x * 1.5, params)
+    wait = EngineHandle._wait
+    monkeypatch.setattr(EngineHandle, "_wait", lambda self, future: wait(self, _InterruptedOnce(future)))
+    with pytest.raises(KeyboardInterrupt):
+        worker.sync_params(scaled, in_flight=in_flight)
+    monkeypatch.undo()
+    assert worker.weight_version == worker.engine.weight_version == version + 1
+    served = worker.generate([PROMPT], max_new_tokens=4, temperature=0.0)
+    assert served.weight_version == version + 1
+    assert worker.sync_params(scaled).version == version + 2 == worker.engine.weight_version
+    assert worker.generate([PROMPT], max_new_tokens=4, temperature=0.0).completions == served.completions
+    worker.sync_params(params)
+    assert worker.generate([PROMPT], max_new_tokens=4, temperature=0.0).completions == expected.completions
+
+
 @pytest.mark.one_end
 def test_a_cancel_storm_leaves_nothing_to_compile_or_wait_for(worker, chat_dir):
     """50 agenerate calls of varied shapes cancelled at varied moments while in-flight swaps

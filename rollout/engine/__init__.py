@@ -32,7 +32,7 @@ sglang-jax release is ``rollout.versions.ENGINE``.
 """
 
 from .buffers import device_buffers, device_nbytes
-from .handle import EngineHandle
+from .handle import EngineHandle, interrupts_deferred
 from .inflight import SwapRecord
 from .lora import in_slot
 from .multistep import DecodeChunkStats
@@ -68,6 +68,7 @@ __all__ = [
     "device_nbytes",
     "disabled_workarounds",
     "engine_version",
+    "interrupts_deferred",
     "in_slot",
     "install_workarounds",
     "profile_steps",

@@ -9,6 +9,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
@@ -34,6 +35,28 @@ from .types import EngineError, EngineOptions, ForwardMemory, GenerateOutput, en
 from .workarounds import workaround_enabled
 
 logger = logging.getLogger(__name__)
+
+# The interrupts deferred on this thread (interrupts_deferred): None outside such a block.
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """A Ctrl-C (KeyboardInterrupt) that lands while this thread waits for an engine call
+    raises at the block's end, once the block has run: a call queued on the scheduler thread
+    runs whatever its caller does (a swap cannot be taken back), so the block records what it
+    did (the weight version the engines now serve) before the interrupt goes on. A second
+    interrupt raises at once."""
+    if getattr(_deferred, "interrupts", None) is not None:  # nested: the outer block raises it
+        yield
+        return
+    _deferred.interrupts = []
+    try:
+        yield
+    finally:
+        interrupts, _deferred.interrupts = _deferred.interrupts, None
+        if interrupts:
+            raise interrupts[0]
 
 
 class EngineHandle:
@@ -287,6 +310,16 @@ class EngineHandle:
             except concurrent.futures.TimeoutError:
                 if self._control.stopped.is_set() and not future.done():
                     self._control._fail_pending()
+            except KeyboardInterrupt as interrupt:
+                interrupts = getattr(_deferred, "interrupts", None)
+                if interrupts is None or interrupts:  # not deferred here, or a second one
+                    raise
+                interrupts.append(interrupt)
+                logger.warning(
+                    "%s: interrupted while its engine runs a change that cannot be taken back: waiting for it to "
+                    "end, then raising (interrupt again to stop waiting)",
+                    self.name,
+                )
 
     # ---- generation (the request loop) ------------------------------------------------------
 
