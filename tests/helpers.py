@@ -232,6 +232,9 @@ PINNING_TESTS = {
     "abandoned-row-tasks": "tests/unit/test_request_loop.py::test_a_rows_task_left_behind_by_a_stream_logs_nothing",
     "retracted-cached-tokens": "tests/test_generate.py::test_calls_retracted_in_a_tight_kv_pool_all_return",
     "stop-token-at-length": "tests/test_generate.py::test_a_stop_token_sampled_last_ends_as_stop",
+    "aborted-queued-state": (
+        "tests/test_faults.py::test_a_call_cancelled_while_its_rows_wait_in_the_queue_leaves_no_request_state"
+    ),
     "eos-token-id-zero": "tests/unit/test_patches.py::test_eos_ids_are_a_set_whatever_their_value",
     "xla-stale-packed-weights": (
         "tests/test_in_place_updates.py::test_the_engine_serves_the_trainers_params_after_donated_updates[qwen2-tp1]"

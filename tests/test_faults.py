@@ -641,6 +641,43 @@ def test_an_interrupted_blocking_generate_aborts_its_rows(worker):
     assert abandoned_forwards(worker, started[0]) < LONG // 4
 
 
+@pytest.mark.one_end
+def test_a_call_cancelled_while_its_rows_wait_in_the_queue_leaves_no_request_state(worker):
+    """0.0.2 answers the abort of a queued request without deleting its state: every call
+    cancelled before its rows were admitted (a client gone at once) stayed in the tokenizer
+    manager's requests for the engine's life."""
+    engine = worker.engine
+    full = worker.config.max_running_requests
+    remembered = engine.testing.requests_remembered()
+
+    async def until(condition):
+        for _ in range(60_000):  # a bound for the failure only
+            if condition():
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError("the engine never got there")
+
+    async def main():
+        prompts = [[5 + i, 17, 42, 8] for i in range(full)]
+        running = asyncio.create_task(worker.agenerate(prompts, max_new_tokens=LONG, ignore_eos=True))
+        await until(lambda: engine.requests_in_flight == full)
+        before = engine.testing.request_states()
+        queued = asyncio.create_task(worker.agenerate([PROMPT[:2], PROMPT[:3]], max_new_tokens=4))
+        await until(lambda: engine.requests_in_flight == full + 2)  # the running batch is full: they wait
+        states = {rid: s for rid, s in engine.testing.request_states().items() if rid not in before}
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        await until(lambda: all(state.finished for state in states.values()))  # their aborts answered
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        return states
+
+    states = asyncio.run(main())
+    assert len(states) == 2 and not set(states) & set(engine.testing.request_states())
+    wait_until(lambda: engine.requests_in_flight == 0 and worker.active_calls == 0)
+    wait_until(lambda: engine.testing.requests_remembered() == remembered == 0)
+
+
 class _InterruptedOnce:
     """A future whose first wait is interrupted (Ctrl-C landing as its caller starts waiting)."""
 

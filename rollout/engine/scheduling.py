@@ -1,4 +1,4 @@
-"""How 0.0.2's scheduler admits and ends requests: two fixes.
+"""How 0.0.2's scheduler admits and ends requests: four fixes.
 
 - ``retracted-admission``: a request retracted for memory (its KV freed, its sampled tokens
   kept) is admitted again only if its input, the sampled tokens included, plus its whole
@@ -11,6 +11,10 @@
 - ``stop-token-at-length``: ``Req.check_finished`` tests the length before the stop ids, so a
   completion whose last allowed token is a stop token (its EOS) ended as ``"length"``: a
   trainer that penalizes truncation penalized a completion that ended. It ends as ``"stop"``.
+- ``aborted-queued-state``: a request aborted while it waits in the queue is answered by an
+  ``AbortReq`` whose handler marks its state finished but never deletes it, as an ended
+  request's is: every call cancelled before its rows were admitted (a client gone at once)
+  left them in ``TokenizerManager.rid_to_state`` for the engine's life. It is deleted there.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from .workarounds import workaround_enabled
 def patch_scheduling() -> None:
     from sgl_jax.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_TOKEN, Req
     from sgl_jax.srt.managers.schedule_policy import PrefillAdder
+    from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
+
+    if workaround_enabled("aborted-queued-state"):
+        TokenizerManager._handle_abort_req = _forgetting_the_state(TokenizerManager._handle_abort_req)
 
     if workaround_enabled("retracted-admission"):
         PrefillAdder.add_one_req = _counting_tokens_left(PrefillAdder.add_one_req)
@@ -35,6 +43,17 @@ def patch_scheduling() -> None:
             FINISH_LENGTH if at_length else None,
             under_ignore_eos=under_ignore_eos,
         )
+
+
+def _forgetting_the_state(handle_abort_req):
+    @functools.wraps(handle_abort_req)
+    def handle_abort_req_forgetting_the_state(self, recv_obj):
+        if recv_obj.rid not in self.rid_to_state:  # forgotten already: nothing waits for it
+            return
+        handle_abort_req(self, recv_obj)  # a waiter holds the state itself: it still reads the answer
+        del self.rid_to_state[recv_obj.rid]
+
+    return handle_abort_req_forgetting_the_state
 
 
 def _counting_tokens_left(add_one_req):

@@ -69,6 +69,11 @@ class EngineTesting:
         aborts not read yet (freed.py). 0 once every call ended."""
         return len(self._model.tokenizer_manager().rid_to_state) + len(self._control.aborted)
 
+    def request_states(self) -> dict:
+        """The tokenizer manager's state of each request it remembers, by request id (a copy of
+        the dict; ``state.finished`` once its answer arrived)."""
+        return dict(self._model.tokenizer_manager().rid_to_state)
+
     def output_lengths(self) -> dict[str, int]:
         """rid -> tokens sampled so far of every request the scheduler holds. Scheduler thread
         only (a ``call_at_boundary`` condition, for instance)."""

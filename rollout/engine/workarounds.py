@@ -278,6 +278,12 @@ WORKAROUNDS: dict[str, str] = {
         "(TypeError at start-up), and without one the scheduler's 'token in eos_token_ids' "
         "fails on the first token. The ids are read as a set whatever their value."
     ),
+    "aborted-queued-state": (
+        "TokenizerManager._handle_abort_req, which answers the abort of a request still in the "
+        "scheduler's queue, marks its state finished but never deletes it from rid_to_state, as "
+        "an ended request's is: each call cancelled before its rows were admitted (a client gone "
+        "at once) left them there for the engine's life. It is deleted there."
+    ),
     "stop-token-at-length": (
         "Req.check_finished tests the length before the stop ids: a completion whose last "
         "allowed token is a stop token (its EOS) ended as 'length', which a trainer that "
