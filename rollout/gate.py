@@ -112,7 +112,9 @@ class EngineGate:
         """Hold ``lock``, which a change holds while it waits in :meth:`exclusive`. On a thread
         whose event loop has calls admitted, such a change would wait for those calls and this
         thread for the change, for ever (the loop cannot run them while its thread waits): once
-        a change is pending and the lock still taken, :class:`OwnCallsInFlight` instead."""
+        a change is pending and the lock still taken, :class:`OwnCallsInFlight` instead (also where
+        the pending change is not the lock's holder: a refusal that waiting might have avoided,
+        never a deadlock)."""
         calls = self.own_calls()
         if not calls:
             with lock:
@@ -123,9 +125,9 @@ class EngineGate:
             if reason is not None:
                 raise OwnCallsInFlight(
                     f"{what} on a thread whose event loop has {calls} call(s) of this worker in flight, while a "
-                    f"change waits for them ({reason}): it would wait for that change, which waits for calls that "
-                    "loop cannot run while its thread waits. Await them first, or make this call from another "
-                    "thread (await asyncio.to_thread(...))"
+                    f"change that waits for them is pending ({reason}): the lock it waits for may be held by that "
+                    "change, which waits for calls that loop cannot run while its thread waits. Await them first, "
+                    "or make this call from another thread (await asyncio.to_thread(...))"
                 )
         try:
             yield

@@ -998,6 +998,8 @@ class RolloutWorker:
         refused as by ``sync_params`` (the previous weights keep serving). Returns the perturbed
         leaf paths and the new weight version."""
         perturbation = weight_tools.Perturbation.checked(self._group, seed, scale, num_leaves)
+        if not in_flight:  # before the perturbed weights are computed
+            self._gate.check_no_own_calls("perturb_weights()")
         self._check_weights_alive()
         # Held from reading the leaves to the swap, so no sync lands in between and is undone.
         with self._gate.holding(self._sync_lock, "perturb_weights()"):

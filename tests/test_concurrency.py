@@ -242,10 +242,11 @@ def test_an_in_flight_change_on_a_loop_whose_call_a_drain_sync_waits_for_is_refu
     """An in-flight sync or a weights checksum on an event loop's thread with an agenerate in
     flight waited for the sync lock, held by another thread's drain sync that waited for that
     call: both hung for good. Refused; the call and the drain sync then finish."""
-    drained = []
+    drained, outcome = [], []
+    worker.sync_params(params)  # its plan compiled: the drain sync below waits for the call at once
 
     async def main():
-        task = asyncio.create_task(worker.agenerate([PROMPTS[0]], temperature=0.0, max_new_tokens=200, ignore_eos=True))
+        task = asyncio.create_task(worker.agenerate([PROMPTS[0]], temperature=0.0, max_new_tokens=240, ignore_eos=True))
         while not worker._gate.active_calls:
             await asyncio.sleep(0)
         trainer = threading.Thread(target=lambda: drained.append(worker.sync_params(params)), daemon=True)
@@ -254,14 +255,27 @@ def test_an_in_flight_change_on_a_loop_whose_call_a_drain_sync_waits_for_is_refu
             assert trainer.is_alive() and not task.done()
             await asyncio.sleep(0.001)
         for change in (lambda: worker.sync_params(params, in_flight=True), worker.weights_checksum):
-            with pytest.raises(OwnCallsInFlight, match="while a change waits for them"):
+            with pytest.raises(OwnCallsInFlight, match="while a change that waits for them is pending"):
                 change()
         batch = await task
         await asyncio.to_thread(trainer.join, 120)
         return batch
 
+    def run():
+        try:
+            outcome.append(asyncio.run(main()))
+        except BaseException as exc:
+            outcome.append(exc)
+
     version = worker.weight_version
-    assert int(asyncio.run(main()).completion_mask.sum()) == 200
+    # On a thread of its own: a change that waited for the lock would deadlock it (the test fails).
+    loop_thread = threading.Thread(target=run, daemon=True)
+    loop_thread.start()
+    loop_thread.join(300)
+    assert not loop_thread.is_alive(), "the loop's thread waited for the lock the drain sync held"
+    (batch,) = outcome
+    assert not isinstance(batch, BaseException), batch
+    assert int(batch.completion_mask.sum()) == 240
     assert [report.version for report in drained] == [version + 1] == [worker.weight_version]
 
 

@@ -659,7 +659,8 @@ def test_a_call_cancelled_while_its_rows_wait_in_the_queue_leaves_no_request_sta
 
     async def main():
         prompts = [[5 + i, 17, 42, 8] for i in range(full)]
-        running = asyncio.create_task(worker.agenerate(prompts, max_new_tokens=LONG, ignore_eos=True))
+        # 16 x 124 tokens fit the 2048-token pool: no row is retracted to the queue behind them.
+        running = asyncio.create_task(worker.agenerate(prompts, max_new_tokens=120, ignore_eos=True))
         await until(lambda: engine.requests_in_flight == full)
         before = engine.testing.request_states()
         queued = asyncio.create_task(worker.agenerate([PROMPT[:2], PROMPT[:3]], max_new_tokens=4))

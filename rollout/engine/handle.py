@@ -46,7 +46,8 @@ def interrupts_deferred():
     raises at the block's end, once the block has run: a call queued on the scheduler thread
     runs whatever its caller does (a swap cannot be taken back), so the block records what it
     did (the weight version the engines now serve) before the interrupt goes on. A second
-    interrupt raises at once."""
+    interrupt raises at once. One landing in the block's own Python between engine calls
+    (microseconds, against the calls' waits) is not deferred."""
     if getattr(_deferred, "interrupts", None) is not None:  # nested: the outer block raises it
         yield
         return

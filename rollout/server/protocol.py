@@ -255,9 +255,9 @@ def _stop_token_ids(body: dict) -> tuple[int, ...]:
 def _plain_text_format(response_format) -> None:
     """A 400 for a format the output would have to follow (JSON mode, a schema): nothing
     constrains the sampling, and a client relying on it would get a 200 and text of any shape."""
-    if response_format is None or response_format == {"type": "text"}:
-        return
     kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is None or kind == "text":
+        return
     shown = f"type {kind!r:.40}" if isinstance(kind, str) else f"{response_format!r:.80}"
     raise invalid(
         "response_format",

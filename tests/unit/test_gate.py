@@ -145,7 +145,9 @@ def test_waiting_for_a_lock_a_change_holds_while_it_waits_for_the_loops_own_call
             assert change.is_alive()
             await asyncio.sleep(0.001)
         assert holder_waits.is_set()
-        with pytest.raises(OwnCallsInFlight, match=r"sync_params\(\) on a thread .* \(weights are being swapped\)"):
+        with pytest.raises(
+            OwnCallsInFlight, match=r"sync_params\(\) on a thread .* is pending \(weights are being swapped\)"
+        ):
             with gate.holding(lock, "sync_params()"):
                 pytest.fail("the lock was taken while its holder waited for this loop's call")
         gate.leave(loop)  # the call ends: the change runs
