@@ -695,14 +695,28 @@ class _InterruptedOnce:
         return self._future.done()
 
 
+def _sigint_then_wait(wait):
+    """A Ctrl-C as the caller starts waiting for the engine (the signal's handler runs before
+    the wait's own code)."""
+
+    def sigint_then_wait(self, future):
+        signal.raise_signal(signal.SIGINT)
+        return wait(self, future)
+
+    return sigint_then_wait
+
+
 @pytest.mark.one_end
 @pytest.mark.parametrize("in_flight", [False, True], ids=["drain", "in-flight"])
+@pytest.mark.parametrize("how", ["sigint", "raised-in-the-wait"])
 def test_a_ctrl_c_while_the_engines_swap_raises_once_the_version_they_serve_is_recorded(
-    worker, chat_dir, monkeypatch, in_flight
+    worker, chat_dir, monkeypatch, in_flight, how
 ):
     """The engine ran the queued swap anyway (it cannot be taken back), while the worker kept the
     old version: the new weights served under it, and the next sync gave its version to a
-    second set of weights."""
+    second set of weights. Python's own SIGINT handler is recorded wherever the signal lands;
+    a KeyboardInterrupt raised otherwise (a program's own handler) while the caller waits for
+    the engine is deferred there."""
     from rollout.engine import EngineHandle
 
     params = load_hf_params(chat_dir)
@@ -710,10 +724,15 @@ def test_a_ctrl_c_while_the_engines_swap_raises_once_the_version_they_serve_is_r
     version, expected = worker.weight_version, worker.generate([PROMPT], max_new_tokens=4, temperature=0.0)
     scaled = jax.tree_util.tree_map(lambda x: x * 1.5, params)
     wait = EngineHandle._wait
-    monkeypatch.setattr(EngineHandle, "_wait", lambda self, future: wait(self, _InterruptedOnce(future)))
+    if how == "sigint":
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        monkeypatch.setattr(EngineHandle, "_wait", _sigint_then_wait(wait))
+    else:
+        monkeypatch.setattr(EngineHandle, "_wait", lambda self, future: wait(self, _InterruptedOnce(future)))
     with pytest.raises(KeyboardInterrupt):
         worker.sync_params(scaled, in_flight=in_flight)
     monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     assert worker.weight_version == worker.engine.weight_version == version + 1
     served = worker.generate([PROMPT], max_new_tokens=4, temperature=0.0)
     assert served.weight_version == version + 1

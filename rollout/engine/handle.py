@@ -9,6 +9,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -42,22 +43,45 @@ _deferred = threading.local()
 
 @contextlib.contextmanager
 def interrupts_deferred():
-    """A Ctrl-C (KeyboardInterrupt) that lands while this thread waits for an engine call
-    raises at the block's end, once the block has run: a call queued on the scheduler thread
-    runs whatever its caller does (a swap cannot be taken back), so the block records what it
-    did (the weight version the engines now serve) before the interrupt goes on. A second
-    interrupt raises at once. One landing in the block's own Python between engine calls
-    (microseconds, against the calls' waits) is not deferred."""
+    """A Ctrl-C (KeyboardInterrupt) during the block raises at its end, once the block has run:
+    a call queued on the scheduler thread runs whatever its caller does (a swap cannot be taken
+    back), so the block records what it did (the weight version the engines now serve) before
+    the interrupt goes on. A second interrupt raises at once. On the main thread under Python's
+    own SIGINT handler, the block's SIGINT is recorded wherever it lands; elsewhere (a handler
+    of the program's own that raises KeyboardInterrupt), one that lands while the thread waits
+    for an engine call is deferred."""
     if getattr(_deferred, "interrupts", None) is not None:  # nested: the outer block raises it
         yield
         return
-    _deferred.interrupts = []
+    _deferred.interrupts = interrupts = []
+    handler = _recording_sigint(interrupts)
     try:
         yield
     finally:
-        interrupts, _deferred.interrupts = _deferred.interrupts, None
+        _deferred.interrupts = None
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
         if interrupts:
             raise interrupts[0]
+
+
+def _recording_sigint(interrupts: list):
+    """Python's SIGINT handler replaced by one that records the first interrupt in
+    ``interrupts`` (the next raises at once); returns the handler to put back, or None where
+    it was not replaced (not the main thread, or the program's own handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+
+    def record(signum, frame):
+        if interrupts:
+            raise KeyboardInterrupt
+        interrupts.append(KeyboardInterrupt())
+        logger.warning("interrupted while the engines run a change that cannot be taken back: raising once it ends")
+
+    signal.signal(signal.SIGINT, record)
+    return signal.default_int_handler
 
 
 class EngineHandle:
