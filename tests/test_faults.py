@@ -724,15 +724,22 @@ def test_a_ctrl_c_while_the_engines_swap_raises_once_the_version_they_serve_is_r
     version, expected = worker.weight_version, worker.generate([PROMPT], max_new_tokens=4, temperature=0.0)
     scaled = jax.tree_util.tree_map(lambda x: x * 1.5, params)
     wait = EngineHandle._wait
-    if how == "sigint":
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        monkeypatch.setattr(EngineHandle, "_wait", _sigint_then_wait(wait))
-    else:
-        monkeypatch.setattr(EngineHandle, "_wait", lambda self, future: wait(self, _InterruptedOnce(future)))
-    with pytest.raises(KeyboardInterrupt):
-        worker.sync_params(scaled, in_flight=in_flight)
-    monkeypatch.undo()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    # CI's processes start in the background, SIGINT ignored: the SIGINT case installs Python's
+    # own handler, as an interactive program has; the other keeps whatever is installed.
+    inherited = signal.getsignal(signal.SIGINT)
+    try:
+        if how == "sigint":
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            monkeypatch.setattr(EngineHandle, "_wait", _sigint_then_wait(wait))
+        else:
+            monkeypatch.setattr(EngineHandle, "_wait", lambda self, future: wait(self, _InterruptedOnce(future)))
+        installed = signal.getsignal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            worker.sync_params(scaled, in_flight=in_flight)
+        monkeypatch.undo()
+        assert signal.getsignal(signal.SIGINT) is installed  # put back
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert worker.weight_version == worker.engine.weight_version == version + 1
     served = worker.generate([PROMPT], max_new_tokens=4, temperature=0.0)
     assert served.weight_version == version + 1
