@@ -251,10 +251,21 @@ def _tool_call(body: str, what: str, call_id: str) -> tuple[ToolCall | None, str
 
 
 def render_chat(
-    tokenizer, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True
+    tokenizer,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The prompt text ``tokenizer``'s chat template writes for OpenAI-format ``messages`` and
     ``tools`` (see :func:`normalize_messages` and :func:`normalize_tools`).
+
+    ``continue_final_message``: the last message (an assistant's) is left open, so the model
+    continues its text (a prefill) rather than starting a turn of its own; it excludes
+    ``add_generation_prompt``. ``template_kwargs``: more variables for the template, such as
+    Qwen3's ``enable_thinking`` (see :func:`normalize_template_kwargs`).
 
     Raises :class:`ChatError` (a ``ValueError``) naming what is wrong: no chat template, a
     message's or tool's field, tools the template does not write, or the template's own error.
@@ -263,10 +274,34 @@ def render_chat(
         raise ChatError("messages", "the tokenizer has no chat template")
     plain = normalize_messages(messages)
     tools = normalize_tools(tools)
+    variables = normalize_template_kwargs(template_kwargs)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ChatError(
+                "continue_final_message",
+                "continue_final_message leaves the last message open for the model: add_generation_prompt, which "
+                "starts a new assistant turn after it, must then be false",
+            )
+        last = f"messages[{len(plain) - 1}]"
+        if plain[-1]["role"] != "assistant":
+            raise ChatError(
+                "continue_final_message",
+                f"continue_final_message continues an assistant message, but the last message, {last}, is a "
+                f"{plain[-1]['role']!r} message",
+            )
+        # HF's renderer finds the message's text in the prompt to cut there: an empty one is
+        # found at the very end, after the template has closed the message.
+        if not plain[-1]["content"].strip():
+            raise ChatError(f"{last}.content", f"{last}.content is empty: there is no text to continue")
 
     def render(with_tools):
         return tokenizer.apply_chat_template(
-            plain, tools=with_tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            plain,
+            tools=with_tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **variables,
         )
 
     try:
@@ -283,6 +318,51 @@ def render_chat(
                 "tools", "the chat template does not write tools into the prompt: this model cannot take tools"
             )
     return text
+
+
+# Names apply_chat_template takes for itself, or sets in the template's context (messages):
+# passed as template variables they would change how it renders, not what the template reads.
+_RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+_TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def normalize_template_kwargs(kwargs: Mapping[str, Any] | None, field: str = "chat_template_kwargs") -> dict:
+    """Extra chat-template variables (``{"enable_thinking": False}`` for Qwen3), as vLLM's and
+    SGLang's ``chat_template_kwargs`` take them: names a template can read, none that the
+    renderer sets itself (the messages, the tools, the generation prompt). Raises
+    :class:`ChatError` naming ``field`` and the name."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ChatError(field, f"'{field}' must be an object of template variables, got {type(kwargs).__name__}")
+    for name in kwargs:
+        if not isinstance(name, str) or not _TEMPLATE_NAME.fullmatch(name):
+            raise ChatError(field, f"'{field}' has {name!r:.60}, which is not a template variable's name")
+        if name in _RESERVED_TEMPLATE_NAMES:
+            raise ChatError(
+                f"{field}.{name}",
+                f"'{field}.{name}' is set by the renderer itself, not a template variable: pass it as its own "
+                "option where there is one",
+            )
+    return dict(kwargs)
 
 
 _ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")

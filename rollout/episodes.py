@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .batch import RolloutBatch, pack_rollouts
-from .chat import ChatError, ParsedTurn, normalize_tools, parse_tool_calls, render_chat
+from .chat import ChatError, ParsedTurn, normalize_template_kwargs, normalize_tools, parse_tool_calls, render_chat
 from .errors import InvalidRequest
 from .sampling import (
     MAX_SAMPLING_SEED,
@@ -328,9 +328,12 @@ class TurnFrames:
     _MARK = "\x00observation\x00"
     _ANSWER = "\x01answer\x01"  # an assistant message's content, found in the rendered text
 
-    def __init__(self, tokenizer, tools: Sequence[Mapping] | None = None):
+    def __init__(
+        self, tokenizer, tools: Sequence[Mapping] | None = None, template_kwargs: Mapping[str, Any] | None = None
+    ):
         self._tokenizer = tokenizer
         self._tools = normalize_tools(list(tools) if isinstance(tools, (list, tuple)) else tools)
+        self._variables = normalize_template_kwargs(template_kwargs)
         self.templated = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
         if self._tools and not self.templated:  # nothing would write them where the model reads
             raise ChatError("tools", "tools need a tokenizer with a chat template (it writes them into the prompt)")
@@ -356,21 +359,32 @@ class TurnFrames:
     def _history(self) -> list[dict]:
         return [{"role": "user", "content": "Q"}, {"role": "assistant", "content": self._ANSWER}]
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return render_chat(self._tokenizer, messages, tools=self._tools, add_generation_prompt=generation_prompt)
+    def _render(self, messages: list[dict], generation_prompt: bool, continue_final: bool = False) -> str:
+        return render_chat(
+            self._tokenizer,
+            messages,
+            tools=self._tools,
+            add_generation_prompt=generation_prompt,
+            continue_final_message=continue_final,
+            template_kwargs=self._variables,
+        )
 
     def _encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def prompt(self, messages: Sequence[Mapping], field: str = "prompts") -> list[int]:
-        """The first prompt's tokens: the messages rendered with the generation prompt;
-        InvalidRequest naming ``field`` without a chat template or for messages it cannot take."""
+        """The first prompt's tokens: the messages rendered with the generation prompt, or, where
+        the last message is the assistant's, with that message left open (a prefill the model's
+        first turn continues); InvalidRequest naming ``field`` without a chat template or for
+        messages it cannot take."""
         if not self.templated:
             raise InvalidRequest(
                 field, f"{field}: message prompts need a tokenizer with a chat template: pass token ids"
             )
+        messages = list(messages)
+        prefill = bool(messages) and isinstance(messages[-1], Mapping) and messages[-1].get("role") == "assistant"
         try:
-            return self._encode(self._render(list(messages), True))
+            return self._encode(self._render(messages, not prefill, continue_final=prefill))
         except ChatError as error:  # its field is a path in a request body: messages[1].content
             raise InvalidRequest(field, f"{field}: {error}") from None
 
@@ -432,6 +446,7 @@ async def run_episode(
     *,
     limits: EpisodeLimits = EpisodeLimits(),
     tools: Sequence[Mapping] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     frames: TurnFrames | None = None,
     seed: int | None = None,
     threads: concurrent.futures.Executor | None = None,
@@ -441,7 +456,7 @@ async def run_episode(
     it aborts its turn in the engine (the turn's KV is freed) and releases its pinned prefix.
     ``threads`` runs a synchronous ``env.step`` (None: a thread of the episode's own)."""
     limits = _checked_limits(limits)
-    frames = frames or _frames(worker, tools)
+    frames = frames or _frames(worker, tools, chat_template_kwargs)
     prompt_ids = _first_prompt(worker, frames, limits, prompt, "prompt")
     sampling = _turn_sampling(worker, frames, sampling)
     seed = _call_seed(seed)
@@ -458,6 +473,7 @@ async def run_episodes(
     n: int = 1,
     limits: EpisodeLimits = EpisodeLimits(),
     tools: Sequence[Mapping] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     seed: int | None = None,
     pad_prompts_to: int | None = None,
     completion_width: int | None = None,
@@ -472,7 +488,7 @@ async def run_episodes(
     limits = _checked_limits(limits)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise InvalidRequest("prompts", "prompts must be a non-empty list of prompts (messages or token ids)")
-    frames = _frames(worker, tools)
+    frames = _frames(worker, tools, chat_template_kwargs)
     prompt_ids = [_first_prompt(worker, frames, limits, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
     prompt_width = pad_width(pad_prompts_to, prompt_ids, worker.max_request_tokens)
     if completion_width is not None:
@@ -592,11 +608,11 @@ def pack_episodes(
     return dataclasses.replace(batch, completion_mask=mask)
 
 
-def _frames(worker, tools) -> TurnFrames:
-    """The worker's chat framing with ``tools``; tools the template cannot take are an
-    InvalidRequest naming them."""
+def _frames(worker, tools, template_kwargs) -> TurnFrames:
+    """The worker's chat framing with ``tools`` and ``template_kwargs``; what the template cannot
+    take is an InvalidRequest naming it."""
     try:
-        return TurnFrames(worker.tokenizer, tools)
+        return TurnFrames(worker.tokenizer, tools, template_kwargs)
     except ChatError as error:
         raise InvalidRequest(error.field, str(error)) from None
 

@@ -838,16 +838,19 @@ class RolloutWorker:
         n: int = 1,
         limits: EpisodeLimits = EpisodeLimits(),
         tools=None,
+        chat_template_kwargs=None,
         seed: int | None = None,
         pad_prompts_to: int | None = None,
         completion_width: int | None = None,
         **sampling,
     ) -> EpisodeBatch:
         """Multi-turn episodes (``rollout.episodes``): ``n`` per prompt (a list of chat messages,
-        rendered with the chat template and ``tools``, or token ids), all at once. Each turn
-        samples with ``sampling`` (:meth:`generate`'s options: temperature, top_p,
-        return_logprobs, ...) up to ``limits.max_new_tokens``; ``make_env(i, j)`` gives sample
-        ``j`` of prompt ``i`` its environment, whose ``step(turn)`` answers each turn with a
+        rendered with the chat template, ``tools`` and ``chat_template_kwargs`` such as Qwen3's
+        ``{"enable_thinking": False}``, where a last message of the assistant's is a prefill that
+        the first turn continues; or token ids), all at once. Each turn samples with
+        ``sampling`` (:meth:`generate`'s options: temperature, top_p, return_logprobs, ...) up to
+        ``limits.max_new_tokens``; ``make_env(i, j)`` gives sample ``j`` of prompt ``i`` its
+        environment, whose ``step(turn)`` answers each turn with a
         :class:`rollout.episodes.StepResult`. Returns the episodes and their
         :class:`RolloutBatch` (``completion_mask``: the tokens the model sampled), whose regions
         are ``pad_prompts_to`` and ``completion_width`` wide when given (fixed shapes for a
@@ -859,6 +862,7 @@ class RolloutWorker:
             n=n,
             limits=limits,
             tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
             seed=seed,
             pad_prompts_to=pad_prompts_to,
             completion_width=completion_width,

@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any
 
-from ..chat import ChatError, normalize_messages, normalize_tools
+from ..chat import ChatError, normalize_messages, normalize_template_kwargs, normalize_tools
 from ..sampling import CALL_SEED_RANGE
 
 MAX_N = 128
@@ -31,6 +31,9 @@ _NEUTRAL = {
     "repetition_penalty": (None, 1, 1.0),
     "min_tokens": (None, 0),
     "functions": (None, []),
+    # vLLM's chat extensions that this server does not take: another template, RAG documents.
+    "chat_template": (None,),
+    "documents": (None,),
 }
 
 
@@ -364,6 +367,32 @@ def chat_messages(body: dict) -> list[dict]:
         return normalize_messages(body.get("messages"))
     except ChatError as exc:
         raise invalid(exc.field, str(exc)) from None
+
+
+def chat_rendering(body: dict) -> dict:
+    """How the messages are rendered (``rollout.chat.render_chat``'s options), from vLLM's and
+    SGLang's chat extensions: ``chat_template_kwargs`` (template variables, such as Qwen3's
+    ``enable_thinking``), ``continue_final_message`` (the last, assistant, message left open for
+    the model to continue) and ``add_generation_prompt`` (default: true unless continuing)."""
+    continue_final = body.get("continue_final_message", False)
+    if not isinstance(continue_final, bool):
+        raise invalid(
+            "continue_final_message", f"'continue_final_message' must be a boolean, got {continue_final!r:.80}"
+        )
+    generation_prompt = body.get("add_generation_prompt", not continue_final)
+    if not isinstance(generation_prompt, bool):
+        raise invalid(
+            "add_generation_prompt", f"'add_generation_prompt' must be a boolean, got {generation_prompt!r:.80}"
+        )
+    try:
+        variables = normalize_template_kwargs(body.get("chat_template_kwargs"))
+    except ChatError as exc:
+        raise invalid(exc.field, str(exc)) from None
+    return {
+        "add_generation_prompt": generation_prompt,
+        "continue_final_message": continue_final,
+        "template_kwargs": variables,
+    }
 
 
 TOOL_CHOICES = ("auto", "none")

@@ -19,7 +19,15 @@ from ..chat import ChatError, ToolCallStream, parse_tool_calls, render_chat
 from ..errors import check_limit
 from ..sampling import call_tokens, encode_text
 from .errors import api_error
-from .protocol import GenerationRequest, chat_messages, chat_request, chat_tools, completion_request, invalid
+from .protocol import (
+    GenerationRequest,
+    chat_messages,
+    chat_rendering,
+    chat_request,
+    chat_tools,
+    completion_request,
+    invalid,
+)
 from .state import SharedState
 from .text import IncrementalText, TokenBytes
 from .tools import call_id_prefix, reply_message, split_piece
@@ -354,14 +362,15 @@ class ChatServing(Serving):
     def parse(self, body: dict) -> GenerationRequest:
         messages = chat_messages(body)
         tools, tool_calls = chat_tools(body)
-        return chat_request(body, self.render(messages, tools), self.backend.context_length, tool_calls=tool_calls)
+        prompt_ids = self.render(messages, tools, chat_rendering(body))
+        return chat_request(body, prompt_ids, self.backend.context_length, tool_calls=tool_calls)
 
-    def render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def render(self, messages: list[dict], tools: list[dict] | None, options: dict) -> list[int]:
         tokenizer = self.backend.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise invalid("messages", "the model directory's tokenizer has no chat template: use /v1/completions")
         try:
-            text = render_chat(tokenizer, messages, tools=tools)
+            text = render_chat(tokenizer, messages, tools=tools, **options)
         except ChatError as exc:  # the field, or the template's own error (what the messages lack)
             raise invalid(exc.field, str(exc)) from None
         return encode_text(tokenizer, text, "messages")

@@ -3,6 +3,7 @@ over a scripted backend: a real server on a loopback port, called with the opena
 backend answers with prescribed text (a random tiny model never writes a tool call)."""
 
 import json
+import re
 
 import numpy as np
 import openai
@@ -290,6 +291,74 @@ def test_bad_messages_name_the_field(tokenizer, messages, field):
         render_chat(tokenizer, messages)
     assert raised.value.field == field and field in str(raised.value)
     assert isinstance(raised.value, ValueError)
+
+
+# Qwen3's switch: with enable_thinking false, the generation prompt holds an empty reasoning block.
+THINKING_SWITCH = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_template_variables_reach_the_template(chat_dir):
+    switched = AutoTokenizer.from_pretrained(chat_dir)
+    switched.chat_template = THINKING_SWITCH
+    user = [{"role": "user", "content": "1+2="}]
+    assert render_chat(switched, user).endswith("<|im_start|>assistant\n")
+    assert render_chat(switched, user, template_kwargs={"enable_thinking": True}).endswith("<|im_start|>assistant\n")
+    off = render_chat(switched, user, template_kwargs={"enable_thinking": False})
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize(
+    "variables,field,says",
+    [
+        ("enable_thinking=false", "chat_template_kwargs", "must be an object"),
+        ({"enable thinking": False}, "chat_template_kwargs", "not a template variable's name"),
+        ({"tools": []}, "chat_template_kwargs.tools", "set by the renderer itself"),
+        ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt", "its own option"),
+        ({"messages": []}, "chat_template_kwargs.messages", "set by the renderer itself"),
+    ],
+)
+def test_bad_template_variables_name_the_field(tokenizer, variables, field, says):
+    with pytest.raises(ChatError, match=says) as raised:
+        render_chat(tokenizer, [{"role": "user", "content": "1"}], template_kwargs=variables)
+    assert raised.value.field == field
+
+
+def test_a_final_assistant_message_continued_is_left_open(tokenizer):
+    """A prefill: the model's turn goes on from the assistant's text, in the same message."""
+    messages = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "Let me add: "}]
+    assert render_chat(tokenizer, messages, add_generation_prompt=False, continue_final_message=True) == (
+        "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\nLet me add: "
+    )
+    # Closed, the next turn would be a new assistant message after it.
+    assert render_chat(tokenizer, messages).endswith("Let me add: <|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "messages,generation_prompt,field,says",
+    [
+        (
+            [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}],
+            True,
+            "continue_final_message",
+            "must then be false",
+        ),
+        ([{"role": "user", "content": "1"}], False, "continue_final_message", "messages[0], is a 'user' message"),
+        (
+            [{"role": "user", "content": "1"}, {"role": "assistant", "content": " \n"}],
+            False,
+            "messages[1].content",
+            "no text to continue",
+        ),
+    ],
+)
+def test_what_cannot_be_continued_names_the_field(tokenizer, messages, generation_prompt, field, says):
+    with pytest.raises(ChatError, match=re.escape(says)) as raised:
+        render_chat(tokenizer, messages, add_generation_prompt=generation_prompt, continue_final_message=True)
+    assert raised.value.field == field
 
 
 def test_a_role_a_template_may_know_is_its_own_turn(tokenizer):
@@ -584,6 +653,49 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, backend, body, para
     assert error["param"] == param and param in error["message"], error
     if param == "tool_choice":
         assert "'auto' or 'none'" in error["message"]
+    assert len(backend.prompts) == seen  # refused before the backend
+
+
+def test_the_chat_routes_template_options_reach_the_template(client, backend, monkeypatch):
+    """vLLM's and SGLang's chat extensions, as clients send them (``extra_body``): template
+    variables (Qwen3's thinking switch) and an assistant prefill continued."""
+    monkeypatch.setattr(backend.tokenizer, "chat_template", THINKING_SWITCH)
+    user = [{"role": "user", "content": "1+2="}]
+    backend.replies.append("3")
+    client.chat.completions.create(
+        model="tiny", messages=user, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert prompt_text(backend).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    backend.replies.append("3")
+    prefill = [*user, {"role": "assistant", "content": "It is"}]
+    reply = client.chat.completions.create(model="tiny", messages=prefill, extra_body={"continue_final_message": True})
+    assert prompt_text(backend).endswith("<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\nIt is")
+    assert reply.choices[0].message.content == "3"  # the continuation alone, as vLLM answers it
+    backend.replies.append("3")
+    client.chat.completions.create(model="tiny", messages=user, extra_body={"add_generation_prompt": False})
+    assert prompt_text(backend).endswith("1+2=<|im_end|>\n")
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tools": None}}, "chat_template_kwargs.tools"),
+        ({"continue_final_message": "yes"}, "continue_final_message"),
+        ({"continue_final_message": True}, "continue_final_message"),  # the last message is the user's
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"add_generation_prompt": 1}, "add_generation_prompt"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"documents": [{"title": "a", "text": "b"}]}, "documents"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else None,
+)
+def test_bad_template_options_are_400s_naming_the_field(client, backend, extra, param):
+    seen = len(backend.prompts)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1"}], extra_body=extra)
+    error = raised.value.body
+    assert error["param"] == param and param in error["message"], error
     assert len(backend.prompts) == seen  # refused before the backend
 
 

@@ -118,6 +118,37 @@ def test_the_first_prompt_is_the_templates_with_the_generation_prompt(tokenizer)
     assert frames.prompt(messages) == tokenizer.encode(text, add_special_tokens=False)
 
 
+# Qwen3's switch: with enable_thinking false, each generation prompt holds an empty reasoning block.
+THINKING_SWITCH = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def test_template_variables_frame_every_turn(tokenizer, monkeypatch):
+    """With Qwen3's thinking off, every turn opens as the first does: after an empty reasoning
+    block (a frame without it would ask the model for reasoning the first turn never had)."""
+    monkeypatch.setattr(tokenizer, "chat_template", THINKING_SWITCH)
+    opened = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    frames = TurnFrames(tokenizer, template_kwargs={"enable_thinking": False})
+    assert text_of(tokenizer, frames.prompt([{"role": "user", "content": "hi"}])).endswith(opened)
+    assert text_of(tokenizer, frames.observation(StepResult(observation="7+7"))) == (
+        "<|im_start|>user\n7+7<|im_end|>\n" + opened
+    )
+    assert text_of(tokenizer, frames.turn_end) == "<|im_end|>\n"
+    plain = TurnFrames(tokenizer)
+    assert text_of(tokenizer, plain.observation(StepResult(observation="7+7"))).endswith("<|im_start|>assistant\n")
+
+
+def test_a_first_prompt_ending_with_the_assistants_text_is_continued(tokenizer):
+    """A prefill: the first turn samples the rest of that message, not a new one after it."""
+    frames = TurnFrames(tokenizer)
+    prompt = frames.prompt([{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "Let me add"}])
+    assert text_of(tokenizer, prompt) == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\nLet me add"
+
+
 def test_without_a_template_observations_are_appended_as_they_are(tmp_path):
     plain = AutoTokenizer.from_pretrained(write_tiny_model(tmp_path, TinyModelSpec()))
     frames = TurnFrames(plain)
@@ -356,6 +387,9 @@ LONG_TOOL = {
         (dict(prompts=[[5], [{"role": "user"}]]), "prompts[1]"),
         (dict(prompts=[[5], [{"role": 1, "content": "hi"}]]), "prompts[1]"),
         (dict(tools=[{"type": "search"}]), "tools[0].type"),
+        (dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs.tools"),
+        (dict(chat_template_kwargs="enable_thinking"), "chat_template_kwargs"),
+        (dict(prompts=[[5], [{"role": "user", "content": "1"}, {"role": "assistant", "content": ""}]]), "prompts[1]"),
         # ... or leaves its first turn no room under the limits.
         (dict(prompts=[[5] * 20], limits=EpisodeLimits(max_total_tokens=20)), "prompts[0]"),
         (dict(prompts=[[5] * 20], limits=EpisodeLimits(max_total_tokens=50, overflow="error")), "prompts[0]"),
