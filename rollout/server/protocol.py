@@ -34,6 +34,25 @@ _NEUTRAL = {
     # vLLM's chat extensions that this server does not take: another template, RAG documents.
     "chat_template": (None,),
     "documents": (None,),
+    # vLLM's and SGLang's sampling extensions that would change what is sampled or returned:
+    # beam search, output constraints, token filters, prompt log-probs, the stop string kept.
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "json_schema": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False),
+    "no_stop_trim": (None, False),
+    "skip_special_tokens": (None, True),
 }
 
 

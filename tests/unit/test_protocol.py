@@ -209,6 +209,15 @@ UNSERVED = [
     ("min_tokens", 4, 0),
     ("best_of", True, None),
     ("functions", [{"name": "f"}], []),
+    # vLLM's and SGLang's extensions: a 200 would have carried unconstrained or other output.
+    ("guided_json", {"type": "object"}, None),
+    ("guided_choice", ["yes", "no"], None),
+    ("regex", "[0-9]+", None),
+    ("use_beam_search", True, False),
+    ("include_stop_str_in_output", True, False),
+    ("skip_special_tokens", False, True),
+    ("bad_words", ["x"], []),
+    ("prompt_logprobs", 0, None),
 ]
 
 
