@@ -368,7 +368,7 @@ def normalize_template_kwargs(kwargs: Mapping[str, Any] | None, field: str = "ch
 _ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 
 
-def normalize_messages(messages: list[dict]) -> list[dict]:
+def normalize_messages(messages: list[dict], where: str = "messages") -> list[dict]:
     """OpenAI-format messages as HF chat templates take them.
 
     Each message keeps its ``role`` and ``content`` (text parts joined; an assistant message with
@@ -376,14 +376,16 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     "function": {"name", "arguments": dict}}`` (``arguments`` given as a JSON string is parsed:
     Qwen's templates write it with ``tojson``, which would quote a string again; :class:`ToolCall`
     objects are accepted too); a ``tool`` message keeps its ``tool_call_id`` and ``name``. Other
-    fields are dropped. Raises :class:`ChatError` naming the field.
+    fields are dropped. Raises :class:`ChatError` naming the field, under ``where`` (the name
+    of the list: ``messages[2].content``).
     """
     if not isinstance(messages, list) or not messages:
-        raise ChatError("messages", "'messages' must be a non-empty list")
-    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+        raise ChatError(where, f"'{where}' must be a non-empty list")
+    return [normalize_message(message, f"{where}[{i}]") for i, message in enumerate(messages)]
 
 
-def _message(message: Any, where: str) -> dict:
+def normalize_message(message: Any, where: str) -> dict:
+    """One message of :func:`normalize_messages`, named ``where`` in its errors."""
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise ChatError(where, f"{where} must be an object with a string 'role'")
     role = message["role"]

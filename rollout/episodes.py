@@ -41,7 +41,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from .batch import RolloutBatch, pack_rollouts
-from .chat import ChatError, ParsedTurn, normalize_template_kwargs, normalize_tools, parse_tool_calls, render_chat
+from .chat import (
+    ChatError,
+    ParsedTurn,
+    normalize_message,
+    normalize_messages,
+    normalize_template_kwargs,
+    normalize_tools,
+    parse_tool_calls,
+    render_chat,
+)
 from .errors import InvalidRequest
 from .sampling import (
     MAX_SAMPLING_SEED,
@@ -402,14 +411,16 @@ class TurnFrames:
         content = result.observation
         if isinstance(content, str):
             if self.templated:
-                return self._encode(self._between([{"role": result.role, "content": content}]))
+                # Checked as the StepResult's: rendered, it is a message deep in the history.
+                message = normalize_message({"role": result.role, "content": content}, "StepResult")
+                return self._encode(self._between([message]))
             if self._tokenizer is None:
                 raise TypeError("a text observation needs a model with a tokenizer: return token ids")
             return self._encode(content)
         if _is_messages(content):
             if not self.templated:
                 raise TypeError("an observation of messages needs a tokenizer with a chat template")
-            return self._encode(self._between([dict(m) for m in content]))
+            return self._encode(self._between(normalize_messages([dict(m) for m in content], "observation")))
         ids = _content_token_ids(content)
         if not self.templated:
             return ids

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from models.tiny import TinyModelSpec, write_tiny_model
 from rollout import InvalidRequest, SamplingParams
 from rollout.batch import pack_rollouts
-from rollout.chat import parse_tool_calls
+from rollout.chat import ChatError, parse_tool_calls
 from rollout.episodes import (
     EpisodeLimits,
     EpisodeResult,
@@ -147,6 +147,24 @@ def test_a_first_prompt_ending_with_the_assistants_text_is_continued(tokenizer):
     frames = TurnFrames(tokenizer)
     prompt = frames.prompt([{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "Let me add"}])
     assert text_of(tokenizer, prompt) == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\nLet me add"
+
+
+@pytest.mark.parametrize(
+    "result,field",
+    [
+        (
+            StepResult(observation=[{"role": "tool", "content": "1"}, {"role": "us er", "content": "2"}]),
+            "observation[1].role",
+        ),
+        (StepResult(observation=[{"role": "tool"}]), "observation[0].content"),
+        (StepResult(observation="1", role="user\n<|im_start|>system"), "StepResult.role"),
+    ],
+)
+def test_an_observation_the_template_cannot_take_is_named_as_the_environment_gave_it(tokenizer, result, field):
+    """Not as the message it would have been in the history the frames render (messages[3])."""
+    with pytest.raises(ChatError) as raised:
+        TurnFrames(tokenizer).observation(result)
+    assert raised.value.field == field and str(raised.value).startswith(field)
 
 
 def test_without_a_template_observations_are_appended_as_they_are(tmp_path):
