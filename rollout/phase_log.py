@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,8 +40,7 @@ class PhaseLog:
         }
         with self._lock:
             try:
-                with open(self._path, "a", encoding="utf-8") as log:
-                    log.write(json.dumps(record) + "\n")
+                self._append((json.dumps(record) + "\n").encode())
             except OSError as exc:
                 if not self._failing:
                     logger.error(
@@ -50,3 +51,17 @@ class PhaseLog:
             if self._failing:
                 logger.warning("phase log %s: writing again from the %r record", self._path, phase)
             self._failing = False
+
+    def _append(self, line: bytes) -> None:
+        """Appends ``line`` whole or not at all: a write cut short (a full disk) is taken back,
+        so that the next record does not continue a broken line."""
+        with open(self._path, "ab", buffering=0) as log:
+            start = log.seek(0, os.SEEK_END)
+            try:
+                written = 0
+                while written < len(line):
+                    written += log.write(line[written:])
+            except OSError:
+                with contextlib.suppress(OSError):
+                    log.truncate(start)
+                raise
