@@ -289,7 +289,7 @@ class RolloutWorker:
             if name is not None:
                 with self._state_lock:
                     for weights in self._group.weights:
-                        weights.engine.lora_names[name] = slot
+                        weights.engine.name_adapters(name, slot)
         return report
 
     def _adapter_slot(self, name: str | None) -> int:
@@ -297,8 +297,8 @@ class RolloutWorker:
         or the first free one."""
         if name is None:
             return 0
-        if not isinstance(name, str) or not name:
-            raise SyncError(f"name must be a non-empty string or None, got {name!r}")
+        if not isinstance(name, str) or not name.strip():
+            raise SyncError(f"name must be a non-empty string or None, got {name!r:.80}")
         if self.config.max_loras < 2:
             raise SyncError(
                 f"adapters named {name!r}: this worker serves the default adapters alone (WorkerConfig.max_loras="
@@ -328,9 +328,11 @@ class RolloutWorker:
         on, those running finish with them, and its slot is free for others once they have.
         False if none was loaded."""
         self._check_open()
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidRequest("name", f"unload_adapters: name must be a non-empty string, got {name!r:.80}")
         with self._state_lock:  # from every engine (any() would stop at the first that had it)
-            popped = [weights.engine.lora_names.pop(name, None) for weights in self._group.weights]
-        return any(slot is not None for slot in popped)
+            unloaded = [weights.engine.unload_adapters(name) for weights in self._group.weights]
+        return any(unloaded)
 
     def _unmerged_adapters(
         self, adapters: Mapping, lora: LoraConfig | None, base: Mapping | None
@@ -350,6 +352,11 @@ class RolloutWorker:
             raise SyncError(
                 f"lora: {lora} is not the engines' WorkerConfig.unmerged_lora {served}; unmerged adapters "
                 "have the rank, alpha and target modules the engines were started with"
+            )
+        if not isinstance(adapters, Mapping):
+            raise SyncError(
+                f"adapters must be a tree of LoRA factors (a mapping, such as the trainer's adapter params), "
+                f"got {type(adapters).__name__}"
             )
         try:
             flat = flatten_params(adapters)

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import re
+import threading
 import weakref
 
 import jax
@@ -334,6 +335,14 @@ def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
     with pytest.raises(SyncError, match=r"max_loras=3 holds the default adapters and 2 named ones \(\['one', 'two'\]"):
         worker.sync_adapters(unflatten_params(served.adapters), name="three")
     assert worker.unload_adapters("one") and not worker.unload_adapters("one")  # gone from both engines
+    for bad in (["one"], None, " "):
+        with pytest.raises(InvalidRequest, match="name must be a non-empty string") as error:
+            worker.unload_adapters(bad)
+        assert error.value.field == "name"
+    with pytest.raises(SyncError, match="name must be a non-empty string or None"):
+        worker.sync_adapters(unflatten_params(served.adapters), name=" ")
+    with pytest.raises(SyncError, match="adapters must be a tree of LoRA factors .* got NoneType"):
+        worker.sync_adapters(None, name="three")
     assert all("one" not in engine.lora_names for engine in worker.engines)
     with pytest.raises(InvalidRequest, match="no LoRA adapter named 'one' is loaded"):
         greedy_on(worker, lora="one")
@@ -352,6 +361,73 @@ def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
         del running["a running call's request"]
     worker.sync_adapters(unflatten_params(served.adapters), name="four")
     assert worker.engine.lora_names["four"] == slot
+
+
+def test_an_adapter_served_unchecked_with_non_finite_factors_leaves_the_other_slots_alone(slotted, served):
+    """A slot's NaN (synced with check_finite=False) is that adapter's own fault: the default
+    adapters' and the other named ones' tokens had all become token 0 (0 * NaN), and stayed so
+    after the bad one was unloaded."""
+    worker = slotted
+    for name in worker.adapter_names():
+        worker.unload_adapters(name)
+    worker.sync_adapters(unflatten_params(served.adapters))
+    worker.sync_adapters(unflatten_params(served.other_adapters), name="one")
+    up_b = "model.layers_1.mlp.up_proj.lora_b"
+    for poison in (np.nan, np.inf):
+        bad = {**served.adapters, up_b: np.full_like(served.adapters[up_b], poison)}
+        worker.sync_adapters(unflatten_params(bad), name="bad", check_finite=False)
+        assert greedy_on(worker) == served.tokens
+        assert greedy_on(worker, lora="one") == served.other_tokens
+        worker.unload_adapters("bad")
+    worker.unload_adapters("one")
+
+
+def test_a_call_never_runs_on_a_slot_handed_to_other_adapters_while_it_registers(slotted, served):
+    """A call found its adapter's slot, then registered its requests on it: an unload and a
+    sync of other adapters in between saw the slot free, filled it, and the call ran on them.
+    Here the call is held inside its registration until the other thread has had time to do
+    both (it cannot, with the registration atomic); the call must decode its own adapter's
+    tokens."""
+    worker = slotted
+    for name in worker.adapter_names():
+        worker.unload_adapters(name)
+    worker.sync_adapters(unflatten_params(served.other_adapters), name="one")
+    registering, release = threading.Event(), threading.Event()
+
+    class HeldRegistration(dict):
+        def update(self, *args, **kwargs):
+            registering.set()
+            release.wait(60)
+            super().update(*args, **kwargs)
+
+    controls = [engine._control for engine in worker.engines]
+    originals = [control.lora_slots for control in controls]
+    for control in controls:
+        control.lora_slots = HeldRegistration(control.lora_slots)
+    tokens, other = [], threading.Event()
+
+    def unload_and_sync_others():
+        worker.unload_adapters("one")
+        worker.sync_adapters(unflatten_params(served.adapters), name="two", in_flight=True)
+        other.set()
+
+    try:
+        call = threading.Thread(target=lambda: tokens.append(greedy_on(worker, lora="one")))
+        call.start()
+        assert registering.wait(60)
+        rival = threading.Thread(target=unload_and_sync_others)
+        rival.start()
+        other.wait(2)  # the time the rival needed to fill the slot (it now waits for the registration)
+        release.set()
+        call.join(120)
+        rival.join(120)
+        assert not call.is_alive() and not rival.is_alive() and other.is_set()
+    finally:
+        release.set()
+        for control, original in zip(controls, originals):
+            control.lora_slots = original
+    assert tokens == [served.other_tokens]
+    worker.unload_adapters("two")
 
 
 def test_named_adapters_synced_as_aliases_serve_on_after_a_train_step(slotted, served):

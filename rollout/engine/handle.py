@@ -262,12 +262,25 @@ class EngineHandle:
     @property
     def lora_names(self) -> dict[str, int]:
         """Adapter name -> its slot (``EngineOptions.max_loras``), as the worker assigns them:
-        ``generate(..., lora=name)`` runs on that slot's adapters."""
+        ``generate(..., lora=name)`` runs on that slot's adapters. Read-only: changed by
+        :meth:`name_adapters` and :meth:`unload_adapters`."""
         return self._control.lora_names
+
+    def name_adapters(self, name: str, slot: int) -> None:
+        """Calls for ``name`` run on ``slot`` from now on."""
+        with self._control.lora_lock:
+            self._control.lora_names[name] = slot
+
+    def unload_adapters(self, name: str) -> bool:
+        """Calls for ``name`` are refused from now on (those running finish on its slot, which
+        :meth:`lora_slots_in_use` reports until they have); False if it had no slot."""
+        with self._control.lora_lock:
+            return self._control.lora_names.pop(name, None) is not None
 
     def lora_slots_in_use(self) -> set[int]:
         """The adapter slots requests of running calls use (besides the default slot 0)."""
-        return set(self._control.lora_slots.values())
+        with self._control.lora_lock:
+            return set(self._control.lora_slots.values())
 
     @property
     def num_key_value_heads(self) -> int:

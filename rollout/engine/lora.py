@@ -167,9 +167,11 @@ def _with_adapter(call):
         for slot in range(self.lora_slots):
             a_name, b_name = factor_names(slot)
             low_rank = jnp.dot(x, getattr(self, a_name).value, precision=highest)
-            if slots is not None:  # only the tokens of this slot's requests
-                low_rank = jnp.where((slots == slot)[:, None], low_rank, 0.0)
-            delta = delta + jnp.dot(low_rank, getattr(self, b_name).value, precision=highest)
+            term = jnp.dot(low_rank, getattr(self, b_name).value, precision=highest)
+            # Each token takes its own slot's term, selected after the product: rows zeroed
+            # before it still met every factor of the slot, and a NaN there (adapters synced
+            # with check_finite=False) made 0 * NaN of every other adapter's tokens.
+            delta = term if slots is None else jnp.where((slots == slot)[:, None], term, delta)
         return output + (self.lora_scale * delta).astype(output.dtype), bias
 
     return __call__

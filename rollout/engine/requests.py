@@ -224,12 +224,21 @@ class RequestLoop:
         if name is None:
             yield
             return
-        slot = self._control.lora_names.get(name)
-        if slot is None:  # unloaded since the call was validated
-            loaded = sorted(self._control.lora_names)
-            raise InvalidRequest("lora", f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
-        with _registered(self._control.lora_slots, rids, lambda: slot):
+        control = self._control
+        # Looked up and registered at once: a name unloaded in between would leave its slot
+        # looking free to a sync of other adapters, which this call would then run on.
+        with control.lora_lock:
+            slot = control.lora_names.get(name)
+            if slot is None:  # unloaded since the call was validated
+                loaded = sorted(control.lora_names)
+                raise InvalidRequest("lora", f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
+            control.lora_slots.update(dict.fromkeys(rids, slot))
+        try:
             yield
+        finally:
+            with control.lora_lock:
+                for rid in rids:
+                    control.lora_slots.pop(rid, None)
 
     @contextlib.contextmanager
     def _aborted_if_cancelled(self, rids: list[str]):

@@ -99,8 +99,8 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         body = await state.read_json(request)
         path, name, step = body.get("lora_path"), body.get("lora_name"), body.get("step")
         checked_path(path, "lora_path")
-        if name is not None and not isinstance(name, str):
-            raise invalid("lora_name", f"'lora_name' must be a string, got {name!r:.80}")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise invalid("lora_name", f"'lora_name' must be a non-empty string, got {name!r:.80}")
         if name == state.model_name:
             raise invalid("lora_name", f"'lora_name' {name!r} is the served model's name: requests could not pick it")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):

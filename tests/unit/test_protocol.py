@@ -176,6 +176,14 @@ def test_a_nul_in_an_admin_path_is_a_400_naming_the_field(backend, path, body, p
     assert found["param"] == param and "NUL" in found["message"]
 
 
+@pytest.mark.parametrize("name", ["", "  ", 5])
+def test_a_blank_or_non_string_adapter_name_is_a_400_naming_it(http, backend, name):
+    """An empty name reached the worker, whose refusal was a 400 naming no field; a blank one
+    was loaded under a name no request could pick out."""
+    found = error(post(http, "/admin/load_lora", {"lora_path": "/tmp/adapters", "lora_name": name}, headers=ADMIN), 400)
+    assert found["param"] == "lora_name" and "non-empty string" in found["message"]
+
+
 def test_health_and_ready_answer_head_probes_with_their_status(http, backend):
     assert http.head("/health").status_code == 200 and http.head("/ready").status_code == 200
     backend.unavailable_reason = "a train step is running"
