@@ -9,7 +9,9 @@ table, its Flax model and its tiny builder (docs/models.md, "Adding a model fami
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 from . import llama, qwen2, qwen3, qwen3_moe
 from .decoder_flax import CausalLM, DecoderConfig, Llama3RopeScaling
@@ -196,3 +198,21 @@ def mappings_for(hf_config, where: str = "config") -> list[ParamMapping]:
 def flax_model_for(hf_config: dict, dtype: str = "float32"):
     """The Flax trainer model of an HF config dict (``config.json`` parsed)."""
     return family_for(hf_config).flax_model(hf_config, dtype)
+
+
+def check_routing_recordable(model_path: str, what: str = "WorkerConfig.record_routing") -> None:
+    """ValueError, starting with ``what``, unless a local model directory has layers with
+    routed experts (a hub id passes)."""
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        expert_layers = family_for(config, where=str(config_file)).expert_layers
+        if expert_layers is None:
+            raise ValueError(
+                f"{what}: {config_file} is a {config.get('model_type')} model, which routes no tokens to experts"
+            )
+        if not expert_layers(config.get):
+            raise ValueError(
+                f"{what}: no layer of {config_file} routes tokens to experts "
+                "(num_experts, mlp_only_layers and decoder_sparse_step leave every layer dense)"
+            )

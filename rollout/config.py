@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 
 from models import family_for, mappings_for
+from models.registry import check_routing_recordable
 from trainer_bridge import LoraConfig
 from trainer_bridge.lora import check_unmerged_targets
 
@@ -249,24 +250,6 @@ def _forward_settings(config: dict) -> dict:
         scaling.pop("type", None)
         settings["rope_scaling"] = {**scaling, "rope_type": kind}
     return settings
-
-
-def check_routing_recordable(model_path: str) -> None:
-    """ValueError unless a local model directory has layers with routed experts (a hub id passes)."""
-    config_file = Path(model_path) / "config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text())
-        expert_layers = family_for(config, where=str(config_file)).expert_layers
-        if expert_layers is None:
-            raise ValueError(
-                f"WorkerConfig.record_routing: {config_file} is a {config.get('model_type')} model, "
-                "which routes no tokens to experts"
-            )
-        if not expert_layers(config.get):
-            raise ValueError(
-                f"WorkerConfig.record_routing: no layer of {config_file} routes tokens to experts "
-                "(num_experts, mlp_only_layers and decoder_sparse_step leave every layer dense)"
-            )
 
 
 def check_unmerged_lora(model_path: str, config: LoraConfig) -> None:

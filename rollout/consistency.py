@@ -99,6 +99,13 @@ def check_consistency(
     for name, limit in (("atol", atol), ("mean_atol", mean_atol), ("max_kl", max_kl)):
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Real) or not limit >= 0):
             raise InvalidRequest(name, f"{name} must be a number >= 0 or None, got {limit!r}")
+    if not isinstance(routing_replay, bool):
+        raise InvalidRequest("routing_replay", f"routing_replay must be a bool, got {routing_replay!r:.80}")
+    if routing_replay:
+        try:  # the routing it replays is generate's return_routing: refused here under this name
+            worker.check_sampling(return_routing=True)
+        except InvalidRequest as error:
+            raise InvalidRequest("routing_replay", f"routing_replay replays the engine's routing: {error}") from None
     worker.check_params(params)  # named by path, as a sync names them (the Flax model would not)
     tree = unflatten_params(flatten_params(params))  # nested, flat (dotted paths) or {"params": ...}
     start = time.perf_counter()

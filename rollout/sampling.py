@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from models.registry import check_routing_recordable
+
 from .engine.workarounds import workaround_enabled
 from .errors import InvalidRequest, check_limit
 
@@ -331,6 +333,10 @@ class RequestValidator:
         params = SamplingParams(**sampling)
         config, engine = self._config, self._engine
         if params.return_routing and not config.record_routing:
+            try:
+                check_routing_recordable(config.model_path, "return_routing")
+            except ValueError as no_experts:  # then record_routing would not help either
+                raise InvalidRequest("return_routing", str(no_experts)) from None
             raise InvalidRequest(
                 "return_routing",
                 "return_routing needs a worker that records routing: WorkerConfig(record_routing=True)",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rollout import RolloutWorker, SamplingParams
+from rollout.consistency import check_consistency
 from rollout.errors import InvalidRequest
 from rollout.sampling import RequestValidator
 
@@ -78,6 +79,27 @@ def test_bad_input_is_a_clear_invalid_request(validator, prompts, kwargs, messag
     # InvalidRequest (a ValueError): what the server maps to a 400 and callers catch by type.
     with pytest.raises(InvalidRequest, match=message):
         validator.validate(prompts, kwargs)
+
+
+def test_routing_asked_of_a_dense_model_says_it_has_no_experts(qwen2_dir):
+    """The advice to record routing would not help: a worker would refuse to record it."""
+    dense = RequestValidator(
+        types.SimpleNamespace(**{**vars(CONFIG), "model_path": str(qwen2_dir)}),
+        ENGINE,
+        tokenizer=None,
+        eos_token_ids={2},
+    )
+    with pytest.raises(InvalidRequest, match=r"return_routing: .*config.json is a qwen2 model, which routes no tokens"):
+        dense.validate([[1, 2]], {"return_routing": True})
+
+
+def test_consistency_routing_replay_is_refused_under_its_own_name(validator):
+    """It was refused as return_routing, an argument its caller never passed."""
+    worker = types.SimpleNamespace(check_sampling=lambda **sampling: validator.check_sampling(sampling))
+    for replay, message in ((True, "routing_replay replays the engine's routing: return_routing needs"), (1, "bool")):
+        with pytest.raises(InvalidRequest, match=message) as error:
+            check_consistency(worker, {}, [[1, 2]], routing_replay=replay)
+        assert error.value.field == "routing_replay"
 
 
 class AddedTokens:
