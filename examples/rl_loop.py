@@ -53,6 +53,7 @@ from models import (
     tiny_llama3_spec,
     write_tiny_model,
 )
+from models.registry import check_routing_recordable
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
 from rollout.launch import PROCESS_ID_ENV, join, launch_local
 from trainer_bridge import LoraConfig, SyncReport, apply_adapters, load_hf_params
@@ -258,6 +259,19 @@ class RLConfig:
                 raise ValueError(
                     f"max_turns > 1 (tool episodes) needs a model with a chat template: preset {self.preset!r} has none"
                 )
+        if self.routing_replay:  # caught here, not when the engine starts
+            if self.decode_steps > 1:
+                raise ValueError(
+                    "routing_replay needs decode_steps 1: the engine records routing per forward, and a decode "
+                    "chunk runs its forwards in one loop"
+                )
+            if self.preset in TINY_MODELS and not isinstance(TINY_MODELS[self.preset](self.seed), TinyMoeSpec):
+                raise ValueError(
+                    f"routing_replay replays an MoE model's routing: preset {self.preset!r}'s model has no experts "
+                    "(the tiny-moe preset's has)"
+                )
+            if self.model is not None:
+                check_routing_recordable(self.model, "routing_replay")
 
 
 @dataclasses.dataclass
@@ -743,7 +757,10 @@ def parse_args(
             parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=None)
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in overridable if getattr(args, f.name) is not None}
-    return dataclasses.replace(presets[args.preset], **overrides)
+    try:
+        return dataclasses.replace(presets[args.preset], **overrides)
+    except ValueError as error:  # the config's own checks: a usage error, not a traceback
+        parser.error(str(error))
 
 
 def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:

@@ -4,6 +4,7 @@ starts."""
 
 import dataclasses
 import json
+import re
 import sys
 import types
 
@@ -300,7 +301,6 @@ def test_a_missing_matplotlib_is_refused_at_start_up(monkeypatch):
         lambda: GRPOConfig(tis_cap=float("inf")),
         lambda: PPOConfig(critic_learning_rate=float("nan")),
         lambda: PPOConfig(value_clip=float("inf")),
-        lambda: parse_args(["--learning-rate", "nan"]),
     ],
 )
 def test_float_settings_must_be_finite(make):
@@ -310,6 +310,22 @@ def test_float_settings_must_be_finite(make):
         make()
 
 
+def refused(flags, capsys) -> str:
+    """The command line's error: a usage error (exit 2) whose last line says what is wrong."""
+    with pytest.raises(SystemExit) as exited:
+        parse_args(flags)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m examples.grpo ") and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_a_setting_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):
+    assert re.search(
+        r"error: learning_rate must be a finite number, got nan$", refused(["--learning-rate", "nan"], capsys)
+    )
+
+
 @pytest.mark.parametrize(
     "flags,words",
     [
@@ -317,14 +333,22 @@ def test_float_settings_must_be_finite(make):
         (["--preset", "tiny-moe", "--model", "m", "--dataset", "d.jsonl"], "--model and --dataset are for the qwen"),
         (["--preset", "tiny-moe", "--max-turns", "3"], "max_turns > 1 .* needs a model with a chat template"),
         (["--max-turns", "2"], "preset 'tiny' has none"),
+        # Both failed with a traceback once the engine started.
+        (["--preset", "tiny-moe", "--routing-replay", "--decode-steps", "2"], "routing_replay needs decode_steps 1"),
+        (["--routing-replay"], "preset 'tiny'.s model has no experts"),
     ],
 )
-def test_flags_a_tiny_preset_cannot_use_are_refused_before_anything_starts(flags, words):
+def test_flags_a_tiny_preset_cannot_use_are_refused_before_anything_starts(flags, words, capsys):
     """--model and --dataset were ignored (the tiny model trained, run.json recorded the other);
     --max-turns failed at the first episode, after the engine started."""
-    with pytest.raises(ValueError, match=words):
-        parse_args(flags)
+    assert re.search(words, refused(flags, capsys))
     parse_args(["--preset", "tiny-tools", "--max-turns", "2"])
+    parse_args(["--preset", "tiny-moe", "--routing-replay"])
+
+
+def test_routing_replay_on_a_local_dense_model_is_refused(qwen2_dir, capsys):
+    flags = ["--preset", "qwen2.5-3b", "--model", str(qwen2_dir), "--dataset", "d.jsonl", "--routing-replay"]
+    assert re.search(r"routing_replay: .*config.json is a qwen2 model, which routes no tokens", refused(flags, capsys))
 
 
 def test_checkpoint_every_must_be_at_least_one():
