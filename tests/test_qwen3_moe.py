@@ -290,16 +290,18 @@ def test_the_completions_route_returns_routing_on_request(tp2_worker, params):
     body["return_routing"] = True
     with tp2_worker.serve(served_model_name="moe") as server, httpx.Client(base_url=server.url, timeout=120) as http:
         choice = http.post("/v1/completions", json=body).json()["choices"][0]
-        assert (
-            "routed_experts"
-            not in http.post("/v1/completions", json={**body, "return_routing": False}).json()["choices"][0]
-        )
+        unrouted = http.post("/v1/completions", json={**body, "return_routing": False}).json()["choices"][0]
+        assert "routed_experts" not in unrouted and "prompt_token_ids" not in unrouted
         streamed = http.post("/v1/completions", json={**body, "stream": True})
     assert choice["token_ids"] == batch.completions[0]
     # One entry per prompt and completion token, the last -1.
     start = batch.prompt_width - len(PROMPTS[0])
     assert choice["routed_experts"] == batch.routed_experts[0, start : start + len(PROMPTS[0]) + NEW_TOKENS].tolist()
     assert choice["routed_experts"][-1] == [[-1, -1]]
+    # The prompt's tokens, which the routing's first entries belong to (a chat prompt's are the
+    # template's rendering).
+    assert choice["prompt_token_ids"] == PROMPTS[0]
+    assert len(choice["routed_experts"]) == len(choice["prompt_token_ids"]) + len(choice["token_ids"])
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_routing"
 
 

@@ -188,8 +188,12 @@ class Serving:
             start = batch.prompt_width
             choice["token_versions"] = batch.token_versions[row, start : start + len(ids)].tolist()
         if req.return_routing:  # extension: [prompt + completion tokens][MoE layers][top_k], -1 for none
-            first = batch.prompt_width - len(batch.prompts[batch.prompt_index[row]])
+            prompt = batch.prompts[batch.prompt_index[row]]
+            first = batch.prompt_width - len(prompt)
             choice["routed_experts"] = batch.routed_experts[row, first : batch.prompt_width + len(ids)].tolist()
+            # The tokens the routing's first entries belong to: a chat prompt is the template's
+            # rendering, which a client would otherwise have to repeat exactly to line them up.
+            choice["prompt_token_ids"] = list(prompt)
         return choice
 
     # ---- request to sampling -------------------------------------------------------------------
