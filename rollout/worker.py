@@ -245,6 +245,12 @@ class RolloutWorker:
             except (TypeError, ValueError) as exc:
                 raise SyncError(str(exc)) from None
             adapter_flat, given = self._unmerged_adapters(adapters, lora, flat)
+            own = next((path for path in flat if is_adapter_tree({path: None})), None)
+            if own is not None:  # one set would silently replace the other
+                raise SyncError(
+                    f"params holds LoRA factors ('{own}') and adapters= gives them too: pass the adapters "
+                    "once, in params or as adapters="
+                )
             params = {**flat, **adapter_flat}
         elif adapters is not None:
             merge = (adapters, lora)

@@ -134,6 +134,11 @@ def test_base_and_adapters_together_alias_the_base_and_a_base_passed_again_is_ke
     worker.sync_params(served.base)
     worker.sync_params(served.base, adapters=unflatten_params(qwix), lora=CONFIG)
     assert served.greedy() == served.tokens
+    # Factors in the base tree and adapters= too: the base's had been replaced silently.
+    both = {**flatten_params(served.base), **flatten_params(served.placed_adapters)}
+    with pytest.raises(SyncError, match=r"params holds LoRA factors \('model\.layers_0\..*lora_[ab]'\) and adapters="):
+        worker.sync_params(unflatten_params(both), adapters=unflatten_params(qwix), lora=CONFIG)
+    assert served.greedy() == served.tokens
 
 
 def test_bad_adapters_are_refused_naming_what_is_wrong_and_the_adapters_keep_serving(served):
