@@ -254,6 +254,8 @@ class RolloutWorker:
             params = {**flat, **adapter_flat}
         elif adapters is not None:
             merge = (adapters, lora)
+        else:
+            params, given = self._factors_renamed(params)
         with _naming_factors_as_given(given):
             return self._sync(
                 params,
@@ -339,6 +341,21 @@ class RolloutWorker:
         with self._state_lock:  # from every engine (any() would stop at the first that had it)
             unloaded = [weights.engine.unload_adapters(name) for weights in self._group.weights]
         return any(unloaded)
+
+    def _factors_renamed(self, params: Mapping) -> tuple[dict, dict[str, str]]:
+        """``params`` flat, with the LoRA factors it holds beside its base (on a worker that
+        computes adapters unmerged) under this project's names, whichever accepted layout they
+        came in (qwix's ``kernel_lora_a``: a Tunix model's state); and each renamed factor's
+        path in ``params``."""
+        try:
+            flat = flatten_params(params)
+        except (TypeError, ValueError) as exc:
+            raise SyncError(str(exc)) from None
+        factors = {path: leaf for path, leaf in flat.items() if is_adapter_tree({path: None})}
+        if self.config.unmerged_lora is None or not factors:
+            return flat, {}
+        base = {path: leaf for path, leaf in flat.items() if path not in factors}
+        return {**base, **canonical_adapters(factors)}, canonical_adapters({path: path for path in factors})
 
     def _unmerged_adapters(
         self, adapters: Mapping, lora: LoraConfig | None, base: Mapping | None
@@ -447,13 +464,11 @@ class RolloutWorker:
         the mapping table and the engine), without syncing: a :class:`SyncError` naming the
         path. Casts are allowed, values not read."""
         self._check_open()
-        try:
-            flat = flatten_params(params)
-        except (TypeError, ValueError) as exc:
-            raise SyncError(str(exc)) from None
+        flat, given = self._factors_renamed(params)
         check_live(flat)
         weights = self._group.first
-        weights.plan_for(weights.with_adapters(flat), allow_cast=True)
+        with _naming_factors_as_given(given):
+            weights.plan_for(weights.with_adapters(flat), allow_cast=True)
 
     def sync_memory_analysis(self, params: Mapping):
         """XLA's memory analysis of the jitted copy a sync of ``params`` runs on the first
@@ -589,8 +604,11 @@ class RolloutWorker:
                 {name: saved[path] for name, path in saved_as.items()}, item_dir, adapters_only=True
             )
             targets = {saved_as[name]: target for name, target in by_name.items()}
-        else:
-            targets = self._group.checkpoint_targets(saved, item_dir)
+        else:  # a base with factors of qwix's names (unmerged LoRA) is read as the engine names them
+            renamed, saved_as = self._factors_renamed(saved)
+            with _naming_factors_as_given(saved_as):
+                by_name = self._group.checkpoint_targets(renamed, item_dir)
+            targets = {saved_as.get(name, name): target for name, target in by_name.items()}
         caller = "load_adapters" if adapters_only else "load_checkpoint"
         if not in_flight:
             self._gate.check_no_own_calls(f"{caller}()")
@@ -601,7 +619,11 @@ class RolloutWorker:
         try:
             if adapters:
                 return self.sync_adapters(restored, name=name, **swap)
-            return self._sync(restored, "load_checkpoint", allow_cast=True, reason="weights are being reloaded", **swap)
+            restored, given = self._factors_renamed(restored)
+            with _naming_factors_as_given(given):
+                return self._sync(
+                    restored, "load_checkpoint", allow_cast=True, reason="weights are being reloaded", **swap
+                )
         except SyncError as exc:
             # orbax cast these leaves to the engine's dtype as it read them: what the check saw
             # as inf may be finite in the checkpoint, past the narrower dtype's range.

@@ -223,6 +223,20 @@ def test_adapter_checkpoints_load_onto_the_served_base_and_full_ones_are_not_ada
     both = save(tmp_path / "both", unflatten_params({**flatten_params(served.params), **served.other_adapters}))
     worker.load_checkpoint(both)
     assert served.greedy() == served.other_tokens
+    # A base with qwix's factors (a Tunix model's state), saved and synced: it had been refused
+    # as having unexpected paths.
+    qwix_other = {p.replace(".lora_", ".kernel_lora_"): leaf for p, leaf in served.other_adapters.items()}
+    worker.load_checkpoint(full)
+    worker.load_checkpoint(save(tmp_path / "qwix", unflatten_params({**flatten_params(served.params), **qwix_other})))
+    assert served.greedy() == served.other_tokens
+    worker.sync_params(served.base)
+    worker.sync_params(unflatten_params({**flatten_params(served.base), **qwix}))
+    assert served.greedy() == served.tokens
+    # Misshapen, named as the caller's tree names it.
+    up_a = "model.layers_1.mlp.up_proj.kernel_lora_a"
+    with pytest.raises(SyncError, match=re.escape(up_a)):
+        worker.sync_params(unflatten_params({**flatten_params(served.base), **qwix, up_a: qwix[up_a][:, :1]}))
+    assert served.greedy() == served.tokens
 
 
 @pytest.mark.one_end
