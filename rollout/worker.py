@@ -40,7 +40,7 @@ from trainer_bridge import (
 from trainer_bridge.checkpoint import resolve_checkpoint, restore_saved, saved_layout
 from trainer_bridge.hf import hf_model_dir
 from trainer_bridge.lora import canonical_adapters, collect_adapters, is_adapter_tree, merge_adapters
-from trainer_bridge.sync import EngineLeaf, beyond_range, check_live
+from trainer_bridge.sync import EngineLeaf, beyond_range, check_live, finite_as_given
 
 from . import episodes, kv, stream, weight_tools
 from .batch import RolloutBatch, StreamChunk, pack_rollouts
@@ -430,9 +430,16 @@ class RolloutWorker:
                     adapters = collect_adapters(adapter_flat, flat, self._group.first.kernel_paths(), lora[1])
                     if check_finite:  # named here: a merged kernel's NaN would name the kernel
                         paths, factors = list(adapter_flat), list(adapter_flat.values())
-                        bad = [paths[i] for i in non_finite_leaves(factors)]
+                        bad = non_finite_leaves(factors)
+                        # Finite as given (float64) but not in the float32 the merge computes in.
+                        wide = [paths[i] for i in bad if finite_as_given(factors[i])]
+                        if wide:
+                            raise SyncError(
+                                f"{beyond_range(np.float32)}, finite in the adapters, infinite in the float32 "
+                                f"merge, in: {', '.join(wide[:8])}"
+                            )
                         if bad:
-                            raise SyncError(f"non-finite values (nan/inf) in: {', '.join(bad[:8])}")
+                            raise SyncError(f"non-finite values (nan/inf) in: {', '.join(paths[i] for i in bad[:8])}")
                     merged = merge_adapters(flat, adapters, lora[1])
                     merged_bytes = sum(merged[adapter.kernel].nbytes for adapter in adapters)
                 trees, gathered = self._group.localize(merged, call)

@@ -189,6 +189,16 @@ def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(ser
     nan[dropped] = np.full(nan[dropped].shape, np.nan, np.float32)
     with pytest.raises(SyncError, match=re.escape(f"non-finite values (nan/inf) in: {dropped}")):  # not its kernel
         worker.sync_params(base, adapters=unflatten_params(nan), lora=config)
+    wide = flatten_params(adapters)
+    wide[dropped] = np.full(wide[dropped].shape, 1e300)  # float64: finite as given, inf in float32
+    with pytest.raises(
+        SyncError,
+        match=re.escape(
+            "values beyond float32's range (|x| > 3.40282e+38), finite in the adapters, infinite in the float32 "
+            f"merge, in: {dropped}"
+        ),
+    ):
+        worker.sync_params(base, adapters=unflatten_params(wide), lora=config)
     with pytest.raises(SyncError, match=re.escape("start it with WorkerConfig(unmerged_lora=LoraConfig(...))")):
         worker.sync_adapters(adapters)
     with pytest.raises(SyncError, match="holds LoRA adapters alone; loading them onto the served base needs"):

@@ -354,26 +354,30 @@ def check_byte_order(what: str, dtype: np.dtype) -> None:
 
 
 def non_finite_leaves(leaves: Sequence[jax.Array], *, one_call: bool = True) -> list[int]:
-    """The indices of the real-valued leaves holding a NaN or an inf (one read of every leaf).
+    """The indices of the real-valued leaves holding a NaN or an inf (one read of every leaf;
+    a numpy float64 leaf is read in float32, where values past its range are inf:
+    :func:`finite_as_given` tells those apart).
 
     ``one_call``: the leaves on each set of devices in one compiled call (a jitted call takes
     its inputs on one set), the fewest dispatches, compiled once per tree signature (a sync's
     fixed tree); else one call per leaf, compiled once per leaf shape and dtype (for sets of
     leaves that vary)."""
-    if not one_call:
-        sums = jax.device_get([_leaf_sum(x) for x in leaves])
-    else:
-        groups: dict[tuple, list[int]] = {}
-        for i, x in enumerate(leaves):
-            groups.setdefault(call_placement(x), []).append(i)
-        sums = np.empty(len(leaves), np.float32)
-        for members in groups.values():
-            sums[members] = np.asarray(_leaf_sums(*(leaves[i] for i in members)))
-    suspects = np.flatnonzero(~np.isfinite(np.asarray(sums))).tolist()
-    return [i for i in suspects if not bool(_all_finite(leaves[i]))]
+    # numpy warns of the overflow as a float64 leaf is cast: the very thing reported here.
+    with np.errstate(over="ignore"):
+        if not one_call:
+            sums = jax.device_get([_leaf_sum(x) for x in leaves])
+        else:
+            groups: dict[tuple, list[int]] = {}
+            for i, x in enumerate(leaves):
+                groups.setdefault(call_placement(x), []).append(i)
+            sums = np.empty(len(leaves), np.float32)
+            for members in groups.values():
+                sums[members] = np.asarray(_leaf_sums(*(leaves[i] for i in members)))
+        suspects = np.flatnonzero(~np.isfinite(np.asarray(sums))).tolist()
+        return [i for i in suspects if not bool(_all_finite(leaves[i]))]
 
 
-def _finite_as_given(leaf) -> bool:
+def finite_as_given(leaf) -> bool:
     """Whether every value of ``leaf`` is finite in its own dtype (a numpy float64 is read in
     float64: jax would read it in float32, where 1e300 is inf)."""
     if isinstance(leaf, np.ndarray):
@@ -428,7 +432,7 @@ class SyncPlan:
         a frozen base), was checked already and is not read again."""
         checked = [p for p in self.leaves if p.engine.index not in known_finite]
         bad = [checked[i] for i in non_finite_leaves([out[p.engine.index] for p in checked])]
-        overflowed = [p for p in bad if p.action is LeafAction.COPY and _finite_as_given(flat[p.trainer_path])]
+        overflowed = [p for p in bad if p.action is LeafAction.COPY and finite_as_given(flat[p.trainer_path])]
         problems = []
         if len(overflowed) < len(bad):
             problems.append(f"non-finite values (nan/inf) in: {_paths([p for p in bad if p not in overflowed])}")
