@@ -312,12 +312,15 @@ class RolloutWorker:
                 f"adapters named {name!r}: this worker serves the default adapters alone (WorkerConfig.max_loras="
                 f"{self.config.max_loras}); start it with max_loras > 1 to load named ones beside them"
             )
-        names = self._group.first.engine.lora_names
+        # A slot is free once no name maps to it and no request still runs on it (an unloaded
+        # name's calls finish on their adapters, even across an in-flight sync). The names are
+        # read first, with unloads held off: a call registers on its slot only while its name
+        # maps to it, so a slot named then is either taken below or seen running.
+        with self._state_lock:
+            names = dict(self._group.first.engine.lora_names)
+            running = {slot for weights in self._group.weights for slot in weights.engine.lora_slots_in_use()}
         if name in names:
             return names[name]
-        # A slot is free once no name maps to it and no request still runs on it (an unloaded
-        # name's calls finish on their adapters, even across an in-flight sync).
-        running = {slot for weights in self._group.weights for slot in weights.engine.lora_slots_in_use()}
         free = sorted(set(range(1, self.config.max_loras)) - set(names.values()) - running)
         if not free:
             raise SyncError(

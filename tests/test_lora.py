@@ -401,51 +401,111 @@ def test_an_adapter_served_unchecked_with_non_finite_factors_leaves_the_other_sl
     worker.unload_adapters("one")
 
 
+class ContendedLock:
+    """A lock (or RLock) that sets ``contended`` when a thread finds it held by another and waits."""
+
+    def __init__(self, lock, contended: threading.Event):
+        self.lock, self.contended = lock, contended
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.contended.set()
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
 def test_a_call_never_runs_on_a_slot_handed_to_other_adapters_while_it_registers(slotted, served):
     """A call found its adapter's slot, then registered its requests on it: an unload and a
     sync of other adapters in between saw the slot free, filled it, and the call ran on them.
-    Here the call is held inside its registration until the other thread has had time to do
-    both (it cannot, with the registration atomic); the call must decode its own adapter's
-    tokens."""
+    The call is held inside its registration until the other thread has either done both
+    (the fault) or waits for the registration's lock; it must decode its own adapter's tokens."""
     worker = slotted
     for name in worker.adapter_names():
         worker.unload_adapters(name)
     worker.sync_adapters(unflatten_params(served.other_adapters), name="one")
     registering, release = threading.Event(), threading.Event()
+    other = threading.Event()  # the rival waits for the registration's lock, or is done (the fault)
+    controls = [engine._control for engine in worker.engines]
+    originals = [(control.lora_slots, control.lora_lock) for control in controls]
 
     class HeldRegistration(dict):
         def update(self, *args, **kwargs):
             registering.set()
-            release.wait(60)
+            release.wait(120)
             super().update(*args, **kwargs)
 
-    controls = [engine._control for engine in worker.engines]
-    originals = [control.lora_slots for control in controls]
     for control in controls:
-        control.lora_slots = HeldRegistration(control.lora_slots)
-    tokens, other = [], threading.Event()
+        control.lora_slots, control.lora_lock = (
+            HeldRegistration(control.lora_slots),
+            ContendedLock(control.lora_lock, other),
+        )
+    tokens, synced = [], threading.Event()
 
     def unload_and_sync_others():
         worker.unload_adapters("one")
         worker.sync_adapters(unflatten_params(served.adapters), name="two", in_flight=True)
+        synced.set()
         other.set()
 
+    # One prompt: one engine's requests, registered at once (a call spread over both engines
+    # registers on each, and an unload between them refuses the rest of the call).
+    options = dict(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, lora="one")
+    call = threading.Thread(target=lambda: tokens.append(worker.generate(PROMPTS[:1], **options).completions))
+    rival = threading.Thread(target=unload_and_sync_others)
     try:
-        call = threading.Thread(target=lambda: tokens.append(greedy_on(worker, lora="one")))
         call.start()
-        assert registering.wait(60)
-        rival = threading.Thread(target=unload_and_sync_others)
+        assert registering.wait(120)
         rival.start()
-        other.wait(2)  # the time the rival needed to fill the slot (it now waits for the registration)
+        assert other.wait(120)
         release.set()
         call.join(120)
         rival.join(120)
-        assert not call.is_alive() and not rival.is_alive() and other.is_set()
+        assert not call.is_alive() and not rival.is_alive() and synced.is_set()
     finally:
         release.set()
-        for control, original in zip(controls, originals):
-            control.lora_slots = original
-    assert tokens == [served.other_tokens]
+        for control, (slots, lock) in zip(controls, originals):
+            control.lora_slots, control.lora_lock = slots, lock
+    assert tokens == [served.other_tokens[:1]]
+    worker.unload_adapters("two")
+
+
+def test_a_slot_a_call_registered_on_is_not_handed_out_when_its_name_is_unloaded_meanwhile(
+    slotted, served, monkeypatch
+):
+    """A sync of new adapters read the running calls' slots, then the names: a call registered
+    on a named slot in between, and its name unloaded, left that slot looking free. Forced here
+    inside the slot choice's read of the running calls: the unload must wait for the choice,
+    which must not pick the call's slot."""
+    worker = slotted
+    for name in worker.adapter_names():
+        worker.unload_adapters(name)
+    worker.sync_adapters(unflatten_params(served.other_adapters), name="one")
+    slot = worker.engine.lora_names["one"]
+    waited = threading.Event()  # the unload waits for the choice, or is done (the fault)
+    monkeypatch.setattr(worker, "_state_lock", ContendedLock(worker._state_lock, waited))
+    engine = worker.engines[-1]
+    read = engine.lora_slots_in_use
+
+    def meanwhile():
+        running = read()  # before the call registers: what the choice sees
+        engine._control.lora_slots["a call of 'one'"] = slot
+        unloading = threading.Thread(target=lambda: worker.unload_adapters("one") and waited.set())
+        unloading.start()
+        assert waited.wait(120)
+        monkeypatch.setattr(engine, "lora_slots_in_use", read)
+        meanwhile.unloading = unloading
+        return running
+
+    monkeypatch.setattr(engine, "lora_slots_in_use", meanwhile)
+    try:
+        worker.sync_adapters(unflatten_params(served.adapters), name="two")
+        meanwhile.unloading.join(120)
+        assert worker.engine.lora_names["two"] != slot and "one" not in worker.adapter_names()
+    finally:
+        engine._control.lora_slots.pop("a call of 'one'", None)
     worker.unload_adapters("two")
 
 
