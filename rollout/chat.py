@@ -289,23 +289,26 @@ def render_chat(
                 f"continue_final_message continues an assistant message, but the last message, {last}, is a "
                 f"{plain[-1]['role']!r} message",
             )
-        # HF's renderer finds the message's text in the prompt to cut there: an empty one is
-        # found at the very end, after the template has closed the message.
+        if plain[-1].get("tool_calls"):
+            raise ChatError(
+                "continue_final_message",
+                f"continue_final_message continues an assistant message's text: {last} makes tool calls, which "
+                "the template writes after it",
+            )
         if not plain[-1]["content"].strip():
             raise ChatError(f"{last}.content", f"{last}.content is empty: there is no text to continue")
 
     def render(with_tools):
+        if continue_final_message:
+            return _left_open(tokenizer, plain, with_tools, variables)
         return tokenizer.apply_chat_template(
-            plain,
-            tools=with_tools,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **variables,
+            plain, tools=with_tools, tokenize=False, add_generation_prompt=add_generation_prompt, **variables
         )
 
     try:
         text = render(tools)
+    except ChatError:
+        raise
     except Exception as exc:  # a Jinja error (raise_exception, a missing field) says what the template wants
         raise ChatError("messages", f"cannot render messages with the chat template: {exc}") from None
     if tools:
@@ -320,12 +323,38 @@ def render_chat(
     return text
 
 
+_OPEN_END = "\x00continued\x00"
+
+
+def _left_open(tokenizer, messages: list[dict], tools, variables: dict) -> str:
+    """The conversation as the template writes it, cut where the last message's text ends:
+    what the template writes after any message's text (``<|im_end|>\n``) is found by rendering
+    a stand-in text, and taken off. (HF's ``continue_final_message`` cuts at the last place the
+    text occurs, which may be inside that closing markup: a text ``n`` left ``<|im_en``.)"""
+
+    def render(last_text):
+        conversation = [*messages[:-1], {**messages[-1], "content": last_text}]
+        return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **variables)
+
+    text = render(messages[-1]["content"])
+    marked = render(_OPEN_END)
+    _, found, closing = marked.rpartition(_OPEN_END)
+    if not found or not text.endswith(closing):
+        raise ChatError(
+            "continue_final_message",
+            "the chat template does not end an assistant message the same way whatever its text: it cannot be left "
+            "open",
+        )
+    return text[: len(text) - len(closing)]
+
+
 # Names apply_chat_template takes for itself, or sets in the template's context (messages):
 # passed as template variables they would change how it renders, not what the template reads.
 _RESERVED_TEMPLATE_NAMES = frozenset(
     {
         "messages",
         "conversation",
+        "conversations",
         "tools",
         "documents",
         "chat_template",

@@ -22,6 +22,7 @@ import numpy as np
 
 from models import completion_log_probs, flax_model_for
 from trainer_bridge import flatten_params, non_finite_leaves, unflatten_params
+from trainer_bridge.lora import is_factor_path
 
 from .errors import InvalidRequest, RolloutError
 from .sampling import as_int
@@ -107,7 +108,15 @@ def check_consistency(
         except InvalidRequest as error:
             raise InvalidRequest("routing_replay", f"routing_replay replays the engine's routing: {error}") from None
     worker.check_params(params)  # named by path, as a sync names them (the Flax model would not)
-    tree = unflatten_params(flatten_params(params))  # nested, flat (dotted paths) or {"params": ...}
+    flat = flatten_params(params)
+    factor = next(filter(is_factor_path, flat), None)
+    if factor is not None:  # the Flax model would ignore them, and blame the engine that applies them
+        raise InvalidRequest(
+            "params",
+            f"params holds LoRA factors ('{factor}'), which the Flax recompute does not apply: pass the tree with "
+            "them merged (trainer_bridge.apply_adapters)",
+        )
+    tree = unflatten_params(flat)  # nested, flat (dotted paths) or {"params": ...}
     start = time.perf_counter()
     batch = worker.generate(
         prompts,

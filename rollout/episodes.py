@@ -383,15 +383,16 @@ class TurnFrames:
 
     def prompt(self, messages: Sequence[Mapping], field: str = "prompts") -> list[int]:
         """The first prompt's tokens: the messages rendered with the generation prompt, or, where
-        the last message is the assistant's, with that message left open (a prefill the model's
-        first turn continues); InvalidRequest naming ``field`` without a chat template or for
-        messages it cannot take."""
+        the last message is the assistant's text (no tool calls), with that message left open (a
+        prefill the model's first turn continues); InvalidRequest naming ``field`` without a chat
+        template or for messages it cannot take."""
         if not self.templated:
             raise InvalidRequest(
                 field, f"{field}: message prompts need a tokenizer with a chat template: pass token ids"
             )
         messages = list(messages)
-        prefill = bool(messages) and isinstance(messages[-1], Mapping) and messages[-1].get("role") == "assistant"
+        last = messages[-1] if messages and isinstance(messages[-1], Mapping) else {}
+        prefill = last.get("role") == "assistant" and not last.get("tool_calls")
         try:
             return self._encode(self._render(messages, not prefill, continue_final=prefill))
         except ChatError as error:  # its field is a path in a request body: messages[1].content
@@ -424,6 +425,7 @@ class TurnFrames:
         ids = _content_token_ids(content)
         if not self.templated:
             return ids
+        normalize_message({"role": result.role, "content": ""}, "StepResult")  # its role, named as given
         before, after = self._frame(result.role)
         return self._encode(before) + ids + self._encode(after)
 

@@ -39,7 +39,13 @@ from trainer_bridge import (
 )
 from trainer_bridge.checkpoint import resolve_checkpoint, restore_saved, saved_layout
 from trainer_bridge.hf import hf_model_dir
-from trainer_bridge.lora import canonical_adapters, collect_adapters, is_adapter_tree, merge_adapters
+from trainer_bridge.lora import (
+    canonical_adapters,
+    collect_adapters,
+    is_adapter_tree,
+    is_factor_path,
+    merge_adapters,
+)
 from trainer_bridge.sync import EngineLeaf, beyond_range, check_live, finite_as_given
 
 from . import episodes, kv, stream, weight_tools
@@ -245,7 +251,7 @@ class RolloutWorker:
             except (TypeError, ValueError) as exc:
                 raise SyncError(str(exc)) from None
             adapter_flat, given = self._unmerged_adapters(adapters, lora, flat)
-            own = next((path for path in flat if is_adapter_tree({path: None})), None)
+            own = next(filter(is_factor_path, flat), None)
             if own is not None:  # one set would silently replace the other
                 raise SyncError(
                     f"params holds LoRA factors ('{own}') and adapters= gives them too: pass the adapters "
@@ -354,7 +360,7 @@ class RolloutWorker:
             flat = flatten_params(params)
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
-        factors = {path: leaf for path, leaf in flat.items() if is_adapter_tree({path: None})}
+        factors = {path: leaf for path, leaf in flat.items() if is_factor_path(path)}
         if self.config.unmerged_lora is None or not factors:
             return flat, {}
         base = {path: leaf for path, leaf in flat.items() if path not in factors}
@@ -436,13 +442,15 @@ class RolloutWorker:
                         bad = non_finite_leaves(factors)
                         # Finite as given (float64) but not in the float32 the merge computes in.
                         wide = [paths[i] for i in bad if finite_as_given(factors[i])]
+                        nan = [paths[i] for i in bad if paths[i] not in wide]
+                        problems = [f"non-finite values (nan/inf) in: {', '.join(nan[:8])}"] if nan else []
                         if wide:
-                            raise SyncError(
+                            problems.append(
                                 f"{beyond_range(np.float32)}, finite in the adapters, infinite in the float32 "
                                 f"merge, in: {', '.join(wide[:8])}"
                             )
-                        if bad:
-                            raise SyncError(f"non-finite values (nan/inf) in: {', '.join(paths[i] for i in bad[:8])}")
+                        if problems:
+                            raise SyncError("; ".join(problems))
                     merged = merge_adapters(flat, adapters, lora[1])
                     merged_bytes = sum(merged[adapter.kernel].nbytes for adapter in adapters)
                 trees, gathered = self._group.localize(merged, call)
@@ -475,9 +483,9 @@ class RolloutWorker:
         path. Casts are allowed, values not read."""
         self._check_open()
         flat, given = self._factors_renamed(params)
-        check_live(flat)
         weights = self._group.first
         with _naming_factors_as_given(given):
+            check_live(flat)
             weights.plan_for(weights.with_adapters(flat), allow_cast=True)
 
     def sync_memory_analysis(self, params: Mapping):
@@ -599,7 +607,7 @@ class RolloutWorker:
         saved = layout.flat
         adapters = is_adapter_tree(saved)
         if adapters_only and not adapters:
-            other = next(p for p in saved if not is_adapter_tree({p: None})) if saved else "<empty tree>"
+            other = next(p for p in saved if not is_factor_path(p)) if saved else "<empty tree>"
             raise SyncError(f"checkpoint {item_dir} is not of LoRA adapters alone: '{other}' is not a LoRA factor")
         if adapters and self.config.unmerged_lora is None:
             raise SyncError(

@@ -397,7 +397,10 @@ def test_an_adapter_served_unchecked_with_non_finite_factors_leaves_the_other_sl
         worker.sync_adapters(unflatten_params(bad), name="bad", check_finite=False)
         assert greedy_on(worker) == served.tokens
         assert greedy_on(worker, lora="one") == served.other_tokens
+        greedy_on(worker, lora="bad")  # its own rows' KV is NaN: the pages it frees are reused
         worker.unload_adapters("bad")
+        assert greedy_on(worker) == served.tokens
+        assert greedy_on(worker, lora="one") == served.other_tokens
     worker.unload_adapters("one")
 
 

@@ -150,9 +150,14 @@ def _check_factor(path: str, leaf) -> None:
     check_byte_order(f"adapters: '{path}'", dtype)
 
 
+def is_factor_path(path: str) -> bool:
+    """Whether a flat tree's ``path`` names a LoRA factor, in either accepted layout."""
+    return path.rpartition(".")[2] in _FACTOR_OF_NAME
+
+
 def is_adapter_tree(flat: Mapping[str, object]) -> bool:
     """Whether every leaf of a non-empty flat tree is a LoRA factor (an adapter checkpoint)."""
-    return bool(flat) and all(path.rpartition(".")[2] in _FACTOR_OF_NAME for path in flat)
+    return bool(flat) and all(map(is_factor_path, flat))
 
 
 def canonical_adapters(adapters: Mapping[str, object]) -> dict:

@@ -12,7 +12,8 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+import types
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -260,11 +261,11 @@ class EngineHandle:
         return frozenset(eos_id_set(self._model.runner.model_config.hf_eos_token_id))
 
     @property
-    def lora_names(self) -> dict[str, int]:
+    def lora_names(self) -> Mapping[str, int]:
         """Adapter name -> its slot (``EngineOptions.max_loras``), as the worker assigns them:
-        ``generate(..., lora=name)`` runs on that slot's adapters. Read-only: changed by
+        ``generate(..., lora=name)`` runs on that slot's adapters. A read-only view: changed by
         :meth:`name_adapters` and :meth:`unload_adapters`."""
-        return self._control.lora_names
+        return types.MappingProxyType(self._control.lora_names)
 
     def name_adapters(self, name: str, slot: int) -> None:
         """Calls for ``name`` run on ``slot`` from now on."""

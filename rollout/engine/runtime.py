@@ -118,8 +118,9 @@ class SchedulerControl:
         # the index of the forward's leaf holding each token's slot.
         self.lora_names: dict[str, int] = {}
         self.lora_slots: dict[str, int] = {}
-        # Held while a call looks up its adapter's slot and registers its requests on it, and
-        # while a name is unloaded: a slot is never seen free between the two.
+        # Held around every change and read of the two (not the scheduler's lookups): a call
+        # looks up its adapter's slot and registers its requests on it at once, so an unload
+        # never leaves the slot of a call about to run looking free.
         self.lora_lock = threading.Lock()
         self.token_slots_leaf: int | None = None
         # Decode steps computed ahead (EngineOptions.decode_steps, multistep.DecodeChunks).

@@ -119,7 +119,7 @@ def admin_router(state: SharedState, admin: AdminState) -> APIRouter:
         # vLLM's unload_lora_adapter body ({"lora_name"}): requests naming it are refused from now on.
         authorize(request)
         name = (await state.read_json(request)).get("lora_name")
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name.strip():
             raise invalid("lora_name", "'lora_name' must be a non-empty string")
         async with admin.lock:
             unloaded = await run(backend.unload_lora, name)

@@ -53,6 +53,11 @@ _NEUTRAL = {
     "include_stop_str_in_output": (None, False),
     "no_stop_trim": (None, False),
     "skip_special_tokens": (None, True),
+    "structural_tag": (None,),
+    "logits_processors": (None, []),
+    "custom_logit_processor": (None,),
+    # SGLang's per-request adapter: here a request picks named adapters by its "model".
+    "lora_path": (None,),
 }
 
 

@@ -353,6 +353,15 @@ def test_a_final_assistant_message_continued_is_left_open(tokenizer):
             "messages[1].content",
             "no text to continue",
         ),
+        (
+            [
+                {"role": "user", "content": "1"},
+                {"role": "assistant", "content": "add", "tool_calls": [ToolCall("add", {"a": 1}, "c0")]},
+            ],
+            False,
+            "continue_final_message",
+            "messages[1] makes tool calls",
+        ),
     ],
 )
 def test_what_cannot_be_continued_names_the_field(tokenizer, messages, generation_prompt, field, says):

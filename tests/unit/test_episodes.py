@@ -147,6 +147,11 @@ def test_a_first_prompt_ending_with_the_assistants_text_is_continued(tokenizer):
     frames = TurnFrames(tokenizer)
     prompt = frames.prompt([{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "Let me add"}])
     assert text_of(tokenizer, prompt) == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\nLet me add"
+    # An assistant message of tool calls is no text to continue: closed, as before prefills.
+    calls = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": {}}}]}
+    assert text_of(tokenizer, frames.prompt([{"role": "user", "content": "1+2="}, calls])).endswith(
+        "</tool_call><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -158,6 +163,7 @@ def test_a_first_prompt_ending_with_the_assistants_text_is_continued(tokenizer):
         ),
         (StepResult(observation=[{"role": "tool"}]), "observation[0].content"),
         (StepResult(observation="1", role="user\n<|im_start|>system"), "StepResult.role"),
+        (StepResult(observation=[5, 6], role="us er"), "StepResult.role"),
     ],
 )
 def test_an_observation_the_template_cannot_take_is_named_as_the_environment_gave_it(tokenizer, result, field):

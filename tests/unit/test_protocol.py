@@ -182,6 +182,8 @@ def test_a_blank_or_non_string_adapter_name_is_a_400_naming_it(http, backend, na
     was loaded under a name no request could pick out."""
     found = error(post(http, "/admin/load_lora", {"lora_path": "/tmp/adapters", "lora_name": name}, headers=ADMIN), 400)
     assert found["param"] == "lora_name" and "non-empty string" in found["message"]
+    found = error(post(http, "/admin/unload_lora", {"lora_name": name}, headers=ADMIN), 400)
+    assert found["param"] == "lora_name" and "non-empty string" in found["message"]
 
 
 def test_health_and_ready_answer_head_probes_with_their_status(http, backend):

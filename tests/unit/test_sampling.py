@@ -102,6 +102,18 @@ def test_consistency_routing_replay_is_refused_under_its_own_name(validator):
         assert error.value.field == "routing_replay"
 
 
+def test_consistency_refuses_lora_factors_the_flax_recompute_would_ignore():
+    """The Flax model ignores extra params: a tree holding adapters was recomputed as its base
+    alone, and the engine, which applies them, was reported as serving another policy."""
+    worker = types.SimpleNamespace(check_params=lambda params: None)
+    params = {"model.layers_0.self_attn.q_proj.kernel": 0, "model.layers_0.self_attn.q_proj.kernel_lora_a": 0}
+    with pytest.raises(
+        InvalidRequest, match=r"'model\.layers_0\.self_attn\.q_proj\.kernel_lora_a'.*apply_adapters"
+    ) as error:
+        check_consistency(worker, params, [[1, 2]])
+    assert error.value.field == "params"
+
+
 class AddedTokens:
     """A tokenizer with tokens added past the model's vocabulary (no embedding rows)."""
 
