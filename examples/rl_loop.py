@@ -34,7 +34,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from examples.reporting import check_plotting, step_log, summarize
 from examples.run_dir import (
+    RunDirError,
     TrainState,
+    check_writable,
     checkpoint_manager,
     claim_output_dir,
     keep_metrics_through,
@@ -55,6 +57,7 @@ from models import (
 )
 from models.registry import check_routing_recordable
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
+from rollout.config import DTYPES
 from rollout.launch import PROCESS_ID_ENV, join, launch_local
 from trainer_bridge import LoraConfig, SyncReport, apply_adapters, load_hf_params
 
@@ -195,6 +198,12 @@ class RLConfig:
                 raise ValueError(f"{field.name} must be a finite number, got {value}")
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"preset must be one of {PRESET_NAMES}, got {self.preset!r}")
+        if self.seed < 0:  # the tiny presets' weights and every draw derive from it
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not self.output_dir:  # Path("") is the current directory
+            raise ValueError("output_dir must not be empty")
         for name in (
             "steps",
             "prompts_per_step",
@@ -439,7 +448,10 @@ def set_up(
     them onto the engines' devices).
     """
     output_dir = Path(config.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise RunDirError(f"{output_dir}: the output dir is a file: use another output dir")
     output_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(output_dir)
     # One lock for the job: its other processes share the dir, writing only their own model
     # copies and, through orbax, their shards of process 0's checkpoints. Taken before joining
     # the job, so a run refused here exits at once: a process that joined waits at its exit for
@@ -781,3 +793,5 @@ def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
         main(config)
     except ConsistencyError as error:
         raise SystemExit(f"{name} stopped: {error}") from None
+    except RunDirError as error:  # says which file and what to do: no traceback
+        raise SystemExit(f"{name}: {error}") from None

@@ -9,6 +9,7 @@ import fcntl
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class RunDirError(ValueError):
+    """An output dir a run cannot use, or resume from, as it is: the message names the file and
+    what to do."""
+
+
 @dataclasses.dataclass
 class TrainState:
     trees: dict[str, Any]
@@ -33,8 +39,9 @@ class TrainState:
 
 # What a resume in the same output dir must share with the run that wrote its checkpoints: the
 # initial model (the tiny presets build theirs from the seed), the prompts (drawn from (seed,
-# step)), the task (the tiny presets' operand range) and what its checkpoints hold (the
-# algorithm's trees: PPO's critic, separate or shared).
+# step)), the task and its rewards (the tiny presets' operand range and near-miss credit) and
+# what its checkpoints hold (the algorithm's trees: PPO's critic, separate or shared; the
+# optimizer's state, whose structure the learning rate's warm-up and decay decide).
 RUN_IDENTITY = (
     "algorithm",
     "preset",
@@ -42,15 +49,18 @@ RUN_IDENTITY = (
     "dataset",
     "seed",
     "max_operand",
+    "near_credit",
     "lora_rank",
     "lora_alpha",
     "warm_start_steps",
+    "warmup_updates",
+    "lr_decay",
     "critic",
 )
 # What a run that did not record a name (or whose algorithm has no such field) had.
 _IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None, "warm_start_steps": 0, "critic": None}
 # Recorded since after the first run.json files were written: not compared where absent.
-_RECORDED_LATER = ("algorithm", "critic")
+_RECORDED_LATER = ("algorithm", "critic", "near_credit", "warmup_updates", "lr_decay")
 
 
 def effective_lora_alpha(rank: int, alpha: float | None) -> float | None:
@@ -85,21 +95,21 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
     identity = _run_identity(lambda name, default: _local_path_resolved(getattr(config, name, default)))
     if holds_checkpoints(output_dir):
         if not path.exists():
-            raise ValueError(
+            raise RunDirError(
                 f"{output_dir}: this output dir holds checkpoints but no run.json, so whether this "
                 f"run is theirs ({', '.join(RUN_IDENTITY)}) cannot be checked: use another output dir"
             )
         try:
             record = json.loads(path.read_text())
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not a run record ({error}): restore it, or use another output dir") from None
+            raise RunDirError(f"{path}: not a run record ({error}): restore it, or use another output dir") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{path}: not a run record (a JSON object): restore it, or use another output dir")
+            raise RunDirError(f"{path}: not a run record (a JSON object): restore it, or use another output dir")
         unrecorded = {name for name in _RECORDED_LATER if name not in record}
         recorded = _run_identity(record.get)
         changed = [name for name in RUN_IDENTITY if recorded[name] != identity[name] and name not in unrecorded]
         if changed:
-            raise ValueError(
+            raise RunDirError(
                 f"{path}: this output dir holds checkpoints of a run with "
                 + ", ".join(f"{name}={recorded[name]!r}" for name in changed)
                 + "; this one has "
@@ -151,7 +161,7 @@ def read_metrics(path: Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if number < len(lines):
-                raise ValueError(
+                raise RunDirError(
                     f"{path}: line {number} is not a JSON record (a record a killed run cut short, with the "
                     "next one written onto it): repair or delete that line, then resume"
                 ) from None
@@ -164,9 +174,39 @@ def keep_metrics_through(path: Path, step: int) -> None:
     logged twice (a dir written before this rewrite existed), the later record is kept: the
     run that went on to the checkpoint wrote it. Atomic: a kill leaves the old file or the new."""
     kept = {r["step"]: r for r in read_metrics(path) if r["step"] <= step}
+    missing = sorted(set(range(1, step + 1)) - set(kept))
+    if missing:  # lost after their checkpoint was (records are flushed, not synced): not run again
+        logger.warning(
+            "%s: no record of step(s) %s, which the checkpoint of step %d trained: the run resumes after them, "
+            "and its metrics and summary go without them",
+            path,
+            _ranges(missing),
+            step,
+        )
     staged = path.with_suffix(".tmp")
     staged.write_text("".join(json.dumps(kept[s]) + "\n" for s in sorted(kept)), encoding="utf-8")
     os.replace(staged, path)
+
+
+def _ranges(steps: list[int]) -> str:
+    """Sorted steps as ranges: ``1-3, 7``."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def check_writable(directory: Path) -> None:
+    """RunDirError unless a file can be made in ``directory``: checkpoints of a run that cannot
+    write them fail after their step has trained (orbax's waited 5 minutes, then timed out)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise RunDirError(f"{directory}: cannot write there ({error.strerror}): use another output dir") from None
 
 
 def _local_path_resolved(value):
@@ -177,6 +217,9 @@ def _local_path_resolved(value):
 def checkpoint_manager(output_dir: Path):
     import orbax.checkpoint as ocp
 
+    checkpoints = output_dir / "checkpoints"
+    if checkpoints.is_dir():
+        check_writable(checkpoints)
     return ocp.CheckpointManager(
         (output_dir / "checkpoints").resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
     )
@@ -201,7 +244,7 @@ def restore_or_init(manager, trees: dict[str, Any]) -> TrainState:
     except Exception as exc:  # orbax's own error names no file (a JSONDecodeError of a damaged one)
         earlier = sorted(step for step in manager.all_steps() if step < latest)
         advice = f"move it away to resume from step {earlier[-1]}" if earlier else "move it away to start over"
-        raise ValueError(
+        raise RunDirError(
             f"{Path(manager.directory) / str(latest)}: the latest checkpoint cannot be restored "
             f"({type(exc).__name__}: {exc}); {advice}"
         ) from exc

@@ -18,6 +18,9 @@ from .engine import EngineOptions
 # The longest pod_timeout_s: a week.
 MAX_POD_TIMEOUT_S = 7 * 24 * 3600.0
 
+# The engine's weight dtypes.
+DTYPES = ("bfloat16", "float32", "float16")
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig(EngineOptions):
@@ -90,7 +93,7 @@ class WorkerConfig(EngineOptions):
             )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"WorkerConfig.context_length must be >= 2, got {self.context_length}")
-        if self.dtype not in ("bfloat16", "float32", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"WorkerConfig.dtype must be bfloat16, float32 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"WorkerConfig.load_format must be auto, dummy or safetensors, got {self.load_format!r}")

@@ -18,7 +18,9 @@ from examples.ppo import PPOConfig
 from examples.reporting import check_plotting, summarize
 from examples.rl_loop import EVAL_STREAM, Task, _evaluate, cli, set_up, step_seed, worker_config
 from examples.run_dir import (
+    RunDirError,
     TrainState,
+    check_writable,
     checkpoint_manager,
     claim_output_dir,
     keep_metrics_through,
@@ -52,6 +54,39 @@ def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monk
     (other / "checkpoints" / "1").mkdir(parents=True)
     monkeypatch.chdir(chat_dir.parent)
     claim_output_dir(dataclasses.replace(local, model=chat_dir.name), other)
+
+
+@pytest.mark.parametrize(
+    "name,other",
+    [
+        ("near_credit", lambda value: 0.25 if value != 0.25 else 0.0),  # the rewards
+        # The optimizer state's structure: its restore had failed as if the checkpoint were damaged.
+        ("warmup_updates", lambda value: value + 5),
+        ("lr_decay", lambda value: not value),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_a_resume_with_other_rewards_or_another_learning_rate_schedule_is_refused(tmp_path, name, other):
+    config = PRESETS["tiny"]
+    changed = dataclasses.replace(config, **{name: other(getattr(config, name))})
+    claim_output_dir(config, tmp_path)
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    value = getattr(changed, name)
+    with pytest.raises(RunDirError, match=rf"holds checkpoints of a run with {name}=.*; this one has {name}={value!r}"):
+        claim_output_dir(changed, tmp_path)
+    # A run.json written before these were recorded binds only what it holds.
+    recorded = json.loads((tmp_path / "run.json").read_text())
+    (tmp_path / "run.json").write_text(json.dumps({k: v for k, v in recorded.items() if k != name}))
+    claim_output_dir(changed, tmp_path)
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_naming_it(tmp_path):
+    """A read-only checkpoints dir let the steps train, then orbax waited 5 minutes for its save."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(RunDirError, match=rf"{afile}: cannot write there"):
+        check_writable(afile)
+    check_writable(tmp_path)
 
 
 def test_a_resume_for_more_steps_warns_that_the_decay_changes(tmp_path, caplog):
@@ -266,6 +301,21 @@ def test_a_resume_keeps_the_metrics_of_the_steps_its_checkpoint_holds(tmp_path):
     assert (tmp_path / "none.jsonl").read_text() == ""
 
 
+def test_steps_a_checkpoint_trained_without_a_record_are_named(tmp_path, caplog):
+    """Records are flushed, not synced: a crash can lose lines behind a checkpoint. The resume
+    runs after them, so they never come back; it had gone on without a word."""
+    path = tmp_path / "metrics.jsonl"
+    write_records(path, [1, 2, 5])
+    with caplog.at_level("WARNING", logger="examples"):
+        keep_metrics_through(path, 6)
+    (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("examples")]
+    assert f"{path}: no record of step(s) 3-4, 6, which the checkpoint of step 6 trained" in warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="examples"):
+        keep_metrics_through(path, 2)
+    assert not [r for r in caplog.records if r.name.startswith("examples")]
+
+
 def test_the_summary_and_the_plot_cover_the_whole_run(tmp_path, monkeypatch):
     """After a resume, the closing "reward a -> b" and reward.png are the run's (all of
     metrics.jsonl), not only the steps this process ran; the times are this process's."""
@@ -336,6 +386,10 @@ def test_a_setting_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):
         # Both failed with a traceback once the engine started.
         (["--preset", "tiny-moe", "--routing-replay", "--decode-steps", "2"], "routing_replay needs decode_steps 1"),
         (["--routing-replay"], "preset 'tiny'.s model has no experts"),
+        # Both failed with a traceback after the run dir was made.
+        (["--seed", "-1"], "seed must be >= 0, got -1"),
+        (["--dtype", "foo"], "dtype must be one of .*, got 'foo'"),
+        (["--output-dir", ""], "output_dir must not be empty"),
     ],
 )
 def test_flags_a_tiny_preset_cannot_use_are_refused_before_anything_starts(flags, words, capsys):
