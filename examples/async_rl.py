@@ -32,6 +32,7 @@ from examples.rl_loop import (
     set_up,
     step_seed,
     sync_policy,
+    warn_if_trained,
 )
 from examples.run_dir import save_train_state
 from rollout import RolloutBatch
@@ -94,7 +95,8 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool,
         step_log(config, output_dir, algorithm, state.step) as log,
     ):
-        ahead = pool.submit(generate, state.step)
+        if not warn_if_trained(config, output_dir, state.step):  # else no rollout for nothing
+            ahead = pool.submit(generate, state.step)
         while state.step < config.steps:
             step_start = time.perf_counter()
             problems, batch = ahead.result()

@@ -512,6 +512,19 @@ def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm
         return _train(config, setup)
 
 
+def warn_if_trained(config: RLConfig, output_dir: Path, step: int) -> bool:
+    """Whether the run resumed at ``step`` is already trained to ``config.steps``, said in a warning."""
+    if step < config.steps:
+        return False
+    logger.warning(
+        "%s: the checkpoint is at step %d and --steps is %d: nothing to train (raise --steps to go on)",
+        output_dir,
+        step,
+        config.steps,
+    )
+    return True
+
+
 def _train(config: RLConfig, setup: Setup) -> dict:
     output_dir, worker, algorithm, manager, state, task, _ = setup
     # Process 0 reports for the job (every process computes the same global metrics).
@@ -519,13 +532,7 @@ def _train(config: RLConfig, setup: Setup) -> dict:
     if not config.resync:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
         sync_policy(worker, algorithm, {"params": jax.tree_util.tree_map(jnp.copy, state.trees["params"])})
-    if state.step >= config.steps:
-        logger.warning(
-            "%s: the checkpoint is at step %d and --steps is %d: nothing to train (raise --steps to go on)",
-            output_dir,
-            state.step,
-            config.steps,
-        )
+    warn_if_trained(config, output_dir, state.step)
     history = []
     start = time.perf_counter()
     reports = step_log(config, output_dir, algorithm, state.step) if lead else contextlib.nullcontext(lambda _: None)

@@ -430,3 +430,13 @@ def test_a_resume_must_be_of_the_same_algorithm_and_critic(tmp_path):
     record = json.loads((other / "run.json").read_text())
     (other / "run.json").write_text(json.dumps({k: v for k, v in record.items() if k not in ("algorithm", "critic")}))
     claim_output_dir(dataclasses.replace(ppo, critic="shared"), other)
+
+
+def test_a_resumed_run_already_trained_says_so(tmp_path, caplog):
+    """Both loops ask before their first rollout (the async one generated a step's worth for nothing)."""
+    config = dataclasses.replace(PRESETS["tiny"], steps=4)
+    with caplog.at_level("WARNING", logger="examples"):
+        assert not rl_loop.warn_if_trained(config, tmp_path, 3)
+        assert rl_loop.warn_if_trained(config, tmp_path, 4)
+    (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("examples")]
+    assert "the checkpoint is at step 4 and --steps is 4: nothing to train" in warning
