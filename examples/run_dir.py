@@ -78,11 +78,13 @@ def _run_identity(get: Callable[[str, Any], Any]) -> dict:
     return identity
 
 
-def holds_checkpoints(output_dir: Path) -> bool:
-    """Whether ``output_dir/checkpoints`` holds a finished checkpoint: a dir named by its step
-    (orbax writes ``<step>.orbax-checkpoint-tmp...`` and renames it when done)."""
+def latest_checkpoint_step(output_dir: Path) -> int | None:
+    """The step of the latest finished checkpoint in ``output_dir/checkpoints`` (a dir named by
+    its step: orbax writes ``<step>.orbax-checkpoint-tmp...`` and renames it when done), or None."""
     checkpoints = output_dir / "checkpoints"
-    return checkpoints.is_dir() and any(p.name.isdigit() and p.is_dir() for p in checkpoints.iterdir())
+    if not checkpoints.is_dir():
+        return None
+    return max((int(p.name) for p in checkpoints.iterdir() if p.name.isdigit() and p.is_dir()), default=None)
 
 
 def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
@@ -93,7 +95,9 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
     binds nothing: its rerun may fix any setting.)"""
     path = output_dir / "run.json"
     identity = _run_identity(lambda name, default: _local_path_resolved(getattr(config, name, default)))
-    if holds_checkpoints(output_dir):
+    planned = config.steps
+    latest = latest_checkpoint_step(output_dir)
+    if latest is not None:
         if not path.exists():
             raise RunDirError(
                 f"{output_dir}: this output dir holds checkpoints but no run.json, so whether this "
@@ -116,19 +120,23 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
                 + ", ".join(f"{name}={identity[name]!r}" for name in changed)
                 + ": resume with the same settings, or use another output dir"
             )
-        planned = record.get("steps")
-        if getattr(config, "lr_decay", False) and planned is not None and planned != config.steps:
+        recorded_steps = record.get("steps")
+        if not isinstance(recorded_steps, int) or isinstance(recorded_steps, bool):
+            recorded_steps = None  # not a plan this file can tell
+        if config.steps <= latest:  # nothing trains: the recorded plan stands
+            planned = recorded_steps if recorded_steps is not None else config.steps
+        elif getattr(config, "lr_decay", False) and recorded_steps is not None and recorded_steps != config.steps:
             # Allowed (a run resumed for longer), but the cosine decay spans the steps.
             logger.warning(
                 "%s: resuming a run of %d steps as one of %d: the learning rate's decay spans the "
                 "steps, so its schedule changes from the checkpoint on",
                 output_dir,
-                planned,
+                recorded_steps,
                 config.steps,
             )
     if jax.process_index() == 0:  # the steps this run is planned for, as resumed
         staged = path.with_suffix(".tmp")
-        staged.write_text(json.dumps({**identity, "steps": config.steps}))
+        staged.write_text(json.dumps({**identity, "steps": planned}))
         os.replace(staged, path)  # other processes of the job never read half a file
 
 

@@ -109,6 +109,29 @@ def test_a_resume_for_more_steps_warns_that_the_decay_changes(tmp_path, caplog):
         assert not warned()
 
 
+def test_a_rerun_with_no_steps_left_keeps_the_runs_plan(tmp_path, caplog):
+    """--steps at or below the checkpoint trains nothing: it had recorded its smaller plan, and
+    the next resume warned of a schedule change that never happened. A plan that is no number
+    is not one (it had printed a logging error)."""
+    config = dataclasses.replace(PRESETS["tiny"], lr_decay=True, steps=4)
+    claim_output_dir(config, tmp_path)
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+
+    def warned():
+        return [r.getMessage() for r in caplog.records if r.name.startswith("examples")]
+
+    with caplog.at_level("WARNING"):
+        claim_output_dir(dataclasses.replace(config, steps=2), tmp_path)
+        assert json.loads((tmp_path / "run.json").read_text())["steps"] == 4
+        claim_output_dir(config, tmp_path)
+        assert not warned()
+        record = json.loads((tmp_path / "run.json").read_text())
+        (tmp_path / "run.json").write_text(json.dumps({**record, "steps": "four"}))
+        claim_output_dir(dataclasses.replace(config, steps=6), tmp_path)
+        assert not warned()
+    assert json.loads((tmp_path / "run.json").read_text())["steps"] == 6
+
+
 def test_decode_steps_reach_the_worker_and_are_not_part_of_a_runs_identity(tmp_path):
     """--decode-steps is how the engines run, not what they sample: a resume may change it."""
     config = dataclasses.replace(PRESETS["tiny"], decode_steps=8)
