@@ -54,7 +54,8 @@ class PhaseLog:
 
     def _append(self, line: bytes) -> None:
         """Appends ``line`` whole or not at all: a write cut short (a full disk) is taken back,
-        so that the next record does not continue a broken line."""
+        so that the next record does not continue a broken line. (The file is this worker's: a
+        record another process appended meanwhile would be cut with it.)"""
         with open(self._path, "ab", buffering=0) as log:
             start = log.seek(0, os.SEEK_END)
             try:
