@@ -81,12 +81,24 @@ def test_a_resume_with_other_rewards_or_another_learning_rate_schedule_is_refuse
 
 
 def test_an_output_dir_that_cannot_be_written_is_refused_naming_it(tmp_path):
-    """A read-only checkpoints dir let the steps train, then orbax waited 5 minutes for its save."""
+    """A read-only checkpoints dir let the steps train, then orbax waited 5 minutes for its save
+    (as root, a read-only mode stops no write: a file stands in for the dir here). The command
+    ends with the message, not a traceback."""
     afile = tmp_path / "afile"
     afile.write_text("")
     with pytest.raises(RunDirError, match=rf"{afile}: cannot write there"):
         check_writable(afile)
     check_writable(tmp_path)
+    config = dataclasses.replace(PRESETS["tiny"], output_dir=str(afile), plot=False)
+    with pytest.raises(RunDirError, match=rf"{afile}: the output dir is a file"):
+        with rl_loop.set_up(config, GRPO):
+            pass
+
+    def refused(_):
+        raise RunDirError(f"{afile}: the output dir is a file: use another output dir")
+
+    with pytest.raises(SystemExit, match=rf"^grpo: {afile}: the output dir is a file"):
+        cli("grpo", refused, config)
 
 
 def test_a_resume_for_more_steps_warns_that_the_decay_changes(tmp_path, caplog):
