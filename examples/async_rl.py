@@ -27,12 +27,12 @@ from examples.rl_loop import (
     RLConfig,
     Rollout,
     Setup,
+    recorded_summary,
     rollout_arrays,
     rollout_metrics,
     set_up,
     step_seed,
     sync_policy,
-    warn_if_trained,
 )
 from examples.run_dir import save_train_state
 from rollout import RolloutBatch
@@ -62,7 +62,7 @@ def run_async(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Alg
     if config.eval_every:
         raise ValueError("--eval-every runs in the synchronous loop")
     with set_up(config, make_algorithm, split_devices) as setup:
-        return _train_async(config, setup)
+        return _train_async(config, setup) if setup else recorded_summary(config)
 
 
 def _train_async(config: RLConfig, setup: Setup) -> dict:
@@ -95,8 +95,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool,
         step_log(config, output_dir, algorithm, state.step) as log,
     ):
-        if not warn_if_trained(config, output_dir, state.step):  # else no rollout for nothing
-            ahead = pool.submit(generate, state.step)
+        ahead = pool.submit(generate, state.step)
         while state.step < config.steps:
             step_start = time.perf_counter()
             problems, batch = ahead.result()

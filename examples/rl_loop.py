@@ -438,7 +438,8 @@ def set_up(
     same run), write or find the model, start the rollout worker, build the trainer's model
     of the checkpoint's family (``flax_model_for``: every preset's), load its params, build the
     algorithm, restore the latest checkpoint (metrics.jsonl cut back to its step), and the task
-    with the worker's tokenizer. The worker is closed on leaving.
+    with the worker's tokenizer. The worker is closed on leaving. Yields None, having started
+    nothing, where the latest checkpoint is already at ``config.steps`` (said in a warning).
 
     ``split_devices`` None (the synchronous loop): the engines on every local device
     (``config.dp_size`` of them), the trainer's params placed as the engine places its weights
@@ -459,13 +460,19 @@ def set_up(
     lead = int(os.environ.get(PROCESS_ID_ENV) or 0) == 0
     with output_dir_lock(output_dir) if lead else contextlib.nullcontext():
         join()
-        claim_output_dir(config, output_dir)
+        latest = claim_output_dir(config, output_dir)
         if jax.process_count() > 1 and (config.wants_logprobs or config.check_consistency_every):
             raise ValueError("return_logprobs, tis_cap and check_consistency_every run in one process only")
         if config.prompts_per_step % jax.process_count():
             raise ValueError(
                 f"prompts_per_step={config.prompts_per_step} does not split over {jax.process_count()} processes"
             )
+        if latest is not None and warn_if_trained(config, output_dir, latest):
+            # Said before anything starts: a real model's engines take minutes to start.
+            if lead:
+                keep_metrics_through(output_dir / "metrics.jsonl", latest)
+            yield None
+            return
         # Each process writes its own copy of the tiny model (the same bytes): no shared-file race.
         model_dir = prepare_model(
             config, output_dir if jax.process_count() == 1 else output_dir / f"process-{jax.process_index()}"
@@ -509,7 +516,12 @@ def set_up(
 def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
     """Train with the algorithm ``make_algorithm(config, policy)`` builds; returns a summary."""
     with set_up(config, make_algorithm) as setup:
-        return _train(config, setup)
+        return _train(config, setup) if setup else recorded_summary(config)
+
+
+def recorded_summary(config: RLConfig) -> dict:
+    """The summary of a run already trained to ``config.steps``: its recorded figures."""
+    return summarize(config, Path(config.output_dir), [], None) if jax.process_index() == 0 else {}
 
 
 def warn_if_trained(config: RLConfig, output_dir: Path, step: int) -> bool:
@@ -532,7 +544,6 @@ def _train(config: RLConfig, setup: Setup) -> dict:
     if not config.resync:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
         sync_policy(worker, algorithm, {"params": jax.tree_util.tree_map(jnp.copy, state.trees["params"])})
-    warn_if_trained(config, output_dir, state.step)
     history = []
     start = time.perf_counter()
     reports = step_log(config, output_dir, algorithm, state.step) if lead else contextlib.nullcontext(lambda _: None)

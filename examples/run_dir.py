@@ -87,12 +87,13 @@ def latest_checkpoint_step(output_dir: Path) -> int | None:
     return max((int(p.name) for p in checkpoints.iterdir() if p.name.isdigit() and p.is_dir()), default=None)
 
 
-def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
+def claim_output_dir(config: RLConfig, output_dir: Path) -> int | None:
     """Records in ``output_dir/run.json`` what decides a run's initial model and prompts, and the
     steps it is planned for; once the dir holds a checkpoint, checks a rerun against it: a
     resume with another seed would restore one run's weights and go on with another run's
     prompts, KL reference and metrics file. (A run that failed before its first checkpoint
-    binds nothing: its rerun may fix any setting.)"""
+    binds nothing: its rerun may fix any setting.) Returns the latest checkpoint's step (None:
+    none yet)."""
     path = output_dir / "run.json"
     identity = _run_identity(lambda name, default: _local_path_resolved(getattr(config, name, default)))
     planned = config.steps
@@ -138,6 +139,7 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> None:
         staged = path.with_suffix(".tmp")
         staged.write_text(json.dumps({**identity, "steps": planned}))
         os.replace(staged, path)  # other processes of the job never read half a file
+    return latest
 
 
 @contextlib.contextmanager

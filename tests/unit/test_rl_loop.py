@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from examples import reporting, rl_loop
+from examples.async_rl import run_async
 from examples.grpo import GRPO, PRESETS, GRPOConfig, parse_args
 from examples.ppo import PPOConfig
 from examples.reporting import check_plotting, summarize
@@ -467,11 +468,23 @@ def test_a_resume_must_be_of_the_same_algorithm_and_critic(tmp_path):
     claim_output_dir(dataclasses.replace(ppo, critic="shared"), other)
 
 
-def test_a_resumed_run_already_trained_says_so(tmp_path, caplog):
-    """Both loops ask before their first rollout (the async one generated a step's worth for nothing)."""
-    config = dataclasses.replace(PRESETS["tiny"], steps=4)
+@pytest.mark.parametrize("loop", [rl_loop.run, run_async], ids=["sync", "async"])
+def test_a_run_already_trained_says_so_and_starts_nothing(tmp_path, caplog, monkeypatch, loop):
+    """A rerun whose --steps is at or below the latest checkpoint had started the engines (minutes
+    for a real model) and restored the checkpoint before saying there was nothing to train (the
+    unit layer refuses to boot an engine). It returns the recorded run's summary, the metrics
+    cut back to the checkpoint as a resume cuts them, and leaves the plot as the run drew it."""
+    config = dataclasses.replace(PRESETS["tiny"], steps=4, output_dir=str(tmp_path), tis_cap=2.0, eval_every=0)
+    claim_output_dir(config, tmp_path)
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    write_records(tmp_path / "metrics.jsonl", range(1, 6))  # step 5 logged, its checkpoint never written
+    plotted = []
+    monkeypatch.setattr(reporting, "plot", lambda *args: plotted.append(args))
     with caplog.at_level("WARNING", logger="examples"):
-        assert not rl_loop.warn_if_trained(config, tmp_path, 3)
-        assert rl_loop.warn_if_trained(config, tmp_path, 4)
+        summary = loop(dataclasses.replace(config, steps=3), GRPO)
     (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("examples")]
-    assert "the checkpoint is at step 4 and --steps is 4: nothing to train" in warning
+    assert "the checkpoint is at step 4 and --steps is 3: nothing to train" in warning
+    assert summary["steps"] == 4 and summary["steps_run"] == 0 and summary["last_reward"] == pytest.approx(0.4)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert not plotted
+    assert json.loads((tmp_path / "run.json").read_text())["steps"] == 4  # the recorded plan stands
