@@ -94,10 +94,8 @@ class EngineWeights:
         plan = self._plans.get(key)
         if plan is None:
             adapters_only = self.adapters_only(flat)
-            if adapters_only:  # one slot's: the slot of the tree's first path
-                mappings = next(
-                    m for m, paths in zip(self._slot_mappings, self._slot_paths) if next(iter(flat)) in paths
-                )
+            if adapters_only:
+                mappings = self._slot_of(flat)
             else:
                 mappings = self.mappings + self.adapter_mappings
             if partial:
@@ -114,10 +112,16 @@ class EngineWeights:
             plan = self._plans[key] = SyncPlan(leaves, self.head_dim)
         return plan
 
+    def _slot_of(self, flat: Mapping[str, object]) -> tuple[ParamMapping, ...]:
+        """The adapter mappings of the slot a tree of adapters alone fills: its first path's."""
+        return next(m for m, paths in zip(self._slot_mappings, self._slot_paths) if next(iter(flat)) in paths)
+
     def with_adapters(self, flat: Mapping[str, object]) -> Mapping[str, object]:
         """``flat`` as a sync serves it: a base tree without adapters on an engine that computes
-        them unmerged is served with zero adapters (the base alone)."""
-        if not self._adapter_paths or any(path in self._adapter_paths for path in flat):
+        them unmerged is served with zero adapters (the base alone). An empty tree stays empty
+        (it is no base: its plan names every path missing), where zero adapters alone would
+        have been synced as the served base's new adapters."""
+        if not flat or not self._adapter_paths or any(path in self._adapter_paths for path in flat):
             return flat  # adapters of its own (or a tree of adapters alone)
         zeros = {
             m.trainer: np.zeros(self._trainer_shape(m), self._by_path[m.engine].dtype) for m in self.adapter_mappings
@@ -163,7 +167,7 @@ class EngineWeights:
         plan = self.plan_for(flat, allow_cast)
         leaves = self.engine.weight_leaves()
         if self.adapters_only(flat):
-            self._check_base_served(leaves)
+            self._check_served_beside(self._slot_of(flat), leaves)
         elif self._adapter_paths:
             kept = {
                 p.trainer_path
@@ -199,18 +203,29 @@ class EngineWeights:
         ref = self._sources.get(index)
         return None if ref is None else ref()
 
-    def _check_base_served(self, leaves: list) -> None:
-        """Adapters alone need the base served: not released for a train step."""
-        adapters = {m.engine for slot in self._slot_mappings for m in slot}
+    def _check_served_beside(self, slot: tuple[ParamMapping, ...], leaves: list) -> None:
+        """Adapters alone (one slot's) need the rest served: the base and the other slots'
+        adapters not released for a train step. (The sync would have left them released and
+        the worker taken for synced: every call refused, blaming a donation.)"""
+        own = {m.engine for m in slot}
+        adapters = {m.engine for other in self._slot_mappings for m in other}
         released = [
             spec.path
             for spec, leaf in zip(self.leaves, leaves)
-            if not spec.engine_state and spec.path not in adapters and not _live(leaf)
+            if not spec.engine_state and spec.path not in own and not _live(leaf)
         ]
+        base = [path for path in released if path not in adapters]
+        if base:
+            raise SyncError(
+                f"adapters alone: the engine's base was released for a train step ({len(base)} leaves, "
+                f"e.g. '{base[0]}'); sync the base with them: sync_params(base, adapters=..., lora=...)"
+            )
         if released:
             raise SyncError(
-                f"adapters alone: the engine's base was released for a train step ({len(released)} leaves, "
-                f"e.g. '{released[0]}'); sync the base with them: sync_params(base, adapters=..., lora=...)"
+                f"adapters alone: other adapters the engine serves were released for a train step "
+                f"({len(released)} leaves, e.g. '{released[0]}'); sync those first (the default adapters: "
+                "sync_params(base, adapters=..., lora=...) or sync_adapters(adapters); named ones: "
+                "sync_adapters(adapters, name=...))"
             )
 
     def commit(self, prepared: PreparedSync, version: int, *, in_flight: bool = False, recompute_kv: bool = False):

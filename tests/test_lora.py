@@ -181,6 +181,20 @@ def test_bad_adapters_are_refused_naming_what_is_wrong_and_the_adapters_keep_ser
     worker.sync_adapters(served.placed_adapters, reordered)
 
 
+def test_an_empty_tree_is_refused_and_the_adapters_keep_serving(served):
+    """A trainer filter that left nothing ({} or {'params': {}}) had been synced as zero adapters
+    alone: a new version serving the base without the adapters. A merged worker refuses it."""
+    worker = served.worker
+    worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
+    version = worker.weight_version
+    for tree in ({}, {"params": {}}):
+        for call in (worker.check_params, worker.sync_params):
+            with pytest.raises(SyncError, match="param tree does not match the model: .*missing"):
+                call(tree)
+    assert worker.weight_version == version
+    assert served.greedy() == served.tokens
+
+
 def test_a_leaf_served_unchecked_is_checked_when_it_comes_again(served):
     """Arrays the engine already serves are not read again for NaN, unless they came unchecked."""
     worker = served.worker
@@ -531,6 +545,30 @@ def test_named_adapters_synced_as_aliases_serve_on_after_a_train_step(slotted, s
         assert greedy_on(worker, lora="ref") == served.other_tokens
     finally:
         worker.unload_adapters("ref")
+
+
+def test_named_adapters_alone_are_refused_while_the_default_ones_are_released(slotted, served):
+    """A train step released the default adapters (aliased) where the base was the engine's own
+    copy: a sync of named adapters alone had gone through and the worker taken itself for synced,
+    refusing every call after, the named adapters' too, blaming a donation."""
+    worker = slotted
+    worker.sync_params(served.params)  # host arrays: the engine's own copies, kept through a release
+    placed = jax.device_put(unflatten_params(served.adapters), worker.adapter_shardings())
+    assert worker.sync_adapters(placed).leaves_aliased > 0
+    with worker.released_for_training():
+        pass
+    version = worker.weight_version
+    with pytest.raises(SyncError, match=r"other adapters the engine serves were released .*e\.g\. '.*lora_[ab]'"):
+        worker.sync_adapters(unflatten_params(served.other_adapters), name="x")
+    assert worker.weight_version == version and "x" not in worker.adapter_names()
+    worker.sync_adapters(placed)
+    worker.sync_adapters(unflatten_params(served.other_adapters), name="x")
+    try:
+        assert greedy_on(worker) == served.tokens
+        assert greedy_on(worker, lora="x") == served.other_tokens
+    finally:
+        worker.unload_adapters("x")
+        worker.sync_params(jax.device_put(served.params, worker.param_shardings()))
 
 
 @pytest.mark.one_end
