@@ -38,7 +38,7 @@ from trainer_bridge import (
     unflatten_params,
 )
 from trainer_bridge.checkpoint import resolve_checkpoint, restore_saved, saved_layout
-from trainer_bridge.hf import hf_model_dir
+from trainer_bridge.hf import hf_model_dir, hf_source
 from trainer_bridge.lora import (
     canonical_adapters,
     collect_adapters,
@@ -539,15 +539,22 @@ class RolloutWorker:
         check_swap_mode(in_flight, recompute_kv)
         hf_model_dir(model_dir)  # a missing dir, a file, no weights: named first, as the load names them
         check_same_forward(self.config.model_path, model_dir)  # before reading the weights
-        return self._sync(
-            load_hf_params(model_dir, dtype=None),
-            "load_hf",
-            allow_cast=True,
-            check_finite=check_finite,
-            in_flight=in_flight,
-            recompute_kv=recompute_kv,
-            reason="weights are being reloaded",
-        )
+        try:
+            return self._sync(
+                load_hf_params(model_dir, dtype=None),
+                "load_hf",
+                allow_cast=True,
+                check_finite=check_finite,
+                in_flight=in_flight,
+                recompute_kv=recompute_kv,
+                reason="weights are being reloaded",
+            )
+        except SyncError as error:
+            source = error.path and hf_source(model_dir, error.path)
+            if not source:
+                raise
+            # Named as the files hold it: the sync names the trainer's path, in the trainer's layout.
+            raise SyncError(f"{model_dir}: {source}: {error}", error.non_finite, error.path) from None
 
     def load_checkpoint(
         self,

@@ -2,6 +2,7 @@
 bad input that leaves the worker serving, the phase log."""
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -188,6 +189,22 @@ def test_load_hf_sharded_and_bad_files(worker, qwen2_dir, params, scaled, tmp_pa
         f.truncate(victim.stat().st_size // 2)
     with pytest.raises(ValueError, match="model-00002-of-00002.safetensors"):
         worker.load_hf(truncated)
+    assert_still_serving(worker, expected, version)
+
+    # A tensor the engine's leaf does not fit: named as the files hold it, not only by the
+    # trainer's path in the trainer's transposed layout.
+    misshapen = Path(shutil.copytree(qwen2_dir, tmp_path / "misshapen"))
+    tensors = load_file(str(misshapen / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:-8]
+    save_file(tensors, misshapen / "model.safetensors")
+    named = (
+        r"misshapen: tensor 'model\.layers\.1\.mlp\.up_proj\.weight' in model\.safetensors, stored \[out, in\] "
+        r"\(the trainer's \[in, out\] transposed\): 'model\.layers_1\.mlp\.up_proj\.kernel' has shape "
+        r"\(256, 504\), expected \(256, 512\)"
+    )
+    with pytest.raises(SyncError, match=named) as refused:
+        worker.load_hf(misshapen)
+    assert refused.value.path == "model.layers_1.mlp.up_proj.kernel"
     assert_still_serving(worker, expected, version)
 
     with pytest.raises(FileNotFoundError, match="missing-dir"):

@@ -89,11 +89,14 @@ def checkpoint_tree_metadata(item_dir: Path) -> dict:
 
 def restore_tree(item_dir: Path, target: Any, *, partial: bool = False) -> Any:
     """Restore the tree at ``item_dir`` as ``target`` says (a tree of ``jax.ShapeDtypeStruct``
-    with shardings, or of arrays whose shape, dtype and sharding to take); ``partial``: only
-    the subtrees ``target`` has (orbax's partial restore: the rest is not read)."""
+    with shardings, or of arrays whose shape, dtype and sharding to take; a leaf with no sharding,
+    such as a numpy array, is restored as orbax places it); ``partial``: only the subtrees
+    ``target`` has (orbax's partial restore: the rest is not read)."""
     import orbax.checkpoint as ocp
 
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), target
+    )
     try:
         if not partial:
             return _checkpointer().restore(item_dir, abstract)

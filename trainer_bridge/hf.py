@@ -69,14 +69,13 @@ def _open(file: Path):
         raise CheckpointError(f"cannot read safetensors file {file}: {exc}") from exc
 
 
-def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
-    """Read an HF checkpoint of a registered model type (``models.FAMILIES``) into a nested
-    trainer param dict of numpy arrays.
+# Weights stored in these (safetensors' names) are the model's; narrower floats (float8) and
+# integers are quantized values, which mean nothing without scales this reader does not apply.
+_WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 
-    ``dtype=None`` keeps each tensor's stored dtype (bfloat16 comes back as ml_dtypes').
-    """
-    model_dir = Path(model_dir)
-    located = safetensors_files(model_dir)
+
+def _mappings(model_dir: Path) -> tuple[dict, list]:
+    """``model_dir``'s config.json and the mapping table of its model type."""
     config_file = model_dir / "config.json"
     try:
         config = json.loads(config_file.read_text())
@@ -85,9 +84,29 @@ def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file} is not a JSON object")
     try:
-        mappings = mappings_for(config, where=str(config_file))
+        return config, mappings_for(config, where=str(config_file))
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
+
+
+def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
+    """Read an HF checkpoint of a registered model type (``models.FAMILIES``) into a nested
+    trainer param dict of numpy arrays.
+
+    ``dtype=None`` keeps each tensor's stored dtype (bfloat16 comes back as ml_dtypes').
+    Quantized checkpoints (a ``quantization_config``, or weights stored as integers or float8)
+    are refused: their stored values are not the weights.
+    """
+    model_dir = Path(model_dir)
+    located = safetensors_files(model_dir)
+    config, mappings = _mappings(model_dir)
+    if config.get("quantization_config"):
+        method = config["quantization_config"]
+        method = method.get("quant_method", method) if isinstance(method, dict) else method
+        raise CheckpointError(
+            f"{model_dir / 'config.json'}: a quantized checkpoint (quantization_config: {method!r:.60}); "
+            "this reader takes unquantized float weights"
+        )
     handles: dict[Path, object] = {}
 
     def read(name: str, trainer_path: str, transposed: bool) -> np.ndarray:
@@ -97,8 +116,17 @@ def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
         if file not in handles:
             handles[file] = _open(file)
         try:
-            tensor = handles[file].get_tensor(name)
+            stored = handles[file].get_slice(name).get_dtype()
         except Exception as exc:  # safetensors raises its own error types on truncated data
+            raise CheckpointError(f"{file}: cannot read tensor '{name}': {exc}") from exc
+        if stored not in _WEIGHT_DTYPES:
+            raise CheckpointError(
+                f"{file}: tensor '{name}' (for '{trainer_path}') is stored as {stored}: quantized values, not "
+                f"weights; this reader takes {', '.join(_WEIGHT_DTYPES)}"
+            )
+        try:
+            tensor = handles[file].get_tensor(name)
+        except Exception as exc:
             raise CheckpointError(f"{file}: cannot read tensor '{name}': {exc}") from exc
         tensor = tensor.T if transposed else tensor
         return np.ascontiguousarray(tensor, dtype=dtype or tensor.dtype)
@@ -122,3 +150,19 @@ def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
         else:
             flat[entry.trainer] = read(entry.hf, entry.trainer, entry.hf_transposed)
     return unflatten_params(flat)
+
+
+def hf_source(model_dir: str | Path, trainer_path: str) -> str | None:
+    """Where ``model_dir``'s HF files hold the trainer leaf ``trainer_path``: its tensor (or
+    per-expert tensors) and file, and the layout they store it in; None if no mapping entry
+    names it."""
+    model_dir = Path(model_dir)
+    config, mappings = _mappings(model_dir)
+    entry = next((m for m in mappings if m.trainer == trainer_path), None)
+    if entry is None:
+        return None
+    layout = ", stored [out, in] (the trainer's [in, out] transposed)" if entry.hf_transposed else ""
+    if entry.stacked_experts:
+        return f"tensors '{entry.hf.format(expert='*')}' (one per expert){layout}"
+    file = safetensors_files(model_dir).get(entry.hf)
+    return f"tensor '{entry.hf}' in {file.name if file else 'no file of the directory'}{layout}"

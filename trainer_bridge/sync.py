@@ -36,11 +36,13 @@ from .tree import path_mismatch
 
 class SyncError(ValueError):
     """The param tree cannot be synced; nothing was changed. ``non_finite``: the trainer paths
-    found holding NaN/inf, where that is why."""
+    found holding NaN/inf, where that is why; ``path``: the one trainer path whose shape or dtype
+    is why, where that is."""
 
-    def __init__(self, message: str, non_finite: Sequence[str] = ()):
+    def __init__(self, message: str, non_finite: Sequence[str] = (), path: str | None = None):
         super().__init__(message)
         self.non_finite = tuple(non_finite)
+        self.path = path
 
 
 class LeafAction(enum.Enum):
@@ -285,14 +287,19 @@ def build_plan(
         if found_shape != expected_shape:
             raise SyncError(
                 f"'{m.trainer}' has shape {found_shape}, expected {expected_shape} "
-                f"(engine leaf '{m.engine}' is {engine.shape})"
+                f"(engine leaf '{m.engine}' is {engine.shape})",
+                path=m.trainer,
             )
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-            raise SyncError(f"'{m.trainer}' has dtype {dtype}, expected a floating dtype ({engine.dtype})")
+            raise SyncError(
+                f"'{m.trainer}' has dtype {dtype}, expected a floating dtype ({engine.dtype})", path=m.trainer
+            )
         check_byte_order(f"'{m.trainer}'", dtype)
         cast = dtype != engine.dtype
         if cast and not allow_cast:
-            raise SyncError(f"'{m.trainer}' has dtype {dtype}, expected {engine.dtype} (casting is disabled)")
+            raise SyncError(
+                f"'{m.trainer}' has dtype {dtype}, expected {engine.dtype} (casting is disabled)", path=m.trainer
+            )
         as_is = m.engine_transform is not EngineTransform.TRANSPOSE and repeat == 1 and not cast
         # In the engine's memory (device, not host): its buffers can be served as they are.
         held = as_is and isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == engine.sharding.memory_kind

@@ -32,6 +32,15 @@ def test_trainer_resume_restores_onto_trainer_shardings(params, tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=key)
 
 
+def test_a_numpy_target_restores_the_params(params, qwen2_dir, tmp_path):
+    """load_hf_params' tree as the target had failed with AttributeError ('numpy.ndarray' object
+    has no attribute 'sharding')."""
+    path = orbax_save(tmp_path / "numpy-target", params)
+    restored = restore_params(path, load_hf_params(qwen2_dir))
+    for (key, got), want in zip(flatten_params(restored).items(), flatten_params(params).values()):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=key)
+
+
 def test_a_resume_refuses_integers_saved_where_the_trainer_has_weights(params, tmp_path):
     flat = flatten_params(params)
     key = "model.layers_0.mlp.up_proj.kernel"

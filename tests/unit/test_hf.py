@@ -5,11 +5,13 @@ import re
 import shutil
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from trainer_bridge import CheckpointError, flatten_params, load_hf_params
+from trainer_bridge.hf import hf_source
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +90,42 @@ def test_experts_of_different_shapes_are_named(moe_dir, tmp_path):
     save_file(tensors, model_dir / "model.safetensors")
     with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' has shape \(255, 128\), expert 0's has"):
         load_hf_params(model_dir)
+
+
+@pytest.mark.parametrize("dtype, stored", [(np.int8, "I8"), (np.uint8, "U8"), ("float8_e4m3fn", "F8_E4M3")])
+def test_weights_stored_quantized_are_refused_naming_the_file_and_tensor(qwen2_dir, tmp_path, dtype, stored):
+    """An int8 (bitsandbytes) or float8 (Qwen3-*-FP8) weight had been cast to float32 as it
+    came, its scales ignored: codes up to 127 served as weights (a float8 one failed in numpy,
+    naming no dtype)."""
+    model_dir = _copy(qwen2_dir, tmp_path)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name].astype(jnp.dtype(dtype))
+    save_file(tensors, model_dir / "model.safetensors")
+    where = (
+        rf"model\.safetensors: tensor '{re.escape(name)}' \(for 'model\.layers_1\.mlp\.up_proj\.kernel'\) is stored as"
+    )
+    for as_dtype in (np.float32, None):
+        with pytest.raises(CheckpointError, match=where + rf" {stored}: quantized values"):
+            load_hf_params(model_dir, dtype=as_dtype)
+
+
+def test_a_quantized_config_is_refused(qwen2_dir, tmp_path):
+    model_dir = _copy(qwen2_dir, tmp_path)
+    config = model_dir / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(CheckpointError, match=re.escape(str(config)) + r": a quantized checkpoint .*'fp8'"):
+        load_hf_params(model_dir)
+
+
+def test_hf_source_names_a_trainer_leaf_as_the_files_hold_it(qwen2_dir, moe_dir):
+    assert hf_source(qwen2_dir, "model.layers_1.mlp.up_proj.kernel") == (
+        "tensor 'model.layers.1.mlp.up_proj.weight' in model.safetensors, stored [out, in] (the trainer's [in, out] "
+        "transposed)"
+    )
+    assert hf_source(qwen2_dir, "model.norm.scale") == "tensor 'model.norm.weight' in model.safetensors"
+    assert hf_source(moe_dir, "model.layers_1.mlp.down_proj") == (
+        "tensors 'model.layers.1.mlp.experts.*.down_proj.weight' (one per expert), stored [out, in] (the trainer's "
+        "[in, out] transposed)"
+    )
+    assert hf_source(qwen2_dir, "model.no_such.kernel") is None
