@@ -135,7 +135,9 @@ class Turn:
     token_ids: list[int]  # as sampled, the stop token included
     text: str  # the tokens' text (rollout.chat.completion_text); "" without a tokenizer
     finish_reason: str  # "stop" (a stop token), "length" (the turn's token budget)
-    parsed: ParsedTurn  # the text's tool calls (rollout.chat.parse_tool_calls)
+    # The message's tool calls (rollout.chat.parse_tool_calls; ids call_<index>_<k>): the text's,
+    # on a first turn that continues a prefilled assistant message the prefill's and the text's.
+    parsed: ParsedTurn
 
     @property
     def tool_calls(self):
@@ -190,9 +192,15 @@ class ToolEnvironment:
         parsed = turn.parsed
         if not parsed.tool_calls and not parsed.errors:
             reward = await _call(self.reward, turn)
-            if isinstance(reward, (bool, np.bool_, str, bytes)):  # float() would take them
-                raise TypeError(f"the reward function returned {reward!r} ({type(reward).__name__}), not a number")
-            return StepResult(reward=float(reward), done=True)
+            try:
+                if isinstance(reward, (bool, np.bool_, str, bytes)):  # float() would take them
+                    raise TypeError
+                reward = float(reward)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"the reward function returned {reward!r:.80} ({type(reward).__name__}), not a number"
+                ) from None
+            return StepResult(reward=reward, done=True)
         # Counted before the calls run: a step that times out still counts what it started.
         self.calls += len(parsed.tool_calls) + len(parsed.errors)
         self.failed_calls += len(parsed.errors)
@@ -391,8 +399,7 @@ class TurnFrames:
                 field, f"{field}: message prompts need a tokenizer with a chat template: pass token ids"
             )
         messages = list(messages)
-        last = messages[-1] if messages and isinstance(messages[-1], Mapping) else {}
-        prefill = last.get("role") == "assistant" and not last.get("tool_calls")
+        prefill = prefill_text(messages) is not None
         try:
             return self._encode(self._render(messages, not prefill, continue_final=prefill))
         except ChatError as error:  # its field is a path in a request body: messages[1].content
@@ -421,6 +428,12 @@ class TurnFrames:
         if _is_messages(content):
             if not self.templated:
                 raise TypeError("an observation of messages needs a tokenizer with a chat template")
+            for i, message in enumerate(content):
+                if not isinstance(message, Mapping):  # dict() would fail naming no element
+                    raise TypeError(
+                        f"observation[{i}] is {type(message).__name__} {message!r:.60}, not a message "
+                        "(an object with a string 'role')"
+                    )
             return self._encode(self._between(normalize_messages([dict(m) for m in content], "observation")))
         ids = _content_token_ids(content)
         if not self.templated:
@@ -475,7 +488,7 @@ async def run_episode(
     seed = _call_seed(seed)
     with _own_threads(threads, 2) as threads:
         episode = _Episode(worker, frames, limits, sampling, seed, threads)
-        return await episode.run(prompt_ids, env)
+        return await episode.run(prompt_ids, env, prefill_text(prompt) or "")
 
 
 async def run_episodes(
@@ -527,7 +540,7 @@ async def run_episodes(
             for row, env in enumerate(envs):
                 i, j = divmod(row, n)
                 episode = _Episode(worker, frames, limits, sampling, int(seeds[i, j]), threads)
-                tasks.append(asyncio.ensure_future(episode.run(prompt_ids[i], env)))
+                tasks.append(asyncio.ensure_future(episode.run(prompt_ids[i], env, prefill_text(prompts[i]) or "")))
             results = await asyncio.gather(*tasks)
         except BaseException:  # one episode's error (or a cancellation) ends the others too
             for task in tasks:
@@ -750,9 +763,12 @@ class _Episode:
         self.routing: np.ndarray | None = None  # the last turn's, for every token but its last sampled one
         self.turns: list[EpisodeTurn] = []
         self.reward = 0.0
+        self.prefill = ""
 
-    async def run(self, prompt: list[int], env: Environment) -> EpisodeResult:
+    async def run(self, prompt: list[int], env: Environment, prefill: str = "") -> EpisodeResult:
+        """``prefill``: the text of an assistant message the prompt leaves open (its first turn's start)."""
         self.prompt_length = len(prompt)
+        self.prefill = prefill
         self._append(prompt)
         try:
             status, error = await self._loop(env)
@@ -804,6 +820,8 @@ class _Episode:
                 except (TypeError, ValueError) as exc:
                     return ENV_ERROR, f"turn {index}: cannot append the observation: {exc}"
             self.reward += float(result.reward)
+            if not math.isfinite(self.reward):  # each step's is finite: their sum overflowed
+                return ENV_ERROR, f"turn {index}: the episode's reward summed to {self.reward}"
             if result.done:
                 return DONE, None
             if not read:  # the last turn: no turn would read the observation
@@ -872,7 +890,10 @@ class _Episode:
             )
         )
         text = batch.completion_texts[0] if batch.completion_texts is not None else ""
-        return Turn(index, list(sampled), text, batch.finish_reasons[0], parse_tool_calls(text))
+        # The first turn continues a prefill: its message, and so its tool calls, begin there.
+        message = self.prefill + text if index == 0 else text
+        parsed = parse_tool_calls(message, id_prefix=f"call_{index}")  # ids unique across the episode
+        return Turn(index, list(sampled), text, batch.finish_reasons[0], parsed)
 
     async def _step(self, env: Environment, turn: Turn) -> StepResult:
         """The environment's checked answer to ``turn``; raises what ends the episode."""
@@ -938,6 +959,16 @@ def _drop_late_step(step: asyncio.Future) -> None:
     error retrieved (asyncio would log it as never retrieved)."""
     if not step.cancelled() and step.exception() is not None:
         logger.info("an abandoned environment step ended with %r", step.exception())
+
+
+def prefill_text(prompt) -> str | None:
+    """The text of the assistant message a prompt of messages ends with, which its first turn
+    continues (no tool calls: such a message is closed); None if it ends otherwise."""
+    last = prompt[-1] if _is_messages(prompt) and isinstance(prompt[-1], Mapping) else {}
+    if last.get("role") != "assistant" or last.get("tool_calls"):
+        return None
+    content = last.get("content")
+    return content if isinstance(content, str) else ""
 
 
 def _is_messages(value) -> bool:

@@ -714,3 +714,75 @@ def test_options_the_worker_refuses_are_refused_before_any_environment_is_made()
     with pytest.raises(InvalidRequest, match="no LoRA adapter named 'nope'"):
         asyncio.run(run_episodes(worker, [[5]], lambda i, j: made.append((i, j)) or Done(), lora="nope"))
     assert made == [] and worker.calls == 0
+
+
+class Saying(ScriptedWorker):
+    """Every turn samples ``texts``' next text (its tokens), as its completion text too."""
+
+    def __init__(self, tokenizer, *texts):
+        super().__init__(tokenizer)
+        self.texts = list(texts)
+
+    async def agenerate(self, prompts, *, max_new_tokens, **_):
+        self.calls += 1
+        text = self.texts.pop(0)
+        sampled = self.tokenizer.encode(text)[:max_new_tokens]
+        return pack_rollouts(
+            prompts,
+            [sampled],
+            n=1,
+            completion_width=max_new_tokens,
+            pad_token_id=0,
+            finish_reasons=["stop"],
+            weight_version=0,
+            seeds=np.zeros(1),
+            completion_texts=[text],
+            token_versions=[[0] * len(sampled)],
+            cached_tokens=[0],
+            prefill_tokens=[len(prompts[0])],
+        )
+
+
+def test_a_prefill_that_opens_a_tool_call_makes_the_first_turn_a_call(tokenizer):
+    """Prefilling "<tool_call>\\n" forces a call: the turn's text (the call's rest) had been parsed
+    alone, found no call, and ended the episode as the final answer, the tool never run. Each
+    turn's calls have ids of their own (every turn's first call had been call_0)."""
+    call = '{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    worker = Saying(tokenizer, call, "<tool_call>\n" + call, "3")
+    ran, turns = [], []
+    tools = ToolEnvironment({"add": lambda a, b: ran.append((a, b)) or a + b}, reward=lambda turn: 1.0)
+
+    class Recording:
+        async def step(self, turn):
+            turns.append(turn)
+            return await tools.step(turn)
+
+    prompt = [{"role": "user", "content": "add 1 and 2"}, {"role": "assistant", "content": "<tool_call>\n"}]
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=40)
+    (episode_,) = asyncio.run(run_episodes(worker, [prompt], lambda i, j: Recording(), limits=limits)).episodes
+    assert episode_.status == "done" and episode_.reward == 1.0 and ran == [(1, 2), (1, 2)]
+    assert turns[0].text == call  # the sampled text; parsed is the whole message's
+    assert [[c.id for c in t.tool_calls] for t in turns] == [["call_0_0"], ["call_1_0"], []]
+    assert turns[2].parsed.content == "3"
+
+
+@pytest.mark.parametrize("element", ["b", 5, None])
+def test_an_observation_list_holding_no_message_is_named(tokenizer, element):
+    with pytest.raises(TypeError, match=rf"^observation\[1\] is {type(element).__name__} .*, not a message"):
+        TurnFrames(tokenizer).observation(StepResult(observation=[{"role": "tool", "content": "a"}, element]))
+
+
+def test_rewards_summing_past_the_float_range_fail_their_episode():
+    env = Answers(StepResult(observation=[9], reward=1e308), StepResult(reward=1e308, done=True))
+    limits = EpisodeLimits(max_turns=4, max_new_tokens=2)
+    (episode_,) = asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: env, limits=limits)).episodes
+    assert episode_.status == "env_error" and episode_.error == "turn 1: the episode's reward summed to inf"
+
+
+@pytest.mark.parametrize("answer", [None, [1], "x"])
+def test_a_reward_function_answering_none_or_a_list_is_named(answer):
+    env = ToolEnvironment({}, reward=lambda t: answer)
+    (episode_,) = asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: env)).episodes
+    assert episode_.error == (
+        f"turn 0: TypeError: the reward function returned {answer!r} ({type(answer).__name__}), not a number"
+    )
