@@ -345,18 +345,23 @@ class ScriptedWorker:
         self.tokenizer = tokenizer
         self.calls = 0
 
+    def turn(self, max_new_tokens) -> tuple[list[int], str | None, str]:
+        """A turn's tokens, text and finish reason."""
+        return [7, 8][:max_new_tokens], None, "length"
+
     async def agenerate(self, prompts, *, max_new_tokens, **_):
         self.calls += 1
-        sampled = [7, 8][:max_new_tokens]
+        sampled, text, finish_reason = self.turn(max_new_tokens)
         return pack_rollouts(
             prompts,
             [sampled],
             n=1,
             completion_width=max_new_tokens,
             pad_token_id=0,
-            finish_reasons=["length"],
+            finish_reasons=[finish_reason],
             weight_version=0,
             seeds=np.zeros(1),
+            completion_texts=None if text is None else [text],
             token_versions=[[0] * len(sampled)],
             cached_tokens=[0],
             prefill_tokens=[len(prompts[0])],
@@ -723,24 +728,9 @@ class Saying(ScriptedWorker):
         super().__init__(tokenizer)
         self.texts = list(texts)
 
-    async def agenerate(self, prompts, *, max_new_tokens, **_):
-        self.calls += 1
+    def turn(self, max_new_tokens):
         text = self.texts.pop(0)
-        sampled = self.tokenizer.encode(text)[:max_new_tokens]
-        return pack_rollouts(
-            prompts,
-            [sampled],
-            n=1,
-            completion_width=max_new_tokens,
-            pad_token_id=0,
-            finish_reasons=["stop"],
-            weight_version=0,
-            seeds=np.zeros(1),
-            completion_texts=[text],
-            token_versions=[[0] * len(sampled)],
-            cached_tokens=[0],
-            prefill_tokens=[len(prompts[0])],
-        )
+        return self.tokenizer.encode(text)[:max_new_tokens], text, "stop"
 
 
 def test_a_prefill_that_opens_a_tool_call_makes_the_first_turn_a_call(tokenizer):
