@@ -90,7 +90,7 @@ class EngineWeights:
     def plan_for(self, flat: Mapping[str, object], allow_cast: bool, partial: bool = False) -> SyncPlan:
         """The plan of ``flat``: the whole tree (base, plus the adapters of an unmerged engine),
         the adapters alone, or (``partial``, already validated whole) the leaves it has."""
-        key = (plan_key(flat), allow_cast)
+        key = (plan_key(flat), allow_cast, partial)  # a partial plan checks no missing paths
         plan = self._plans.get(key)
         if plan is None:
             adapters_only = self.adapters_only(flat)
@@ -274,7 +274,7 @@ class EngineWeights:
 
     def memory_analysis(self, flat: Mapping[str, object]):
         flat = self.with_adapters(flat)
-        plan = next((p for (key, _), p in self._plans.items() if key == plan_key(flat)), None)
+        plan = next((p for (key, _, partial), p in self._plans.items() if key == plan_key(flat) and not partial), None)
         if plan is None:
             raise ValueError("sync these params once before asking for the memory analysis")
         return plan.memory_analysis(flat)

@@ -141,6 +141,25 @@ def test_base_and_adapters_together_alias_the_base_and_a_base_passed_again_is_ke
     assert served.greedy() == served.tokens
 
 
+def test_a_tree_of_the_leaves_a_resync_moved_is_no_whole_base(served):
+    """A sync of the same base after a train step moves only the released leaves (and the
+    adapters): its plan, of those leaves alone, had been cached under their tree's key, so a
+    later sync of exactly that tree, which lacks the engine's copied k/v leaves, went through
+    unchecked for missing paths."""
+    worker = served.worker
+    worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
+    with worker.released_for_training():
+        pass
+    worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
+    copied = {p for p in flatten_params(served.base) if re.search(r"\.(k|v)_proj\.", p)}  # KV heads repeated
+    moved = {p: leaf for p, leaf in flatten_params(served.base).items() if p not in copied}
+    version = worker.weight_version
+    with pytest.raises(SyncError, match=r"missing 8 expected path\(s\): model\.layers_0\.self_attn\.k_proj\.kernel"):
+        worker.sync_params(unflatten_params(moved | flatten_params(served.placed_adapters)))
+    assert worker.weight_version == version
+    assert served.greedy() == served.tokens
+
+
 def test_bad_adapters_are_refused_naming_what_is_wrong_and_the_adapters_keep_serving(served):
     worker = served.worker
     worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
