@@ -491,6 +491,7 @@ class RolloutWorker:
     def sync_memory_analysis(self, params: Mapping):
         """XLA's memory analysis of the jitted copy a sync of ``params`` runs on the first
         engine (after a first sync of the same structure): output and temporary bytes."""
+        self._check_open()
         return self._group.first.memory_analysis(flatten_params(params))
 
     def param_shardings(self) -> dict:
@@ -825,6 +826,7 @@ class RolloutWorker:
         """``generate``'s sampling options checked against this worker (its vocabulary, LoRA
         adapters, routing), as generate checks them, without generating: the
         :class:`SamplingParams`, or the InvalidRequest naming what is wrong."""
+        self._check_open()
         return self._requests.check_sampling(sampling)
 
     async def agenerate(self, prompts, **options) -> RolloutBatch:
@@ -932,8 +934,10 @@ class RolloutWorker:
     def release_session(self, session: str) -> bool:
         """Unlock what ``session`` pinned in its engine's prefix cache (it stays cached, now
         evictable). False if it held nothing (never pinned, released, or flushed by a weight
-        change or a KV drop)."""
+        change or a KV drop); an InvalidRequest for no session name, as ``generate`` gives."""
         self._check_open()
+        if not isinstance(session, str) or not session:
+            raise InvalidRequest("session", f"session must be a non-empty string, got {session!r:.80}")
         return self._group.session_engine(session).engine.release_session(session)
 
     def session_stats(self) -> list[SessionStats]:

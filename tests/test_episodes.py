@@ -43,6 +43,10 @@ def test_a_session_keeps_its_conversation_cached_while_other_requests_need_the_m
     assert (stats.sessions, stats.pinned_tokens) == (1, len(following) + 8 - 1)  # the longer prefix replaced it
     assert worker.release_session("kept") and not worker.release_session("kept")
     assert worker.session_stats()[0].sessions == 0
+    for no_name in (None, 123, ""):  # None and 123 had been an AttributeError from a hash of the name
+        with pytest.raises(InvalidRequest, match="session must be a non-empty string") as refused:
+            worker.release_session(no_name)
+        assert refused.value.field == "session"
 
     # Without a session the same conversation is evicted by the same requests.
     other = [40 + i for i in range(30)]

@@ -172,6 +172,11 @@ def test_close_during_a_call_fails_it_promptly_and_the_worker_says_closed_everyw
             worker.serve()
         with pytest.raises(WorkerClosed):
             worker.load_hf(qwen2_dir)
+        # These had reached the stopped engine (an AttributeError) or a cached plan.
+        with pytest.raises(WorkerClosed):
+            worker.check_sampling(temperature=1.0)
+        with pytest.raises(WorkerClosed):
+            worker.sync_memory_analysis({})
     finally:
         server.close()
         worker.close()  # where the test failed before its own close: no engine left running
