@@ -72,7 +72,9 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
     # Rows split over the trainer's devices when they divide evenly.
     batch_sharding = NamedSharding(mesh, PartitionSpec("data" if rows % mesh.size == 0 else None))
     # The engines hold copies on their own devices: the update may donate the trainer's params.
-    sync_policy(worker, algorithm, state.trees)
+    # Versioned by step, as the synchronous loop's: the weights it would generate step s + 1 with
+    # are version s + 1 (a resume goes on with the versions of the uninterrupted run).
+    sync_policy(worker, algorithm, state.trees, version=state.step + 1)
     trainer_version = worker.weight_version
 
     def generate(step):
@@ -115,7 +117,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
             stats = {k: float(v) for k, v in stats.items()}
             train_s = time.perf_counter() - start_train
             start_sync = time.perf_counter()
-            report = sync_policy(worker, algorithm, state.trees, in_flight=True)
+            report = sync_policy(worker, algorithm, state.trees, in_flight=True, version=state.step + 2)
             sync_s = time.perf_counter() - start_sync
             record = {
                 "step": state.step + 1,

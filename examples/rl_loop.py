@@ -565,7 +565,10 @@ def _train(config: RLConfig, setup: Setup) -> dict:
 def _step(config: RLConfig, worker: RolloutWorker, algorithm: Algorithm, state: TrainState, task: Task) -> dict:
     start = time.perf_counter()
     # check_finite: NaN weights would otherwise serve silently (the model then emits only EOS).
-    report = sync_policy(worker, algorithm, state.trees, check_finite=True) if config.resync else None
+    # Versioned by step: a resumed run's tokens carry the versions the uninterrupted run's would.
+    report = None
+    if config.resync:
+        report = sync_policy(worker, algorithm, state.trees, check_finite=True, version=state.step + 1)
     sync_s = time.perf_counter() - start
 
     # Every process draws the same global prompts (fixed by (seed, step)) and generates its

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import numbers
 import re
 import threading
 import time
@@ -208,6 +209,7 @@ class RolloutWorker:
         check_finite: bool = True,
         in_flight: bool = False,
         recompute_kv: bool = False,
+        version: int | None = None,
     ) -> SyncReport:
         """Make the engines generate with ``params`` (MLLM-JAX layout; ``{'params': ...}`` too).
 
@@ -241,6 +243,10 @@ class RolloutWorker:
         weights before their next token. Every token records the version that sampled it
         (``batch.token_versions``) and its log-prob is that version's, so importance weights
         stay exact.
+
+        ``version``: the version the new weights are labelled with (``weight_version``,
+        ``batch.weight_version``, ``token_versions``), an int above the one served, such as the
+        trainer's step, so versions read as steps across a resume (None: one more than served).
         """
         if (adapters is None) != (lora is None):
             raise ValueError("sync_params: adapters and lora (a LoraConfig) go together")
@@ -271,6 +277,7 @@ class RolloutWorker:
                 check_finite=check_finite,
                 in_flight=in_flight,
                 recompute_kv=recompute_kv,
+                version=version,
             )
 
     def sync_adapters(
@@ -409,8 +416,10 @@ class RolloutWorker:
         recompute_kv: bool = False,
         reason: str = "weights are being swapped",
         lora: tuple[Mapping, LoraConfig] | None = None,
+        version: int | None = None,
     ) -> SyncReport:
-        """``lora``: (adapters, LoraConfig), merged into ``params`` first (see ``sync_params``)."""
+        """``lora``: (adapters, LoraConfig), merged into ``params`` first; ``version`` as
+        ``sync_params`` takes it."""
         start = time.perf_counter()
         self._check_open()
         check_swap_mode(in_flight, recompute_kv)
@@ -422,11 +431,13 @@ class RolloutWorker:
         except (TypeError, ValueError) as exc:
             raise SyncError(str(exc)) from None
         with self._closed_is_clear(), self._gate.holding(self._sync_lock, f"{call}()"), counting_compiles() as compiles:
+            # Under the lock: another sync may have moved the version on.
+            version = self._next_version(version)
             # Before any collective: every process makes this call with a tree of this structure.
             self._group.pod.agree(
                 call,
                 f"{tree_fingerprint(flat)} allow_cast={allow_cast} check_finite={check_finite} "
-                f"in_flight={in_flight} recompute_kv={recompute_kv} "
+                f"in_flight={in_flight} recompute_kv={recompute_kv} version={version} "
                 f"lora={lora and (tree_fingerprint(adapter_flat), lora[1])}",
             )
 
@@ -462,7 +473,6 @@ class RolloutWorker:
             prepared, gathered, merged_bytes = self._group.pod.settle(f"{call} (prepared)", prepare)
             # A Ctrl-C while the engines swap: the version they now serve is recorded first.
             with self._swapping(reason, in_flight), interrupts_deferred():
-                version = self.weight_version + 1
                 committed = self._group.commit(prepared, version, in_flight=in_flight, recompute_kv=recompute_kv)
                 self._stale_reason = None
                 self.weight_version = version
@@ -989,6 +999,18 @@ class RolloutWorker:
             self._gate.leave(loop)
             raise
         return loop
+
+    def _next_version(self, requested: int | None) -> int:
+        """The version a sync labels its weights with: ``requested``, checked, or the next."""
+        if requested is None:
+            return self.weight_version + 1
+        is_int = isinstance(requested, numbers.Integral) and not isinstance(requested, bool)
+        if not is_int or requested <= self.weight_version:
+            raise SyncError(
+                f"version={requested!r:.40}: must be an int above the version served ({self.weight_version}): "
+                "tokens' versions only grow"
+            )
+        return int(requested)
 
     def _check_weights_alive(self) -> None:
         self._check_open()

@@ -214,6 +214,8 @@ def test_a_resume_after_an_interruption_logs_each_step_once(tmp_path):
     resumed = run_grpo(tmp_path / "run", *small, "--steps", "4")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert resumed[:2] == first[:2]
+    # The weights are versioned by step: the resumed steps' as the uninterrupted run's (not 1, 2).
+    assert [r["weight_version"] for r in resumed] == [1, 2, 3, 4]
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["2", "4"]
 
 

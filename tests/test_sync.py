@@ -220,6 +220,26 @@ def test_bad_trees_fail_cleanly_and_old_weights_keep_serving(tp_worker, hf_flat,
     assert greedy(tp_worker).completions == before
 
 
+def test_a_sync_labels_its_weights_with_the_version_asked_for(tp_worker, hf_flat):
+    """A trainer's step as the version: a resumed run's tokens carry the versions the
+    uninterrupted run's would. A version at or below the served one is refused (tokens'
+    versions only grow) and changes nothing."""
+    tree = unflatten_params(hf_flat)
+    served = tp_worker.sync_params(tree).version
+    assert tp_worker.sync_params(tree, version=served + 40).version == served + 40
+    batch = greedy(tp_worker)
+    assert batch.weight_version == served + 40 and set(batch.token_versions[batch.completion_mask].tolist()) == {
+        served + 40
+    }
+    assert tp_worker.sync_params(tree).version == served + 41  # then one more, as without
+    assert tp_worker.sync_params(tree, version=np.int64(served + 50)).version == served + 50
+    above = rf"must be an int above the version served \({served + 50}\)"
+    for bad in (served + 50, served, True, 60.0, "61"):
+        with pytest.raises(SyncError, match=rf"version={bad!r}: {above}"):
+            tp_worker.sync_params(tree, version=bad)
+    assert tp_worker.weight_version == served + 50 and greedy(tp_worker).completions == batch.completions
+
+
 def test_weakly_typed_and_host_memory_leaves_sync_without_a_recompile_or_a_raw_error(tp_worker, hf_flat):
     """A weakly typed leaf in the engine's placement (``jnp.full(shape, 1.0)``) is served through
     its own buffers, as a strongly typed array: aliased as it was, the engine's forward compiled
