@@ -62,7 +62,7 @@ def run_async(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Alg
     if config.eval_every:
         raise ValueError("--eval-every runs in the synchronous loop")
     with set_up(config, make_algorithm, split_devices) as setup:
-        return _train_async(config, setup) if setup else recorded_summary(config)
+        return _train_async(config, setup) if setup else recorded_summary(config, make_algorithm)
 
 
 def _train_async(config: RLConfig, setup: Setup) -> dict:

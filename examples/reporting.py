@@ -83,10 +83,9 @@ def start_wandb(config: RLConfig):
     return wandb.init(project=config.wandb_project, config=dataclasses.asdict(config))
 
 
-def summarize(config: RLConfig, output_dir: Path, history: list[dict], algorithm: Algorithm | None) -> dict:
+def summarize(config: RLConfig, output_dir: Path, history: list[dict], algorithm: Algorithm) -> dict:
     """The run's figures, logged and plotted: its rewards over the whole run (metrics.jsonl, the
-    steps before a resume included), the time of the steps this process ran (``history``).
-    ``algorithm`` None: nothing trained here, so the plot the training run drew is kept."""
+    steps before a resume included), the time of the steps this process ran (``history``)."""
     records = read_metrics(output_dir / "metrics.jsonl")
     if not records:
         return {}
@@ -111,7 +110,7 @@ def summarize(config: RLConfig, output_dir: Path, history: list[dict], algorithm
     if evaluations:
         summary.update(first_eval_reward=evaluations[0], last_eval_reward=evaluations[-1])
         logger.info("eval reward %s (every %d steps)", " -> ".join(f"{x:.3f}" for x in evaluations), config.eval_every)
-    if config.plot and algorithm is not None:
+    if config.plot:
         plot(output_dir / "reward.png", records, algorithm.plot_panels)
     return summary
 

@@ -516,12 +516,13 @@ def set_up(
 def run(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Algorithm]) -> dict:
     """Train with the algorithm ``make_algorithm(config, policy)`` builds; returns a summary."""
     with set_up(config, make_algorithm) as setup:
-        return _train(config, setup) if setup else recorded_summary(config)
+        return _train(config, setup) if setup else recorded_summary(config, make_algorithm)
 
 
-def recorded_summary(config: RLConfig) -> dict:
-    """The summary of a run already trained to ``config.steps``: its recorded figures."""
-    return summarize(config, Path(config.output_dir), [], None) if jax.process_index() == 0 else {}
+def recorded_summary(config: RLConfig, algorithm: type[Algorithm]) -> dict:
+    """The summary of a run already trained to ``config.steps``: its recorded figures (the plot
+    drawn again: its metrics were cut back to the checkpoint). ``algorithm``: its class."""
+    return summarize(config, Path(config.output_dir), [], algorithm) if jax.process_index() == 0 else {}
 
 
 def warn_if_trained(config: RLConfig, output_dir: Path, step: int) -> bool:

@@ -967,8 +967,10 @@ def prefill_text(prompt) -> str | None:
     last = prompt[-1] if _is_messages(prompt) and isinstance(prompt[-1], Mapping) else {}
     if last.get("role") != "assistant" or last.get("tool_calls"):
         return None
-    content = last.get("content")
-    return content if isinstance(content, str) else ""
+    try:  # as the template renders it: a list of text parts joined
+        return normalize_message(last, "prompt")["content"]
+    except ChatError:
+        return ""  # the render names what is wrong
 
 
 def _is_messages(value) -> bool:

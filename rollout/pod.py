@@ -66,7 +66,6 @@ class PeerSyncError(PodError, SyncError):
 
     def __init__(self, message: str, processes: tuple[int, ...]):
         PodError.__init__(self, message, processes, exchanged=True)
-        self.non_finite = ()
 
 
 # The fingerprint of a settle's exchange (Pod.settle): its payload is the process's outcome.

@@ -222,10 +222,9 @@ class EngineWeights:
             )
         if released:
             raise SyncError(
-                f"adapters alone: other adapters the engine serves were released for a train step "
-                f"({len(released)} leaves, e.g. '{released[0]}'); sync those first (the default adapters: "
-                "sync_params(base, adapters=..., lora=...) or sync_adapters(adapters); named ones: "
-                "sync_adapters(adapters, name=...))"
+                f"adapters alone: adapters the engine serves in another slot were released for a train step "
+                f"or deleted ({len(released)} leaves, e.g. '{released[0]}'); sync them first (the default "
+                "adapters: sync_params(base, adapters=..., lora=...) or sync_adapters(adapters))"
             )
 
     def commit(self, prepared: PreparedSync, version: int, *, in_flight: bool = False, recompute_kv: bool = False):

@@ -577,7 +577,8 @@ def test_named_adapters_alone_are_refused_while_the_default_ones_are_released(sl
     with worker.released_for_training():
         pass
     version = worker.weight_version
-    with pytest.raises(SyncError, match=r"other adapters the engine serves were released .*e\.g\. '.*lora_[ab]'"):
+    released = r"adapters the engine serves in another slot were released .*e\.g\. '.*lora_[ab]'"
+    with pytest.raises(SyncError, match=released):
         worker.sync_adapters(unflatten_params(served.other_adapters), name="x")
     assert worker.weight_version == version and "x" not in worker.adapter_names()
     worker.sync_adapters(placed)

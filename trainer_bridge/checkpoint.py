@@ -124,7 +124,8 @@ def restore_params(path: str | Path, target: Mapping, *, step: int | None = None
 
     ``target`` is the trainer's param tree (arrays or ShapeDtypeStructs), with or without a
     ``{'params': ...}`` wrapper (the result has the same); the checkpoint may be a train state
-    (its params alone are read).
+    (its params alone are read). Leaves with no sharding (numpy arrays) are restored as orbax
+    places them.
     """
     item_dir = resolve_checkpoint(path, step)
     layout = saved_layout(item_dir)

@@ -117,17 +117,15 @@ def load_hf_params(model_dir: str | Path, dtype=np.float32) -> dict:
             handles[file] = _open(file)
         try:
             stored = handles[file].get_slice(name).get_dtype()
+            if stored in _WEIGHT_DTYPES:
+                tensor = handles[file].get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types on truncated data
             raise CheckpointError(f"{file}: cannot read tensor '{name}': {exc}") from exc
         if stored not in _WEIGHT_DTYPES:
             raise CheckpointError(
-                f"{file}: tensor '{name}' (for '{trainer_path}') is stored as {stored}: quantized values, not "
-                f"weights; this reader takes {', '.join(_WEIGHT_DTYPES)}"
+                f"{file}: tensor '{name}' (for '{trainer_path}') is stored as {stored}, not a float dtype "
+                f"(quantized values?); this reader takes {', '.join(_WEIGHT_DTYPES)}"
             )
-        try:
-            tensor = handles[file].get_tensor(name)
-        except Exception as exc:
-            raise CheckpointError(f"{file}: cannot read tensor '{name}': {exc}") from exc
         tensor = tensor.T if transposed else tensor
         return np.ascontiguousarray(tensor, dtype=dtype or tensor.dtype)
 

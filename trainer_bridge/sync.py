@@ -39,6 +39,10 @@ class SyncError(ValueError):
     found holding NaN/inf, where that is why; ``path``: the one trainer path whose shape or dtype
     is why, where that is."""
 
+    # Class defaults too: a subclass that initializes another base (rollout.pod.PeerSyncError) has them.
+    non_finite: tuple[str, ...] = ()
+    path: str | None = None
+
     def __init__(self, message: str, non_finite: Sequence[str] = (), path: str | None = None):
         super().__init__(message)
         self.non_finite = tuple(non_finite)

@@ -733,7 +733,8 @@ class Saying(ScriptedWorker):
         return self.tokenizer.encode(text)[:max_new_tokens], text, "stop"
 
 
-def test_a_prefill_that_opens_a_tool_call_makes_the_first_turn_a_call(tokenizer):
+@pytest.mark.parametrize("opened", ["<tool_call>\n", [{"type": "text", "text": "<tool_call>\n"}]], ids=["text", "part"])
+def test_a_prefill_that_opens_a_tool_call_makes_the_first_turn_a_call(tokenizer, opened):
     """Prefilling "<tool_call>\\n" forces a call: the turn's text (the call's rest) had been parsed
     alone, found no call, and ended the episode as the final answer, the tool never run. Each
     turn's calls have ids of their own (every turn's first call had been call_0)."""
@@ -747,7 +748,7 @@ def test_a_prefill_that_opens_a_tool_call_makes_the_first_turn_a_call(tokenizer)
             turns.append(turn)
             return await tools.step(turn)
 
-    prompt = [{"role": "user", "content": "add 1 and 2"}, {"role": "assistant", "content": "<tool_call>\n"}]
+    prompt = [{"role": "user", "content": "add 1 and 2"}, {"role": "assistant", "content": opened}]
     limits = EpisodeLimits(max_turns=3, max_new_tokens=40)
     (episode_,) = asyncio.run(run_episodes(worker, [prompt], lambda i, j: Recording(), limits=limits)).episodes
     assert episode_.status == "done" and episode_.reward == 1.0 and ran == [(1, 2), (1, 2)]

@@ -64,6 +64,7 @@ def test_a_part_another_process_failed_is_a_named_error_at_once_and_its_result_u
     assert e.value.processes == (1,) and parts == ["prepared"]
     # A SyncError there is one here too: a loop skipping a step on SyncError skips it everywhere.
     assert isinstance(e.value, PeerSyncError) and isinstance(e.value, SyncError)
+    assert e.value.path is None and e.value.non_finite == ()  # as a SyncError's (load_hf reads path)
     assert pod_module.gone_processes() == frozenset(), "a process that failed its part is not lost"
 
 

@@ -473,18 +473,18 @@ def test_a_run_already_trained_says_so_and_starts_nothing(tmp_path, caplog, monk
     """A rerun whose --steps is at or below the latest checkpoint had started the engines (minutes
     for a real model) and restored the checkpoint before saying there was nothing to train (the
     unit layer refuses to boot an engine). It returns the recorded run's summary, the metrics
-    cut back to the checkpoint as a resume cuts them, and leaves the plot as the run drew it."""
+    cut back to the checkpoint as a resume cuts them, and draws the plot of those."""
     config = dataclasses.replace(PRESETS["tiny"], steps=4, output_dir=str(tmp_path), tis_cap=2.0, eval_every=0)
     claim_output_dir(config, tmp_path)
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
     write_records(tmp_path / "metrics.jsonl", range(1, 6))  # step 5 logged, its checkpoint never written
     plotted = []
-    monkeypatch.setattr(reporting, "plot", lambda *args: plotted.append(args))
+    monkeypatch.setattr(reporting, "plot", lambda path, records, panels: plotted.append((records, panels)))
     with caplog.at_level("WARNING", logger="examples"):
         summary = loop(dataclasses.replace(config, steps=3), GRPO)
     (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("examples")]
     assert "the checkpoint is at step 4 and --steps is 3: nothing to train" in warning
     assert summary["steps"] == 4 and summary["steps_run"] == 0 and summary["last_reward"] == pytest.approx(0.4)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert not plotted
+    assert [([r["step"] for r in records], panels) for records, panels in plotted] == [([1, 2, 3, 4], GRPO.plot_panels)]
     assert json.loads((tmp_path / "run.json").read_text())["steps"] == 4  # the recorded plan stands
