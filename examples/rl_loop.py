@@ -163,8 +163,7 @@ class RLConfig:
     warm_start_steps: int = 0
     # Decode steps per dispatch (WorkerConfig.decode_steps): the engines run this many decode
     # steps in one compiled loop, the scheduler's Python beside the device rather than between
-    # forwards. Needs the native attention backend (the default off TPU); not with
-    # routing_replay. The samples are those of 1 (docs/worker.md).
+    # forwards. Not with routing_replay. The samples are those of 1 (docs/worker.md).
     decode_steps: int = 1
     # > 1: start this many processes of one JAX job on this machine (CPU runs, tests). A job is
     # otherwise joined from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID: each

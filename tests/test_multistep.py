@@ -394,8 +394,8 @@ def test_profile_steps_times_each_chunk_as_its_steps(chunked):
 
 def test_an_engine_that_cannot_chunk_is_refused_before_it_starts(qwen2_dir):
     # The unit layer checks each reason (tests/unit/test_engine_handle.py).
-    with pytest.raises(EngineError, match="native attention backend"):
-        EngineHandle(tiny_options(qwen2_dir, decode_steps=STEPS, attention_backend="fa"))
+    with pytest.raises(EngineError, match="record_routing off"):
+        EngineHandle(tiny_options(qwen2_dir, decode_steps=STEPS, record_routing=True))
 
 
 def test_chunks_on_a_paged_pool_free_the_pages_they_do_not_use(plain, qwen2_dir):

@@ -1,15 +1,17 @@
 """The engine on its TPU attention backend ("fa") on the CPU: its Pallas kernel (ragged paged
 attention, which also writes the new tokens' K and V into the pool) interpreted by JAX
 (``rollout.engine.tpu_interpret_mode``). Greedy tokens and log-probs equal the native
-backend's and the Flax model's, after a sync, a KV drop and rebuild, and across an in-flight
-swap landing at a fixed token (``pytest -k interpret``; what this proves: docs/platforms.md)."""
+backend's and the Flax model's, one decode step per dispatch and in decode chunks, after a
+sync, a KV drop and rebuild, and across an in-flight swap landing at a fixed token; chunks
+sample what single steps sample as rows end inside them (``pytest -k interpret``; what this
+proves: docs/platforms.md)."""
 
 import numpy as np
 import pytest
 
 from models import CausalLM, DecoderConfig, greedy_decode
 from rollout import RolloutWorker
-from rollout.engine import tpu_interpret_mode
+from rollout.engine import multistep, tpu_interpret_mode
 from tests.helpers import perturbed_params, swap_at_token, tiny_worker_config
 from trainer_bridge import load_hf_params
 
@@ -34,26 +36,81 @@ def served(worker, params, new_params) -> list:
     return [synced, rebuilt, swapped]
 
 
-@pytest.mark.parametrize("tp_size", [1, 2])
-def test_the_tpu_attention_backend_in_interpret_mode_serves_what_the_native_one_does(qwen2_dir, tp_size):
+# Each engine of the module: its attention backend and decode steps per dispatch. Decode chunks
+# at tp 1 only: an interpreted kernel compiles slowly, inside a chunk's loop the more so.
+ENGINES = {"native": ("native", 1), "fa": ("fa", 1), "fa-chunks": ("fa", 4)}
+CHUNKS_TP = 1
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def workers(request, qwen2_dir):
+    """The module's engines at a tp size, started (and kept) inside the interpret switch."""
+    tp_size = request.param
+    with tpu_interpret_mode():
+        started = {}
+        try:
+            for name, (backend, steps) in ENGINES.items():
+                if steps > 1 and tp_size != CHUNKS_TP:
+                    continue
+                config = tiny_worker_config(
+                    qwen2_dir, load_format="dummy", tp_size=tp_size, attention_backend=backend, decode_steps=steps
+                )
+                started[name] = RolloutWorker(config)
+                assert started[name].engine.attention_backend == backend
+            yield started
+        finally:
+            for worker in started.values():
+                worker.close()
+
+
+def test_the_tpu_attention_backend_in_interpret_mode_serves_what_the_native_one_does(qwen2_dir, workers):
     params = load_hf_params(qwen2_dir)
     new_params = perturbed_params(params)
-    runs = {}
-    with tpu_interpret_mode():
-        for backend in ("native", "fa"):
-            config = tiny_worker_config(qwen2_dir, load_format="dummy", tp_size=tp_size, attention_backend=backend)
-            with RolloutWorker(config) as worker:
-                assert worker.engine.attention_backend == backend
-                runs[backend] = served(worker, params, new_params)
-    for native, fa in zip(runs["native"], runs["fa"]):
-        assert fa.completions == native.completions
-        np.testing.assert_allclose(fa.logprobs, native.logprobs, atol=1e-5)
-        np.testing.assert_array_equal(fa.token_versions, native.token_versions)
-    synced, rebuilt, swapped = runs["fa"]
-    reference = greedy_decode(CausalLM(DecoderConfig.from_hf(qwen2_dir)), params, PROMPTS, NEW_TOKENS)
-    assert synced.completions == rebuilt.completions == reference
-    start = swapped.prompt_width
-    versions = swapped.token_versions[0, start : start + NEW_TOKENS].tolist()
-    assert versions == [synced.weight_version] * SWAP_AT + [synced.weight_version + 1] * (NEW_TOKENS - SWAP_AT)
-    assert swapped.completions[0][:SWAP_AT] == synced.completions[0][:SWAP_AT]
-    assert swapped.completions[0] != synced.completions[0], "the swap must change the continuation"
+    runs = {name: served(worker, params, new_params) for name, worker in workers.items()}
+    if "fa-chunks" in workers:
+        assert workers["fa-chunks"].engine.decode_chunk_stats.steps_served > 0
+    for name in runs.keys() - {"native"}:
+        for native, fa in zip(runs["native"], runs[name]):
+            assert fa.completions == native.completions
+            np.testing.assert_allclose(fa.logprobs, native.logprobs, atol=1e-5)
+            np.testing.assert_array_equal(fa.token_versions, native.token_versions)
+        synced, rebuilt, swapped = runs[name]
+        reference = greedy_decode(CausalLM(DecoderConfig.from_hf(qwen2_dir)), params, PROMPTS, NEW_TOKENS)
+        assert synced.completions == rebuilt.completions == reference
+        start = swapped.prompt_width
+        versions = swapped.token_versions[0, start : start + NEW_TOKENS].tolist()
+        assert versions == [synced.weight_version] * SWAP_AT + [synced.weight_version + 1] * (NEW_TOKENS - SWAP_AT)
+        assert swapped.completions[0][:SWAP_AT] == synced.completions[0][:SWAP_AT]
+        assert swapped.completions[0] != synced.completions[0], "the swap must change the continuation"
+
+
+@pytest.mark.parametrize("workers", [CHUNKS_TP], ids=[f"tp{CHUNKS_TP}"], indirect=True)
+def test_decode_chunks_on_the_interpreted_tpu_kernel_sample_what_single_steps_sample(qwen2_dir, workers, monkeypatch):
+    """Sampled rows, the first of which stops on a token mid-chunk: the kernel runs every row up
+    to the last one served, so no chunk is computed ahead with a row gone before rows still
+    served (it never finished): the next chunk starts from the batch without it."""
+    plans = []
+    plan = multistep._plan
+
+    def recording(mwb, reqs, live, *args):
+        # Raised on the scheduler thread, the call fails: the chunk would have hung.
+        assert list(live) == list(range(len(live))), f"a chunk of {len(reqs)} rows computes rows {list(live)}"
+        plans.append(len(reqs))
+        return plan(mwb, reqs, live, *args)
+
+    monkeypatch.setattr(multistep, "_plan", recording)
+    params = load_hf_params(qwen2_dir)
+    single, chunked = workers["fa"], workers["fa-chunks"]
+    sampling = dict(n=2, temperature=0.8, top_p=0.9, max_new_tokens=13, seed=5, return_logprobs=True)
+    single.sync_params(params)
+    chunked.sync_params(params)
+    # A token the first row draws early: it stops there, the others run on.
+    stop_token = single.generate(PROMPTS, **sampling).completions[0][4]
+    expected = single.generate(PROMPTS, stop_token_ids=[stop_token], **sampling)
+    plans.clear()
+    got = chunked.generate(PROMPTS, stop_token_ids=[stop_token], **sampling)
+    assert got.completions == expected.completions and got.finish_reasons == expected.finish_reasons
+    np.testing.assert_allclose(np.nan_to_num(got.logprobs), np.nan_to_num(expected.logprobs), atol=1e-6)
+    assert got.finish_reasons[0] == "stop" and max(map(len, got.completions)) == 13
+    assert plans[-1] < plans[0], plans
+    assert chunked.engine.testing.kv_tokens_held() == 0

@@ -598,10 +598,11 @@ def check_decode_steps(options: EngineOptions, attention_backend: str) -> None:
     if options.decode_steps <= 1:
         return
     why = None
-    # Each step's view of the KV is given through cache_loc to this project's paged attention.
-    if attention_backend != "native":
-        why = f"the native attention backend (not {attention_backend!r}), where this project's paged attention runs"
-    elif not workaround_enabled("native-attention-memory"):
+    # Each step's view of the KV: the cache_loc this project's paged attention reads, or the
+    # TPU kernel's metadata (multistep._step_attention_backend).
+    if attention_backend not in ("native", "fa"):
+        why = f"the native or the fa attention backend (not {attention_backend!r})"
+    elif attention_backend == "native" and not workaround_enabled("native-attention-memory"):
         why = "workaround native-attention-memory (its paged attention reads each step's KV)"
     elif not workaround_enabled("sampler"):
         why = "workaround sampler (its sampler returns the log-probs the chunk keeps)"

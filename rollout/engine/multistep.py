@@ -35,7 +35,9 @@ lands between steps:
 Attention across the chunk: the forward's ``cache_loc`` is laid out for each row's length at
 the chunk's last step, and a step sees only the slots its position has reached (later ones are
 given as slot 0, the pool's padding slot, which attention masks). Each query's keys are
-then those of a one-step forward, in the same chunks of the online softmax.
+then those of a one-step forward, in the same chunks of the online softmax. The TPU kernel
+("fa") reads the same layout through the metadata each step builds on the device
+(:func:`_step_attention_backend`).
 
 Static chunks (``EngineOptions.static_decode_chunks``, by default on GPU): XLA's GPU backend
 drives a loop of unknown trip count, and a conditional, from the host, with a copy of its
@@ -48,8 +50,8 @@ draw on the device.
 
 Eligible batches: decode, not the engine's own log-probs (``return_logprob``; the worker's
 sinks are served). No sampler applies 0.0.2's penalties (``patches._sample``). Engines: the
-paged native attention (this project's, ``attention.py``), no MoE routing recording and one
-LoRA slot; ``handle`` refuses other combinations at start-up.
+paged native attention (this project's, ``attention.py``) or the TPU kernel, no MoE routing
+recording and one LoRA slot; ``handle`` refuses other combinations at start-up.
 """
 
 from __future__ import annotations
@@ -144,11 +146,17 @@ class DecodeChunks:
     tokens, so the device computes it while the scheduler takes the first one's steps: the
     host's work overlaps the device's."""
 
-    def __init__(self, scheduler, control, steps: int, static: bool):
+    def __init__(self, scheduler, control, steps: int, static: bool, gaps_allowed: bool = True):
         self.scheduler = scheduler
         self.control = control
         self.steps = steps
         self.static = static  # EngineOptions.static_decode_chunks as resolved for the platform
+        # Whether a chunk computed ahead may hold rows no longer served before rows still served:
+        # the paged native attention gives such a row no keys, but the TPU kernel runs every row
+        # up to the last one served, and on a row of no keys it never finished (in interpret
+        # mode: its copies of zero keys wait for ever). There the next chunk starts from the
+        # scheduler's batch, which has let those rows go, once the current one's steps are taken.
+        self.gaps_allowed = gaps_allowed
         self.chunk: DecodeChunk | None = None
         self.ahead: DecodeChunk | None = None
         # The rows of the chunk's next step once the scheduler's batch was prepared for it.
@@ -314,6 +322,8 @@ class DecodeChunks:
         chunk = self.chunk
         live, done = chunk.live_rows(), chunk.steps
         if not len(live) or self._admission_possible(batch):
+            return
+        if not self.gaps_allowed and live[-1] >= len(live):  # live is sorted: a row before its last left
             return
         first_lens = chunk.first_lens + done
         steps = self._steps_for([chunk.reqs[row] for row in live], first_lens[live], done - chunk.next_step)
@@ -591,6 +601,7 @@ def _decode_chunk(
         batch.input_ids, batch.positions, batch.seq_lens = ids, positions, plan.seq_lens
         batch.out_cache_loc = plan.out_cache_loc[i]
         batch.cache_loc = jnp.where(plan.visible_from <= i, plan.cache_loc, 0)
+        batch.attn_backend = _step_attention_backend(forward_batch.attn_backend, plan, i)
         model = nnx.merge(model_def, jax.tree_util.tree_unflatten(model_state_def, model_leaves))
         with _tracing_kv_walk(kv_walk):
             logits_output, layers_kv, _ = model(batch, jax.tree_util.tree_unflatten(kv_def, kv), logits_metadata)
@@ -605,6 +616,37 @@ def _decode_chunk(
         0, plan.steps, step, (kv_leaves, forward_batch.input_ids, outputs)
     )
     return kv, tokens, logprobs, kept
+
+
+def _step_attention_backend(backend, plan: ChunkPlan, step):
+    """The attention backend of a chunk's ``step``: the paged native attention reads the step's
+    batch (its ``cache_loc`` and lengths); the TPU kernel ("fa") reads metadata that 0.0.2 builds
+    on the host for each forward (``FlashAttention.get_forward_metadata``), built here on the
+    device as that would for the step. Each row's pages are laid out for its length at the
+    chunk's last step (the plan's ``cache_loc``), and the kernel reads the first ``kv_lens[b]``
+    keys of row b's pages and writes the step's K and V at position ``kv_lens[b] - 1`` there,
+    so only the lengths move from step to step. Rows no longer served (length 0) come after the
+    last one served (``DecodeChunks.gaps_allowed``), past the rows the kernel runs."""
+    from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention, FlashAttentionMetadata
+
+    if not isinstance(backend, FlashAttention):
+        return backend
+    page_size = backend.page_size
+    lens = jnp.where(plan.seq_lens > 0, plan.seq_lens - (plan.steps - 1 - step), 0).astype(jnp.int32)
+    spans = (plan.seq_lens + page_size - 1) // page_size * page_size
+    rows = plan.seq_lens.shape[0]
+    start = jnp.zeros(1, jnp.int32)
+    # The kernel runs the first distribution[2] rows: those of nonzero length, all first.
+    served = jnp.sum(lens > 0, dtype=jnp.int32)
+    metadata = FlashAttentionMetadata()
+    metadata.num_seqs = served.reshape(1)
+    metadata.cu_q_lens = jnp.arange(rows + 1, dtype=jnp.int32)
+    metadata.cu_kv_lens = jnp.concatenate([start, jnp.cumsum(spans).astype(jnp.int32)])
+    metadata.page_indices = (plan.cache_loc[::page_size] // page_size).astype(jnp.int32)
+    metadata.seq_lens = lens
+    metadata.distribution = jnp.stack([jnp.int32(0), jnp.int32(0), served])
+    _, aux = backend.tree_flatten()
+    return type(backend).tree_unflatten(aux, (metadata,))
 
 
 @contextlib.contextmanager
@@ -623,6 +665,12 @@ def traced_kv_walk() -> int | None:
     return getattr(_trace, "kv_walk", None)
 
 
+def _runs_the_tpu_kernel(scheduler) -> bool:
+    from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention
+
+    return isinstance(scheduler.tp_worker.worker.model_runner.attn_backend, FlashAttention)
+
+
 def _widest_row(scheduler) -> int:
     """The most keys a row can have: its token table's width (the context length and a few), or
     the KV pool's slots if fewer."""
@@ -632,7 +680,7 @@ def _widest_row(scheduler) -> int:
 def install(scheduler, control, steps: int, static: bool) -> DecodeChunks:
     """Serve ``scheduler``'s decode batches ``steps`` steps per dispatch, in static chunks if
     ``static`` (scheduler thread or before its first batch)."""
-    chunks = DecodeChunks(scheduler, control, steps, static)
+    chunks = DecodeChunks(scheduler, control, steps, static, gaps_allowed=not _runs_the_tpu_kernel(scheduler))
     setattr(scheduler, _STATE, chunks)
     control.decode_chunks = chunks
     return chunks

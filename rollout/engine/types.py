@@ -68,7 +68,7 @@ class EngineOptions:
     # Decode steps per dispatch (rollout/engine/multistep.py): a running batch's decode runs
     # this many steps in one compiled loop and the scheduler takes each step's ids from it, so
     # its Python leaves the path between forwards. 1: one forward per scheduler step (0.0.2's).
-    # Needs the native attention backend; not with record_routing or max_loras > 1.
+    # On the native or the fa attention backend; not with record_routing or max_loras > 1.
     decode_steps: int = 1
     # Decode chunks whose loop waits on the host only between its steps: each layer's attention
     # walks a number of KV chunks fixed at dispatch, and the draw (greedy, sampled, filtered) is

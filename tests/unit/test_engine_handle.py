@@ -18,7 +18,7 @@ def test_attention_backend_is_chosen_by_platform(device, backend):
 @pytest.mark.parametrize(
     ("overrides", "backend", "needs"),
     [
-        ({}, "fa", "the native attention backend \\(not 'fa'\\)"),
+        ({}, "triton", "the native or the fa attention backend \\(not 'triton'\\)"),
         ({"record_routing": True}, "native", "record_routing off"),
         ({"max_loras": 2}, "native", "max_loras = 1"),
     ],
@@ -30,11 +30,13 @@ def test_engines_that_cannot_run_decode_chunks_are_refused_with_the_reason(overr
     check_decode_steps(EngineOptions(model_path="unused", decode_steps=1, **overrides), backend)
 
 
-def test_decode_chunks_run_on_the_paged_native_attention(monkeypatch):
+def test_decode_chunks_run_on_the_paged_native_attention_and_the_tpu_kernel(monkeypatch):
     check_decode_steps(EngineOptions(model_path="unused", decode_steps=8), "native")
     monkeypatch.setenv(workarounds.DISABLE_ENV, "native-attention-memory")
     with pytest.raises(EngineError, match="decode_steps=8 needs workaround native-attention-memory"):
         check_decode_steps(EngineOptions(model_path="unused", decode_steps=8), "native")
+    # The TPU kernel takes each step's metadata from the chunk, not the paged attention.
+    check_decode_steps(EngineOptions(model_path="unused", decode_steps=8), "fa")
 
 
 @pytest.mark.parametrize(
