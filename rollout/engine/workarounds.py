@@ -201,10 +201,10 @@ WORKAROUNDS: dict[str, str] = {
         "jax.lax.ragged_dot, partial sums added across devices."
     ),
     "moe-jax-import": (
-        "models/qwen3_moe.py does 'from jax import jax', which jax 0.12 no longer allows: the "
-        "model registry skips the module with a warning and Qwen3-MoE engines cannot start "
-        "('Model architectures [...] are not supported'). It is imported with jax.jax set for "
-        "the duration and registered. Always on (at jax 0.8 it changes nothing)."
+        "models/qwen3_moe.py does 'from jax import jax', which jax 0.10 and later no longer "
+        "allow: the model registry skips the module with a warning and Qwen3-MoE engines cannot "
+        "start ('Model architectures [...] are not supported'). It is imported with jax.jax set "
+        "for the duration and registered. Always on (up to jax 0.9 it changes nothing)."
     ),
     "moe-expert-shapes": (
         "EPMoE creates its stacked expert weights with num_experts / expert_shards experts, "

@@ -117,6 +117,7 @@ def test_the_engines_attention_kernel_in_tpu_interpret_mode_computes_attention(k
             num_queries_per_block=8,
             vmem_limit_bytes=64 << 20,
         )
+        out, updated = jax.block_until_ready((out, updated))
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(updated).reshape(written.shape), written)
 
