@@ -33,6 +33,13 @@ SUPPORTED: dict[str, str] = {
     "numpy": ">=2.2.0,<2.6",
 }
 
+# The oldest flax that can import flax.nnx (the engine's models are nnx modules) beside each jax,
+# where it is above flax's lower bound: these jax releases removed names older flax releases use
+# (0.9.0 jax.array_ref's fallback mutable_array, 0.11.0 jax.core.Effect, 0.11.2
+# hijax.HiPrimitive). flax declares no upper bound on jax, so pip installs such pairs; they fail
+# at the engine's first import. Seen with jax 0.9.2, 0.10.2 and 0.11.2 (2026-12-01).
+FLAX_FOR_JAX: dict[str, str] = {"0.9.0": "0.12.1", "0.11.0": "0.12.7", "0.11.2": "0.12.10"}
+
 # The engine release whose internals rollout/engine knows (its start-up checks it too).
 ENGINE = ("sglang-jax", "0.0.2")
 
@@ -50,12 +57,39 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def in_range(distribution: str, version: str) -> bool:
+def _packaging():
     try:
-        from packaging.specifiers import SpecifierSet
+        from packaging import specifiers, version
     except ImportError:  # run as a script in an environment without packaging (pip vendors it)
-        from pip._vendor.packaging.specifiers import SpecifierSet
-    return SpecifierSet(SUPPORTED[distribution]).contains(version, prereleases=True)
+        from pip._vendor.packaging import specifiers, version
+    return specifiers.SpecifierSet, version.Version
+
+
+def in_range(distribution: str, version: str) -> bool:
+    specifier_set, _ = _packaging()
+    return specifier_set(SUPPORTED[distribution]).contains(version, prereleases=True)
+
+
+def flax_needed(jax_version: str) -> str | None:
+    """The oldest flax that runs beside ``jax_version`` where it is above flax's lower bound
+    (``FLAX_FOR_JAX``), else None."""
+    _, version = _packaging()
+    needed = [flax for jax_from, flax in FLAX_FOR_JAX.items() if version(jax_version) >= version(jax_from)]
+    return max(needed, key=version) if needed else None
+
+
+def mismatched_pairs() -> list[str]:
+    """One line if the installed flax is too old for the installed jax (both in their ranges)."""
+    jax_version, flax_version = installed_version("jax"), installed_version("flax")
+    if jax_version is None or flax_version is None:
+        return []
+    if not (in_range("jax", jax_version) and in_range("flax", flax_version)):
+        return []
+    needed = flax_needed(jax_version)
+    _, version = _packaging()
+    if needed is None or version(flax_version) >= version(needed):
+        return []
+    return [f"flax {flax_version} cannot run beside jax {jax_version}, which needs flax>={needed}"]
 
 
 def unsupported_versions() -> list[str]:
@@ -67,6 +101,7 @@ def unsupported_versions() -> list[str]:
             problems.append(f"{distribution} is not installed (supported: {distribution}{spec})")
         elif not in_range(distribution, version):
             problems.append(f"{distribution} {version} is installed (supported: {distribution}{spec})")
+    problems += mismatched_pairs()
     name, version = ENGINE
     found = installed_version(name)
     if found != version:
@@ -128,7 +163,7 @@ def _main(argv: list[str]) -> int:
             f"{name} {version} (supported: {name}{spec})"
             for name, spec in SUPPORTED.items()
             if (version := installed_version(name)) is not None and not in_range(name, version)
-        ]
+        ] + mismatched_pairs()
         if outside:
             print(
                 "this environment has versions sglang-jax-rollout does not support:\n  " + "\n  ".join(outside),

@@ -61,6 +61,29 @@ def test_missing_engine_is_named(monkeypatch):
     ]
 
 
+@pytest.mark.parametrize(
+    ("jax", "flax", "needed"),
+    [("0.9.2", "0.12.0", "0.12.1"), ("0.11.1", "0.12.6", "0.12.7"), ("0.11.2", "0.12.9", "0.12.10")],
+)
+def test_a_flax_too_old_for_the_jax_is_named_at_import_and_install(monkeypatch, capsys, jax, flax, needed):
+    fake = {"jax": jax, "jaxlib": jax, "flax": flax}
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda name: fake.get(name) or real(name))
+    line = f"flax {flax} cannot run beside jax {jax}, which needs flax>={needed}"
+    assert versions.unsupported_versions() == [line]
+    assert versions._main(["constraints"]) == 1
+    assert line in capsys.readouterr().err
+    fake["flax"] = needed
+    assert versions.unsupported_versions() == []
+    assert versions._main(["constraints"]) == 0
+
+
+def test_the_flax_each_jax_needs():
+    assert versions.flax_needed("0.8.0") is None
+    assert versions.flax_needed("0.10.2") == "0.12.1"
+    assert versions.flax_needed("0.12.0.1") == "0.12.10"
+
+
 def test_install_requirements(monkeypatch, capsys):
     assert versions.oldest_requirements()[:3] == ["jax==0.8.0", "jaxlib==0.8.0", "flax==0.12.0"]
     assert all("<" in r and ">=" in r for r in versions.newest_requirements())
