@@ -816,3 +816,10 @@ def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
         raise SystemExit(f"{name} stopped: {error}") from None
     except RunDirError as error:  # says which file and what to do: no traceback
         raise SystemExit(f"{name}: {error}") from None
+    except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
+        print(
+            f"{name}: interrupted; the same command resumes from the latest checkpoint in "
+            f"{config.output_dir}/checkpoints (saved every {config.checkpoint_every} steps)",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None

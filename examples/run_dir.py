@@ -152,7 +152,7 @@ def output_dir_lock(output_dir: Path):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(
+            raise RunDirError(
                 f"{output_dir}: another run is using this output dir ({path} is locked): "
                 "wait for it to end, or use another output dir"
             ) from None

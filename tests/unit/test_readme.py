@@ -41,3 +41,5 @@ def test_tiny_models(tmp_path, monkeypatch):
     written = sorted(p.parent.name for p in tmp_path.glob("tiny/*/config.json"))
     assert written == ["llama3", "qwen2", "qwen3", "qwen3-moe", "random-llama"]
     assert all((tmp_path / "tiny" / name / "tokenizer.json").exists() for name in written)
+    # The server's and the episodes' blocks take tiny/qwen2: their chat needs a template.
+    assert "chat_template" in (tmp_path / "tiny" / "qwen2" / "tokenizer_config.json").read_text()

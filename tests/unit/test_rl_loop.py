@@ -102,6 +102,20 @@ def test_an_output_dir_that_cannot_be_written_is_refused_naming_it(tmp_path):
         cli("grpo", refused, config)
 
 
+def test_an_interrupted_command_says_how_to_resume_and_exits_130(tmp_path, capsys):
+    config = dataclasses.replace(PRESETS["tiny"], output_dir=str(tmp_path / "run"), plot=False)
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exited:
+        cli("grpo", interrupted, config)
+    assert exited.value.code == 130
+    err = capsys.readouterr().err
+    assert f"grpo: interrupted; the same command resumes from the latest checkpoint in {tmp_path}/run" in err
+    assert "Traceback" not in err
+
+
 def test_a_resume_for_more_steps_warns_that_the_decay_changes(tmp_path, caplog):
     """A run resumed for longer is the same run, but a cosine decay spans the planned steps:
     the learning rate jumps at the checkpoint. The new plan is recorded: warned once."""
@@ -279,10 +293,10 @@ def test_an_output_dir_takes_one_run_at_a_time(tmp_path, monkeypatch):
     (here the set-up would otherwise go on to start an engine, which this layer refuses)."""
     config = dataclasses.replace(PRESETS["tiny"], output_dir=str(tmp_path))
     with output_dir_lock(tmp_path):
-        with pytest.raises(RuntimeError, match=rf"{tmp_path}: another run is using this output dir"):
+        with pytest.raises(RunDirError, match=rf"{tmp_path}: another run is using this output dir"):
             with output_dir_lock(tmp_path):
                 pass
-        with pytest.raises(RuntimeError, match="another run is using this output dir"):
+        with pytest.raises(RunDirError, match="another run is using this output dir"):
             with set_up(config, GRPO):
                 pass
         assert not (tmp_path / "run.json").exists()
@@ -290,7 +304,7 @@ def test_an_output_dir_takes_one_run_at_a_time(tmp_path, monkeypatch):
         monkeypatch.setenv(PROCESS_ID_ENV, "0")
         monkeypatch.setattr(rl_loop, "join", lambda: joined.append(True))
         joined = []
-        with pytest.raises(RuntimeError, match="another run is using this output dir"):
+        with pytest.raises(RunDirError, match="another run is using this output dir"):
             with set_up(config, GRPO):
                 pass
         assert not joined
