@@ -61,6 +61,27 @@ RUN_IDENTITY = (
 _IDENTITY_DEFAULTS = {"lora_rank": 0, "lora_alpha": None, "warm_start_steps": 0, "critic": None}
 # Recorded since after the first run.json files were written: not compared where absent.
 _RECORDED_LATER = ("algorithm", "critic", "near_credit", "warmup_updates", "lr_decay")
+# Settings that do not change what a run learns (where it runs, how long, how it reports): a
+# resume changes them unremarked. A resume that changes any other setting (the learning rate,
+# the temperature, the group size, ...) is allowed and warned of: the steps after the
+# checkpoint then learn under other settings than those before it, in one metrics file.
+_NOT_LEARNING = (
+    "output_dir",
+    "steps",
+    "kv_tokens",
+    "tp_size",
+    "dp_size",
+    "checkpoint_every",
+    "progress",
+    "plot",
+    "wandb_project",
+    "check_consistency_every",
+    "consistency_atol",
+    "eval_every",
+    "eval_prompts",
+    "decode_steps",
+    "local_processes",
+)
 
 
 def effective_lora_alpha(rank: int, alpha: float | None) -> float | None:
@@ -76,6 +97,13 @@ def _run_identity(get: Callable[[str, Any], Any]) -> dict:
     identity = {name: get(name, _IDENTITY_DEFAULTS.get(name)) for name in RUN_IDENTITY}
     identity["lora_alpha"] = effective_lora_alpha(identity["lora_rank"], identity["lora_alpha"])
     return identity
+
+
+def _learning_settings(config: RLConfig) -> dict:
+    """The config's settings that change what a run learns, other than RUN_IDENTITY's."""
+    skipped = set(RUN_IDENTITY) | set(_NOT_LEARNING)
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in skipped}
+    return {name: value for name, value in settings.items() if isinstance(value, (bool, int, float, str, type(None)))}
 
 
 def latest_checkpoint_step(output_dir: Path) -> int | None:
@@ -97,6 +125,7 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> int | None:
     path = output_dir / "run.json"
     identity = _run_identity(lambda name, default: _local_path_resolved(getattr(config, name, default)))
     planned = config.steps
+    settings = _learning_settings(config)
     latest = latest_checkpoint_step(output_dir)
     if latest is not None:
         if not path.exists():
@@ -124,8 +153,9 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> int | None:
         recorded_steps = record.get("steps")
         if not isinstance(recorded_steps, int) or isinstance(recorded_steps, bool):
             recorded_steps = None  # not a plan this file can tell
-        if config.steps <= latest:  # nothing trains: the recorded plan stands
+        if config.steps <= latest:  # nothing trains: the recorded plan and settings stand
             planned = recorded_steps if recorded_steps is not None else config.steps
+            settings = record.get("settings", settings)
         elif getattr(config, "lr_decay", False) and recorded_steps is not None and recorded_steps != config.steps:
             # Allowed (a run resumed for longer), but the cosine decay spans the steps.
             logger.warning(
@@ -135,9 +165,20 @@ def claim_output_dir(config: RLConfig, output_dir: Path) -> int | None:
                 recorded_steps,
                 config.steps,
             )
+        if config.steps > latest and isinstance(record.get("settings"), dict):
+            before = record["settings"]
+            moved = [name for name, value in settings.items() if name in before and before[name] != value]
+            if moved:
+                logger.warning(
+                    "%s: resuming from step %d with settings changed since: %s; the steps after it "
+                    "learn under the new ones (metrics.jsonl holds both)",
+                    output_dir,
+                    latest,
+                    ", ".join(f"{name} {before[name]!r} -> {settings[name]!r}" for name in moved),
+                )
     if jax.process_index() == 0:  # the steps this run is planned for, as resumed
         staged = path.with_suffix(".tmp")
-        staged.write_text(json.dumps({**identity, "steps": planned}))
+        staged.write_text(json.dumps({**identity, "steps": planned, "settings": settings}))
         os.replace(staged, path)  # other processes of the job never read half a file
     return latest
 

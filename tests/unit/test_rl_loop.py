@@ -136,6 +136,30 @@ def test_a_resume_for_more_steps_warns_that_the_decay_changes(tmp_path, caplog):
         assert not warned()
 
 
+def test_a_resume_with_other_learning_settings_names_them(tmp_path, caplog):
+    """The learning rate or temperature of a resume may differ (unlike its seed), but the steps
+    after the checkpoint then learn under other settings in the same metrics file: warned,
+    naming each, and recorded, so the next resume compares with them."""
+    config = dataclasses.replace(PRESETS["tiny"], steps=40)
+    claim_output_dir(config, tmp_path)
+    (tmp_path / "checkpoints" / "20").mkdir(parents=True)
+
+    def warned():
+        return [r.getMessage() for r in caplog.records if r.name.startswith("examples")]
+
+    with caplog.at_level("WARNING"):
+        claim_output_dir(dataclasses.replace(config, progress=False, decode_steps=4, checkpoint_every=5), tmp_path)
+        assert not warned()
+        changed = dataclasses.replace(config, learning_rate=1e-2, temperature=0.5)
+        claim_output_dir(changed, tmp_path)
+        (message,) = warned()
+        assert "resuming from step 20 with settings changed since: temperature 1.0 -> 0.5, learning_rate" in message
+        assert "0.0006 -> 0.01" in message
+        caplog.clear()
+        claim_output_dir(changed, tmp_path)
+        assert not warned()
+
+
 def test_a_rerun_with_no_steps_left_keeps_the_runs_plan(tmp_path, caplog):
     """--steps at or below the checkpoint trains nothing: it had recorded its smaller plan, and
     the next resume warned of a schedule change that never happened. A plan that is no number
