@@ -224,8 +224,9 @@ class RLConfig:
             raise ValueError(f"target_kl must be > 0 (or unset), got {self.target_kl}")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
-        if self.learning_rate <= 0 or self.temperature <= 0:
-            raise ValueError("learning_rate and temperature must be > 0")
+        for name in ("learning_rate", "temperature"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.near_credit < 1:
             raise ValueError(f"near_credit must be in [0, 1), got {self.near_credit}")
         if self.tis_cap is not None and self.tis_cap <= 0:

@@ -464,6 +464,8 @@ def test_a_setting_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):
         (["--seed", "-1"], "seed must be >= 0, got -1"),
         (["--dtype", "foo"], "dtype must be one of .*, got 'foo'"),
         (["--output-dir", ""], "output_dir must not be empty"),
+        (["--temperature", "-1"], "temperature must be > 0, got -1.0"),
+        (["--learning-rate", "0"], "learning_rate must be > 0, got 0.0"),
     ],
 )
 def test_flags_a_tiny_preset_cannot_use_are_refused_before_anything_starts(flags, words, capsys):
