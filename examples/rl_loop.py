@@ -40,6 +40,7 @@ from examples.run_dir import (
     checkpoint_manager,
     claim_output_dir,
     keep_metrics_through,
+    latest_checkpoint_step,
     output_dir_lock,
     restore_or_init,
     save_train_state,
@@ -803,24 +804,33 @@ def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
     check_plotting(config)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("examples").setLevel(logging.INFO)
-    if config.local_processes > 1 and not os.environ.get(PROCESS_ID_ENV):
-        results = launch_local(["-m", f"examples.{name}", *sys.argv[1:]], config.local_processes)
-        for result in results:
-            print(f"--- process {result.process_id} ({result.ended}) ---\n{result.log}", end="")
-        failed = [r.process_id for r in results if r.returncode != 0]
-        if failed:
-            raise SystemExit(f"{name}: process(es) {failed} failed")
-        return
     try:
-        main(config)
+        if config.local_processes > 1 and not os.environ.get(PROCESS_ID_ENV):
+            _run_local(name, config)
+        else:
+            main(config)
     except ConsistencyError as error:
         raise SystemExit(f"{name} stopped: {error}") from None
     except RunDirError as error:  # says which file and what to do: no traceback
         raise SystemExit(f"{name}: {error}") from None
     except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
-        print(
-            f"{name}: interrupted; the same command resumes from the latest checkpoint in "
-            f"{config.output_dir}/checkpoints (saved every {config.checkpoint_every} steps)",
-            file=sys.stderr,
-        )
+        latest = latest_checkpoint_step(Path(config.output_dir))
+        if latest is None:
+            print(f"{name}: interrupted before its first checkpoint: the same command starts over", file=sys.stderr)
+        else:
+            print(
+                f"{name}: interrupted; the same command resumes from step {latest}, the latest "
+                f"checkpoint in {config.output_dir}/checkpoints",
+                file=sys.stderr,
+            )
         raise SystemExit(130) from None
+
+
+def _run_local(name: str, config: RLConfig) -> None:
+    """The same command as ``config.local_processes`` processes of one JAX job, their logs printed."""
+    results = launch_local(["-m", f"examples.{name}", *sys.argv[1:]], config.local_processes)
+    for result in results:
+        print(f"--- process {result.process_id} ({result.ended}) ---\n{result.log}", end="")
+    failed = [r.process_id for r in results if r.returncode != 0]
+    if failed:
+        raise SystemExit(f"{name}: process(es) {failed} failed")

@@ -81,6 +81,8 @@ _NOT_LEARNING = (
     "eval_prompts",
     "decode_steps",
     "local_processes",
+    "return_logprobs",  # logged beside the trainer's (tis_cap is what trains on them)
+    "lora_unmerged",  # how the engine serves the adapters, not what they learn
 )
 
 

@@ -37,7 +37,8 @@ SUPPORTED: dict[str, str] = {
 # where it is above flax's lower bound: these jax releases removed names older flax releases use
 # (0.9.0 jax.array_ref's fallback mutable_array, 0.11.0 jax.core.Effect, 0.11.2
 # hijax.HiPrimitive). flax declares no upper bound on jax, so pip installs such pairs; they fail
-# at the engine's first import. Seen with jax 0.9.2, 0.10.2 and 0.11.2 (2026-12-01).
+# at the engine's first import. Seen with jax 0.9.2, 0.10.2 and 0.11.2 (2026-12-01); the
+# releases the table starts at are those that removed the names.
 FLAX_FOR_JAX: dict[str, str] = {"0.9.0": "0.12.1", "0.11.0": "0.12.7", "0.11.2": "0.12.10"}
 
 # The engine release whose internals rollout/engine knows (its start-up checks it too).

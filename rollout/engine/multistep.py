@@ -146,17 +146,17 @@ class DecodeChunks:
     tokens, so the device computes it while the scheduler takes the first one's steps: the
     host's work overlaps the device's."""
 
-    def __init__(self, scheduler, control, steps: int, static: bool, gaps_allowed: bool = True):
+    def __init__(self, scheduler, control, steps: int, static: bool, ahead_may_hold_ended_rows: bool = True):
         self.scheduler = scheduler
         self.control = control
         self.steps = steps
         self.static = static  # EngineOptions.static_decode_chunks as resolved for the platform
-        # Whether a chunk computed ahead may hold rows no longer served before rows still served:
-        # the paged native attention gives such a row no keys, but the TPU kernel runs every row
-        # up to the last one served, and on a row of no keys it never finished (in interpret
-        # mode: its copies of zero keys wait for ever). There the next chunk starts from the
+        # Whether a chunk computed ahead may hold rows that ended before rows still served: the
+        # paged native attention gives such a row no keys, but the TPU kernel runs every row up
+        # to the last one served, and on a row of no keys it never finished (in interpret mode:
+        # its copies of zero keys wait for ever). There the next chunk starts from the
         # scheduler's batch, which has let those rows go, once the current one's steps are taken.
-        self.gaps_allowed = gaps_allowed
+        self.ahead_may_hold_ended_rows = ahead_may_hold_ended_rows
         self.chunk: DecodeChunk | None = None
         self.ahead: DecodeChunk | None = None
         # The rows of the chunk's next step once the scheduler's batch was prepared for it.
@@ -323,7 +323,8 @@ class DecodeChunks:
         live, done = chunk.live_rows(), chunk.steps
         if not len(live) or self._admission_possible(batch):
             return
-        if not self.gaps_allowed and live[-1] >= len(live):  # live is sorted: a row before its last left
+        # live is sorted: its last row is past its count where a row before it ended.
+        if not self.ahead_may_hold_ended_rows and live[-1] >= len(live):
             return
         first_lens = chunk.first_lens + done
         steps = self._steps_for([chunk.reqs[row] for row in live], first_lens[live], done - chunk.next_step)
@@ -518,6 +519,12 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int |
         )
     )
     forward_batch = ForwardBatch.init_new(mwb, runner)
+    if _runs_the_tpu_kernel(runner):
+        from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttentionMetadata
+
+        # Each step builds its own: the metadata of the engine's last forward would be an input
+        # of the program, whose shapes (another batch's) would compile it again.
+        forward_batch.attn_backend = _with_metadata(forward_batch.attn_backend, FlashAttentionMetadata())
     if first_ids is not None:
         forward_batch.input_ids = jax.device_put(first_ids, forward_batch.input_ids.sharding)
     logits_metadata, sampling_metadata, draw = metadata
@@ -626,7 +633,7 @@ def _step_attention_backend(backend, plan: ChunkPlan, step):
     chunk's last step (the plan's ``cache_loc``), and the kernel reads the first ``kv_lens[b]``
     keys of row b's pages and writes the step's K and V at position ``kv_lens[b] - 1`` there,
     so only the lengths move from step to step. Rows no longer served (length 0) come after the
-    last one served (``DecodeChunks.gaps_allowed``), past the rows the kernel runs."""
+    last one served (``DecodeChunks.ahead_may_hold_ended_rows``), past the rows the kernel runs."""
     from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention, FlashAttentionMetadata
 
     if not isinstance(backend, FlashAttention):
@@ -638,13 +645,19 @@ def _step_attention_backend(backend, plan: ChunkPlan, step):
     start = jnp.zeros(1, jnp.int32)
     # The kernel runs the first distribution[2] rows: those of nonzero length, all first.
     served = jnp.sum(lens > 0, dtype=jnp.int32)
-    metadata = FlashAttentionMetadata()
-    metadata.num_seqs = served.reshape(1)
-    metadata.cu_q_lens = jnp.arange(rows + 1, dtype=jnp.int32)
-    metadata.cu_kv_lens = jnp.concatenate([start, jnp.cumsum(spans).astype(jnp.int32)])
-    metadata.page_indices = (plan.cache_loc[::page_size] // page_size).astype(jnp.int32)
-    metadata.seq_lens = lens
-    metadata.distribution = jnp.stack([jnp.int32(0), jnp.int32(0), served])
+    metadata = FlashAttentionMetadata(
+        num_seqs=served.reshape(1),
+        cu_q_lens=jnp.arange(rows + 1, dtype=jnp.int32),
+        cu_kv_lens=jnp.concatenate([start, jnp.cumsum(spans).astype(jnp.int32)]),
+        page_indices=(plan.cache_loc[::page_size] // page_size).astype(jnp.int32),
+        seq_lens=lens,
+        distribution=jnp.stack([jnp.int32(0), jnp.int32(0), served]),
+    )
+    return _with_metadata(backend, metadata)
+
+
+def _with_metadata(backend, metadata):
+    """A TPU-kernel backend carrying ``metadata`` (its own pytree unflatten, as jit builds one)."""
     _, aux = backend.tree_flatten()
     return type(backend).tree_unflatten(aux, (metadata,))
 
@@ -665,10 +678,10 @@ def traced_kv_walk() -> int | None:
     return getattr(_trace, "kv_walk", None)
 
 
-def _runs_the_tpu_kernel(scheduler) -> bool:
+def _runs_the_tpu_kernel(runner) -> bool:
     from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention
 
-    return isinstance(scheduler.tp_worker.worker.model_runner.attn_backend, FlashAttention)
+    return isinstance(runner.attn_backend, FlashAttention)
 
 
 def _widest_row(scheduler) -> int:
@@ -680,7 +693,13 @@ def _widest_row(scheduler) -> int:
 def install(scheduler, control, steps: int, static: bool) -> DecodeChunks:
     """Serve ``scheduler``'s decode batches ``steps`` steps per dispatch, in static chunks if
     ``static`` (scheduler thread or before its first batch)."""
-    chunks = DecodeChunks(scheduler, control, steps, static, gaps_allowed=not _runs_the_tpu_kernel(scheduler))
+    chunks = DecodeChunks(
+        scheduler,
+        control,
+        steps,
+        static,
+        ahead_may_hold_ended_rows=not _runs_the_tpu_kernel(scheduler.tp_worker.worker.model_runner),
+    )
     setattr(scheduler, _STATE, chunks)
     control.decode_chunks = chunks
     return chunks

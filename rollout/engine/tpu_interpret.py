@@ -144,11 +144,13 @@ def interpreting_reshaped_refs():
     try:
         yield
     finally:
-        # A kernel dispatched inside may still run: its accesses must find the views (a call
-        # read after the block had run on the interpreter's own accesses, which fail on them).
-        jax.effects_barrier()
-        for name, access in originals.items():
-            setattr(module, name, access)
+        try:
+            # A kernel dispatched inside may still run: its accesses must find the views (a
+            # call read after the block had run on the interpreter's own, which fail on them).
+            jax.effects_barrier()
+        finally:
+            for name, access in originals.items():
+                setattr(module, name, access)
 
 
 def interpret_params():

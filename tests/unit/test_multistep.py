@@ -123,3 +123,52 @@ def test_a_chunk_evicts_the_prefix_cache_once_for_all_its_steps():
     slots = chunks._allocate(batch, reqs, np.arange(rows), np.full(rows, 5), step0, None, steps)
     assert slots.shape == (steps, rows) and len(np.unique(slots)) == steps * rows
     assert evictions == [rows * (steps - 1)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("live", [[0, 1, 2], [0, 1]], ids=["all-rows", "last-row-ended"])
+def test_each_step_gives_the_tpu_kernel_the_pages_and_lengths_of_a_one_step_forward(page_size, live):
+    """The "fa" backend's metadata a chunk builds on the device for each step: the lengths,
+    query offsets and rows run that 0.0.2's host code builds for the same step's one-step
+    forward, and each row's first pages the same pages (the layout differs: a chunk's rows are
+    laid out for their lengths at its last step)."""
+    import jax
+    import jax.numpy as jnp
+    from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention
+    from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+
+    from rollout.engine.multistep import ChunkPlan, _step_attention_backend
+
+    rng = np.random.default_rng(page_size)
+    first_lens = np.array([3, 9, 6])
+    steps, rows, padded_rows, loc_len, width = 5, 3, 4, 96, 24
+    pages = rng.permutation(np.arange(1, 128))[: rows * width].reshape(rows, width)  # page 0: padding
+    positions = np.arange(width)
+    table = (pages[:, positions // page_size] * page_size + positions % page_size).astype(np.int32)
+    reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(rows)]
+    slots = np.stack([table[np.arange(rows), first_lens - 1 + i] for i in range(steps)])
+    mwb = types.SimpleNamespace(seq_lens=np.zeros(padded_rows), cache_loc=np.zeros(loc_len))
+    plan = ChunkPlan(*map(jnp.asarray, _plan(mwb, reqs, np.asarray(live), first_lens, slots, table, page_size)))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
+    backend = FlashAttention(2, 1, 8, page_size=page_size, mesh=mesh)
+    for step in range(steps):
+        got = jax.tree.map(np.asarray, _step_attention_backend(backend, plan, step).forward_metadata)
+        lens = np.zeros(padded_rows, np.int32)
+        lens[live] = first_lens[live] + step
+        aligned = -(-lens // page_size) * page_size
+        one_step = types.SimpleNamespace(
+            forward_mode=ForwardMode.DECODE,
+            seq_lens=lens,
+            cache_loc=np.concatenate([table[row, : aligned[row]] for row in range(rows)] + [np.zeros(8, np.int32)]),
+        )
+        want = jax.tree.map(np.asarray, backend.get_forward_metadata(one_step))
+        for name in ("num_seqs", "cu_q_lens", "seq_lens", "distribution"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=f"{name} at step {step}")
+        for row in live:
+            count = -(-lens[row] // page_size)
+
+            def row_pages(metadata, row=row, count=count):
+                start = metadata.cu_kv_lens[row] // page_size
+                return metadata.page_indices[start : start + count]
+
+            np.testing.assert_array_equal(row_pages(got), row_pages(want), err_msg=f"row {row} at step {step}")

@@ -111,8 +111,13 @@ def test_an_interrupted_command_says_how_to_resume_and_exits_130(tmp_path, capsy
     with pytest.raises(SystemExit) as exited:
         cli("grpo", interrupted, config)
     assert exited.value.code == 130
+    assert "grpo: interrupted before its first checkpoint: the same command starts over" in capsys.readouterr().err
+    (tmp_path / "run" / "checkpoints" / "20").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exited:
+        cli("grpo", interrupted, config)
+    assert exited.value.code == 130
     err = capsys.readouterr().err
-    assert f"grpo: interrupted; the same command resumes from the latest checkpoint in {tmp_path}/run" in err
+    assert f"grpo: interrupted; the same command resumes from step 20, the latest checkpoint in {tmp_path}/run" in err
     assert "Traceback" not in err
 
 
