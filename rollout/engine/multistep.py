@@ -519,7 +519,7 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int |
         )
     )
     forward_batch = ForwardBatch.init_new(mwb, runner)
-    if _runs_the_tpu_kernel(runner):
+    if _is_the_tpu_kernel(runner.attn_backend):
         from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttentionMetadata
 
         # Each step builds its own: the metadata of the engine's last forward would be an input
@@ -634,9 +634,9 @@ def _step_attention_backend(backend, plan: ChunkPlan, step):
     keys of row b's pages and writes the step's K and V at position ``kv_lens[b] - 1`` there,
     so only the lengths move from step to step. Rows no longer served (length 0) come after the
     last one served (``DecodeChunks.ahead_may_hold_ended_rows``), past the rows the kernel runs."""
-    from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention, FlashAttentionMetadata
+    from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttentionMetadata
 
-    if not isinstance(backend, FlashAttention):
+    if not _is_the_tpu_kernel(backend):
         return backend
     page_size = backend.page_size
     lens = jnp.where(plan.seq_lens > 0, plan.seq_lens - (plan.steps - 1 - step), 0).astype(jnp.int32)
@@ -678,10 +678,10 @@ def traced_kv_walk() -> int | None:
     return getattr(_trace, "kv_walk", None)
 
 
-def _runs_the_tpu_kernel(runner) -> bool:
+def _is_the_tpu_kernel(backend) -> bool:
     from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention
 
-    return isinstance(runner.attn_backend, FlashAttention)
+    return isinstance(backend, FlashAttention)
 
 
 def _widest_row(scheduler) -> int:
@@ -698,7 +698,7 @@ def install(scheduler, control, steps: int, static: bool) -> DecodeChunks:
         control,
         steps,
         static,
-        ahead_may_hold_ended_rows=not _runs_the_tpu_kernel(scheduler.tp_worker.worker.model_runner),
+        ahead_may_hold_ended_rows=not _is_the_tpu_kernel(scheduler.tp_worker.worker.model_runner.attn_backend),
     )
     setattr(scheduler, _STATE, chunks)
     control.decode_chunks = chunks
