@@ -146,17 +146,16 @@ class DecodeChunks:
     tokens, so the device computes it while the scheduler takes the first one's steps: the
     host's work overlaps the device's."""
 
-    def __init__(self, scheduler, control, steps: int, static: bool, ahead_may_hold_ended_rows: bool = True):
+    def __init__(self, scheduler, control, steps: int, static: bool, ended_rows_page: bool = False):
         self.scheduler = scheduler
         self.control = control
         self.steps = steps
         self.static = static  # EngineOptions.static_decode_chunks as resolved for the platform
-        # Whether a chunk computed ahead may hold rows that ended before rows still served: the
-        # paged native attention gives such a row no keys, but the TPU kernel runs every row up
-        # to the last one served, and on a row of no keys it never finished (in interpret mode:
-        # its copies of zero keys wait for ever). There the next chunk starts from the
-        # scheduler's batch, which has let those rows go, once the current one's steps are taken.
-        self.ahead_may_hold_ended_rows = ahead_may_hold_ended_rows
+        # Whether a chunk computed ahead gives each row that ended before a row still served a
+        # page of its own (_plan): the paged native attention gives such a row no keys, but the
+        # TPU kernel runs every row up to the last one served, and on a row of no keys it never
+        # finished (in interpret mode: its copies of zero keys wait for ever).
+        self.ended_rows_page = ended_rows_page
         self.chunk: DecodeChunk | None = None
         self.ahead: DecodeChunk | None = None
         # The rows of the chunk's next step once the scheduler's batch was prepared for it.
@@ -323,9 +322,6 @@ class DecodeChunks:
         live, done = chunk.live_rows(), chunk.steps
         if not len(live) or self._admission_possible(batch):
             return
-        # live is sorted: its last row is past its count where a row before it ended.
-        if not self.ahead_may_hold_ended_rows and live[-1] >= len(live):
-            return
         first_lens = chunk.first_lens + done
         steps = self._steps_for([chunk.reqs[row] for row in live], first_lens[live], done - chunk.next_step)
         if steps < 1:
@@ -359,7 +355,8 @@ class DecodeChunks:
         if slots is None:
             return None
         scheduler = self.scheduler
-        plan = _plan(mwb, reqs, live, first_lens, slots, scheduler.req_to_token_pool.req_to_token, scheduler.page_size)
+        table = scheduler.req_to_token_pool.req_to_token
+        plan = _plan(mwb, reqs, live, first_lens, slots, table, scheduler.page_size, self.ended_rows_page)
         if plan is None:
             self._free(slots if step0_slots is None else slots[1:])
             return None
@@ -447,15 +444,22 @@ class ChunkPlan:
     seq_lens: jax.Array  # [padded rows] each row's length at the last step (0: padding)
 
 
-def _plan(mwb, reqs, live, first_lens, slots: np.ndarray, req_to_token: np.ndarray, page_size: int):
+def _plan(
+    mwb, reqs, live, first_lens, slots: np.ndarray, req_to_token: np.ndarray, page_size: int, ended_rows_page=False
+):
     """The chunk's (steps, out_cache_loc, cache_loc, visible_from, seq_lens) host arrays, or
     None where its rows' last lengths do not fit the forward's ``cache_loc``. Rows not ``live``
-    (left the batch before a chunk computed ahead) are padding: no keys, no KV slot."""
+    (left the batch before a chunk computed ahead) are padding: no keys, no KV slot; with
+    ``ended_rows_page`` those before the last live row span one page of padding slots (the
+    allocator never hands out page 0), which the TPU kernel reads as one key
+    (:func:`_step_attention_backend`)."""
     steps, rows = slots.shape
     padded_rows = len(mwb.seq_lens)
     last = np.zeros(rows, np.int64)
     last[live] = first_lens[live] + steps - 1
     spans = (last + page_size - 1) // page_size * page_size
+    if ended_rows_page and len(live):
+        spans[: live[-1]] = np.maximum(spans[: live[-1]], page_size)
     size = len(mwb.cache_loc)
     used_size = int(spans.sum())
     if used_size > size:
@@ -632,19 +636,22 @@ def _step_attention_backend(backend, plan: ChunkPlan, step):
     device as that would for the step. Each row's pages are laid out for its length at the
     chunk's last step (the plan's ``cache_loc``), and the kernel reads the first ``kv_lens[b]``
     keys of row b's pages and writes the step's K and V at position ``kv_lens[b] - 1`` there,
-    so only the lengths move from step to step. Rows no longer served (length 0) come after the
-    last one served (``DecodeChunks.ahead_may_hold_ended_rows``), past the rows the kernel runs."""
+    so only the lengths move from step to step. The kernel runs every row up to the last one
+    served, so a row no longer served (length 0) before it reads one key, on the page of padding
+    slots the plan gives it (``_plan``'s ``ended_rows_page``), and writes its K and V there."""
     from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttentionMetadata
 
     if not _is_the_tpu_kernel(backend):
         return backend
     page_size = backend.page_size
-    lens = jnp.where(plan.seq_lens > 0, plan.seq_lens - (plan.steps - 1 - step), 0).astype(jnp.int32)
-    spans = (plan.seq_lens + page_size - 1) // page_size * page_size
     rows = plan.seq_lens.shape[0]
+    live = plan.seq_lens > 0
+    # The kernel runs the first distribution[2] rows: up to the last one served.
+    served = jnp.max(jnp.where(live, jnp.arange(1, rows + 1, dtype=jnp.int32), 0))
+    ended = ~live & (jnp.arange(rows) < served)
+    lens = jnp.where(live, plan.seq_lens - (plan.steps - 1 - step), ended.astype(jnp.int32)).astype(jnp.int32)
+    spans = jnp.where(ended, page_size, (plan.seq_lens + page_size - 1) // page_size * page_size)
     start = jnp.zeros(1, jnp.int32)
-    # The kernel runs the first distribution[2] rows: those of nonzero length, all first.
-    served = jnp.sum(lens > 0, dtype=jnp.int32)
     metadata = FlashAttentionMetadata(
         num_seqs=served.reshape(1),
         cu_q_lens=jnp.arange(rows + 1, dtype=jnp.int32),
@@ -698,7 +705,7 @@ def install(scheduler, control, steps: int, static: bool) -> DecodeChunks:
         control,
         steps,
         static,
-        ahead_may_hold_ended_rows=not _is_the_tpu_kernel(scheduler.tp_worker.worker.model_runner.attn_backend),
+        ended_rows_page=_is_the_tpu_kernel(scheduler.tp_worker.worker.model_runner.attn_backend),
     )
     setattr(scheduler, _STATE, chunks)
     control.decode_chunks = chunks

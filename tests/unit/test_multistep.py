@@ -66,6 +66,12 @@ def test_a_row_that_left_is_padding_in_a_chunk_computed_ahead():
     # Rows 0 and 2 back to back, row 1's slots nowhere.
     np.testing.assert_array_equal(cache_loc[:14], np.concatenate([table[0, :7], table[2, :7]]))
     assert not np.isin(table[1], cache_loc).any()
+    # For the TPU kernel, row 1 spans one page of padding slots (page size 1: slot 0) between them.
+    *_, padded_loc, _, padded_lens = _plan(
+        mwb, reqs, np.array([0, 2]), np.array([5, 5, 5]), slots, table, 1, ended_rows_page=True
+    )
+    np.testing.assert_array_equal(padded_loc[:15], np.concatenate([table[0, :7], [0], table[2, :7]]))
+    assert padded_lens.tolist() == seq_lens.tolist()
 
 
 def test_only_boundary_calls_that_may_change_weights_or_kv_end_the_chunks():
@@ -126,12 +132,14 @@ def test_a_chunk_evicts_the_prefix_cache_once_for_all_its_steps():
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("live", [[0, 1, 2], [0, 1]], ids=["all-rows", "last-row-ended"])
+@pytest.mark.parametrize("live", [[0, 1, 2], [0, 1], [0, 2]], ids=["all-rows", "last-row-ended", "middle-row-ended"])
 def test_each_step_gives_the_tpu_kernel_the_pages_and_lengths_of_a_one_step_forward(page_size, live):
     """The "fa" backend's metadata a chunk builds on the device for each step: the lengths,
     query offsets and rows run that 0.0.2's host code builds for the same step's one-step
     forward, and each row's first pages the same pages (the layout differs: a chunk's rows are
-    laid out for their lengths at its last step)."""
+    laid out for their lengths at its last step). A row that ended before a live one (a chunk
+    computed ahead) is run too, as the kernel runs every row up to the last one served: on one
+    key of page 0, the padding page (on none, the kernel never finished)."""
     import jax
     import jax.numpy as jnp
     from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention
@@ -148,7 +156,9 @@ def test_each_step_gives_the_tpu_kernel_the_pages_and_lengths_of_a_one_step_forw
     reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(rows)]
     slots = np.stack([table[np.arange(rows), first_lens - 1 + i] for i in range(steps)])
     mwb = types.SimpleNamespace(seq_lens=np.zeros(padded_rows), cache_loc=np.zeros(loc_len))
-    plan = ChunkPlan(*map(jnp.asarray, _plan(mwb, reqs, np.asarray(live), first_lens, slots, table, page_size)))
+    planned = _plan(mwb, reqs, np.asarray(live), first_lens, slots, table, page_size, ended_rows_page=True)
+    plan = ChunkPlan(*map(jnp.asarray, planned))
+    ended = [row for row in range(max(live)) if row not in live]
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
     backend = FlashAttention(2, 1, 8, page_size=page_size, mesh=mesh)
     for step in range(steps):
@@ -162,8 +172,17 @@ def test_each_step_gives_the_tpu_kernel_the_pages_and_lengths_of_a_one_step_forw
             cache_loc=np.concatenate([table[row, : aligned[row]] for row in range(rows)] + [np.zeros(8, np.int32)]),
         )
         want = jax.tree.map(np.asarray, backend.get_forward_metadata(one_step))
-        for name in ("num_seqs", "cu_q_lens", "seq_lens", "distribution"):
-            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=f"{name} at step {step}")
+        np.testing.assert_array_equal(got.cu_q_lens, want.cu_q_lens)
+        run = max(live) + 1
+        assert got.num_seqs.tolist() == [run] and got.distribution.tolist() == [0, 0, run], f"step {step}"
+        if not ended:
+            for name in ("num_seqs", "seq_lens", "distribution"):
+                np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=f"{name}, step {step}")
+        np.testing.assert_array_equal(got.seq_lens[live], lens[live])
+        for row in ended:
+            start = got.cu_kv_lens[row] // page_size
+            assert got.seq_lens[row] == 1 and got.cu_kv_lens[row + 1] - got.cu_kv_lens[row] == page_size
+            assert got.page_indices[start] == 0, f"row {row} at step {step}"
         for row in live:
             count = -(-lens[row] // page_size)
 
