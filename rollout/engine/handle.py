@@ -22,7 +22,7 @@ import numpy as np
 from trainer_bridge.sync import EngineLeaf
 
 from ..sampling import SamplingParams
-from . import inflight, multistep, sessions
+from . import inflight, multistep, sessions, tpu_interpret
 from .lora import TOKEN_SLOTS
 from .patches import eos_id_set, install_workarounds, preserved_process_state, variables_sharded_lazily
 from .programs import static_decode_chunks
@@ -99,7 +99,8 @@ class EngineHandle:
         if options.record_routing and not workaround_enabled("moe-forward"):
             raise EngineError("record_routing needs workaround moe-forward: its expert block records the routing")
         device = options.device or jax.default_backend()
-        check_decode_steps(options, options.attention_backend or default_attention_backend(device))
+        attention_backend = engine_attention_backend(options.attention_backend, device)
+        check_decode_steps(options, attention_backend)
         from sgl_jax.srt.entrypoints.engine import Engine
 
         self.options = options
@@ -131,7 +132,7 @@ class EngineHandle:
         )
         optional = {
             "context_length": options.context_length,
-            "attention_backend": options.attention_backend or default_attention_backend(device),
+            "attention_backend": attention_backend,
             "device": device,
             "precompile_token_paddings": list(options.precompile_token_paddings or []) or None,
             "precompile_bs_paddings": list(options.precompile_bs_paddings or []) or None,
@@ -619,3 +620,16 @@ def default_attention_backend(device: str) -> str:
     written for TPU, and 0.0.2 only falls back to "native" by itself on CPU (on GPU it would
     try to compile the TPU kernel)."""
     return "fa" if device == "tpu" else "native"
+
+
+def engine_attention_backend(requested: str | None, device: str) -> str:
+    """The attention backend an engine on ``device`` runs when ``requested`` (None: the
+    default). 0.0.2 builds "native" for "fa" on a CPU, where it cannot compile the kernel
+    (outside :func:`tpu_interpret.tpu_interpret_mode`): asked for there, the engine is started
+    with "native", so what it reports and the checks of what it can run are of the backend it
+    runs."""
+    backend = requested or default_attention_backend(device)
+    if backend == "fa" and device == "cpu" and not tpu_interpret.keeps_fa():
+        logger.warning("attention_backend 'fa' (the TPU kernel) runs 'native' on a CPU outside tpu_interpret_mode")
+        return "native"
+    return backend

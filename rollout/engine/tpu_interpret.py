@@ -170,6 +170,16 @@ def _tpu_v4_block_sizes(q_dtype, kv_dtype, q_heads, kv_heads, head_dim, page_siz
     return min(pages_per_seq, 512 // page_size), min(max_num_tokens, 32)
 
 
+# tpu_interpret_mode blocks open: engines started meanwhile keep "fa" on any device.
+_open = 0
+
+
+def keeps_fa() -> bool:
+    """Whether engines started now keep the "fa" attention backend on a CPU (inside
+    :func:`tpu_interpret_mode`)."""
+    return _open > 0
+
+
 @contextlib.contextmanager
 def tpu_interpret_mode():
     """Engines started inside run the "fa" attention backend's Pallas kernels in JAX's TPU
@@ -195,10 +205,13 @@ def tpu_interpret_mode():
     pltpu.set_tpu_interpret_mode(interpret_params())
     model_runner.ModelRunner._get_attention_backend = keeping_fa
     flash_attention.get_tuned_block_sizes = _tpu_v4_block_sizes
+    global _open
+    _open += 1
     try:
         with interpreting_reshaped_refs():
             yield
     finally:
+        _open -= 1
         flash_attention.get_tuned_block_sizes = block_sizes
         model_runner.ModelRunner._get_attention_backend = choose_backend
         jax_config.pallas_tpu_interpret_mode_context_manager.set_global(previous_mode)

@@ -3,8 +3,8 @@ engines that can run decode chunks."""
 
 import pytest
 
-from rollout.engine import EngineError, EngineOptions, workarounds
-from rollout.engine.handle import check_decode_steps, default_attention_backend
+from rollout.engine import EngineError, EngineOptions, tpu_interpret_mode, workarounds
+from rollout.engine.handle import check_decode_steps, default_attention_backend, engine_attention_backend
 from rollout.engine.programs import static_decode_chunks
 
 
@@ -13,6 +13,30 @@ from rollout.engine.programs import static_decode_chunks
 )
 def test_attention_backend_is_chosen_by_platform(device, backend):
     assert default_attention_backend(device) == backend
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "backend"),
+    [
+        (None, "tpu", "fa"),
+        ("fa", "tpu", "fa"),
+        ("native", "tpu", "native"),
+        (None, "cpu", "native"),
+        ("fa", "cpu", "native"),
+    ],
+)
+def test_an_engine_is_started_with_the_backend_it_runs(requested, device, backend):
+    assert engine_attention_backend(requested, device) == backend
+
+
+def test_fa_on_a_cpu_is_kept_in_interpret_mode_only(monkeypatch):
+    with tpu_interpret_mode():
+        assert engine_attention_backend("fa", "cpu") == "fa"
+    assert engine_attention_backend("fa", "cpu") == "native"
+    # So decode chunks on "fa" asked for on a CPU are checked as the native engine they run on.
+    monkeypatch.setenv(workarounds.DISABLE_ENV, "native-attention-memory")
+    with pytest.raises(EngineError, match="needs workaround native-attention-memory"):
+        check_decode_steps(EngineOptions(model_path="unused", decode_steps=8), engine_attention_backend("fa", "cpu"))
 
 
 @pytest.mark.parametrize(
