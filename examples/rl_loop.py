@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -781,21 +782,44 @@ def parse_args(
     parser = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--preset", choices=tuple(presets), default="tiny")
+    parser.add_argument("--preset", choices=tuple(presets), default="tiny", help="default: tiny")
     overridable = [f for f in dataclasses.fields(config_class) if f.name != "preset"]
     for field in overridable:
-        flag = "--" + field.name.replace("_", "-")
+        help = _preset_values(presets, field.name)
         if field.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
             kind = field.type.removesuffix(" | None")
-            parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=None)
+            kind = {"int": int, "float": float}.get(kind, str)
+            parser.add_argument(_flag(field.name), type=kind, default=None, help=help)
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in overridable if getattr(args, f.name) is not None}
     try:
         return dataclasses.replace(presets[args.preset], **overrides)
     except ValueError as error:  # the config's own checks: a usage error, not a traceback
-        parser.error(str(error))
+        parser.error(_as_flags(str(error), [f.name for f in dataclasses.fields(config_class)]))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _preset_values(presets: dict[str, RLConfig], name: str) -> str:
+    """A flag's help: its value under the default preset, and under each preset that differs."""
+    default = getattr(presets["tiny"], name)
+    others = [f"{preset}: {getattr(config, name)}" for preset, config in presets.items()]
+    others = [other for other, config in zip(others, presets.values()) if getattr(config, name) != default]
+    return f"default: {default}" + (f" ({', '.join(others)})" if others else "")
+
+
+def _as_flags(message: str, names: list[str]) -> str:
+    """A config's message as the command line says it: the field names it starts with, and those
+    of more than one word anywhere, as their flags (``steps must be >= 1`` -> ``--steps ...``)."""
+    first = message.split(" ", 1)[0]
+    if first in names:
+        message = _flag(first) + message[len(first) :]
+    compound = "|".join(sorted((re.escape(name) for name in names if "_" in name), key=len, reverse=True))
+    return re.sub(rf"(?<![-\w])({compound})(?!\w)", lambda match: _flag(match.group(1)), message)
 
 
 def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:

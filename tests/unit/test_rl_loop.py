@@ -450,8 +450,9 @@ def refused(flags, capsys) -> str:
 
 
 def test_a_setting_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):
+    """Named by its flag, as the user typed it; the config's own message names the field."""
     assert re.search(
-        r"error: learning_rate must be a finite number, got nan$", refused(["--learning-rate", "nan"], capsys)
+        r"error: --learning-rate must be a finite number, got nan$", refused(["--learning-rate", "nan"], capsys)
     )
 
 
@@ -460,17 +461,17 @@ def test_a_setting_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):
     [
         (["--model", "/my/model"], "preset 'tiny' builds its own model and task: --model is for"),
         (["--preset", "tiny-moe", "--model", "m", "--dataset", "d.jsonl"], "--model and --dataset are for the qwen"),
-        (["--preset", "tiny-moe", "--max-turns", "3"], "max_turns > 1 .* needs a model with a chat template"),
+        (["--preset", "tiny-moe", "--max-turns", "3"], "--max-turns > 1 .* needs a model with a chat template"),
         (["--max-turns", "2"], "preset 'tiny' has none"),
         # Both failed with a traceback once the engine started.
-        (["--preset", "tiny-moe", "--routing-replay", "--decode-steps", "2"], "routing_replay needs decode_steps 1"),
+        (["--preset", "tiny-moe", "--routing-replay", "--decode-steps", "2"], "--routing-replay needs --decode-steps"),
         (["--routing-replay"], "preset 'tiny'.s model has no experts"),
         # Both failed with a traceback after the run dir was made.
-        (["--seed", "-1"], "seed must be >= 0, got -1"),
-        (["--dtype", "foo"], "dtype must be one of .*, got 'foo'"),
-        (["--output-dir", ""], "output_dir must not be empty"),
-        (["--temperature", "-1"], "temperature must be > 0, got -1.0"),
-        (["--learning-rate", "0"], "learning_rate must be > 0, got 0.0"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--dtype", "foo"], "--dtype must be one of .*, got 'foo'"),
+        (["--output-dir", ""], "--output-dir must not be empty"),
+        (["--temperature", "-1"], "--temperature must be > 0, got -1.0"),
+        (["--learning-rate", "0"], "--learning-rate must be > 0, got 0.0"),
     ],
 )
 def test_flags_a_tiny_preset_cannot_use_are_refused_before_anything_starts(flags, words, capsys):
@@ -481,9 +482,20 @@ def test_flags_a_tiny_preset_cannot_use_are_refused_before_anything_starts(flags
     parse_args(["--preset", "tiny-moe", "--routing-replay"])
 
 
+def test_the_help_gives_each_flag_its_value_under_each_preset(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help = " ".join(capsys.readouterr().out.split())
+    tiny, llama, big = PRESETS["tiny"], PRESETS["tiny-llama"], PRESETS["qwen2.5-3b"]
+    assert f"--steps STEPS default: {tiny.steps} (tiny-llama: {llama.steps}," in help
+    assert f"qwen2.5-3b: {big.steps}," in help
+    assert f"--temperature TEMPERATURE default: {tiny.temperature} --" in help  # the same in every preset
+
+
 def test_routing_replay_on_a_local_dense_model_is_refused(qwen2_dir, capsys):
     flags = ["--preset", "qwen2.5-3b", "--model", str(qwen2_dir), "--dataset", "d.jsonl", "--routing-replay"]
-    assert re.search(r"routing_replay: .*config.json is a qwen2 model, which routes no tokens", refused(flags, capsys))
+    words = r"--routing-replay: .*config.json is a qwen2 model, which routes no tokens"
+    assert re.search(words, refused(flags, capsys))
 
 
 def test_checkpoint_every_must_be_at_least_one():
