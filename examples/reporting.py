@@ -130,14 +130,18 @@ def plot(path: Path, history: list[dict], extra_panels) -> None:
         panels.append(("train-inference mismatch (engine vs trainer log-probs)", lines, "log"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(6, 0.5 + 2.75 * len(panels)), sharex=True, squeeze=False)
     for ax, (title, lines, scale) in zip(axes[:, 0], panels):
+        drawn = {}  # points -> the panel's line through them
         for key, label in lines:
             # A metric of some steps only (the evaluation's) is drawn at those steps.
-            points = [(r["step"], r[key]) for r in history if key in r]
+            points = tuple((r["step"], r[key]) for r in history if key in r)
             if not points:
+                continue
+            if points in drawn:  # one line under both labels (reward is solved where near misses earn 0)
+                drawn[points].set_label(f"{drawn[points].get_label()} = {label}")
                 continue
             x, values = zip(*points)
             marker = "o" if len(x) < len(steps) else None
-            ax.plot(x, np.abs(values) if scale == "log" else values, label=label, marker=marker)
+            (drawn[points],) = ax.plot(x, np.abs(values) if scale == "log" else values, label=label, marker=marker)
         ax.set_yscale(scale)
         if title:
             ax.set_title(title, fontsize=9)

@@ -409,6 +409,22 @@ def test_the_summary_and_the_plot_cover_the_whole_run(tmp_path, monkeypatch):
     assert [[r["step"] for r in records] for records in plotted] == [list(range(1, 9))]
 
 
+def test_a_metric_equal_to_another_is_one_line_under_both_labels(tmp_path, monkeypatch):
+    """With near_credit 0 the reward is the solved fraction: two lines drawn one over the other
+    looked like one line missing."""
+    from matplotlib.figure import Figure
+
+    labels = []
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, path: labels.append([line.get_label() for line in fig.axes[0].lines])
+    )
+    same = [{**record(step, step / 10), "solved": step / 10} for step in range(1, 5)]
+    reporting.plot(tmp_path / "reward.png", same, [])
+    differ = [{**record(step, step / 10), "solved": step / 20} for step in range(1, 5)]
+    reporting.plot(tmp_path / "reward.png", differ, [])
+    assert labels == [["mean reward = solved fraction"], ["mean reward", "solved fraction"]]
+
+
 def test_a_missing_matplotlib_is_refused_at_start_up(monkeypatch):
     """--plot (the default) draws reward.png after the last step: without matplotlib the
     command stops before its first step, saying what to do."""
