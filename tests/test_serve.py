@@ -1,6 +1,7 @@
 """HTTP server mode: a real server on a loopback port, called with the openai client and httpx."""
 
 import asyncio
+import logging
 import signal
 import threading
 import time
@@ -661,3 +662,59 @@ def test_close_drains_running_requests(worker, chat_dir):
     assert set(threading.enumerate()) <= threads_before
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health")
+
+
+@pytest.mark.one_end
+def test_an_admin_call_cut_by_the_drain_timeout_is_answered_with_what_it_did(worker, chat_dir):
+    """A drain reload waiting behind a request when close()'s drain timeout passes: the request
+    is cut (503 worker_closed, its rows aborted), and the reload, which then goes ahead, is
+    answered 200 with its version. It had been answered 503 worker_closed, and landed anyway."""
+    server = worker.serve(admin_token="t", drain_timeout_s=0.1)
+    version = worker.weight_version
+    cancelling = threading.Event()  # uvicorn says so just before it cancels the running requests
+
+    class Cancelling(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Cancel "):
+                cancelling.set()
+
+    handler, uvicorn_log = Cancelling(), logging.getLogger("uvicorn.error")
+    body = {"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    reload = {"path": str(chat_dir), "format": "hf", "in_flight": False}
+    results = {}
+    requests = [
+        threading.Thread(
+            target=lambda: results.update(generate=httpx.post(server.url + "/v1/completions", json=body, timeout=120))
+        ),
+        threading.Thread(
+            target=lambda: results.update(
+                reload=httpx.post(
+                    server.url + "/admin/reload_weights",
+                    json=reload,
+                    headers={"Authorization": "Bearer t"},
+                    timeout=120,
+                )
+            )
+        ),
+    ]
+    uvicorn_log.addHandler(handler)
+    try:
+        # The request is held mid-decode until its cancellation has begun.
+        with held_mid_call(worker, until=cancelling.is_set) as held:
+            requests[0].start()
+            assert held.wait(300)
+            requests[1].start()
+            deadline = time.monotonic() + 120
+            while worker._gate.exclusive_reason is None:  # the reload waits for the request
+                assert time.monotonic() < deadline, "the reload never waited for the running request"
+                time.sleep(0.01)
+            server.close()
+        for thread in requests:
+            thread.join()
+    finally:
+        uvicorn_log.removeHandler(handler)
+    assert results["generate"].status_code == 503
+    assert results["generate"].json()["error"]["code"] == "worker_closed"
+    assert results["reload"].status_code == 200, results["reload"].text
+    assert results["reload"].json()["version"] == worker.weight_version == version + 1
+    assert worker.active_calls == 0 and worker.engine.testing.kv_tokens_held() == 0

@@ -26,7 +26,18 @@ class AdminState:
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-admin")
 
     async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """``fn(*args)`` on the admin thread. Cancelled (the server's drain timeout), the call
+        still waits for it and answers what it did: the thread carries the work on, and its
+        change lands (a reload waiting behind a request cut at the timeout goes ahead once that
+        request's rows are aborted), where a 503 would have said it had not."""
+        work = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        while True:
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                if work.cancelled():
+                    raise
+                asyncio.current_task().uncancel()
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
