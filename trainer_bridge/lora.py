@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +60,13 @@ class LoraConfig:
             alpha = alpha.item()
         if isinstance(alpha, (bool, np.bool_)) or not isinstance(alpha, numbers.Real) or not 0 < alpha < math.inf:
             raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {alpha!r}")
+        if alpha / self.rank == 0:  # a denormal alpha: every update would be scaled to 0
+            raise ValueError(f"LoraConfig.alpha / rank must be > 0 in float64, got {alpha!r} / {self.rank}")
         targets = self.target_modules
-        if isinstance(targets, str) or not targets or not all(isinstance(t, str) and t for t in targets):
+        if isinstance(targets, str) or not isinstance(targets, Iterable):
+            raise ValueError(f"LoraConfig.target_modules must be a non-empty sequence of names, got {targets!r}")
+        targets = tuple(targets)  # read once: a generator checked and then stored would be stored empty
+        if not targets or not all(isinstance(t, str) and t for t in targets):
             raise ValueError(f"LoraConfig.target_modules must be a non-empty sequence of names, got {targets!r}")
         object.__setattr__(self, "rank", int(self.rank))
         object.__setattr__(self, "alpha", float(alpha))
@@ -114,6 +119,11 @@ def collect_adapters(
         if _partner(a_name) != b_name:
             raise SyncError(f"adapters: '{pair['a'][0]}' and '{pair['b'][0]}' are named in two layouts")
         kernel = f"{module}.kernel"
+        if kernel not in base and module in base:  # an MoE's experts, stacked: no kernel of their own
+            raise SyncError(
+                f"adapters: '{pair['a'][0]}' adapts '{module}', an array of shape {tuple(base[module].shape)} in the "
+                f"base tree, not a '<module>.kernel' projection: an MoE's stacked experts take no adapters"
+            )
         if kernel not in base:
             raise SyncError(f"adapters: '{pair['a'][0]}' adapts '{kernel}', which the base tree does not have")
         if module.rpartition(".")[2] not in config.target_modules:

@@ -245,10 +245,14 @@ def test_lora_config_checks_its_fields():
     for alpha in (0.0, float("inf"), True, "8"):
         with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
             LoraConfig(rank=4, alpha=alpha)
-    for targets in ("q_proj", (), ("q_proj", "")):
+    with pytest.raises(ValueError, match="alpha / rank must be > 0 in float64, got 5e-324 / 4"):
+        LoraConfig(rank=4, alpha=5e-324)  # a denormal: the scale would be 0
+    for targets in ("q_proj", (), ("q_proj", ""), 5, (name for name in ())):
         with pytest.raises(ValueError, match="target_modules must be a non-empty sequence of names"):
             LoraConfig(rank=4, alpha=8.0, target_modules=targets)
     assert LoraConfig(rank=16, alpha=32.0).scale == 2.0
+    # A generator is read once: it had been checked, then stored empty.
+    assert LoraConfig(4, 8.0, (name for name in ("v_proj", "q_proj"))).target_modules == ("q_proj", "v_proj")
     # numpy integers (a config read from an array) are ints; the targets are a set.
     config = LoraConfig(rank=np.int64(4), alpha=np.float32(8.0), target_modules=["v_proj", "q_proj"])
     assert config == LoraConfig(4, 8.0, ("q_proj", "v_proj")) and type(config.rank) is int
@@ -386,3 +390,19 @@ def test_each_token_gets_its_requests_adapter_slot_in_the_forwards_layout():
     decode = SimpleNamespace(reqs=reqs, extend_lens=None, forward_mode=SimpleNamespace(is_extend=lambda: False))
     write_token_slots(scheduler, decode, slots, 1)
     assert leaves[1].tolist() == [2, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_an_adapter_on_an_moes_stacked_experts_is_refused_naming_them():
+    """An MoE keeps its experts' projections stacked, as '<module>' with no kernel: the message
+    had said the base tree had no '<module>.kernel', as if the module were missing."""
+    base = base_tree()
+    experts = np.zeros((4, *base["model.layers_1.mlp.down_proj.kernel"].shape), np.float32)
+    base = {path: leaf for path, leaf in base.items() if path != "model.layers_1.mlp.down_proj.kernel"}
+    base["model.layers_1.mlp.down_proj"] = experts
+    with pytest.raises(SyncError) as error:
+        merged(adapter_tree(), base)
+    assert (
+        f"adapters: 'model.layers_1.mlp.down_proj.lora_a' adapts 'model.layers_1.mlp.down_proj', an array of shape "
+        f"{experts.shape} in the base tree, not a '<module>.kernel' projection: an MoE's stacked experts take no "
+        "adapters"
+    ) in str(error.value)
