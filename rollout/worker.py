@@ -462,10 +462,13 @@ class RolloutWorker:
                             )
                         if problems:
                             raise SyncError("; ".join(problems))
-                    merged = merge_adapters(flat, adapters, lora[1])
+                    merged = merge_adapters(self._placed_for_merge(flat, adapters), adapters, lora[1])
                     merged_bytes = sum(merged[adapter.kernel].nbytes for adapter in adapters)
                 trees, gathered = self._group.localize(merged, call)
-                prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
+                try:
+                    prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
+                except SyncError as error:
+                    raise _merge_overflow(error, flat, adapters) if lora else error from None
                 return prepared, gathered, merged_bytes
 
             # In a pod every process reaches its commit or none does: one whose shards fail a
@@ -503,6 +506,22 @@ class RolloutWorker:
         engine (after a first sync of the same structure): output and temporary bytes."""
         self._check_open()
         return self._group.first.memory_analysis(flatten_params(params))
+
+    def _placed_for_merge(self, flat: Mapping[str, object], adapters) -> Mapping[str, object]:
+        """``flat`` with each adapted kernel that has no placement of its own (host arrays, as
+        ``load_hf_params`` gives them; uncommitted ones) put where the engines keep it: merged
+        there, the engines use the merged kernel as it is, where a merge on JAX's default device
+        took that device's memory and was copied again. (In a pod the trainer's leaves are
+        global arrays: the reshard across processes places them.)"""
+        if self._group.pod.multi_process:
+            return flat
+        unplaced = [
+            a.kernel for a in adapters if not (isinstance(flat[a.kernel], jax.Array) and flat[a.kernel].committed)
+        ]
+        if not unplaced:
+            return flat
+        shardings = self._group.param_shardings()
+        return {**flat, **{path: jax.device_put(flat[path], shardings[path]) for path in unplaced}}
 
     def param_shardings(self) -> dict:
         """Where to place a trainer param tree so that ``sync_params`` moves no bytes.
@@ -1129,6 +1148,23 @@ def _naming_factors_as_given(given: Mapping[str, str]) -> Iterator[None]:
         if isinstance(exc, PeerSyncError):  # another process's failure: still one, renamed
             raise PeerSyncError(message, exc.processes) from None
         raise SyncError(message, [renamed.get(path, path) for path in exc.non_finite]) from None
+
+
+def _merge_overflow(error: SyncError, base: Mapping[str, object], adapters) -> SyncError:
+    """``error``, or where it finds NaN/inf in merged kernels whose base kernels are finite (their
+    adapters were checked before the merge), the error of the merge that overflowed: it had
+    named the kernels alone, as if the trainer's were broken."""
+    kernels = {adapter.kernel for adapter in adapters}
+    merged = [path for path in error.non_finite if path in kernels]
+    broken = set(non_finite_leaves([base[path] for path in merged]))
+    overflowed = [path for i, path in enumerate(merged) if i not in broken]
+    if not overflowed:
+        return error
+    return SyncError(
+        f"{error} ({', '.join(overflowed[:8])}: finite in the base tree, as are their adapters, but not once "
+        "merged: kernel + alpha / rank * A @ B overflows float32)",
+        non_finite=error.non_finite,
+    )
 
 
 def _combine_sync_reports(reports: Mapping[int, SyncReport], engines: int, compiles: int) -> SyncReport:

@@ -179,6 +179,12 @@ def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(ser
     kernels = {path.rsplit(".", 1)[0] + ".kernel" for path in flatten_params(adapters)}
     assert len(kernels) > 0 and report.bytes_merged == sum(flatten_params(base)[k].nbytes for k in kernels)
     assert greedy(worker) == reference
+    # A host base (load_hf_params' numpy) is merged where the engine keeps each kernel, which it
+    # then serves as it is: merged on JAX's default device, a tp 2 engine's copied them again.
+    report = worker.sync_params(served.params, adapters=adapters, lora=config)
+    as_is = kernels - {m.trainer for m in transformed(served)}
+    assert report.bytes_aliased == sum(flatten_params(base)[k].nbytes for k in as_is) > 0
+    assert greedy(worker) == reference
     worker.check_consistency(merged, PROMPTS, n=2, max_new_tokens=NEW_TOKENS, atol=LOGPROB_ATOL)
     broken = flatten_params(adapters)
     dropped = next(path for path in broken if path.endswith(".lora_b"))
@@ -199,6 +205,14 @@ def test_lora_adapters_merged_at_sync_serve_the_flax_policy_with_them_merged(ser
         ),
     ):
         worker.sync_params(base, adapters=unflatten_params(wide), lora=config)
+    huge = flatten_params(adapters)  # finite in float32, each; their product is not
+    factor_a = dropped.removesuffix("_b") + "_a"
+    huge[factor_a], huge[dropped] = np.full(huge[factor_a].shape, 1e19), np.full(huge[dropped].shape, 1e19)
+    kernel = dropped.removesuffix(".lora_b") + ".kernel"
+    with pytest.raises(
+        SyncError, match=re.escape(f"{kernel}: finite in the base tree, as are their adapters, but not")
+    ):
+        worker.sync_params(base, adapters=unflatten_params(huge), lora=config, check_finite=True)
     with pytest.raises(SyncError, match=re.escape("start it with WorkerConfig(unmerged_lora=LoraConfig(...))")):
         worker.sync_adapters(adapters)
     with pytest.raises(SyncError, match="holds LoRA adapters alone; loading them onto the served base needs"):
