@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 import typing
 
 import jax
@@ -103,4 +104,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C again while draining: stopped at once, as asked, not a traceback
+        print("rollout.serve: interrupted while draining; stopped", file=sys.stderr)
+        raise SystemExit(130) from None

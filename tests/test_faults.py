@@ -557,6 +557,26 @@ def test_a_signal_during_a_request_drains_it_and_exits_0(chat_dir, signum, drain
         assert process.wait(timeout=120) == 0
 
 
+@pytest.mark.one_end
+def test_a_second_ctrl_c_while_draining_stops_at_once_without_a_traceback(chat_dir):
+    """Ctrl-C again while a stream drains stops the command at once, as docs/server.md says:
+    exit 130 and one line, where it printed a KeyboardInterrupt traceback."""
+    with serve_process(chat_dir, "--drain-timeout-s", "120") as (process, url):
+        body = {"model": chat_dir.name, "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # running
+            process.send_signal(signal.SIGINT)
+            assert any("draining running requests" in line for line in process.stderr)
+            process.send_signal(signal.SIGINT)
+            with contextlib.suppress(httpx.TransportError):  # cut mid-stream
+                for _ in lines:
+                    pass
+        assert process.wait(timeout=120) == 130
+        rest = process.stderr.read()
+        assert "interrupted while draining; stopped" in rest and "Traceback" not in rest
+
+
 # ---- aborts: abandoned work stops within a forward --------------------------------------------------
 
 LONG = 240  # tokens a request would generate for nobody (the context is 256)
