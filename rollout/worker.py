@@ -783,8 +783,8 @@ class RolloutWorker:
         """Around a train step: drops the KV caches and the engines' references to the
         trainer's buffers they were serving, so the train step may donate its params.
 
-        Afterwards ``generate`` refuses to run until the next ``sync_params``. Yields the KV
-        drop report.
+        Afterwards ``generate`` refuses to run until the next ``sync_params`` (or
+        ``sync_adapters``, on a base the engines own). Yields the KV drop report.
         """
         self._check_open()
         self._gate.check_no_own_calls("released_for_training()")
