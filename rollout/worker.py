@@ -689,12 +689,21 @@ class RolloutWorker:
             ]
             if not narrowed:
                 raise
+            pod = self._group.pod.multi_process  # there a read is collective, and only this process failed
+            if not pod:  # read again as saved: NaN/inf there is the checkpoint's own, not the cast's
+                # Onto the host: a float64 leaf on a device would be float32 again.
+                as_saved = {p: jax.ShapeDtypeStruct(targets[p].shape, saved[p].dtype) for p in narrowed}
+                reread = flatten_params(
+                    restore_saved(item_dir, dataclasses.replace(layout, beside_others=True), as_saved)
+                )
+                narrowed = [p for p in narrowed if finite_as_given(reread[p])]
+                if not narrowed:
+                    raise
             dtype = np.dtype(targets[narrowed[0]].dtype)
-            raise SyncError(
-                f"{exc} ({', '.join(narrowed[:8])} restored into the engine's {dtype} from the checkpoint's "
-                f"{np.dtype(saved[narrowed[0]].dtype)}: {beyond_range(dtype)} are inf there)",
-                exc.non_finite,
-            ) from None
+            cast = f"restored into the engine's {dtype} from the checkpoint's {np.dtype(saved[narrowed[0]].dtype)}"
+            inf = f"{beyond_range(dtype)}, which are inf there" if pod else f"{beyond_range(dtype)} are inf there"
+            note = f"NaN/inf in the checkpoint, or {inf}" if pod else inf
+            raise SyncError(f"{exc} ({', '.join(narrowed[:8])} {cast}: {note})", exc.non_finite) from None
 
     def _replace_engine_leaves(
         self, new_leaves: Sequence[Mapping[int, jax.Array]], reason: str, *, in_flight: bool = False

@@ -140,6 +140,12 @@ def test_bad_checkpoints_leave_the_worker_serving(worker, params, qwen3_dir, tmp
     ):
         worker.load_checkpoint(overflowing)
     assert_still_serving(worker, expected, version)
+    # A NaN of the checkpoint's own is named as such, not as the cast's overflow.
+    flat["model.norm.scale"] = np.full(flat["model.norm.scale"].shape, np.nan)
+    nan = orbax_save(tmp_path / "nan", unflatten_params(flat))
+    with pytest.raises(SyncError, match=r"non-finite values \(nan/inf\) in: model\.norm\.scale$"):
+        worker.load_checkpoint(nan)
+    assert_still_serving(worker, expected, version)
 
     with pytest.raises(CheckpointError, match="step must be an int, got '1'"):
         worker.load_checkpoint(integer, step="1")
