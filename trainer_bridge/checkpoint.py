@@ -144,7 +144,8 @@ def restore_params(path: str | Path, target: Mapping, *, step: int | None = None
         if jnp.issubdtype(saved[key].dtype, jnp.floating) != jnp.issubdtype(leaf.dtype, jnp.floating):
             # A restore casts to the target's dtype: integers would come back as weights, silently.
             raise CheckpointError(f"checkpoint {item_dir}: '{key}' has dtype {saved[key].dtype}, expected {leaf.dtype}")
-    params = restore_saved(item_dir, layout, wanted)
+    # Nested as the target nests them (a key of the target's own may hold a '.').
+    params = _as_saved(flatten_params(restore_saved(item_dir, layout, wanted)), _saved_keys(unwrap_params(target)))
     return {"params": params} if unwrap_params(target) is not target else params
 
 
@@ -153,11 +154,13 @@ class SavedLayout:
     """Where a checkpoint keeps its params: ``flat`` (flat path -> leaf metadata), how many
     ``'params'`` keys they are under (``{'params': {'params': ...}}``: flax's variables in a
     TrainState), and whether anything else is saved beside them (a train state: the params are
-    read alone, by a partial restore)."""
+    read alone, by a partial restore); ``keys``: each flat path's keys in the saved tree (a
+    tree saved flat, ``{'model.norm.scale': ...}``, has one key a leaf)."""
 
     flat: dict
     depth: int
     beside_others: bool
+    keys: dict
 
 
 def saved_layout(item_dir: Path) -> SavedLayout:
@@ -166,14 +169,37 @@ def saved_layout(item_dir: Path) -> SavedLayout:
         beside = beside or set(tree) != {"params"}
         tree, depth = tree["params"], depth + 1
     # (flatten_params would take one more {'params': ...} off; there is none left.)
-    return SavedLayout(flatten_params(tree), depth, beside)
+    return SavedLayout(flatten_params(tree), depth, beside, _saved_keys(tree))
+
+
+def _saved_keys(tree: Mapping, keys: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    found = {}
+    for key, node in tree.items():
+        if isinstance(node, Mapping):
+            found.update(_saved_keys(node, (*keys, key)))
+        else:
+            found[".".join((*keys, key))] = (*keys, key)
+    return found
+
+
+def _as_saved(targets: Mapping[str, Any], keys: Mapping[str, tuple[str, ...]]) -> dict:
+    """``targets`` (flat path -> leaf) nested as the checkpoint nests them: orbax matches a
+    restore's target to the saved tree's structure, key by key."""
+    tree: dict = {}
+    for path, target in targets.items():
+        *parents, leaf = keys.get(path, path.split("."))
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = target
+    return tree
 
 
 def restore_saved(item_dir: Path, layout: SavedLayout, targets: Mapping[str, Any]) -> dict:
     """The params of the checkpoint at ``item_dir`` restored as ``targets`` say (flat path ->
     ``jax.ShapeDtypeStruct`` with a sharding), the train state's other items left unread; the
     params alone, out of their ``{'params': ...}`` wrappers."""
-    target = unflatten_params(targets)
+    target = _as_saved(targets, layout.keys)
     for _ in range(layout.depth):
         target = {"params": target}
     restored = restore_tree(item_dir, target, partial=layout.beside_others)
@@ -181,7 +207,8 @@ def restore_saved(item_dir: Path, layout: SavedLayout, targets: Mapping[str, Any
         restored = restored["params"]
     # A partial restore gives a leaf it did not find as the target's own stand-in, silently
     # (a key with a '.', which the flat paths split).
-    unread = [path for path, leaf in flatten_params(restored).items() if isinstance(leaf, jax.ShapeDtypeStruct)]
+    flat = flatten_params(restored)
+    unread = [path for path, leaf in flat.items() if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unread:
         raise CheckpointError(f"checkpoint {item_dir}: {len(unread)} leaves were not found where read: {unread[:8]}")
-    return restored
+    return unflatten_params(flat)  # nested, however the checkpoint nests them
