@@ -10,6 +10,7 @@ items (``{'params', 'opt_state', 'step'}``, as the RL examples save), whose para
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import re
 from collections.abc import Mapping
@@ -20,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from .tree import flatten_params, unflatten_params, unwrap_params
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -55,6 +58,16 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
     if steps:
         if step is None:
             step = max(steps)
+            # An empty step directory (a save cut off before it wrote anything) is passed over.
+            written = [number for number, directory in steps.items() if any(directory.iterdir())]
+            if written and max(written) != step:
+                logger.warning(
+                    "checkpoint root %s: the directory of step %d is empty; reading step %d, the latest written",
+                    path,
+                    step,
+                    max(written),
+                )
+                step = max(written)
         elif step not in steps:
             raise CheckpointError(f"checkpoint root {path} has no step {step}; it has steps {sorted(steps)}")
         path = steps[step]
@@ -65,6 +78,12 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
     for item in ("default", "params"):  # a manager's one unnamed item, or its item of that name
         if (path / item).is_dir():
             return path / item
+    items = sorted(child.name for child in path.iterdir() if (child / "_METADATA").is_file())
+    if items and not any((path / name).is_file() for name in _CHECKPOINT_FILES):
+        raise CheckpointError(
+            f"checkpoint {path} holds the items {items}, none named 'default' or 'params' (where the params "
+            f"are read from): pass the directory of the item that holds them, such as {path / items[0]}"
+        )
     return path
 
 

@@ -124,3 +124,37 @@ def test_a_managers_item_named_params_is_the_params(params, tmp_path):
         manager.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave(small)))
         manager.wait_until_finished()
     assert resolve_checkpoint(root) == root / "5" / "params"
+
+
+def test_a_managers_step_under_another_item_name_is_refused_naming_its_items(tmp_path):
+    """A step whose items are named otherwise (MaxText's ``items``): it had said the step did not
+    hold a tree of arrays."""
+    import orbax.checkpoint as ocp
+
+    from trainer_bridge.checkpoint import resolve_checkpoint
+
+    root = tmp_path / "run"
+    small = {"w": jax.device_put(np.arange(4, dtype=np.float32))}
+    with ocp.CheckpointManager(root) as manager:
+        manager.save(3, args=ocp.args.Composite(items=ocp.args.StandardSave(small)))
+        manager.wait_until_finished()
+    with pytest.raises(CheckpointError, match=r"holds the items \['items'\], none named 'default' or 'params'"):
+        resolve_checkpoint(root)
+    np.testing.assert_array_equal(restore_params(root / "3" / "items", small)["w"], small["w"])
+
+
+def test_an_empty_latest_step_is_passed_over_with_a_warning(tmp_path, caplog):
+    import orbax.checkpoint as ocp
+
+    from trainer_bridge.checkpoint import resolve_checkpoint
+
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(root) as manager:
+        manager.save(10, args=ocp.args.StandardSave({"w": jax.device_put(np.ones(2, np.float32))}))
+        manager.wait_until_finished()
+    (root / "12").mkdir()  # a save cut off before it wrote anything
+    with caplog.at_level("WARNING", logger="trainer_bridge.checkpoint"):
+        assert resolve_checkpoint(root).parent.name == "10"
+    assert "the directory of step 12 is empty; reading step 10" in caplog.text
+    with pytest.raises(CheckpointError):
+        restore_params(root, {"w": np.ones(2, np.float32)}, step=12)  # asked for, it is read
