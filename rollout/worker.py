@@ -580,11 +580,15 @@ class RolloutWorker:
                 reason="weights are being reloaded",
             )
         except SyncError as error:
-            source = error.path and hf_source(model_dir, error.path)
-            if not source:
-                raise
             # Named as the files hold it: the sync names the trainer's path, in the trainer's layout.
-            raise SyncError(f"{model_dir}: {source}: {error}", error.non_finite, error.path) from None
+            if error.path:
+                source = hf_source(model_dir, error.path)
+                if source:
+                    raise SyncError(f"{model_dir}: {source}: {error}", error.non_finite, error.path) from None
+            sources = [f"{path}: {source}" for path in error.non_finite[:8] if (source := hf_source(model_dir, path))]
+            if not sources:
+                raise
+            raise SyncError(f"{model_dir}: {error} ({'; '.join(sources)})", error.non_finite, error.path) from None
 
     def load_checkpoint(
         self,

@@ -213,6 +213,15 @@ def test_load_hf_sharded_and_bad_files(worker, qwen2_dir, params, scaled, tmp_pa
     assert refused.value.path == "model.layers_1.mlp.up_proj.kernel"
     assert_still_serving(worker, expected, version)
 
+    # A NaN likewise: it had been named by the trainer's path alone.
+    tensors = load_file(str(Path(qwen2_dir) / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * float("nan")
+    nan = Path(shutil.copytree(qwen2_dir, tmp_path / "nan"))
+    save_file(tensors, nan / "model.safetensors")
+    with pytest.raises(SyncError, match=r"model\.norm\.scale: tensor 'model\.norm\.weight' in model\.safetensors\)$"):
+        worker.load_hf(nan)
+    assert_still_serving(worker, expected, version)
+
     with pytest.raises(FileNotFoundError, match="missing-dir"):
         worker.load_hf(tmp_path / "missing-dir")
     assert_still_serving(worker, expected, version)
