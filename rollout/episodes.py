@@ -53,9 +53,7 @@ from .chat import (
 )
 from .errors import InvalidRequest
 from .sampling import (
-    MAX_SAMPLING_SEED,
     SamplingParams,
-    as_call_seed,
     as_int,
     outside_vocabulary,
     pad_width,
@@ -64,6 +62,8 @@ from .sampling import (
 )
 
 logger = logging.getLogger(__name__)
+# EpisodeBatch.rewards are float32: an episode's reward must be finite there.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # How an episode ended (EpisodeResult.status).
 DONE = "done"  # the environment said so
@@ -485,7 +485,7 @@ async def run_episode(
     frames = frames or _frames(worker, tools, chat_template_kwargs)
     prompt_ids = _first_prompt(worker, frames, limits, prompt, "prompt")
     sampling = _turn_sampling(worker, frames, sampling)
-    seed = _call_seed(seed)
+    seed = worker.call_seed(seed)
     with _own_threads(threads, 2) as threads:
         episode = _Episode(worker, frames, limits, sampling, seed, threads)
         return await episode.run(prompt_ids, env, prefill_text(prompt) or "")
@@ -507,9 +507,10 @@ async def run_episodes(
 ) -> EpisodeBatch:
     """``n`` episodes of every prompt, all at once; ``make_env(i, j)`` is the environment of
     sample ``j`` of prompt ``i``. Episode ``(i, j)`` draws from a seed derived from ``(seed,
-    i, j)`` (``seed=None``: a fresh one). Every argument is checked (InvalidRequest naming it)
-    and every environment made before the first episode starts; a first prompt whose first turn
-    cannot run (longer than the engine takes, or leaving no room under ``limits``) is refused."""
+    i, j)`` (``seed=None``: one drawn as ``generate`` draws it, from the worker's stream).
+    Every argument is checked (InvalidRequest naming it) and every environment made before the
+    first episode starts; a first prompt whose first turn cannot run (longer than the engine
+    takes, or leaving no room under ``limits``) is refused."""
     n = as_int("n", n, minimum=1)
     limits = _checked_limits(limits)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
@@ -521,7 +522,7 @@ async def run_episodes(
         completion_width = as_int("completion_width", completion_width, minimum=1)
         _check_completion_width(worker, limits, prompt_ids, completion_width)
     sampling = _turn_sampling(worker, frames, sampling)
-    seeds = row_seeds(_call_seed(seed), len(prompts), n)
+    seeds = row_seeds(worker.call_seed(seed), len(prompts), n)
     envs = [make_env(i, j) for i in range(len(prompts)) for j in range(n)]
     for row, env in enumerate(envs):
         if not callable(getattr(env, "step", None)):
@@ -649,16 +650,12 @@ def _checked_limits(limits) -> EpisodeLimits:
     return limits
 
 
-def _call_seed(seed) -> int:
-    if seed is None:
-        return int(np.random.default_rng().integers(MAX_SAMPLING_SEED))
-    return as_call_seed(seed)
-
-
 def _conversation_cap(worker, limits: EpisodeLimits, prompt_length: int) -> tuple[int, str]:
     """The most tokens an episode's conversation may reach (the limits' and the engine's), and
     the limit that sets it."""
     caps = [(worker.max_request_tokens, "the worker's max_request_tokens")]
+    if worker.config.max_tokens_per_call is not None:  # each turn is a call of one row
+        caps.append((worker.config.max_tokens_per_call, "WorkerConfig.max_tokens_per_call"))
     if limits.max_total_tokens is not None:
         caps.append((limits.max_total_tokens, "EpisodeLimits.max_total_tokens"))
     if limits.max_response_tokens is not None:
@@ -819,9 +816,11 @@ class _Episode:
                         raise ValueError(f"token ids outside the vocabulary [0, {self.worker.vocab_size}): {outside}")
                 except (TypeError, ValueError) as exc:
                     return ENV_ERROR, f"turn {index}: cannot append the observation: {exc}"
-            self.reward += float(result.reward)
-            if not math.isfinite(self.reward):  # each step's is finite: their sum overflowed
-                return ENV_ERROR, f"turn {index}: the episode's reward summed to {self.reward}"
+            # Each step's is finite: their sum may not be, or not in the batch's float32.
+            reward = self.reward + float(result.reward)
+            if not abs(reward) <= _FLOAT32_MAX:  # that answer's reward is not counted
+                return ENV_ERROR, f"turn {index}: the episode's reward would sum to {reward}, beyond float32's range"
+            self.reward = reward
             if result.done:
                 return DONE, None
             if not read:  # the last turn: no turn would read the observation

@@ -281,6 +281,13 @@ class RequestValidator:
         self._rng = np.random.default_rng(config.seed)
         self._rng_lock = threading.Lock()  # calls come from any thread
 
+    def call_seed(self, seed) -> int:
+        """``seed`` checked (:func:`as_call_seed`), or for None the next seed of the stream."""
+        if seed is not None:
+            return as_call_seed(seed)
+        with self._rng_lock:
+            return int(self._rng.integers(MAX_SAMPLING_SEED))
+
     def validate(self, prompts, options: Mapping) -> GenerateRequest:
         """``options``: the call's keyword arguments (``RolloutWorker.generate``'s names)."""
         extra = ("pad_prompts_to", "prompt_offset")
@@ -315,10 +322,7 @@ class RequestValidator:
         )
         pad_to = pad_width(options.get("pad_prompts_to"), prompt_ids, engine.max_request_tokens)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_token_ids)
-        call_seed = params.seed
-        if call_seed is None:
-            with self._rng_lock:
-                call_seed = int(self._rng.integers(MAX_SAMPLING_SEED))
+        call_seed = self.call_seed(params.seed)
         params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stop)), seed=call_seed)
         offset = as_int("prompt_offset", options.get("prompt_offset", 0), minimum=0)
         seeds = row_seeds(call_seed, len(prompt_ids), params.n, first_prompt=offset)

@@ -523,6 +523,12 @@ class RolloutWorker:
         shardings = self._group.param_shardings()
         return {**flat, **{path: jax.device_put(flat[path], shardings[path]) for path in unplaced}}
 
+    def call_seed(self, seed: int | None = None) -> int:
+        """The seed a call given ``seed`` samples under: ``seed`` (an int64, else
+        InvalidRequest), or for None the next one of the worker's stream, seeded with
+        ``WorkerConfig.seed`` (as ``generate`` and ``run_episodes`` draw theirs)."""
+        return self._requests.call_seed(seed)
+
     def param_shardings(self) -> dict:
         """Where to place a trainer param tree so that ``sync_params`` moves no bytes.
 

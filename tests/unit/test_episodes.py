@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from rollout.episodes import (
     run_episodes,
     run_until_returned,
 )
-from rollout.sampling import row_seeds
+from rollout.sampling import as_call_seed, row_seeds
 
 
 @pytest.fixture(scope="module")
@@ -341,9 +342,13 @@ class ScriptedWorker:
     pad_token_id = 0
     closed = False
 
-    def __init__(self, tokenizer=None):
+    def __init__(self, tokenizer=None, max_tokens_per_call=None):
         self.tokenizer = tokenizer
         self.calls = 0
+        self.config = types.SimpleNamespace(max_tokens_per_call=max_tokens_per_call)
+
+    def call_seed(self, seed=None):
+        return as_call_seed(0 if seed is None else seed)  # the worker's stream: a constant here
 
     def turn(self, max_new_tokens) -> tuple[list[int], str | None, str]:
         """A turn's tokens, text and finish reason."""
@@ -637,6 +642,12 @@ def test_a_malformed_answer_earns_no_reward(malformed):
     assert episode_.status == "env_error" and episode_.reward == 1.0  # the first, well-formed answer's
 
 
+def test_episodes_without_a_seed_take_the_workers_call_seed():
+    """As generate: from the worker's stream (WorkerConfig.seed), where they drew from the OS's."""
+    out = asyncio.run(run_episodes(ScriptedWorker(), [[5], [6]], lambda i, j: Done(), n=2))
+    assert out.batch.seeds.tolist() == row_seeds(ScriptedWorker().call_seed(None), 2, 2).ravel().tolist()
+
+
 def test_episodes_of_a_prompt_pack_together_and_carry_their_seeds():
     out = asyncio.run(run_episodes(ScriptedWorker(), [[5], [6]], lambda i, j: Done(), n=2, seed=11))
     assert out.batch.seeds.tolist() == row_seeds(11, 2, 2).ravel().tolist()
@@ -763,11 +774,34 @@ def test_an_observation_list_holding_no_message_is_named(tokenizer, element):
         TurnFrames(tokenizer).observation(StepResult(observation=[{"role": "tool", "content": "a"}, element]))
 
 
-def test_rewards_summing_past_the_float_range_fail_their_episode():
-    env = Answers(StepResult(observation=[9], reward=1e308), StepResult(reward=1e308, done=True))
+@pytest.mark.parametrize(
+    "rewards,turn,counted",
+    [((3e38, 3e38), 1, 3e38), ((1e308, 1e308), 0, 0.0), ((1e39,), 0, 0.0)],
+    ids=["summing-past-float32", "summing-past-float64", "one-past-float32"],
+)
+def test_rewards_past_the_batchs_float32_fail_their_episode_uncounted(rewards, turn, counted):
+    """The batch's rewards are float32. The answer that would pass its range is not counted:
+    it had been (the episode's reward inf), and a reward of 1e39 had been inf in the batch."""
+    *first, last = rewards
+    env = Answers(*[StepResult(observation=[9], reward=r) for r in first], StepResult(reward=last, done=True))
     limits = EpisodeLimits(max_turns=4, max_new_tokens=2)
-    (episode_,) = asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: env, limits=limits)).episodes
-    assert episode_.status == "env_error" and episode_.error == "turn 1: the episode's reward summed to inf"
+    out = asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: env, limits=limits))
+    (episode_,) = out.episodes
+    assert episode_.status == "env_error" and episode_.error.startswith(f"turn {turn}: the episode's reward would sum")
+    assert "beyond float32's range" in episode_.error
+    assert episode_.reward == counted and out.rewards.tolist() == [np.float32(counted)]
+
+
+def test_a_conversation_stays_within_max_tokens_per_call():
+    """Each turn is a call of one row: WorkerConfig.max_tokens_per_call caps the conversation as
+    the engine's limits do. The call past it had raised LimitExceeded, ending every episode."""
+    worker = ScriptedWorker(max_tokens_per_call=12)
+    env = Answers(*[StepResult(observation=[9, 9, 9]) for _ in range(5)])
+    limits = EpisodeLimits(max_turns=6, max_new_tokens=2)
+    (episode_,) = asyncio.run(run_episodes(worker, [[5, 6]], lambda i, j: env, limits=limits)).episodes
+    assert episode_.status == "length" and len(episode_.token_ids) <= 12
+    with pytest.raises(InvalidRequest, match=r"12 \(WorkerConfig\.max_tokens_per_call\)"):
+        asyncio.run(run_episodes(worker, [list(range(1, 13))], lambda i, j: Done(), limits=limits))
 
 
 @pytest.mark.parametrize("answer", [None, [1], "x"])

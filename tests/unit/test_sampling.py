@@ -144,3 +144,14 @@ def test_generate_takes_every_sampling_field():
     arguments = set(inspect.signature(RolloutWorker.generate).parameters) - {"self", "prompts"}
     assert fields - arguments == set()
     assert arguments - fields == {"pad_prompts_to", "prompt_offset"}
+
+
+def test_calls_without_a_seed_draw_the_same_seeds_on_validators_of_one_config():
+    """The stream generate and run_episodes draw from (run_episodes had drawn from the OS's
+    entropy): a restarted run samples again what it sampled."""
+    first, second = (RequestValidator(CONFIG, ENGINE, tokenizer=None, eos_token_ids={2}) for _ in range(2))
+    drawn = [first.call_seed(None) for _ in range(3)]
+    assert drawn == [second.call_seed(None) for _ in range(3)] and len(set(drawn)) == 3
+    assert first.call_seed(7) == 7
+    with pytest.raises(InvalidRequest, match="seed must be an int64"):
+        first.call_seed(2**64)
