@@ -192,6 +192,7 @@ def saved_layout(item_dir: Path) -> SavedLayout:
 
 
 def _saved_keys(tree: Mapping, keys: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """Each leaf's flat path in ``tree`` -> its keys there."""
     found = {}
     for key, node in tree.items():
         if isinstance(node, Mapping):
@@ -224,8 +225,7 @@ def restore_saved(item_dir: Path, layout: SavedLayout, targets: Mapping[str, Any
     restored = restore_tree(item_dir, target, partial=layout.beside_others)
     for _ in range(layout.depth):
         restored = restored["params"]
-    # A partial restore gives a leaf it did not find as the target's own stand-in, silently
-    # (a key with a '.', which the flat paths split).
+    # A partial restore gives a leaf it did not find as the target's own stand-in, silently.
     flat = flatten_params(restored)
     unread = [path for path, leaf in flat.items() if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unread:
