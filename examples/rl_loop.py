@@ -807,8 +807,7 @@ def _flag(name: str) -> str:
 def _preset_values(presets: dict[str, RLConfig], name: str) -> str:
     """A flag's help: its value under the default preset, and under each preset that differs."""
     default = getattr(presets["tiny"], name)
-    others = [f"{preset}: {getattr(config, name)}" for preset, config in presets.items()]
-    others = [other for other, config in zip(others, presets.values()) if getattr(config, name) != default]
+    others = [f"{preset}: {getattr(c, name)}" for preset, c in presets.items() if getattr(c, name) != default]
     return f"default: {default}" + (f" ({', '.join(others)})" if others else "")
 
 

@@ -703,9 +703,7 @@ class RolloutWorker:
             if not pod:  # read again as saved: NaN/inf there is the checkpoint's own, not the cast's
                 # Onto the host: a float64 leaf on a device would be float32 again.
                 as_saved = {p: jax.ShapeDtypeStruct(targets[p].shape, saved[p].dtype) for p in narrowed}
-                reread = flatten_params(
-                    restore_saved(item_dir, dataclasses.replace(layout, beside_others=True), as_saved)
-                )
+                reread = restore_saved(item_dir, dataclasses.replace(layout, beside_others=True), as_saved)
                 narrowed = [p for p in narrowed if finite_as_given(reread[p])]
                 if not narrowed:
                     raise

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .tree import flatten_params, unflatten_params, unwrap_params
+from .tree import flatten_params, unwrap_params
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def restore_params(path: str | Path, target: Mapping, *, step: int | None = None
             # A restore casts to the target's dtype: integers would come back as weights, silently.
             raise CheckpointError(f"checkpoint {item_dir}: '{key}' has dtype {saved[key].dtype}, expected {leaf.dtype}")
     # Nested as the target nests them (a key of the target's own may hold a '.').
-    params = _as_saved(flatten_params(restore_saved(item_dir, layout, wanted)), _saved_keys(unwrap_params(target)))
+    params = _as_saved(restore_saved(item_dir, layout, wanted), _saved_keys(unwrap_params(target)))
     return {"params": params} if unwrap_params(target) is not target else params
 
 
@@ -218,7 +218,7 @@ def _as_saved(targets: Mapping[str, Any], keys: Mapping[str, tuple[str, ...]]) -
 def restore_saved(item_dir: Path, layout: SavedLayout, targets: Mapping[str, Any]) -> dict:
     """The params of the checkpoint at ``item_dir`` restored as ``targets`` say (flat path ->
     ``jax.ShapeDtypeStruct`` with a sharding), the train state's other items left unread; the
-    params alone, out of their ``{'params': ...}`` wrappers."""
+    params alone, flat (path -> array), out of their ``{'params': ...}`` wrappers."""
     target = _as_saved(targets, layout.keys)
     for _ in range(layout.depth):
         target = {"params": target}
@@ -230,4 +230,4 @@ def restore_saved(item_dir: Path, layout: SavedLayout, targets: Mapping[str, Any
     unread = [path for path, leaf in flat.items() if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unread:
         raise CheckpointError(f"checkpoint {item_dir}: {len(unread)} leaves were not found where read: {unread[:8]}")
-    return unflatten_params(flat)  # nested, however the checkpoint nests them
+    return flat
