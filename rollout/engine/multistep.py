@@ -364,8 +364,7 @@ class DecodeChunks:
         metadata = chunk_metadata(worker, mwb, self.static) if metadata is None else metadata
         kv_walk = None
         if self.static:
-            last_lens = plan[-1]
-            kv_walk = decode_kv_walk(int(last_lens.max()), _widest_row(scheduler))
+            kv_walk = decode_kv_walk(int(plan.seq_lens.max()), _widest_row(scheduler))
         # The pool's buffers before the loop, which it consumes: at jax 0.8 the thread that drops
         # the last reference to an array donated to a computation still running waits for that
         # computation (and the one producing the array) to finish. Dropped here, as the pool takes
@@ -435,20 +434,22 @@ class DecodeChunks:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ChunkPlan:
-    """The device arrays that vary across a chunk's steps."""
+    """The arrays that vary across a chunk's steps (``_plan``'s on the host, then the device's)."""
 
     steps: jax.Array  # () steps to run
     out_cache_loc: jax.Array  # [max_steps, padded rows] KV slot written at each step (-1: none)
     cache_loc: jax.Array  # [L] each row's slots at the chunk's last step
     visible_from: jax.Array  # [L] the step from which each cache_loc entry is visible
     seq_lens: jax.Array  # [padded rows] each row's length at the last step (0: padding)
+    kv_spans: jax.Array  # [padded rows] the entries of cache_loc each row spans, in order
 
 
 def _plan(
     mwb, reqs, live, first_lens, slots: np.ndarray, req_to_token: np.ndarray, page_size: int, ended_rows_page=False
 ):
-    """The chunk's (steps, out_cache_loc, cache_loc, visible_from, seq_lens) host arrays, or
-    None where its rows' last lengths do not fit the forward's ``cache_loc``. Rows not ``live``
+    """The chunk's :class:`ChunkPlan` in host arrays, or None where its rows' last lengths do
+    not fit the forward's ``cache_loc``. Each row spans its last length rounded up to pages.
+    Rows not ``live``
     (left the batch before a chunk computed ahead) are padding: no keys, no KV slot; with
     ``ended_rows_page`` those before the last live row span one page of padding slots (the
     allocator never hands out page 0), which the TPU kernel reads as one key
@@ -478,7 +479,9 @@ def _plan(
     out_cache_loc[:, :rows] = slots
     seq_lens = np.zeros(padded_rows, np.int32)
     seq_lens[:rows] = last
-    return steps, out_cache_loc, cache_loc, visible_from, seq_lens
+    kv_spans = np.zeros(padded_rows, np.int32)
+    kv_spans[:rows] = spans
+    return ChunkPlan(np.int32(steps), out_cache_loc, cache_loc, visible_from, seq_lens, kv_spans)
 
 
 def chunk_metadata(worker, mwb, static: bool) -> tuple:
@@ -512,15 +515,11 @@ def run_chunk(worker, mwb, metadata: tuple, plan, max_steps: int, kv_walk: int |
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
 
     runner = worker.model_runner
-    steps, out_cache_loc, cache_loc, visible_from, seq_lens = plan
-    padded_out = np.full((max_steps, out_cache_loc.shape[1]), -1, np.int32)
-    padded_out[: out_cache_loc.shape[0]] = out_cache_loc
+    padded_out = np.full((max_steps, plan.out_cache_loc.shape[1]), -1, np.int32)
+    padded_out[: plan.out_cache_loc.shape[0]] = plan.out_cache_loc
     replicated = jax.sharding.NamedSharding(runner.mesh, jax.sharding.PartitionSpec())
-    chunk_plan = ChunkPlan(
-        *jax.device_put(
-            (np.int32(steps), padded_out, cache_loc, visible_from, seq_lens),
-            replicated if jax.process_count() == 1 else None,
-        )
+    chunk_plan = jax.device_put(
+        dataclasses.replace(plan, out_cache_loc=padded_out), replicated if jax.process_count() == 1 else None
     )
     forward_batch = ForwardBatch.init_new(mwb, runner)
     if _is_the_tpu_kernel(runner.attn_backend):
@@ -638,24 +637,23 @@ def _step_attention_backend(backend, plan: ChunkPlan, step):
     keys of row b's pages and writes the step's K and V at position ``kv_lens[b] - 1`` there,
     so only the lengths move from step to step. The kernel runs every row up to the last one
     served, so a row no longer served (length 0) before it reads one key, on the page of padding
-    slots the plan gives it (``_plan``'s ``ended_rows_page``), and writes its K and V there."""
+    slots the plan gives it (``_plan``'s ``ended_rows_page``: its span), and writes its K and V
+    there."""
     from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttentionMetadata
 
     if not _is_the_tpu_kernel(backend):
         return backend
     page_size = backend.page_size
     rows = plan.seq_lens.shape[0]
-    live = plan.seq_lens > 0
-    # The kernel runs the first distribution[2] rows: up to the last one served.
-    served = jnp.max(jnp.where(live, jnp.arange(1, rows + 1, dtype=jnp.int32), 0))
-    ended = ~live & (jnp.arange(rows) < served)
-    lens = jnp.where(live, plan.seq_lens - (plan.steps - 1 - step), ended.astype(jnp.int32)).astype(jnp.int32)
-    spans = jnp.where(ended, page_size, (plan.seq_lens + page_size - 1) // page_size * page_size)
+    live, spanned = plan.seq_lens > 0, plan.kv_spans > 0
+    # The kernel runs the first distribution[2] rows: up to the last one spanned, the last served.
+    served = jnp.max(jnp.where(spanned, jnp.arange(1, rows + 1, dtype=jnp.int32), 0))
+    lens = jnp.where(live, plan.seq_lens - (plan.steps - 1 - step), spanned.astype(jnp.int32)).astype(jnp.int32)
     start = jnp.zeros(1, jnp.int32)
     metadata = FlashAttentionMetadata(
         num_seqs=served.reshape(1),
         cu_q_lens=jnp.arange(rows + 1, dtype=jnp.int32),
-        cu_kv_lens=jnp.concatenate([start, jnp.cumsum(spans).astype(jnp.int32)]),
+        cu_kv_lens=jnp.concatenate([start, jnp.cumsum(plan.kv_spans).astype(jnp.int32)]),
         page_indices=(plan.cache_loc[::page_size] // page_size).astype(jnp.int32),
         seq_lens=lens,
         distribution=jnp.stack([jnp.int32(0), jnp.int32(0), served]),
@@ -725,11 +723,12 @@ def precompile(scheduler, steps: int, static: bool) -> None:
     draws = DRAW_KINDS if static else [None]
     for bs, cache_loc_size in zip(worker.precompile_bs_paddings, worker.precompile_cache_loc_paddings):
         mwb = worker.generate_model_worker_batch(bs, bs, ForwardMode.DECODE, cache_loc_size)
-        plan = (
-            0,
+        plan = ChunkPlan(
+            np.int32(0),
             np.full((steps, bs), -1, np.int32),
             np.zeros(cache_loc_size, np.int32),
             np.full(cache_loc_size, np.iinfo(np.int32).max, np.int32),
+            np.zeros(bs, np.int32),
             np.zeros(bs, np.int32),
         )
         logits_metadata, sampling_metadata, _ = chunk_metadata(worker, mwb, static)

@@ -120,7 +120,7 @@ def profile_steps():
             return out
 
         def timed_chunk(worker, mwb, metadata, plan, *args):
-            step = Step("decode", time.perf_counter(), steps=plan[0])
+            step = Step("decode", time.perf_counter(), steps=int(plan.steps))
             times.steps.append(step)
             out = run_chunk(worker, mwb, metadata, plan, *args)
             jax.block_until_ready(out[0])
@@ -189,7 +189,7 @@ def stubbed_device():
             return ids
 
         def stub_chunk(worker, mwb, metadata, plan, max_steps, *args):
-            key = ("chunk", id(worker), len(mwb.seq_lens), plan[0], max_steps)
+            key = ("chunk", id(worker), len(mwb.seq_lens), int(plan.steps), max_steps)
             return first_of_shape(key, lambda: run_chunk(worker, mwb, metadata, plan, max_steps, *args))
 
         return stub_forward, stub_sample, stub_chunk

@@ -25,11 +25,11 @@ def test_each_step_sees_exactly_the_keys_of_a_one_step_forward(page_size):
     reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(rows)]
     slots = np.stack([table[np.arange(rows), first_lens - 1 + i] for i in range(steps)])
     mwb = types.SimpleNamespace(seq_lens=np.zeros(padded_rows), cache_loc=np.zeros(loc_len))
-    n, out_cache_loc, cache_loc, visible_from, seq_lens = _plan(
-        mwb, reqs, np.arange(rows), first_lens, slots, table, page_size
-    )
-    assert n == steps and out_cache_loc.shape == (steps, padded_rows) and (out_cache_loc[:, rows:] == -1).all()
-    np.testing.assert_array_equal(out_cache_loc[:, :rows], slots)
+    plan = _plan(mwb, reqs, np.arange(rows), first_lens, slots, table, page_size)
+    assert plan.steps == steps and plan.out_cache_loc.shape == (steps, padded_rows)
+    assert (plan.out_cache_loc[:, rows:] == -1).all()
+    np.testing.assert_array_equal(plan.out_cache_loc[:, :rows], slots)
+    np.testing.assert_array_equal(plan.kv_spans, np.append(-(-(first_lens + steps - 1) // page_size) * page_size, 0))
     q = rng.standard_normal((padded_rows, HEADS, HEAD_DIM)).astype(np.float32)
     for step in range(steps):
         lens = first_lens + step
@@ -40,8 +40,8 @@ def test_each_step_sees_exactly_the_keys_of_a_one_step_forward(page_size):
             one_step[offset : offset + length] = table[row, :length]
             offset += -(-length // page_size) * page_size
         expected = attend(q, pool, one_step, np.append(lens, 0), page_size=page_size, scale=0.3)
-        chunked = np.where(visible_from <= step, cache_loc, 0)
-        got = attend(q, pool, chunked, seq_lens, page_size=page_size, scale=0.3)
+        chunked = np.where(plan.visible_from <= step, plan.cache_loc, 0)
+        got = attend(q, pool, chunked, plan.seq_lens, page_size=page_size, scale=0.3)
         np.testing.assert_array_equal(got, expected)
 
 
@@ -61,17 +61,17 @@ def test_a_row_that_left_is_padding_in_a_chunk_computed_ahead():
     mwb = types.SimpleNamespace(seq_lens=np.zeros(4), cache_loc=np.zeros(64))
     slots = np.stack([table[:, 4 + i] for i in range(3)])
     slots[:, 1] = -1  # row 1 finished: the chunk allocated it nothing
-    _, out_cache_loc, cache_loc, _, seq_lens = _plan(mwb, reqs, np.array([0, 2]), np.array([5, 5, 5]), slots, table, 1)
-    assert seq_lens.tolist() == [7, 0, 7, 0] and (out_cache_loc[:, 1] == -1).all()
+    plan = _plan(mwb, reqs, np.array([0, 2]), np.array([5, 5, 5]), slots, table, 1)
+    assert plan.seq_lens.tolist() == [7, 0, 7, 0] and (plan.out_cache_loc[:, 1] == -1).all()
     # Rows 0 and 2 back to back, row 1's slots nowhere.
-    np.testing.assert_array_equal(cache_loc[:14], np.concatenate([table[0, :7], table[2, :7]]))
-    assert not np.isin(table[1], cache_loc).any()
+    assert plan.kv_spans.tolist() == [7, 0, 7, 0]
+    np.testing.assert_array_equal(plan.cache_loc[:14], np.concatenate([table[0, :7], table[2, :7]]))
+    assert not np.isin(table[1], plan.cache_loc).any()
     # For the TPU kernel, row 1 spans one page of padding slots (page size 1: slot 0) between them.
-    *_, padded_loc, _, padded_lens = _plan(
-        mwb, reqs, np.array([0, 2]), np.array([5, 5, 5]), slots, table, 1, ended_rows_page=True
-    )
-    np.testing.assert_array_equal(padded_loc[:15], np.concatenate([table[0, :7], [0], table[2, :7]]))
-    assert padded_lens.tolist() == seq_lens.tolist()
+    padded = _plan(mwb, reqs, np.array([0, 2]), np.array([5, 5, 5]), slots, table, 1, ended_rows_page=True)
+    assert padded.kv_spans.tolist() == [7, 1, 7, 0]
+    np.testing.assert_array_equal(padded.cache_loc[:15], np.concatenate([table[0, :7], [0], table[2, :7]]))
+    assert padded.seq_lens.tolist() == plan.seq_lens.tolist()
 
 
 def test_only_boundary_calls_that_may_change_weights_or_kv_end_the_chunks():
@@ -145,7 +145,7 @@ def test_each_step_gives_the_tpu_kernel_the_pages_and_lengths_of_a_one_step_forw
     from sgl_jax.srt.layers.attention.flashattention_backend import FlashAttention
     from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 
-    from rollout.engine.multistep import ChunkPlan, _step_attention_backend
+    from rollout.engine.multistep import _step_attention_backend
 
     rng = np.random.default_rng(page_size)
     first_lens = np.array([3, 9, 6])
@@ -156,8 +156,9 @@ def test_each_step_gives_the_tpu_kernel_the_pages_and_lengths_of_a_one_step_forw
     reqs = [types.SimpleNamespace(req_pool_idx=row) for row in range(rows)]
     slots = np.stack([table[np.arange(rows), first_lens - 1 + i] for i in range(steps)])
     mwb = types.SimpleNamespace(seq_lens=np.zeros(padded_rows), cache_loc=np.zeros(loc_len))
-    planned = _plan(mwb, reqs, np.asarray(live), first_lens, slots, table, page_size, ended_rows_page=True)
-    plan = ChunkPlan(*map(jnp.asarray, planned))
+    plan = jax.tree.map(
+        jnp.asarray, _plan(mwb, reqs, np.asarray(live), first_lens, slots, table, page_size, ended_rows_page=True)
+    )
     ended = [row for row in range(max(live)) if row not in live]
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
     backend = FlashAttention(2, 1, 8, page_size=page_size, mesh=mesh)
