@@ -42,6 +42,7 @@ from examples.run_dir import (
     claim_output_dir,
     keep_metrics_through,
     latest_checkpoint_step,
+    logged_elapsed_s,
     output_dir_lock,
     restore_or_init,
     save_train_state,
@@ -548,13 +549,14 @@ def _train(config: RLConfig, setup: Setup) -> dict:
         # The ablation's engine keeps its own copy of the initial weights for the whole run.
         sync_policy(worker, algorithm, {"params": jax.tree_util.tree_map(jnp.copy, state.trees["params"])})
     history = []
-    start = time.perf_counter()
+    # elapsed_s is the run's: a resume counts on from the checkpoint's step, not from 0.
+    start = time.perf_counter() - (logged_elapsed_s(output_dir / "metrics.jsonl") if lead else 0.0)
     reports = step_log(config, output_dir, algorithm, state.step) if lead else contextlib.nullcontext(lambda _: None)
     with reports as log:
         try:
             while state.step < config.steps:
                 record = _step(config, worker, algorithm, state, task)
-                record["elapsed_s"] = time.perf_counter() - start  # wall clock since this process's first step
+                record["elapsed_s"] = time.perf_counter() - start
                 state.step += 1
                 history.append(record)
                 log(record)

@@ -241,6 +241,14 @@ def keep_metrics_through(path: Path, step: int) -> None:
     os.replace(staged, path)
 
 
+def logged_elapsed_s(path: Path) -> float:
+    """The run's wall-clock seconds at the last record of ``path`` (metrics.jsonl, cut back to the
+    checkpoint a run resumes from): a resumed run's ``elapsed_s`` counts on from it. 0 without
+    one (a fresh run, or a last record without ``elapsed_s``)."""
+    records = read_metrics(path)
+    return float(records[-1].get("elapsed_s", 0.0)) if records else 0.0
+
+
 def _ranges(steps: list[int]) -> str:
     """Sorted steps as ranges: ``1-3, 7``."""
     runs: list[list[int]] = []

@@ -395,6 +395,23 @@ def test_steps_a_checkpoint_trained_without_a_record_are_named(tmp_path, caplog)
     assert not [r for r in caplog.records if r.name.startswith("examples")]
 
 
+def test_a_resumed_run_counts_its_elapsed_time_on(tmp_path, monkeypatch):
+    """elapsed_s is the run's wall clock: a resume from step 2 counts on from step 2's record
+    (the time of step 3, which the killed run logged and the resume runs again, not counted);
+    it had restarted from 0, and a plot of reward against wall time jumped back."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({**record(s), "elapsed_s": 10.0 * s}) + "\n" for s in (1, 2, 3)))
+    keep_metrics_through(path, 2)  # as set_up cuts it for the checkpoint of step 2
+    monkeypatch.setattr(rl_loop, "_step", lambda config, worker, algorithm, state, task: record(state.step + 1))
+    monkeypatch.setattr(rl_loop, "save_train_state", lambda manager, state: None)
+    # This process's clock: the loop starts at 100 s, steps 3 and 4 end at 104 s and 109 s.
+    monkeypatch.setattr(rl_loop, "time", types.SimpleNamespace(perf_counter=iter([100.0, 104.0, 109.0]).__next__))
+    config = dataclasses.replace(PRESETS["tiny"], steps=4, output_dir=str(tmp_path), progress=False, plot=False)
+    manager = types.SimpleNamespace(wait_until_finished=lambda: None)
+    rl_loop._train(config, rl_loop.Setup(tmp_path, None, GRPO, manager, TrainState({}, 2), None, None))
+    assert [(r["step"], r["elapsed_s"]) for r in read_metrics(path)] == [(1, 10.0), (2, 20.0), (3, 24.0), (4, 29.0)]
+
+
 def test_the_summary_and_the_plot_cover_the_whole_run(tmp_path, monkeypatch):
     """After a resume, the closing "reward a -> b" and reward.png are the run's (all of
     metrics.jsonl), not only the steps this process ran; the times are this process's."""
