@@ -12,7 +12,6 @@ engine's per-token log-probs, which are those of the weights that sampled each t
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import time
 from collections.abc import Callable
 
@@ -36,8 +35,6 @@ from examples.rl_loop import (
 )
 from examples.run_dir import save_train_state
 from rollout import RolloutBatch
-
-logger = logging.getLogger(__name__)
 
 
 def split_devices(tp_size: int) -> tuple[list, list]:
@@ -137,10 +134,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
                 save_train_state(manager, state)
         manager.wait_until_finished()
-    wall_s = time.perf_counter() - start
-    summary = summarize(config, output_dir, history, algorithm)
-    logger.info("async rollout: %d steps in %.1f s wall-clock", len(history), wall_s)
-    return {**summary, "wall_s": wall_s}
+    return summarize(config, output_dir, history, algorithm, wall_s=time.perf_counter() - start)
 
 
 def staleness(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:

@@ -83,9 +83,13 @@ def start_wandb(config: RLConfig):
     return wandb.init(project=config.wandb_project, config=dataclasses.asdict(config))
 
 
-def summarize(config: RLConfig, output_dir: Path, history: list[dict], algorithm: Algorithm) -> dict:
-    """The run's figures, logged and plotted: its rewards over the whole run (metrics.jsonl, the
-    steps before a resume included), the time of the steps this process ran (``history``)."""
+def summarize(
+    config: RLConfig, output_dir: Path, history: list[dict], algorithm: Algorithm, wall_s: float | None = None
+) -> dict:
+    """The run's figures, printed and plotted: its rewards over the whole run (metrics.jsonl, the
+    steps before a resume included), the time of the steps this process ran (``history``) and,
+    given, their wall-clock seconds (``wall_s``: the asynchronous loop's, whose phases overlap).
+    Printed on stdout: they are the command's result, its logs and progress bar go to stderr."""
     records = read_metrics(output_dir / "metrics.jsonl")
     if not records:
         return {}
@@ -94,22 +98,18 @@ def summarize(config: RLConfig, output_dir: Path, history: list[dict], algorithm
     last = float(np.mean([r["reward"] for r in records[-window:]]))
     times = {k: float(sum(r[k] for r in history)) for k in ("sync_s", "generate_s", "train_s")}
     summary = {"first_reward": first, "last_reward": last, "steps": len(records), "steps_run": len(history), **times}
-    logger.info(
-        "reward %.3f -> %.3f (mean of the first and last %d of %d steps); this run's %d steps: sync %.1fs, "
-        "generate %.1fs, train %.1fs",
-        first,
-        last,
-        window,
-        len(records),
-        len(history),
-        times["sync_s"],
-        times["generate_s"],
-        times["train_s"],
+    print(
+        f"reward {first:.3f} -> {last:.3f} (mean of the first and last {window} of {len(records)} steps); "
+        f"this run's {len(history)} steps: sync {times['sync_s']:.1f}s, generate {times['generate_s']:.1f}s, "
+        f"train {times['train_s']:.1f}s"
     )
     evaluations = [r["eval_reward"] for r in records if "eval_reward" in r]
     if evaluations:
         summary.update(first_eval_reward=evaluations[0], last_eval_reward=evaluations[-1])
-        logger.info("eval reward %s (every %d steps)", " -> ".join(f"{x:.3f}" for x in evaluations), config.eval_every)
+        print(f"eval reward {' -> '.join(f'{x:.3f}' for x in evaluations)} (every {config.eval_every} steps)")
+    if wall_s is not None:
+        summary["wall_s"] = wall_s
+        print(f"async rollout: {len(history)} steps in {wall_s:.1f} s wall-clock")
     if config.plot:
         plot(output_dir / "reward.png", records, algorithm.plot_panels)
     return summary

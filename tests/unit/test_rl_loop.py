@@ -412,9 +412,11 @@ def test_a_resumed_run_counts_its_elapsed_time_on(tmp_path, monkeypatch):
     assert [(r["step"], r["elapsed_s"]) for r in read_metrics(path)] == [(1, 10.0), (2, 20.0), (3, 24.0), (4, 29.0)]
 
 
-def test_the_summary_and_the_plot_cover_the_whole_run(tmp_path, monkeypatch):
+def test_the_summary_and_the_plot_cover_the_whole_run(tmp_path, monkeypatch, capsys):
     """After a resume, the closing "reward a -> b" and reward.png are the run's (all of
-    metrics.jsonl), not only the steps this process ran; the times are this process's."""
+    metrics.jsonl), not only the steps this process ran; the times are this process's. The
+    summary is the command's result: on stdout (it was logged to stderr, with the progress bar
+    and warnings, and a user piping stdout got nothing)."""
     write_records(tmp_path / "metrics.jsonl", range(1, 9))
     plotted = []
     monkeypatch.setattr(reporting, "plot", lambda path, records, panels: plotted.append(records))
@@ -424,6 +426,13 @@ def test_the_summary_and_the_plot_cover_the_whole_run(tmp_path, monkeypatch):
     assert summary["first_reward"] == pytest.approx(0.15) and summary["last_reward"] == pytest.approx(0.75)
     assert summary["steps"] == 8 and summary["steps_run"] == 2 and summary["train_s"] == 6.0
     assert [[r["step"] for r in records] for records in plotted] == [list(range(1, 9))]
+    summary = summarize(dataclasses.replace(config, plot=False), tmp_path, resumed, GRPO, wall_s=7.5)
+    assert summary["wall_s"] == 7.5
+    assert capsys.readouterr() == (
+        "reward 0.150 -> 0.750 (mean of the first and last 2 of 8 steps); this run's 2 steps: sync 2.0s, "
+        "generate 4.0s, train 6.0s\n" * 2 + "async rollout: 2 steps in 7.5 s wall-clock\n",
+        "",
+    )
 
 
 def test_a_metric_equal_to_another_is_one_line_under_both_labels(tmp_path, monkeypatch):
