@@ -119,8 +119,9 @@ class RLConfig:
     temperature: float = 1.0
     learning_rate: float = 6e-4
     warmup_updates: int = 0  # train steps over which the policy's learning rate ramps up linearly from 0
-    # After the warm-up, the policy's learning rate falls along a cosine to 0 at the run's last
-    # train step (steps x ppo_epochs x minibatches). False: it stays at learning_rate.
+    # After the warm-up, the policy's learning rate falls along a cosine to 0, reached one train
+    # step after the run's last (of steps x ppo_epochs x minibatches): the last step's updates are
+    # small, not void. False: it stays at learning_rate.
     lr_decay: bool = False
     ppo_epochs: int = 2
     minibatches: int = 1  # train steps per epoch, each on a shuffled 1/minibatches of the rows

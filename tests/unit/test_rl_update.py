@@ -26,7 +26,8 @@ def test_warmup_ramps_adams_steps_from_zero():
     plain, warm = steps(make_optimizer(1e-2), 6), steps(make_optimizer(1e-2, warmup_updates=4), 6)
     np.testing.assert_allclose(plain, 1e-2, rtol=1e-3)
     np.testing.assert_allclose(warm, 1e-2 * np.array([0, 0.25, 0.5, 0.75, 1, 1]), rtol=1e-3, atol=1e-9)
-    # Decayed over 4 more steps after a warm-up of 2: a cosine from the peak down to 0.
+    # Decayed over 4 more steps after a warm-up of 2: a cosine from the peak down to 0, reached
+    # at a 7th step, past the 6 of the run (RLConfig.decay_updates): its last step still moves.
     decayed = steps(make_optimizer(1e-2, warmup_updates=2, decay_updates=4), 7)
     cosine = 0.5 * (1 + np.cos(np.pi * np.arange(5) / 4))
     np.testing.assert_allclose(decayed, 1e-2 * np.concatenate([[0, 0.5], cosine]), rtol=1e-3, atol=1e-9)
