@@ -33,7 +33,7 @@ from examples.rl_loop import (
     step_seed,
     sync_policy,
 )
-from examples.run_dir import save_train_state
+from examples.run_dir import logged_elapsed_s, save_train_state
 from rollout import RolloutBatch
 
 
@@ -90,6 +90,8 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
 
     history = []
     start = time.perf_counter()
+    # elapsed_s is the run's wall clock, as the synchronous loop's: a resume counts on.
+    run_start = start - logged_elapsed_s(output_dir / "metrics.jsonl")
     with (
         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool,
         step_log(config, output_dir, algorithm, state.step) as log,
@@ -125,6 +127,7 @@ def _train_async(config: RLConfig, setup: Setup) -> dict:
                 "generate_s": generate_s,
                 "train_s": train_s,
                 "step_s": time.perf_counter() - step_start,
+                "elapsed_s": time.perf_counter() - run_start,
                 **stats,
             }
             trainer_version = report.version

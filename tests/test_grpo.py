@@ -172,6 +172,8 @@ def test_async_grpo_overlaps_generation_and_learns(tmp_path):
     lags = [r["version_lag"] for r in records]
     assert lags[0] == 0 and all(0 <= lag <= 1 for lag in lags) and np.mean(lags[1:]) > 0
     assert all(r["bytes_copied"] > 0 for r in records), "the engine's devices hold their own copy"
+    elapsed = [r["elapsed_s"] for r in records]
+    assert all(0 < r["step_s"] <= e for r, e in zip(records, elapsed)) and elapsed == sorted(elapsed)
     assert mean_reward(records[-5:]) - mean_reward(records[:5]) > 0.1
 
 
