@@ -349,10 +349,10 @@ class TurnFrames:
         self, tokenizer, tools: Sequence[Mapping] | None = None, template_kwargs: Mapping[str, Any] | None = None
     ):
         self._tokenizer = tokenizer
-        self._tools = normalize_tools(list(tools) if isinstance(tools, (list, tuple)) else tools)
+        self.tools = normalize_tools(list(tools) if isinstance(tools, (list, tuple)) else tools)
         self._variables = normalize_template_kwargs(template_kwargs)
         self.templated = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
-        if self._tools and not self.templated:  # nothing would write them where the model reads
+        if self.tools and not self.templated:  # nothing would write them where the model reads
             raise ChatError("tools", "tools need a tokenizer with a chat template (it writes them into the prompt)")
         self._frames: dict[str, tuple[str, str]] = {}
         self._turn_end_text = ""
@@ -380,7 +380,7 @@ class TurnFrames:
         return render_chat(
             self._tokenizer,
             messages,
-            tools=self._tools,
+            tools=self.tools,
             add_generation_prompt=generation_prompt,
             continue_final_message=continue_final,
             template_kwargs=self._variables,
@@ -666,8 +666,16 @@ def _conversation_cap(worker, limits: EpisodeLimits, prompt_length: int) -> tupl
 def _first_prompt(worker, frames: TurnFrames, limits: EpisodeLimits, prompt, field: str) -> list[int]:
     """A first prompt's tokens (messages rendered with the template and tools), refused as
     InvalidRequest naming ``field`` when its first turn could not run: an episode of it would
-    end before sampling a token, whereas generate refuses such a prompt."""
+    end before sampling a token, whereas generate refuses such a prompt. Token ids with tools
+    are refused as InvalidRequest naming ``tools``: only the template writes them into a prompt,
+    and the model reads token ids as given."""
     messages = _is_messages(prompt)
+    if frames.tools and not messages:
+        raise InvalidRequest(
+            "tools",
+            f"tools are written into a prompt of messages by the chat template, and {field} is token ids, which "
+            "the model reads as given: pass it as messages, or pass no tools (the token ids holding them)",
+        )
     ids = list(token_id_list(field, frames.prompt(prompt, field) if messages else prompt, worker.vocab_size))
     if not ids:
         raise InvalidRequest(field, f"{field} is empty")

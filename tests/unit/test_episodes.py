@@ -25,6 +25,7 @@ from rollout.episodes import (
     Turn,
     TurnFrames,
     pack_episodes,
+    run_episode,
     run_episodes,
     run_until_returned,
 )
@@ -416,7 +417,7 @@ LONG_TOOL = {
         (dict(prompts=[]), "prompts"),
         # The first prompt does not fit the engine (the tools block makes it long) ...
         (dict(prompts=[[5, 6], [5] * 301]), "prompts[1]"),
-        (dict(prompts=[[5], [{"role": "user", "content": "hi"}]], tools=[LONG_TOOL]), "prompts[1]"),
+        (dict(prompts=[[{"role": "user", "content": "hi"}]], tools=[LONG_TOOL]), "prompts[0]"),
         # Messages or tools the template cannot take.
         (dict(prompts=[[5], [{"role": "user"}]]), "prompts[1]"),
         (dict(prompts=[[5], [{"role": 1, "content": "hi"}]]), "prompts[1]"),
@@ -452,6 +453,20 @@ def test_a_message_prompt_or_tools_without_a_chat_template_are_named():
     with pytest.raises(InvalidRequest, match="tools need a tokenizer with a chat template") as error:
         asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: Done(), tools=[LONG_TOOL]))
     assert error.value.field == "tools"
+
+
+def test_tools_with_a_token_id_prompt_are_refused(tokenizer):
+    """Only the template writes tools into a prompt: with token ids they were taken and
+    ignored, the model never saw them (in a batch of messages too, for that prompt's episodes)."""
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    worker = ScriptedWorker(tokenizer)
+    with pytest.raises(InvalidRequest, match=r"prompts\[1\] is token ids") as error:
+        asyncio.run(run_episodes(worker, [messages, [5, 6]], lambda i, j: Done(), tools=tools))
+    assert error.value.field == "tools" and worker.calls == 0
+    with pytest.raises(InvalidRequest, match="prompt is token ids") as error:
+        asyncio.run(run_episode(worker, [5, 6], Done(), tools=tools))
+    assert error.value.field == "tools" and worker.calls == 0
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
