@@ -59,6 +59,13 @@ class EngineWeights:
             for slot in range(1, engine.options.max_loras)
         ]
         self._slot_paths = [frozenset(m.trainer for m in slot) for slot in self._slot_mappings]
+        # Each adapted module's (A, B) trainer paths, in every slot.
+        self._factor_pairs = [
+            (in_slot(m.trainer, slot), in_slot(m.trainer.removesuffix(".lora_a") + ".lora_b", slot))
+            for slot in range(engine.options.max_loras)
+            for m in self.adapter_mappings
+            if m.trainer.endswith(".lora_a")
+        ]
         self._adapter_paths = frozenset().union(*self._slot_paths)
         config = engine.hf_config
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
@@ -182,7 +189,7 @@ class EngineWeights:
         known = frozenset(p.engine.index for p in plan.leaves if self._source(p.engine.index) is flat[p.trainer_path])
         updates = plan.execute(flat)
         if check_finite:  # what the engine would serve: a cast's overflow too
-            plan.check_finite(flat, updates, known)
+            self._check_values(plan, flat, updates, known)
         for index, array in updates.items():
             leaves[index] = array
         if plan not in self._checked_plans:
@@ -197,6 +204,30 @@ class EngineWeights:
             if isinstance(flat[p.trainer_path], jax.Array) and (check_finite or p.engine.index in known)
         }
         return PreparedSync(plan, leaves, frozenset(updates), copied, sources, plan.relabeled(flat, updates))
+
+    def _check_values(self, plan: SyncPlan, flat: Mapping[str, object], updates: dict, known: frozenset) -> None:
+        """NaN/inf in what the engine would serve (``plan.check_finite``), and unmerged adapters
+        each finite whose product would not be: the engine would serve NaN. The product is
+        bounded from each factor's largest |value|, taken in the same read: scale * rank * max|A|
+        * max|B| (a real adapter is many orders of magnitude below float32's range). A
+        pair served and passed again is not read again; a factor served beside a new partner is."""
+        index = {p.trainer_path: p.engine.index for p in plan.leaves}
+        pairs = [
+            (a, b) for a, b in self._factor_pairs if a in index and b in index and not {index[a], index[b]} <= known
+        ]
+        factors = {path for pair in pairs for path in pair}
+        maxima = plan.check_finite(flat, updates, known - {index[path] for path in factors}, factors)
+        lora = self.engine.options.unmerged_lora
+        limit = float(np.finfo(np.float32).max)
+        bounds = {(a, b): lora.scale * lora.rank * maxima[a] * maxima[b] for a, b in pairs}
+        overflowing = [pair for pair, bound in bounds.items() if bound > limit]
+        if overflowing:
+            raise SyncError(
+                f"LoRA factors too large for float32: scale * rank * max|A| * max|B| = {bounds[overflowing[0]]:.3g} "
+                f"(scale alpha / rank = {lora.scale:g}, rank {lora.rank}), past {limit:.6g}: each factor is finite, "
+                "their product may not be (the engine would serve NaN), in: "
+                + ", ".join(f"{a} and {b}" for a, b in overflowing[:8])
+            )
 
     def _source(self, index: int):
         """The trainer array leaf ``index`` was last synced from (checked), if still alive."""

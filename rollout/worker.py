@@ -293,7 +293,8 @@ class RolloutWorker:
         """Serve new LoRA ``adapters`` on the base the engines serve now, moving the adapters'
         bytes alone: for workers started with ``WorkerConfig.unmerged_lora`` (whose rank, alpha
         and targets ``lora``, if given, must equal). The adapter tree as for ``sync_params``;
-        NaN/inf refused, ``in_flight``, ``recompute_kv`` and errors as there.
+        NaN/inf refused, and factors whose product would overflow float32 (docs/worker.md);
+        ``in_flight``, ``recompute_kv`` and errors as there.
 
         ``name``: load them beside the default adapters, into a slot of their own
         (``WorkerConfig.max_loras`` > 1; the name's slot if it has one), for the calls that

@@ -107,9 +107,9 @@ def test_a_base_sync_serves_the_base_and_adapters_alone_move_only_their_bytes(se
 def test_base_and_adapters_together_alias_the_base_and_a_base_passed_again_is_kept(served, monkeypatch):
     worker = served.worker
     read = []  # the leaves each sync reads for NaN/inf
-    check = trainer_bridge.sync.non_finite_leaves
+    check = trainer_bridge.sync.read_leaves
     monkeypatch.setattr(
-        trainer_bridge.sync, "non_finite_leaves", lambda leaves: read.append(len(leaves)) or check(leaves)
+        trainer_bridge.sync, "read_leaves", lambda leaves, *args: read.append(len(leaves)) or check(leaves, *args)
     )
     worker.sync_params(served.base)
     report = worker.sync_params(served.base, adapters=served.placed_adapters, lora=CONFIG)
@@ -171,6 +171,13 @@ def test_bad_adapters_are_refused_naming_what_is_wrong_and_the_adapters_keep_ser
     nan["model.layers_1.mlp.up_proj.lora_b"] = np.full_like(nan["model.layers_1.mlp.up_proj.lora_b"], np.nan)
     missing = {p: leaf for p, leaf in served.adapters.items() if p != "model.layers_1.self_attn.v_proj.lora_b"}
     qwix_nan = {re.sub(r"\.(lora_[ab])$", r".kernel_\1", p): leaf for p, leaf in nan.items()}
+    # Each factor finite, their product not in float32: the engine had served NaN.
+    up = "model.layers_1.mlp.up_proj"
+    huge = {**served.adapters, f"{up}.lora_a": np.full_like(served.adapters[f"{up}.lora_a"], 1e19)}
+    huge[f"{up}.lora_b"] = np.full_like(served.adapters[f"{up}.lora_b"], 1e19)
+    qwix_huge = {re.sub(r"\.(lora_[ab])$", r".kernel_\1", p): leaf for p, leaf in huge.items()}
+    # The A served (checked when it came, not read again) beside a new B: both read for the bound.
+    served_a = flatten_params(served.placed_adapters) | {f"{up}.lora_b": np.full_like(huge[f"{up}.lora_b"], 3e38)}
     cases = [
         (lambda: worker.sync_adapters(unflatten_params(bad_rank)), rf"'{q_a}' has shape \(256, 2\)"),
         (lambda: worker.sync_adapters(unflatten_params(nan)), r"nan/inf\) in: model.layers_1.mlp.up_proj.lora_b"),
@@ -179,6 +186,16 @@ def test_bad_adapters_are_refused_naming_what_is_wrong_and_the_adapters_keep_ser
             lambda: worker.sync_adapters(unflatten_params(qwix_nan)),
             r"nan/inf\) in: model.layers_1.mlp.up_proj.kernel_lora_b$",
         ),
+        (
+            lambda: worker.sync_adapters(unflatten_params(huge)),
+            rf"max\|B\| = 8e\+38 \(scale alpha / rank = 2, rank 4\), past 3.40282e\+38: .* in: {up}.lora_a and "
+            rf"{up}.lora_b$",
+        ),
+        (
+            lambda: worker.sync_params(served.base, adapters=unflatten_params(qwix_huge), lora=CONFIG),
+            rf"too large for float32: .*, in: {up}.kernel_lora_a and {up}.kernel_lora_b$",
+        ),
+        (lambda: worker.sync_adapters(unflatten_params(served_a)), rf"in: {up}.lora_a and {up}.lora_b$"),
         (lambda: worker.sync_adapters(unflatten_params(missing)), "'model.layers_1.self_attn.v_proj.lora_a' has no"),
         (
             lambda: worker.sync_params(served.base, adapters=served.placed_adapters, lora=LoraConfig(4, 4.0)),
@@ -381,6 +398,10 @@ def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
     with pytest.raises(SyncError, match=rf"nan/inf\) in: {re.escape(up_b)}$") as error:
         worker.sync_adapters(unflatten_params(nan), name="one")
     assert error.value.non_finite == (up_b,)
+    up_a = "model.layers_1.mlp.up_proj.lora_a"
+    huge = {**served.adapters, up_a: np.full_like(served.adapters[up_a], 1e19), up_b: np.full_like(nan[up_b], 1e19)}
+    with pytest.raises(SyncError, match=rf"too large for float32: .*, in: {re.escape(up_a)} and {re.escape(up_b)}$"):
+        worker.sync_adapters(unflatten_params(huge), name="one")
     assert worker.adapter_names() == []
     worker.sync_adapters(unflatten_params(served.adapters), name="one")
     worker.sync_adapters(unflatten_params(served.adapters), name="two")

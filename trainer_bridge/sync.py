@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -348,8 +348,15 @@ def _float32_sum(x):
     return jnp.sum(x, dtype=jnp.float32)
 
 
+def _sums_and_maxima(*xs, maxima: tuple[int, ...]):
+    """Every leaf's float32 sum, and the largest |value| of the leaves at ``maxima``."""
+    sums = jnp.stack([_float32_sum(x) for x in xs])
+    tops = [jnp.max(jnp.abs(xs[i]), initial=0).astype(jnp.float32) for i in maxima]
+    return sums, jnp.stack(tops) if tops else jnp.zeros(0, jnp.float32)
+
+
 _leaf_sum = jax.jit(_float32_sum)
-_leaf_sums = jax.jit(lambda *xs: jnp.stack([_float32_sum(x) for x in xs]))
+_leaf_sums = jax.jit(_sums_and_maxima, static_argnames="maxima")
 _all_finite = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
 
 
@@ -373,19 +380,35 @@ def non_finite_leaves(leaves: Sequence[jax.Array], *, one_call: bool = True) -> 
     its inputs on one set), the fewest dispatches, compiled once per tree signature (a sync's
     fixed tree); else one call per leaf, compiled once per leaf shape and dtype (for sets of
     leaves that vary)."""
+    if one_call:
+        return read_leaves(leaves)[0]
     # numpy warns of the overflow as a float64 leaf is cast: the very thing reported here.
     with np.errstate(over="ignore"):
-        if not one_call:
-            sums = jax.device_get([_leaf_sum(x) for x in leaves])
-        else:
-            groups: dict[tuple, list[int]] = {}
-            for i, x in enumerate(leaves):
-                groups.setdefault(call_placement(x), []).append(i)
-            sums = np.empty(len(leaves), np.float32)
-            for members in groups.values():
-                sums[members] = np.asarray(_leaf_sums(*(leaves[i] for i in members)))
-        suspects = np.flatnonzero(~np.isfinite(np.asarray(sums))).tolist()
-        return [i for i in suspects if not bool(_all_finite(leaves[i]))]
+        return _confirmed(leaves, jax.device_get([_leaf_sum(x) for x in leaves]))
+
+
+def read_leaves(leaves: Sequence[jax.Array], max_abs: Sequence[int] = ()) -> tuple[list[int], dict[int, float]]:
+    """:func:`non_finite_leaves` (one compiled call per set of devices), and from the same calls
+    the largest |value| (in float32) of each leaf whose index is in ``max_abs``."""
+    wanted = set(max_abs)
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(call_placement(x), []).append(i)
+    sums = np.empty(len(leaves), np.float32)
+    maxima: dict[int, float] = {}
+    with np.errstate(over="ignore"):  # as in non_finite_leaves
+        for members in groups.values():
+            tops = tuple(k for k, i in enumerate(members) if i in wanted)
+            group_sums, group_maxima = _leaf_sums(*(leaves[i] for i in members), maxima=tops)
+            sums[members] = np.asarray(group_sums)
+            maxima.update(zip((members[k] for k in tops), np.asarray(group_maxima).tolist()))
+        return _confirmed(leaves, sums), maxima
+
+
+def _confirmed(leaves: Sequence[jax.Array], sums) -> list[int]:
+    """The leaves whose sum is not finite and that do hold a NaN or an inf (not an overflowing sum)."""
+    suspects = np.flatnonzero(~np.isfinite(np.asarray(sums))).tolist()
+    return [i for i in suspects if not bool(_all_finite(leaves[i]))]
 
 
 def finite_as_given(leaf) -> bool:
@@ -434,15 +457,24 @@ class SyncPlan:
                 out[p.engine.index] = array
         return out
 
-    def check_finite(self, flat: Mapping[str, object], out: Mapping[int, jax.Array], known_finite=frozenset()) -> None:
+    def check_finite(
+        self,
+        flat: Mapping[str, object],
+        out: Mapping[int, jax.Array],
+        known_finite=frozenset(),
+        max_abs: Collection[str] = (),
+    ) -> dict[str, float]:
         """NaN/inf in the leaves :meth:`execute` gave as ``out`` for ``flat`` (what the engine
         would serve) are a SyncError naming the trainer paths: the tree's own, and those of
         finite values a copy's cast to the engine's dtype overflowed (float32 weights past
         float16's 65504), which a check of the tree alone would pass. ``known_finite``: engine
         indices whose served array, if the tree passes it again (an alias of the same object:
-        a frozen base), was checked already and is not read again."""
+        a frozen base), was checked already and is not read again. Returns the largest |value|
+        of each leaf of the trainer paths ``max_abs`` that is read, from the same read."""
         checked = [p for p in self.leaves if p.engine.index not in known_finite]
-        bad = [checked[i] for i in non_finite_leaves([out[p.engine.index] for p in checked])]
+        wanted = [i for i, p in enumerate(checked) if p.trainer_path in max_abs]
+        found, maxima = read_leaves([out[p.engine.index] for p in checked], wanted)
+        bad = [checked[i] for i in found]
         overflowed = [p for p in bad if p.action is LeafAction.COPY and finite_as_given(flat[p.trainer_path])]
         problems = []
         if len(overflowed) < len(bad):
@@ -452,6 +484,7 @@ class SyncPlan:
             problems.append(f"{beyond_range(dtype)}, finite in the tree, infinite in the engine's {dtype}, in: {paths}")
         if problems:
             raise SyncError("; ".join(problems), non_finite=[p.trainer_path for p in bad])
+        return {checked[i].trainer_path: value for i, value in maxima.items()}
 
     def relabeled(self, flat: Mapping[str, object], out: Mapping[int, jax.Array]) -> int:
         """Of the leaves :meth:`execute` gave as ``out`` for ``flat``, those not the trainer's own
