@@ -480,14 +480,19 @@ async def run_episode(
 ) -> EpisodeResult:
     """One episode on ``worker`` (see :meth:`rollout.RolloutWorker.arun_episodes`). Cancelling
     it aborts its turn in the engine (the turn's KV is freed) and releases its pinned prefix.
-    ``threads`` runs a synchronous ``env.step`` (None: a thread of the episode's own)."""
+    ``threads`` runs a synchronous ``env.step`` and :class:`ToolEnvironment`'s plain functions
+    (None: a thread of the episode's own). Shared by several episodes, it runs as many of their
+    steps at once as it has threads: the others' wait, and a step abandoned at its timeout holds
+    its thread until it returns. The pin's release runs on a thread of the episode's own."""
     limits = _checked_limits(limits)
     frames = frames or _frames(worker, tools, chat_template_kwargs)
     prompt_ids = _first_prompt(worker, frames, limits, prompt, "prompt")
     sampling = _turn_sampling(worker, frames, sampling)
     seed = worker.call_seed(seed)
-    with _own_threads(threads, 2) as threads:
-        episode = _Episode(worker, frames, limits, sampling, seed, threads)
+    # The release on the caller's threads would wait behind other episodes' steps, and for good
+    # behind a hung one (this episode's own abandoned step on a pool of one thread).
+    with _own_threads(2 if threads is None else 1) as own:
+        episode = _Episode(worker, frames, limits, sampling, seed, own if threads is None else threads, own)
         return await episode.run(prompt_ids, env, prefill_text(prompt) or "")
 
 
@@ -535,12 +540,12 @@ async def run_episodes(
                 "method; make_env itself is a plain function)",
             )
     # A thread per episode for synchronous steps (a hung one holds its own) and one for releases.
-    with _own_threads(None, len(envs) + 1) as threads:
+    with _own_threads(len(envs) + 1) as threads:
         tasks = []
         try:
             for row, env in enumerate(envs):
                 i, j = divmod(row, n)
-                episode = _Episode(worker, frames, limits, sampling, int(seeds[i, j]), threads)
+                episode = _Episode(worker, frames, limits, sampling, int(seeds[i, j]), threads, threads)
                 tasks.append(asyncio.ensure_future(episode.run(prompt_ids[i], env, prefill_text(prompts[i]) or "")))
             results = await asyncio.gather(*tasks)
         except BaseException:  # one episode's error (or a cancellation) ends the others too
@@ -755,9 +760,10 @@ async def _settle(futures) -> None:
 
 
 class _Episode:
-    def __init__(self, worker, frames: TurnFrames, limits: EpisodeLimits, sampling: dict, seed: int, threads):
+    def __init__(self, worker, frames: TurnFrames, limits: EpisodeLimits, sampling: dict, seed: int, threads, releases):
         self.worker, self.frames, self.limits, self.sampling, self.seed = worker, frames, limits, sampling, seed
-        self.threads = threads  # runs synchronous environment steps and pin releases
+        self.threads = threads  # runs synchronous environment steps
+        self.releases = releases  # runs the pin's release, on a thread a hung step leaves free
         self.prompt_length = 0
         self.session = f"episode-{uuid.uuid4().hex}" if limits.pin_prefix else None
         self.tokens: list[int] = []
@@ -779,7 +785,7 @@ class _Episode:
             status, error = await self._loop(env)
         finally:
             if self.session is not None:  # a turn cancelled as it finished may have pinned
-                release = asyncio.get_running_loop().run_in_executor(self.threads, _release, self.worker, self.session)
+                release = asyncio.get_running_loop().run_in_executor(self.releases, _release, self.worker, self.session)
                 await _settle([release])  # released before the episode ends, cancelled or not
                 release.result()
         routed = None
@@ -944,11 +950,8 @@ class _Episode:
 
 
 @contextlib.contextmanager
-def _own_threads(given: concurrent.futures.Executor | None, count: int):
-    """``given``, or a pool of ``count`` threads, shut down without waiting for a hung step."""
-    if given is not None:
-        yield given
-        return
+def _own_threads(count: int):
+    """A pool of ``count`` threads, shut down without waiting for a hung step."""
     pool = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="episode")
     try:
         yield pool

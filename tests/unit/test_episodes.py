@@ -631,6 +631,47 @@ def test_steps_raising_exit_or_interrupt_end_their_episode_only_sync_or_async():
         asyncio.run(run_episodes(ScriptedWorker(), [[7]], lambda i, j: AsyncInterrupts()))
 
 
+class Blocking:
+    """A synchronous step that returns once the test sets ``proceed``; ``started`` says it runs."""
+
+    def __init__(self):
+        self.started, self.proceed = threading.Event(), threading.Event()
+
+    def step(self, turn):
+        self.started.set()
+        self.proceed.wait()
+        return StepResult(reward=1.0, done=True)
+
+
+def test_an_episodes_end_never_waits_behind_a_step_on_the_callers_threads():
+    """run_episode(threads=pool) ran the pin's release on ``pool`` too: on one thread an episode
+    ended only once another episode's slow step returned, and one whose own step hung past its
+    timeout never did (its release queued behind that step)."""
+
+    async def main(pool, hung_pool):
+        slow, hung = Blocking(), Blocking()
+        running = asyncio.ensure_future(run_episode(ScriptedWorker(), [5], slow, threads=pool))
+        await asyncio.to_thread(slow.started.wait)  # the pool's one thread is taken
+        quick = asyncio.ensure_future(run_episode(ScriptedWorker(), [6], Done(), threads=pool))
+        limits = EpisodeLimits(env_timeout_s=0.05)
+        abandoned = asyncio.ensure_future(run_episode(ScriptedWorker(), [7], hung, threads=hung_pool, limits=limits))
+        try:  # a bound for the failure only: the steps are not released before it
+            done, _ = await asyncio.wait({quick, abandoned}, timeout=60)
+            assert done == {quick, abandoned}, "an episode waited for a step on the caller's threads"
+            assert not running.done() and hung.started.is_set()
+        finally:
+            slow.proceed.set()
+            hung.proceed.set()
+        return await asyncio.gather(running, quick, abandoned)
+
+    with (
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+        concurrent.futures.ThreadPoolExecutor(1) as hung_pool,
+    ):
+        statuses = [e.status for e in asyncio.run(main(pool, hung_pool))]
+    assert statuses == ["done", "done", "env_error"]
+
+
 class Answers:
     """Answers each turn with the next of ``results``."""
 
