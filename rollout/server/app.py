@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from .admin import AdminState, admin_router
 from .backend import Backend
 from .config import ServerConfig
-from .errors import KNOWN_ERRORS, api_error, retry_after
+from .errors import KNOWN_ERRORS, api_error, error_headers
 from .protocol import ApiError
 from .routes import health_router, openai_router
 from .state import SharedState
@@ -36,7 +36,7 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
     async def any_error(request: Request, exc: Exception):
         prompt_field = getattr(request.state, "prompt_field", "prompt")
         error = api_error(exc, prompt_field=prompt_field, where=f"{request.method} {request.url.path}")
-        return JSONResponse(error.body(), status_code=error.status, headers=retry_after(error, config.retry_after_s))
+        return JSONResponse(error.body(), status_code=error.status, headers=error_headers(error, config.retry_after_s))
 
     # Known types are answered by the app, the rest by _UnexpectedErrors; Exception stays
     # registered for an error in the middleware itself (Starlette's outermost answers it).

@@ -104,6 +104,12 @@ def api_error(exc: BaseException, *, prompt_field: str = "prompt", where: str = 
     return ApiError(500, f"internal error (request id {request_id}): {type(exc).__name__}: {exc}", type="server_error")
 
 
-def retry_after(error: ApiError, seconds: int) -> dict | None:
-    """The ``Retry-After`` header of an error worth retrying."""
-    return {"Retry-After": str(seconds)} if error.status == 503 and error.code != "worker_closed" else None
+def error_headers(error: ApiError, retry_after_s: int) -> dict:
+    """The headers of an error's answer: ``Retry-After`` for one worth retrying, ``Connection:
+    close`` for one that closes the connection (uvicorn closes it once the answer is sent)."""
+    headers = {}
+    if error.status == 503 and error.code != "worker_closed":
+        headers["Retry-After"] = str(retry_after_s)
+    if error.close:
+        headers["Connection"] = "close"
+    return headers

@@ -62,7 +62,8 @@ _NEUTRAL = {
 
 
 class ApiError(Exception):
-    """An error answered as OpenAI's ``{"error": {message, type, param, code}}``."""
+    """An error answered as OpenAI's ``{"error": {message, type, param, code}}``; with ``close``,
+    its answer closes the connection."""
 
     def __init__(
         self,
@@ -72,9 +73,11 @@ class ApiError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        close: bool = False,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.close = close
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

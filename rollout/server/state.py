@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import Request
@@ -26,20 +27,23 @@ class SharedState:
             check_bearer(request, self.config.api_key, "API key")
 
     async def read_json(self, request: Request) -> dict:
+        """The request's body as a JSON object. It must arrive whole within ``body_timeout_s``
+        (a 408 that closes the connection, whose unread rest of a body is of no use)."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-        chunks, size = [], 0
+        reading = asyncio.ensure_future(_read_body(request, limit))
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-                chunks.append(chunk)
-        except ClientDisconnect:  # gone: nobody reads the answer, and nothing went wrong here
-            raise ApiError(499, "the client disconnected before sending its whole body") from None
-        return parse_body(b"".join(chunks))
+            done, _ = await asyncio.wait({reading}, timeout=self.config.body_timeout_s)
+        finally:
+            if not reading.done():
+                reading.cancel()
+        if not done:
+            timeout = self.config.body_timeout_s
+            message = f"the request body did not arrive whole within {timeout} s (ServerConfig.body_timeout_s)"
+            raise ApiError(408, message, code="request_timeout", close=True)
+        return parse_body(reading.result())
 
     def check_model(self, body: dict) -> str | None:
         """The LoRA adapter the body's ``model`` names (None: the served model itself)."""
@@ -75,3 +79,16 @@ class SharedState:
         reason = self.backend.unavailable_reason
         if reason is not None:
             raise unavailable_error(reason)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone: nobody reads the answer, and nothing went wrong here
+        raise ApiError(499, "the client disconnected before sending its whole body") from None
+    return b"".join(chunks)

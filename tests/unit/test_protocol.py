@@ -699,6 +699,41 @@ def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(backend)
     assert any(" 499 " in r.getMessage() for r in records if r.name == "rollout.server.app")
 
 
+STALLED_HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 500\r\nExpect: 100-continue\r\n\r\n"
+)
+
+
+def read_answer(answers) -> tuple[int, dict, bytes]:
+    """The status, headers and body of the next answer on a connection's ``makefile("rb")``."""
+    status = int(answers.readline().split()[1])
+    headers = {}
+    while (line := answers.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.lower()] = value.strip()
+    return status, headers, answers.read(int(headers.get("content-length", 0)))
+
+
+def test_a_body_that_stalls_is_a_408_that_closes_the_connection(backend):
+    """A client that sent part of its body and stopped held its connection for good (uvicorn has
+    no body timeout; its keep-alive timeout runs only between requests)."""
+    server = Server(StubBackend(backend.tokenizer), ServerConfig(port=0, served_model_name="tiny", body_timeout_s=0.5))
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as connection:
+            connection.sendall(STALLED_HEAD + b'{"model": "tiny", ')
+            answers = connection.makefile("rb")
+            assert read_answer(answers)[0] == 100  # the route is reading the body
+            status, headers, body = read_answer(answers)
+            assert status == 408 and headers["connection"] == "close"
+            assert json.loads(body)["error"]["message"] == (
+                "the request body did not arrive whole within 0.5 s (ServerConfig.body_timeout_s)"
+            )
+            assert answers.read() == b""  # closed by the server
+    finally:
+        server.close()
+
+
 def test_an_unexpected_error_is_a_500_logged_once_with_its_status_and_the_connection_serves_on(backend):
     """It was answered by Starlette's outermost middleware and re-raised: uvicorn logged a second
     traceback and closed the keep-alive connection (a client's next request on it could be
@@ -751,6 +786,7 @@ def test_a_flag_value_the_configs_refuse_is_a_usage_error_naming_it(tmp_path, ca
         (["--port", "70000"], "ServerConfig.port must be an int in [0, 65535], got 70000"),
         (["--admin-token", ""], "ServerConfig.admin_token must be a non-empty string"),
         (["--reload-root", str(tmp_path / "missing")], "reload_root must be an existing directory"),
+        (["--body-timeout-s", "0"], "ServerConfig.body_timeout_s must be > 0, got 0.0"),
     ):
         with pytest.raises(SystemExit) as exited:
             parse_args(["--model-path", str(tmp_path), *flags])
