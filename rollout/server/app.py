@@ -27,6 +27,7 @@ def build_app(backend: Backend, config: ServerConfig) -> FastAPI:
     state = SharedState(backend, config)
     app.state.closers = closers = []  # what Server.close() runs once the server stopped
     app.state.model_name = state.model_name  # the name clients pass (and the log shows)
+    app.state.begin_drain = state.begin_drain  # what Server.close() runs on the server's loop first
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):

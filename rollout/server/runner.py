@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -33,6 +34,8 @@ class Server:
         self.port = self._socket.getsockname()[1]
         app = build_app(backend, config)
         self._closers = app.state.closers
+        self._begin_drain = app.state.begin_drain
+        self._loop: asyncio.AbstractEventLoop | None = None  # the server thread's, once it runs
         uvicorn_config = uvicorn.Config(
             app,
             log_config=None,
@@ -58,9 +61,13 @@ class Server:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._uvicorn.serve(sockets=[self._socket]))
+            asyncio.run(self._serve())
         except BaseException as exc:  # reported by __init__ (start-up) or close()
             self._failed = exc
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._uvicorn.serve(sockets=[self._socket])
 
     @property
     def url(self) -> str:
@@ -76,6 +83,9 @@ class Server:
         and join the server thread. The worker is left running. Idempotent."""
         if not self._thread.is_alive():
             return
+        # Requests still waiting for their bodies are answered at once: no work of theirs began.
+        with contextlib.suppress(RuntimeError):  # the loop closed since: nothing is left to answer
+            self._loop.call_soon_threadsafe(self._begin_drain)
         self._uvicorn.should_exit = True
         self._thread.join(timeout=self.config.drain_timeout_s + 30)
         if self._thread.is_alive():

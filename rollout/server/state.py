@@ -21,28 +21,46 @@ class SharedState:
         self.backend, self.config = backend, config
         self.model_name = config.served_model_name or backend.model_name
         self.created = int(time.time())
+        # Bodies being read (tasks of the server's loop), and whether the server's drain began.
+        self._reading: set[asyncio.Task] = set()
+        self._draining = False
+
+    def begin_drain(self) -> None:
+        """Answer every request still waiting for its body now, and any later one at once (on
+        the server's loop, as its drain begins): none has started work, and a client that
+        stalls mid-body held the drain to its timeout."""
+        self._draining = True
+        for reading in self._reading:
+            reading.cancel()
 
     def check_api_key(self, request: Request) -> None:
         if self.config.api_key is not None:
             check_bearer(request, self.config.api_key, "API key")
 
     async def read_json(self, request: Request) -> dict:
-        """The request's body as a JSON object. It must arrive whole within ``body_timeout_s``
-        (a 408 that closes the connection, whose unread rest of a body is of no use)."""
+        """The request's body as a JSON object. It must arrive whole within
+        ``body_timeout_s`` (a 408) and before the server's drain begins (a 503 ``worker_closed``);
+        both close the connection, whose unread rest of a body is of no use."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        if self._draining:
+            raise _drained()
         reading = asyncio.ensure_future(_read_body(request, limit))
+        self._reading.add(reading)
         try:
             done, _ = await asyncio.wait({reading}, timeout=self.config.body_timeout_s)
         finally:
+            self._reading.discard(reading)
             if not reading.done():
                 reading.cancel()
         if not done:
             timeout = self.config.body_timeout_s
             message = f"the request body did not arrive whole within {timeout} s (ServerConfig.body_timeout_s)"
             raise ApiError(408, message, code="request_timeout", close=True)
+        if reading.cancelled():  # by begin_drain
+            raise _drained()
         return parse_body(reading.result())
 
     def check_model(self, body: dict) -> str | None:
@@ -92,3 +110,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:  # gone: nobody reads the answer, and nothing went wrong here
         raise ApiError(499, "the client disconnected before sending its whole body") from None
     return b"".join(chunks)
+
+
+def _drained() -> ApiError:
+    message = "the server is shutting down: its drain began before the request's body was read"
+    return ApiError(503, message, type="service_unavailable", code="worker_closed", close=True)

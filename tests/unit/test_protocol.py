@@ -734,6 +734,39 @@ def test_a_body_that_stalls_is_a_408_that_closes_the_connection(backend):
         server.close()
 
 
+def test_a_body_still_arriving_when_the_drain_begins_is_answered_at_once(backend):
+    """No work of the request has begun: it was held until the drain timeout passed (30 s by
+    default), holding up the server's stop."""
+    server = Server(StubBackend(backend.tokenizer), ServerConfig(port=0, served_model_name="tiny", drain_timeout_s=60))
+    closing = threading.Thread(target=server.close)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as connection:
+            connection.sendall(STALLED_HEAD + b'{"model": "tiny", ')
+            answers = connection.makefile("rb")
+            assert read_answer(answers)[0] == 100  # the route is reading the body
+            closing.start()
+            status, headers, body = read_answer(answers)
+            assert status == 503 and headers["connection"] == "close" and "retry-after" not in headers
+            error = json.loads(body)["error"]
+            assert error["code"] == "worker_closed"
+            assert error["message"] == "the server is shutting down: its drain began before the request's body was read"
+            assert answers.read() == b""
+        closing.join(timeout=60)
+        assert not closing.is_alive()
+    finally:
+        server.close()
+
+
+def test_a_request_that_reaches_its_body_after_the_drain_began_is_refused(backend):
+    """One whose headers came as the drain began, its route not yet reading: refused, where a
+    stalled body would have held the drain."""
+    app = build_app(backend, ServerConfig(served_model_name="tiny"))
+    app.state.begin_drain()
+    with TestClient(app) as client:
+        response = post(client, "/v1/completions", COMPLETION)
+    assert error(response, 503)["code"] == "worker_closed" and response.headers["connection"] == "close"
+
+
 def test_an_unexpected_error_is_a_500_logged_once_with_its_status_and_the_connection_serves_on(backend):
     """It was answered by Starlette's outermost middleware and re-raised: uvicorn logged a second
     traceback and closed the keep-alive connection (a client's next request on it could be
