@@ -9,10 +9,13 @@ items (``{'params', 'opt_state', 'step'}``, as the RL examples save), whose para
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import numbers
 import re
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -93,10 +96,74 @@ def _checkpointer():
     return ocp.StandardCheckpointer()
 
 
+# Whether this thread is in one of our reads (orbax's run_sync is wrapped for them alone).
+_reading = threading.local()
+_wrap_lock = threading.Lock()
+# How long a failed read waits for the reads still in flight before it cancels them.
+_SETTLE_S = 120.0
+
+
+async def _settled(coro):
+    """``coro``; on its failure, the event loop's other tasks run to their end before the error
+    goes on. orbax reads the arrays in tasks of their own and gathers them: the first read that
+    fails ends the gather while the others are still in flight, and orbax then closes the loop
+    under them. Left so, TensorStore's reads completed onto a closed loop ("RuntimeError: Event
+    loop is closed", from its threads), and once collected (at a later gc, at exit) asyncio
+    logged "_GatheringFuture exception was never retrieved" and Python "Exception ignored in:
+    <coroutine _read_array_index_and_device_put>", each with orbax's TensorStore spec (60 lines).
+
+    The other reads are waited for, not cancelled: a cancelled task ends at once while its
+    TensorStore read goes on and completes onto the closed loop all the same. So a failed restore
+    takes at most as long as a whole one; after ``_SETTLE_S`` what is left is cancelled."""
+    try:
+        return await coro
+    except BaseException:
+        this, loop = asyncio.current_task(), asyncio.get_running_loop()
+        deadline = loop.time() + _SETTLE_S
+        # A task that ends may have started others (a nested gather's reads): until none is left.
+        while left := [task for task in asyncio.all_tasks() if task is not this]:
+            _, late = await asyncio.wait(left, timeout=max(deadline - loop.time(), 0))
+            for task in late:
+                task.cancel()
+            # Their outcomes (orbax's "Encountered error while reading ...") are retrieved here:
+            # the same failure, which the caller gets once.
+            await asyncio.gather(*left, return_exceptions=True)
+        raise
+
+
+def _run_sync_settling(run_sync):
+    def run_sync_settling(coro):
+        return run_sync(_settled(coro) if getattr(_reading, "active", False) else coro)
+
+    run_sync_settling.wrapped = run_sync
+    return run_sync_settling
+
+
+@contextlib.contextmanager
+def _reads_settled():
+    """Within: this thread's orbax reads leave nothing running when they fail (``_settled``).
+    orbax's ``run_sync`` is wrapped once, process-wide, but changes nothing outside this block
+    (another thread's saves, the trainer's own restores). An orbax without ``run_sync`` reads
+    as it would."""
+    from orbax.checkpoint._src import asyncio_utils
+
+    with _wrap_lock:
+        run_sync = getattr(asyncio_utils, "run_sync", None)
+        if run_sync is not None and not hasattr(run_sync, "wrapped"):
+            asyncio_utils.run_sync = _run_sync_settling(run_sync)
+    outer = getattr(_reading, "active", False)
+    _reading.active = True
+    try:
+        yield
+    finally:
+        _reading.active = outer
+
+
 def checkpoint_tree_metadata(item_dir: Path) -> dict:
     """The saved tree with each leaf's metadata (shape, dtype), without reading any array."""
     try:
-        metadata = _checkpointer().metadata(item_dir)
+        with _reads_settled():
+            metadata = _checkpointer().metadata(item_dir)
     except Exception as exc:  # orbax raises a variety of types for unreadable metadata
         raise CheckpointError(f"cannot read checkpoint metadata in {item_dir}: {exc}") from exc
     item = getattr(metadata, "item_metadata", metadata)
@@ -117,11 +184,12 @@ def restore_tree(item_dir: Path, target: Any, *, partial: bool = False) -> Any:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), target
     )
     try:
-        if not partial:
-            return _checkpointer().restore(item_dir, abstract)
-        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-        args = ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True)
-        return ocp.PyTreeCheckpointer().restore(item_dir, args=args)
+        with _reads_settled():
+            if not partial:
+                return _checkpointer().restore(item_dir, abstract)
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+            args = ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True)
+            return ocp.PyTreeCheckpointer().restore(item_dir, args=args)
     except Exception as exc:
         raise CheckpointError(f"cannot restore checkpoint {item_dir}: {_restore_failure(exc)}") from exc
 

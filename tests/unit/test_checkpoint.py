@@ -1,5 +1,8 @@
 """trainer_bridge/checkpoint.py: a trainer's resume restores a checkpoint onto its own shardings."""
 
+import asyncio
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -158,3 +161,34 @@ def test_an_empty_latest_step_is_passed_over_with_a_warning(tmp_path, caplog):
     assert "the directory of step 12 is empty; reading step 10" in caplog.text
     with pytest.raises(CheckpointError):
         restore_params(root, {"w": np.ones(2, np.float32)}, step=12)  # asked for, it is read
+
+
+def _unfinished_futures() -> set[int]:
+    """The asyncio futures alive in this process and not done, by id."""
+    return {id(f) for f in gc.get_objects() if isinstance(f, asyncio.Future) and not f.done()}
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_failed_restore_leaves_nothing_behind(tmp_path, capfd, caplog):
+    """A checkpoint whose data is truncated: the caller gets CheckpointError, and nothing more.
+    orbax closed its event loop under the reads still in flight when the first one failed; later
+    (at a gc, at exit) they wrote "Event loop is closed" tracebacks, asyncio's "_GatheringFuture
+    exception was never retrieved" and "Exception ignored in <coroutine ...>", each with orbax's
+    TensorStore spec, in whatever the caller did next."""
+    rng = np.random.default_rng(0)
+    tree = {f"w{i}": rng.standard_normal((256, 256)).astype(np.float32) for i in range(16)}
+    path = orbax_save(tmp_path / "corrupt", tree)
+    data_files = [p for p in path.rglob("*") if p.is_file() and p.stat().st_size > 100_000]
+    assert data_files
+    for file in data_files:
+        with open(file, "r+b") as f:
+            f.truncate(file.stat().st_size // 3)
+    capfd.readouterr()
+    before = _unfinished_futures()
+    with pytest.raises(CheckpointError, match="cannot restore checkpoint"):
+        restore_params(path, tree)
+    left = _unfinished_futures() - before
+    gc.collect()
+    assert not left, f"{len(left)} asyncio futures of the restore left unfinished"
+    assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert capfd.readouterr().err == ""
