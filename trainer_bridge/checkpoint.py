@@ -132,8 +132,9 @@ async def _settled(coro):
 
 
 def _run_sync_settling(run_sync):
-    def run_sync_settling(coro):
-        return run_sync(_settled(coro) if getattr(_reading, "active", False) else coro)
+    # Whatever else a later orbax passes goes through as it is.
+    def run_sync_settling(coro, *args, **kwargs):
+        return run_sync(_settled(coro) if getattr(_reading, "active", False) else coro, *args, **kwargs)
 
     run_sync_settling.wrapped = run_sync
     return run_sync_settling
