@@ -206,7 +206,9 @@ PINNING_TESTS = {
     "bf16-matmul-precision": (
         "tests/test_multi_engine.py::test_a_bf16_engine_precompiles_and_runs_under_the_default_matmul_precision"
     ),
-    "gpu-dot-merger": "tests/test_multistep.py::test_the_engines_programs_are_jitted_under_the_engine_compile_options",
+    "gpu-dot-merger": (
+        "tests/unit/test_patches.py::test_the_engines_forward_is_jitted_again_under_the_engine_compile_options"
+    ),
     "failed-start-sockets": "tests/test_multi_engine.py::test_a_failed_start_up_lets_the_process_exit",
     "native-attention-memory": "tests/test_attention.py::test_engine_forward_memory_does_not_follow_padding_limits",
     "kv-pool-conversions": "tests/test_attention.py::test_bf16_kv_pool_is_not_converted_per_forward",

@@ -59,6 +59,7 @@ def test_leave_ends_every_survivor_with_its_status_at_once(tmp_path, mode):
         assert [r.returncode for r in runs] == [0, 0], logs
 
 
+@pytest.mark.one_end  # the launcher supervising children that import no jax: no release changes it
 def test_launch_local_stops_the_others_when_one_dies(tmp_path):
     code = FAIL_ONE.format(ready=str(tmp_path / "ready"), failure="os.kill(os.getpid(), signal.SIGKILL)")
     runs = launch_local(["-c", code], 2, timeout_s=LAUNCH_TIMEOUT_S)
@@ -69,6 +70,7 @@ def test_launch_local_stops_the_others_when_one_dies(tmp_path):
     assert exit_status(runs) == 128 + 9
 
 
+@pytest.mark.one_end  # the launcher supervising children that import no jax: no release changes it
 def test_the_launch_command_names_the_failed_process_and_exits_with_its_status(tmp_path):
     code = FAIL_ONE.format(ready=str(tmp_path / "ready"), failure="sys.exit(3)")
     command = [sys.executable, "-m", "rollout.launch", "-n", "2", "--timeout", str(LAUNCH_TIMEOUT_S), "--", "-c", code]
@@ -137,6 +139,7 @@ def test_stopping_the_launcher_stops_its_processes(tmp_path, stop):
                 os.kill(int(file.read_text()), signal.SIGKILL)
 
 
+@pytest.mark.one_end  # the launcher supervising children that import no jax: no release changes it
 def test_launch_local_sets_no_time_limit_by_default(monkeypatch):
     # examples.grpo/ppo --local-processes N launch with the default: a training run must not be
     # stopped after some fixed time (it was 600 s).
