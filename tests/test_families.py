@@ -355,7 +355,7 @@ def test_llama_http_admin_checksum_perturb_reload(llama_pool):
         assert complete(http) == before
 
 
-@pytest.mark.example_path
+@pytest.mark.oldest_end  # an example's path on a family, float32: the other end runs the MoE family's
 def test_grpo_example_runs_on_tiny_llama(tmp_path):
     """``python -m examples.grpo --preset tiny-llama`` as a user runs it (3 steps): every step
     syncs only the untied head (vocab 32 x hidden 256 float32) and the engine serves the
