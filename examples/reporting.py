@@ -101,15 +101,18 @@ def summarize(
     print(
         f"reward {first:.3f} -> {last:.3f} (mean of the first and last {window} of {len(records)} steps); "
         f"this run's {len(history)} steps: sync {times['sync_s']:.1f}s, generate {times['generate_s']:.1f}s, "
-        f"train {times['train_s']:.1f}s"
+        f"train {times['train_s']:.1f}s",
+        flush=True,  # in order with the logs where both go to one file (--local-processes)
     )
     evaluations = [r["eval_reward"] for r in records if "eval_reward" in r]
     if evaluations:
         summary.update(first_eval_reward=evaluations[0], last_eval_reward=evaluations[-1])
-        print(f"eval reward {' -> '.join(f'{x:.3f}' for x in evaluations)} (every {config.eval_every} steps)")
+        print(
+            f"eval reward {' -> '.join(f'{x:.3f}' for x in evaluations)} (every {config.eval_every} steps)", flush=True
+        )
     if wall_s is not None:
         summary["wall_s"] = wall_s
-        print(f"async rollout: {len(history)} steps in {wall_s:.1f} s wall-clock")
+        print(f"async rollout: {len(history)} steps in {wall_s:.1f} s wall-clock", flush=True)
     if config.plot:
         plot(output_dir / "reward.png", records, algorithm.plot_panels)
     return summary

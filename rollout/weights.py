@@ -207,10 +207,12 @@ class EngineWeights:
 
     def _check_values(self, plan: SyncPlan, flat: Mapping[str, object], updates: dict, known: frozenset) -> None:
         """NaN/inf in what the engine would serve (``plan.check_finite``), and unmerged adapters
-        each finite whose product would not be: the engine would serve NaN. The product is
-        bounded from each factor's largest |value|, taken in the same read: scale * rank * max|A|
-        * max|B| (a real adapter is many orders of magnitude below float32's range). A
-        pair served and passed again is not read again; a factor served beside a new partner is."""
+        each finite whose product's entries may not be in the engine's dtype, to which the scaled
+        term is cast: the engine would serve inf/NaN. Each entry of scale * A @ B is bounded from
+        the factors' largest |value|, taken in the same read: scale * rank * max|A| * max|B| (a
+        real adapter is many orders of magnitude below it). Not a bound on ``x @ A`` for large
+        activations. A pair served and passed again is not read again; a factor served beside a
+        new partner is."""
         index = {p.trainer_path: p.engine.index for p in plan.leaves}
         pairs = [
             (a, b) for a, b in self._factor_pairs if a in index and b in index and not {index[a], index[b]} <= known
@@ -218,12 +220,14 @@ class EngineWeights:
         factors = {path for pair in pairs for path in pair}
         maxima = plan.check_finite(flat, updates, known - {index[path] for path in factors}, factors)
         lora = self.engine.options.unmerged_lora
-        limit = float(np.finfo(np.float32).max)
+        dtype = self.engine.options.dtype
+        limit = float(jnp.finfo(dtype).max)
         bounds = {(a, b): lora.scale * lora.rank * maxima[a] * maxima[b] for a, b in pairs}
         overflowing = [pair for pair, bound in bounds.items() if bound > limit]
         if overflowing:
             raise SyncError(
-                f"LoRA factors too large for float32: scale * rank * max|A| * max|B| = {bounds[overflowing[0]]:.3g} "
+                f"LoRA factors too large for the engine's {dtype}: scale * rank * max|A| * max|B| = "
+                f"{bounds[overflowing[0]]:.3g} "
                 f"(scale alpha / rank = {lora.scale:g}, rank {lora.rank}), past {limit:.6g}: each factor is finite, "
                 "their product may not be (the engine would serve NaN), in: "
                 + ", ".join(f"{a} and {b}" for a, b in overflowing[:8])

@@ -193,7 +193,7 @@ def test_bad_adapters_are_refused_naming_what_is_wrong_and_the_adapters_keep_ser
         ),
         (
             lambda: worker.sync_params(served.base, adapters=unflatten_params(qwix_huge), lora=CONFIG),
-            rf"too large for float32: .*, in: {up}.kernel_lora_a and {up}.kernel_lora_b$",
+            rf"too large for the engine's float32: .*, in: {up}.kernel_lora_a and {up}.kernel_lora_b$",
         ),
         (lambda: worker.sync_adapters(unflatten_params(served_a)), rf"in: {up}.lora_a and {up}.lora_b$"),
         (lambda: worker.sync_adapters(unflatten_params(missing)), "'model.layers_1.self_attn.v_proj.lora_a' has no"),
@@ -400,7 +400,9 @@ def test_adapter_slots_are_named_refused_when_full_and_freed(slotted, served):
     assert error.value.non_finite == (up_b,)
     up_a = "model.layers_1.mlp.up_proj.lora_a"
     huge = {**served.adapters, up_a: np.full_like(served.adapters[up_a], 1e19), up_b: np.full_like(nan[up_b], 1e19)}
-    with pytest.raises(SyncError, match=rf"too large for float32: .*, in: {re.escape(up_a)} and {re.escape(up_b)}$"):
+    with pytest.raises(
+        SyncError, match=rf"too large for the engine's float32: .*, in: {re.escape(up_a)} and {re.escape(up_b)}$"
+    ):
         worker.sync_adapters(unflatten_params(huge), name="one")
     assert worker.adapter_names() == []
     worker.sync_adapters(unflatten_params(served.adapters), name="one")

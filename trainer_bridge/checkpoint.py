@@ -117,7 +117,7 @@ async def _settled(coro):
     takes at most as long as a whole one; after ``_SETTLE_S`` what is left is cancelled."""
     try:
         return await coro
-    except BaseException:
+    except Exception:  # not an interrupt (Ctrl-C goes on at once) nor the coroutine's close
         this, loop = asyncio.current_task(), asyncio.get_running_loop()
         deadline = loop.time() + _SETTLE_S
         # A task that ends may have started others (a nested gather's reads): until none is left.
@@ -144,10 +144,12 @@ def _run_sync_settling(run_sync):
 def _reads_settled():
     """Within: this thread's orbax reads leave nothing running when they fail (``_settled``).
     orbax's ``run_sync`` is wrapped once, process-wide, but changes nothing outside this block
-    (another thread's saves, the trainer's own restores). An orbax without ``run_sync`` reads
-    as it would."""
-    from orbax.checkpoint._src import asyncio_utils
-
+    (another thread's saves, the trainer's own restores). An orbax without that private module
+    or ``run_sync`` reads as it would."""
+    try:
+        from orbax.checkpoint._src import asyncio_utils
+    except ImportError:
+        asyncio_utils = None
     with _wrap_lock:
         run_sync = getattr(asyncio_utils, "run_sync", None)
         if run_sync is not None and not hasattr(run_sync, "wrapped"):

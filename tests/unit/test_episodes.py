@@ -653,7 +653,9 @@ def test_an_episodes_end_never_waits_behind_a_step_on_the_callers_threads():
         running = asyncio.ensure_future(run_episode(ScriptedWorker(), [5], slow, threads=pool))
         await asyncio.to_thread(slow.started.wait)  # the pool's one thread is taken
         quick = asyncio.ensure_future(run_episode(ScriptedWorker(), [6], Done(), threads=pool))
-        limits = EpisodeLimits(env_timeout_s=0.05)
+        # Long enough for the hung step's thread to start on a loaded machine (a step still queued
+        # at its timeout is cancelled, never run).
+        limits = EpisodeLimits(env_timeout_s=2.0)
         abandoned = asyncio.ensure_future(run_episode(ScriptedWorker(), [7], hung, threads=hung_pool, limits=limits))
         try:  # a bound for the failure only: the steps are not released before it
             done, _ = await asyncio.wait({quick, abandoned}, timeout=60)
