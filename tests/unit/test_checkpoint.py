@@ -191,4 +191,5 @@ def test_a_failed_restore_leaves_nothing_behind(tmp_path, capfd, caplog):
     gc.collect()
     assert not left, f"{len(left)} asyncio futures of the restore left unfinished"
     assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
-    assert capfd.readouterr().err == ""
+    err = capfd.readouterr().err  # what the leftovers wrote (other threads may write other things)
+    assert not [m for m in ("Event loop is closed", "Exception ignored", "TensorStore", "Traceback") if m in err], err
