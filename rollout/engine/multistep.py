@@ -449,10 +449,9 @@ def _plan(
 ):
     """The chunk's :class:`ChunkPlan` in host arrays, or None where its rows' last lengths do
     not fit the forward's ``cache_loc``. Each row spans its last length rounded up to pages.
-    Rows not ``live``
-    (left the batch before a chunk computed ahead) are padding: no keys, no KV slot; with
-    ``ended_rows_page`` those before the last live row span one page of padding slots (the
-    allocator never hands out page 0), which the TPU kernel reads as one key
+    Rows not ``live`` (left the batch before a chunk computed ahead) are padding: no keys, no KV
+    slot; with ``ended_rows_page`` those before the last live row span one page of padding slots
+    (the allocator never hands out page 0), which the TPU kernel reads as one key
     (:func:`_step_attention_backend`)."""
     steps, rows = slots.shape
     padded_rows = len(mwb.seq_lens)
