@@ -32,7 +32,7 @@ GREEDY = dict(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 # Generous for the SPMD checks (processes drift apart by whole compiles on a loaded machine),
 # short once a process is about to be lost, so that the test measures the bound quickly.
 POD_TIMEOUT_S = 120.0
-LOSS_TIMEOUT_S = 20.0
+LOSS_TIMEOUT_S = 10.0
 
 
 def global_tree(flat_host: dict, shardings: dict) -> dict:
