@@ -508,6 +508,7 @@ async def run_episodes(
     seed: int | None = None,
     pad_prompts_to: int | None = None,
     completion_width: int | None = None,
+    threads: concurrent.futures.Executor | None = None,
     **sampling,
 ) -> EpisodeBatch:
     """``n`` episodes of every prompt, all at once; ``make_env(i, j)`` is the environment of
@@ -515,7 +516,9 @@ async def run_episodes(
     i, j)`` (``seed=None``: one drawn as ``generate`` draws it, from the worker's stream).
     Every argument is checked (InvalidRequest naming it) and every environment made before the
     first episode starts; a first prompt whose first turn cannot run (longer than the engine
-    takes, or leaving no room under ``limits``) is refused."""
+    takes, or leaving no room under ``limits``) is refused. ``threads`` runs the synchronous
+    steps and plain tools as in :func:`run_episode` (None: a thread per episode of the run's
+    own); the pins' releases run on a thread of the run's own either way."""
     n = as_int("n", n, minimum=1)
     limits = _checked_limits(limits)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
@@ -539,13 +542,15 @@ async def run_episodes(
                 f"make_env{divmod(row, n)} returned {type(env).__name__}, not an environment (an object with a step "
                 "method; make_env itself is a plain function)",
             )
-    # A thread per episode for synchronous steps (a hung one holds its own) and one for releases.
-    with _own_threads(len(envs) + 1) as threads:
+    # A thread per episode for synchronous steps (a hung one holds its own) and one for releases,
+    # which on the caller's threads would wait behind its steps (for good behind a hung one).
+    with _own_threads(len(envs) + 1 if threads is None else 1) as own:
+        steps = own if threads is None else threads
         tasks = []
         try:
             for row, env in enumerate(envs):
                 i, j = divmod(row, n)
-                episode = _Episode(worker, frames, limits, sampling, int(seeds[i, j]), threads, threads)
+                episode = _Episode(worker, frames, limits, sampling, int(seeds[i, j]), steps, own)
                 tasks.append(asyncio.ensure_future(episode.run(prompt_ids[i], env, prefill_text(prompts[i]) or "")))
             results = await asyncio.gather(*tasks)
         except BaseException:  # one episode's error (or a cancellation) ends the others too

@@ -951,6 +951,7 @@ class RolloutWorker:
         seed: int | None = None,
         pad_prompts_to: int | None = None,
         completion_width: int | None = None,
+        threads=None,
         **sampling,
     ) -> EpisodeBatch:
         """Multi-turn episodes (``rollout.episodes``): ``n`` per prompt (a list of chat messages,
@@ -963,7 +964,8 @@ class RolloutWorker:
         :class:`rollout.episodes.StepResult`. Returns the episodes and their
         :class:`RolloutBatch` (``completion_mask``: the tokens the model sampled), whose regions
         are ``pad_prompts_to`` and ``completion_width`` wide when given (fixed shapes for a
-        jitted train step), else as wide as the longest."""
+        jitted train step), else as wide as the longest. ``threads``: a thread pool of the
+        caller's for the environments' synchronous steps (:func:`rollout.episodes.run_episodes`)."""
         return await episodes.run_episodes(
             self,
             prompts,
@@ -975,6 +977,7 @@ class RolloutWorker:
             seed=seed,
             pad_prompts_to=pad_prompts_to,
             completion_width=completion_width,
+            threads=threads,
             **sampling,
         )
 

@@ -674,6 +674,47 @@ def test_an_episodes_end_never_waits_behind_a_step_on_the_callers_threads():
     assert statuses == ["done", "done", "env_error"]
 
 
+def test_run_episodes_runs_steps_on_the_callers_threads_and_ends_without_waiting_for_them():
+    """run_episodes(threads=pool): synchronous steps and plain tools run on ``pool``; an episode
+    whose step hung past its timeout on a pool of one thread still ends (its pin's release runs
+    on a thread of the run's own, not queued behind that step), and so does the batch."""
+    names = []
+
+    class Recording:
+        def step(self, turn):
+            names.append(threading.current_thread().name)
+            return StepResult(reward=1.0, done=True)
+
+    tools = ToolEnvironment({}, reward=lambda turn: names.append(threading.current_thread().name) or 1.0)
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="caller") as pool:
+        out = asyncio.run(
+            run_episodes(ScriptedWorker(), [[5], [6]], lambda i, j: [Recording(), tools][i], n=2, threads=pool)
+        )
+    assert [e.status for e in out.episodes] == ["done"] * 4
+    assert len(names) == 4 and all(name.startswith("caller") for name in names), names
+
+    async def main(pool):
+        hung = Blocking()
+        # Long enough for the hung step's thread to start on a loaded machine (a step still queued
+        # at its timeout is cancelled, never run, and holds no thread).
+        limits = EpisodeLimits(env_timeout_s=2.0)
+        run = asyncio.ensure_future(
+            run_episodes(ScriptedWorker(), [[5], [6]], lambda i, j: [hung, Done()][i], limits=limits, threads=pool)
+        )
+        try:  # a bound for the failure only: the hung step is not released before it
+            done, _ = await asyncio.wait({run}, timeout=60)
+            assert run in done, "the batch waited for a step on the caller's threads"
+            assert hung.started.is_set() and not hung.proceed.is_set()
+        finally:
+            hung.proceed.set()
+        return run.result()
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="caller") as pool:
+        out = asyncio.run(main(pool))
+    assert [e.status for e in out.episodes] == ["env_error", "done"]
+    assert "took more than 2.0 s" in out.episodes[0].error
+
+
 class Answers:
     """Answers each turn with the next of ``results``."""
 
