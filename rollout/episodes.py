@@ -200,6 +200,10 @@ class ToolEnvironment:
                 raise TypeError(
                     f"the reward function returned {reward!r:.80} ({type(reward).__name__}), not a number"
                 ) from None
+            except OverflowError:  # an int past a float's range: float() names no reward
+                raise ValueError(
+                    f"the reward function returned {reward!r:.80} ({type(reward).__name__}), beyond a float's range"
+                ) from None
             return StepResult(reward=reward, done=True)
         # Counted before the calls run: a step that times out still counts what it started.
         self.calls += len(parsed.tool_calls) + len(parsed.errors)
@@ -933,8 +937,8 @@ class _Episode:
         if not isinstance(result, StepResult):
             raise TypeError(f"the environment's step returned {type(result).__name__}, not a StepResult")
         reward = result.reward
-        if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-            raise TypeError(f"StepResult.reward must be a finite number, got {reward!r} ({type(reward).__name__})")
+        if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real) or not _finite(reward):
+            raise TypeError(f"StepResult.reward must be a finite number, got {reward!r:.80} ({type(reward).__name__})")
         if not isinstance(result.done, (bool, np.bool_)):
             raise TypeError(f"StepResult.done must be a bool, got {result.done!r} ({type(result.done).__name__})")
         return result
@@ -967,6 +971,13 @@ def _own_threads(count: int):
 def _release(worker, session: str) -> None:
     if not worker.closed:
         worker.release_session(session)
+
+
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past a float's range: no float holds it
+        return False
 
 
 def _drop_late_step(step: asyncio.Future) -> None:

@@ -910,3 +910,19 @@ def test_a_reward_function_answering_none_or_a_list_is_named(answer):
     assert episode_.error == (
         f"turn 0: TypeError: the reward function returned {answer!r} ({type(answer).__name__}), not a number"
     )
+
+
+def test_a_reward_past_a_floats_range_is_named():
+    """An int no float holds: math.isfinite and float() raised OverflowError, and the episode's
+    error named no reward ("turn 0: OverflowError: int too large to convert to float")."""
+    huge = 10**400
+    envs = [Answers(StepResult(reward=huge, done=True)), ToolEnvironment({}, reward=lambda t: huge)]
+    out = asyncio.run(run_episodes(ScriptedWorker(), [[5], [6]], lambda i, j: envs[i]))
+    assert [e.status for e in out.episodes] == ["env_error"] * 2
+    step, tools = (e.error for e in out.episodes)
+    assert step.startswith("turn 0: TypeError: StepResult.reward must be a finite number, got 1000") and step.endswith(
+        " (int)"
+    )
+    assert tools.startswith("turn 0: ValueError: the reward function returned 1000") and tools.endswith(
+        "(int), beyond a float's range"
+    )
