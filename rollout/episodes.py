@@ -489,6 +489,7 @@ async def run_episode(
     steps at once as it has threads: the others' wait, and a step abandoned at its timeout holds
     its thread until it returns. The pin's release runs on a thread of the episode's own."""
     limits = _checked_limits(limits)
+    _check_threads(threads)
     frames = frames or _frames(worker, tools, chat_template_kwargs)
     prompt_ids = _first_prompt(worker, frames, limits, prompt, "prompt")
     sampling = _turn_sampling(worker, frames, sampling)
@@ -525,6 +526,7 @@ async def run_episodes(
     own); the pins' releases run on a thread of the run's own either way."""
     n = as_int("n", n, minimum=1)
     limits = _checked_limits(limits)
+    _check_threads(threads)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise InvalidRequest("prompts", "prompts must be a non-empty list of prompts (messages or token ids)")
     frames = _frames(worker, tools, chat_template_kwargs)
@@ -662,6 +664,19 @@ def _checked_limits(limits) -> EpisodeLimits:
     if not isinstance(limits, EpisodeLimits):
         raise InvalidRequest("limits", f"limits must be an EpisodeLimits, got {limits!r} ({type(limits).__name__})")
     return limits
+
+
+def _check_threads(threads) -> None:
+    # Else every synchronous step failed, each its episode's env_error: an object without submit,
+    # or a process pool, which cannot run the step's closure (nor share the environment).
+    if threads is not None and (
+        not isinstance(threads, concurrent.futures.Executor)
+        or isinstance(threads, concurrent.futures.ProcessPoolExecutor)
+    ):
+        raise InvalidRequest(
+            "threads",
+            f"threads must be a thread pool (a concurrent.futures.Executor) or None, got {type(threads).__name__}",
+        )
 
 
 def _conversation_cap(worker, limits: EpisodeLimits, prompt_length: int) -> tuple[int, str]:

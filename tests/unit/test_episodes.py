@@ -408,6 +408,7 @@ LONG_TOOL = {
         (dict(completion_width=64, limits=EpisodeLimits(max_response_tokens=65)), "completion_width"),
         (dict(completion_width=0), "completion_width"),
         (dict(completion_width=2**40, limits=EpisodeLimits(max_response_tokens=16)), "completion_width"),
+        (dict(threads=4), "threads"),
         (dict(max_new_tokens=5), "max_new_tokens"),
         (dict(session="s"), "session"),
         (dict(temperature=-1.0), "temperature"),
@@ -442,6 +443,18 @@ def test_arguments_are_checked_before_any_episode_starts(tokenizer, arguments, f
         asyncio.run(run_episodes(worker, arguments.pop("prompts"), make_env, **arguments))
     assert error.value.field == field
     assert made == [] and worker.calls == 0
+
+
+def test_a_process_pool_is_refused_as_the_steps_threads():
+    """Its workers cannot run a step's closure: every synchronous step had failed, each its
+    episode's env_error ("Can't pickle local object")."""
+    with concurrent.futures.ProcessPoolExecutor(1) as pool:
+        with pytest.raises(InvalidRequest, match="threads must be a thread pool") as error:
+            asyncio.run(run_episodes(ScriptedWorker(), [[5]], lambda i, j: Done(), threads=pool))
+        assert error.value.field == "threads"
+        with pytest.raises(InvalidRequest, match="got ProcessPoolExecutor") as error:
+            asyncio.run(run_episode(ScriptedWorker(), [5], Done(), threads=pool))
+        assert error.value.field == "threads"
 
 
 def test_a_message_prompt_or_tools_without_a_chat_template_are_named():
