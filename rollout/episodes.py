@@ -153,6 +153,8 @@ class StepResult:
     (``{"role", "content"}`` dicts, e.g. one ``tool`` message per tool call, rendered together),
     or None (nothing to append: only with ``done``). ``reward`` (a finite number) adds to the
     episode's reward; ``done`` is a bool. Anything else ends the episode with ``"env_error"``.
+    With ``done``, or after the last allowed turn, the observation is neither checked nor
+    appended: no turn reads it.
     """
 
     observation: str | Sequence[int] | Sequence[Mapping[str, Any]] | None = None
