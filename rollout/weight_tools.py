@@ -24,7 +24,18 @@ from .sampling import as_int
 MAX_PERTURB_SEED = 2**32 - 1
 
 
-def check_swap_mode(in_flight: bool, recompute_kv: bool) -> None:
+def check_flags(**flags) -> None:
+    """Each of a weight call's flags is a bool (numpy's too): any other value is an InvalidRequest
+    naming it. Taken by its truth value, ``check_finite=None`` served NaN weights unchecked and
+    ``in_flight="no"`` swapped in flight."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise InvalidRequest(name, f"{name} must be a bool, got {value!r:.80} ({type(value).__name__})")
+
+
+def check_swap_mode(in_flight: bool, recompute_kv: bool, **flags) -> None:
+    """A weight change's swap mode, and its other ``flags`` (``check_finite``, ...), checked."""
+    check_flags(in_flight=in_flight, recompute_kv=recompute_kv, **flags)
     if recompute_kv and not in_flight:
         raise InvalidRequest(
             "recompute_kv", "recompute_kv=True needs in_flight=True: a drain swap has no running request to recompute"

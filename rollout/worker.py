@@ -423,7 +423,7 @@ class RolloutWorker:
         ``sync_params`` takes it."""
         start = time.perf_counter()
         self._check_open()
-        check_swap_mode(in_flight, recompute_kv)
+        check_swap_mode(in_flight, recompute_kv, allow_cast=allow_cast, check_finite=check_finite)
         if not in_flight:  # before any other process hears of the call: it would wait for ever
             self._gate.check_no_own_calls(f"{call}()")
         try:
@@ -573,7 +573,7 @@ class RolloutWorker:
         sets the forward otherwise than the served model's (heads, RoPE, norm epsilon, ...: what
         the weights' shapes do not show) is refused. On error nothing changes."""
         self._check_open()
-        check_swap_mode(in_flight, recompute_kv)
+        check_swap_mode(in_flight, recompute_kv, check_finite=check_finite)
         hf_model_dir(model_dir)  # a missing dir, a file, no weights: named first, as the load names them
         check_same_forward(self.config.model_path, model_dir)  # before reading the weights
         try:
@@ -649,7 +649,7 @@ class RolloutWorker:
         name: str | None = None,
     ) -> SyncReport:
         self._check_open()
-        check_swap_mode(in_flight, recompute_kv)
+        check_swap_mode(in_flight, recompute_kv, check_finite=check_finite)
         item_dir = resolve_checkpoint(path, step)
         layout = saved_layout(item_dir)
         saved = layout.flat
@@ -1127,6 +1127,7 @@ class RolloutWorker:
         (``in_flight`` as for ``sync_params``). Perturbed weights that are not finite are
         refused as by ``sync_params`` (the previous weights keep serving). Returns the perturbed
         leaf paths and the new weight version."""
+        weight_tools.check_flags(check_finite=check_finite, in_flight=in_flight)
         perturbation = weight_tools.Perturbation.checked(self._group, seed, scale, num_leaves)
         if not in_flight:  # before the perturbed weights are computed
             self._gate.check_no_own_calls("perturb_weights()")

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import CausalLM, DecoderConfig, greedy_decode
-from rollout import RolloutWorker
+from rollout import InvalidRequest, RolloutWorker
 from tests.helpers import tiny_worker_config
 from trainer_bridge import SyncError, flatten_params, load_hf_params, non_finite_leaves, unflatten_params
 
@@ -528,3 +528,24 @@ def test_a_train_steps_output_syncs_as_the_tree_it_was_given_and_compiles_nothin
         )
     assert greedy(tp_worker).compiles == 0
     tp_worker.sync_params(placed)
+
+
+def test_a_weight_calls_flags_are_bools(tp_worker, hf_flat, qwen2_dir, tmp_path):
+    """A flag taken by its truth value chose silently: check_finite=None served NaN weights
+    unchecked, in_flight="no" swapped in flight. Any flag not a bool is an InvalidRequest naming it."""
+    tree = unflatten_params(hf_flat)
+    tp_worker.sync_params(tree)
+    before, version = greedy(tp_worker).completions, tp_worker.weight_version
+    nan = unflatten_params({**hf_flat, "model.norm.scale": np.full_like(hf_flat["model.norm.scale"], np.nan)})
+    for flag, value in (("check_finite", None), ("allow_cast", "no"), ("in_flight", "no"), ("recompute_kv", 0)):
+        with pytest.raises(InvalidRequest, match=rf"^{flag} must be a bool, got {re.escape(repr(value))}") as bad:
+            tp_worker.sync_params(nan, **{flag: value})
+        assert bad.value.field == flag
+    with pytest.raises(InvalidRequest, match="^check_finite must be a bool, got None"):
+        tp_worker.load_hf(qwen2_dir, check_finite=None)
+    with pytest.raises(InvalidRequest, match="^check_finite must be a bool, got 0"):
+        tp_worker.load_checkpoint(tmp_path / "never-read", check_finite=0)
+    with pytest.raises(InvalidRequest, match="^in_flight must be a bool, got 'yes'"):
+        tp_worker.perturb_weights(0, 0.1, 1, in_flight="yes")
+    assert tp_worker.weight_version == version and greedy(tp_worker).completions == before
+    assert tp_worker.sync_params(tree, check_finite=np.bool_(True)).version == version + 1
