@@ -249,7 +249,11 @@ class RolloutWorker:
         trainer's step, so versions read as steps across a resume (None: one more than served).
         """
         if (adapters is None) != (lora is None):
-            raise ValueError("sync_params: adapters and lora (a LoraConfig) go together")
+            missing = "lora" if lora is None else "adapters"
+            raise InvalidRequest(
+                missing,
+                f"sync_params: adapters and lora (a LoraConfig) go together; {missing} is missing",
+            )
         merge, given = None, {}  # given: the unmerged factors' paths in the caller's tree
         if adapters is not None and self.config.unmerged_lora is not None:
             try:

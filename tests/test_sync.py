@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from models import CausalLM, DecoderConfig, greedy_decode
 from rollout import InvalidRequest, RolloutWorker
 from tests.helpers import tiny_worker_config
-from trainer_bridge import SyncError, flatten_params, load_hf_params, non_finite_leaves, unflatten_params
+from trainer_bridge import LoraConfig, SyncError, flatten_params, load_hf_params, non_finite_leaves, unflatten_params
 
 PROMPTS = [[5, 17, 42, 8], [100, 3], [250, 251, 252, 7, 9, 11], [1], [64, 65, 66], [300, 2, 4], [9] * 7, [12, 34]]
 REPO = Path(__file__).resolve().parents[1]
@@ -549,3 +549,13 @@ def test_a_weight_calls_flags_are_bools(tp_worker, hf_flat, qwen2_dir, tmp_path)
         tp_worker.perturb_weights(0, 0.1, 1, in_flight="yes")
     assert tp_worker.weight_version == version and greedy(tp_worker).completions == before
     assert tp_worker.sync_params(tree, check_finite=np.bool_(True)).version == version + 1
+
+
+def test_adapters_without_lora_and_lora_without_adapters_are_named(tp_worker, hf_flat):
+    tree, version = unflatten_params(hf_flat), tp_worker.weight_version
+    with pytest.raises(InvalidRequest, match="adapters and lora .* go together; lora is missing") as no_lora:
+        tp_worker.sync_params(tree, adapters={})
+    assert no_lora.value.field == "lora"
+    with pytest.raises(InvalidRequest, match="adapters is missing") as no_adapters:
+        tp_worker.sync_params(tree, lora=LoraConfig(4, 8.0))
+    assert no_adapters.value.field == "adapters" and tp_worker.weight_version == version
