@@ -415,9 +415,13 @@ def normalize_messages(messages: list[dict], where: str = "messages") -> list[di
 
 def normalize_message(message: Any, where: str) -> dict:
     """One message of :func:`normalize_messages`, named ``where`` in its errors."""
-    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-        raise ChatError(where, f"{where} must be an object with a string 'role'")
-    role = message["role"]
+    if not isinstance(message, Mapping):
+        raise ChatError(
+            where, f"{where} must be a message (an object with a string 'role'), got {type(message).__name__}"
+        )
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise ChatError(f"{where}.role", f"{where}.role must be a string, got {role!r:.60} ({type(role).__name__})")
     # Any name a template may know (system, user, assistant, tool, developer, ipython, ...), but
     # a name: the template writes it into the prompt as it is, so a newline and markup in it
     # would open a turn of another role.

@@ -527,7 +527,8 @@ def test_bad_chat_requests(http):
     base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     for body, param in [
         ({**base, "messages": []}, "messages"),
-        ({**base, "messages": [{"content": "hi"}]}, "messages[0]"),
+        ({**base, "messages": [{"content": "hi"}]}, "messages[0].role"),
+        ({**base, "messages": ["hi"]}, "messages[0]"),
         ({**base, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({**base, "max_tokens": 0}, "max_tokens"),
         ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}', "stop[0]"),

@@ -259,7 +259,9 @@ def test_a_call_the_model_wrote_renders_back_as_it_was_written(tokenizer):
 
 BAD_MESSAGES = [
     ([], "messages"),
-    ([{"content": "hi"}], "messages[0]"),
+    (["hi"], "messages[0]"),
+    ([{"content": "hi"}], "messages[0].role"),
+    ([{"role": 5, "content": "hi"}], "messages[0].role"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
     ([{"role": "user", "content": None}], "messages[0].content"),
     ([{"role": "user", "content": "1"}, {"role": "tool", "tool_call_id": "c0"}], "messages[1].content"),
