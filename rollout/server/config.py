@@ -24,6 +24,10 @@ class ServerConfig:
     retry_after_s: int = 1  # the Retry-After of a 503 while weights or KV are changing
     drain_timeout_s: float = 30.0  # how long close() lets running requests finish
     keep_alive_s: float = 75.0  # idle keep-alive connections are closed after this
+    # How long a request's head (request line and headers) may take to arrive whole, from the
+    # connection's opening or the next request's first byte (a 408, or a plain close when
+    # nothing came): uvicorn itself waits for a stalled head for good.
+    header_timeout_s: float = 30.0
     # How long a request's body may take to arrive whole once the route reads it (a 408, and the
     # connection closed, then): uvicorn itself waits for a stalled body for good.
     body_timeout_s: float = 60.0
@@ -50,7 +54,8 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig.{name} must be a positive int or None, got {value!r}")
         if self.reload_root is not None and not os.path.isdir(self.reload_root):
             raise ValueError(f"ServerConfig.reload_root must be an existing directory, got {self.reload_root!r}")
-        if not self.body_timeout_s > 0:
-            raise ValueError(f"ServerConfig.body_timeout_s must be > 0, got {self.body_timeout_s!r}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_body_bytes < 1 or self.retry_after_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("ServerConfig.max_body_bytes must be >= 1, retry_after_s and drain_timeout_s >= 0")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -15,6 +16,7 @@ import uvicorn
 from .app import build_app
 from .backend import Backend, WorkerBackend
 from .config import ServerConfig
+from .connection import HeadDeadlineProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ class Server:
             # request on a connection the server is closing (seen: ReadError at 5 s, uvicorn's default).
             timeout_keep_alive=config.keep_alive_s,
             lifespan="off",
+            # h11, pinned: "auto" takes httptools wherever it is installed, whose connections
+            # would have no deadline on a request's head.
+            http=functools.partial(HeadDeadlineProtocol, header_timeout_s=config.header_timeout_s),
         )
         self._uvicorn = uvicorn.Server(uvicorn_config)
         self._thread = threading.Thread(target=self._run, name=f"rollout-server-{self.port}", daemon=True)

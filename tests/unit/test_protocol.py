@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -734,6 +735,96 @@ def test_a_body_that_stalls_is_a_408_that_closes_the_connection(backend):
         server.close()
 
 
+def head_timeout_server(backend) -> Server:
+    return Server(StubBackend(backend.tokenizer), ServerConfig(port=0, served_model_name="tiny", header_timeout_s=0.5))
+
+
+def test_a_connection_whose_request_head_does_not_arrive_is_closed_at_the_header_timeout(backend):
+    """uvicorn's keep-alive timer starts only after a response: a client that connected and sent
+    nothing, or part of a head, held its connection (and a file descriptor) until shutdown. One
+    that sent nothing is closed without an answer, as an idle keep-alive connection is."""
+    server = head_timeout_server(backend)
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", server.port), timeout=60) as silent,
+            socket.create_connection(("127.0.0.1", server.port), timeout=60) as partial,
+        ):
+            start = time.monotonic()
+            partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-")
+            assert silent.recv(1) == b""
+            assert time.monotonic() - start > 0.4  # the deadline, not at once
+            answers = partial.makefile("rb")
+            status, headers, body = read_answer(answers)
+            assert status == 408 and headers["connection"] == "close"
+            assert json.loads(body)["error"] == {
+                "message": "the request head (request line and headers) did not arrive whole within 0.5 s "
+                "(ServerConfig.header_timeout_s)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_timeout",
+            }
+            assert answers.read() == b""
+    finally:
+        server.close()
+
+
+def trickle_until_closed(connection: socket.socket) -> bytes:
+    """Sends a request head a byte at a time (one each 50 ms without an answer) until the
+    server closes the connection; what it answered before closing."""
+    connection.settimeout(0.05)
+    connection.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\nX-Slow: ")
+    answer, give_up = b"", time.monotonic() + 30
+    while time.monotonic() < give_up:
+        try:
+            if not answer:
+                connection.sendall(b"a")
+            chunk = connection.recv(4096)
+        except TimeoutError:
+            continue
+        except (BrokenPipeError, ConnectionResetError):  # closed as a byte was on its way
+            return answer
+        if not chunk:
+            return answer
+        answer += chunk
+    pytest.fail("a head trickled for 30 s was never cut off")
+
+
+def test_a_request_head_trickled_byte_by_byte_is_cut_at_the_header_timeout(backend):
+    """A deadline on the whole head, not on the gaps between its bytes (each far shorter than
+    the deadline), timed from the connection's opening and, on a kept-alive connection, from
+    the next request's first byte: uvicorn's keep-alive timer stops at that byte."""
+    server = head_timeout_server(backend)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as fresh:
+            answer = trickle_until_closed(fresh)
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 408 ")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as kept:
+            kept.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+            assert read_answer(kept.makefile("rb"))[0] == 200
+            answer = trickle_until_closed(kept)
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 408 ")
+    finally:
+        server.close()
+
+
+def test_a_keep_alive_connection_idle_longer_than_the_header_timeout_serves_its_next_request(backend):
+    """The silence between requests is the keep-alive timeout's (75 s), not the head's."""
+    server = head_timeout_server(backend)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as connection:
+            answers = connection.makefile("rb")
+            connection.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+            assert read_answer(answers)[0] == 200
+            connection.settimeout(1.0)  # twice the header timeout: nothing comes, the connection stays
+            with pytest.raises(TimeoutError):
+                connection.recv(1)
+            connection.settimeout(60)
+            connection.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+            assert read_answer(answers)[0] == 200
+    finally:
+        server.close()
+
+
 def test_a_body_still_arriving_when_the_drain_begins_is_answered_at_once(backend):
     """No work of the request has begun: it was held until the drain timeout passed (30 s by
     default), holding up the server's stop."""
@@ -820,6 +911,7 @@ def test_a_flag_value_the_configs_refuse_is_a_usage_error_naming_it(tmp_path, ca
         (["--admin-token", ""], "ServerConfig.admin_token must be a non-empty string"),
         (["--reload-root", str(tmp_path / "missing")], "reload_root must be an existing directory"),
         (["--body-timeout-s", "0"], "ServerConfig.body_timeout_s must be > 0, got 0.0"),
+        (["--header-timeout-s", "-1"], "ServerConfig.header_timeout_s must be > 0, got -1.0"),
     ):
         with pytest.raises(SystemExit) as exited:
             parse_args(["--model-path", str(tmp_path), *flags])
