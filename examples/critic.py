@@ -11,8 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from examples.rl_update import replicate
-from trainer_bridge import replicated_beside
+from trainer_bridge import replicate, replicated_beside
 
 CRITIC_MODES = ("separate", "shared")
 

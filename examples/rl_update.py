@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from trainer_bridge import replicated_beside
+from trainer_bridge import replicate, replicated_beside
 
 
 def make_optimizer(
@@ -113,14 +113,6 @@ def place_fresh_leaves(trees):
         return replicate(leaf, replicated)
 
     return jax.tree_util.tree_map(place, trees)
-
-
-def replicate(value, sharding: jax.sharding.Sharding) -> jax.Array:
-    """``value``, which every process holds the same, as an array replicated by ``sharding``
-    (whose devices may span processes). Not ``jax.device_put``: at jax 0.12 it made of a
-    one-device array put across processes an array whose shards jax cannot list."""
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def run_updates(

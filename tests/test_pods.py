@@ -128,8 +128,21 @@ def test_a_process_killed_mid_sync_is_named_within_the_bound_and_the_survivor_le
 def test_grpo_over_two_processes_steps_as_one_process(tmp_path):
     """``--local-processes 2``: each process generates half of every step's prompts (one CPU
     device each) and the update is one data-parallel step over both, its advantages scaled by
-    the std of the whole step's rewards (``--scale-rewards batch``), not each process's."""
-    flags = ("--steps", "3", "--scale-rewards", "batch")
+    the std of the whole step's rewards (``--scale-rewards batch``), not each process's. With
+    unmerged LoRA adapters: each sync takes the base again (aliased, across the processes) and
+    the adapters beside it, under the SPMD rule; whole-model syncs across processes are
+    tests/pod_program.py's."""
+    flags = (
+        "--steps",
+        "3",
+        "--scale-rewards",
+        "batch",
+        "--lora-rank",
+        "8",
+        "--learning-rate",
+        "3e-3",
+        "--lora-unmerged",
+    )
     two = run_grpo(tmp_path / "two", *flags, "--local-processes", "2")
     one = run_grpo(tmp_path / "one", *flags)
     assert [r["step"] for r in two] == [1, 2, 3] and all(r["bytes_copied"] == 0 for r in two)

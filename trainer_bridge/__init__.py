@@ -6,7 +6,7 @@ worker builds on are in the submodules (``sync``, ``lora``, ``checkpoint``, ``hf
 from .checkpoint import CheckpointError, checkpoint_tree_metadata, restore_params, restore_tree
 from .hf import load_hf_params
 from .lora import DEFAULT_TARGET_MODULES, Adapter, LoraConfig, apply_adapters, init_adapters
-from .sync import SyncError, SyncReport, non_finite_leaves, replicated_beside
+from .sync import SyncError, SyncReport, non_finite_leaves, replicate, replicated_beside
 from .tree import flatten_params, unflatten_params
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "init_adapters",
     "load_hf_params",
     "non_finite_leaves",
+    "replicate",
     "replicated_beside",
     "restore_params",
     "restore_tree",

@@ -21,7 +21,7 @@ import numpy as np
 
 from models import EngineTransform, ParamMapping
 
-from .sync import SyncError, call_placement, check_byte_order, replicated_beside
+from .sync import SyncError, call_placement, check_byte_order, replicate, replicated_beside
 from .tree import flatten_params, unflatten_params
 
 # Every linear projection of the dense families (attention and MLP).
@@ -255,7 +255,7 @@ def _beside(factor, kernel):
     """The factor replicated on its kernel's devices: the trainer may keep adapters elsewhere
     than the base (they are small)."""
     sharding = replicated_beside(getattr(kernel, "sharding", None))
-    return factor if sharding is None else jax.device_put(factor, sharding)
+    return factor if sharding is None else replicate(factor, sharding)
 
 
 def _merged_kernel(kernel, a, b, scale: float):

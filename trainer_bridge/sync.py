@@ -200,6 +200,18 @@ def replicated_beside(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sh
     return None
 
 
+def replicate(value, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``value`` as an array replicated by ``sharding``. Where ``sharding``'s devices span
+    processes, a value of this process's own (numpy, or an array on its devices), which every
+    process holds the same, is built from each process's host copy: ``jax.device_put`` made of
+    a one-device array put across processes, at jax 0.12, an array whose shards jax cannot list
+    (``addressable_shards`` raises), which a sync then could not read."""
+    if sharding.is_fully_addressable or (isinstance(value, jax.Array) and not value.is_fully_addressable):
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def device_order(sharding: jax.sharding.Sharding) -> tuple:
     """The devices of ``sharding`` in the order a jitted call lays them out (a mesh's order):
     a call's inputs and outputs must all have the same (jax 0.8-0.12's ``_device_assignment``)."""
