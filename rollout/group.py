@@ -251,7 +251,7 @@ class EngineGroup:
             if isinstance(x, jax.Array)
             and not x.is_fully_addressable
             and p in targets
-            and not x.sharding.is_equivalent_to(targets[p], x.ndim)
+            and (not x.sharding.is_equivalent_to(targets[p], x.ndim) or not _shards_listed(x))
         ]
         flat = dict(flat)
         gathered = 0
@@ -363,6 +363,18 @@ class EngineGroup:
             return live[chosen]
         others = sorted(live)
         return live[others[chosen % len(others)]]
+
+
+def _shards_listed(x: jax.Array) -> bool:
+    """Whether jax lists ``x``'s shards, which the engines' views are made of. jax 0.12 cannot
+    for an array ``jax.device_put`` made of a one-device array across processes of one device
+    each (``addressable_shards`` raises ValueError); a jitted identity still takes it, so it is
+    resharded into the engines' layout like a leaf placed otherwise."""
+    try:
+        x.addressable_shards
+    except ValueError:
+        return False
+    return True
 
 
 def _on_group_mesh(x, mesh: Mesh) -> bool:

@@ -182,3 +182,41 @@ def test_memory_reads_take_an_array_device_put_across_processes():
         (line,) = [line for line in run.log.splitlines() if line.startswith("BUFFERS ")]
         found = json.loads(line.removeprefix("BUFFERS "))
         assert found["x"] == [[found["device"], 64 * 4]], found
+
+
+# Params a trainer put with jax.device_put from arrays on one device of each process (one device
+# a process, as multi-GPU jobs run): at jax 0.12 jax cannot list such an array's shards, which
+# the engines' views are made of (a sync failed in addressable_shards). tiny_worker_config's
+# engine, one device a process.
+SYNC_DEVICE_PUT = """
+import json, sys
+import jax, jax.numpy as jnp
+from rollout import RolloutWorker
+from rollout.launch import join
+from tests.helpers import tiny_worker_config
+from trainer_bridge import flatten_params, load_hf_params, unflatten_params
+join()
+model_dir = sys.argv[1]
+worker = RolloutWorker(tiny_worker_config(model_dir, load_format="dummy", devices=tuple(jax.local_devices())))
+host = flatten_params(load_hf_params(model_dir))
+shardings = flatten_params(worker.param_shardings())
+greedy = dict(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+built = {p: jax.make_array_from_callback(x.shape, shardings[p], lambda i, x=x: x[i]) for p, x in host.items()}
+worker.sync_params(unflatten_params(built))
+expected = worker.generate([[5, 17, 42, 8]], **greedy).completions
+worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, unflatten_params(built)))
+put = {p: jax.device_put(jnp.asarray(x), shardings[p]) for p, x in host.items()}
+report = worker.sync_params(unflatten_params(put))
+served = worker.generate([[5, 17, 42, 8]], **greedy).completions
+print("SYNCED", json.dumps({"same": served == expected, "version": report.version}), flush=True)
+worker.close()
+"""
+
+
+@pytest.mark.newest_end
+def test_a_sync_takes_params_device_put_across_processes_of_one_device(qwen2_dir):
+    runs = launch_local(["-c", SYNC_DEVICE_PUT, str(qwen2_dir)], 2, devices_per_process=1, timeout_s=LAUNCH_TIMEOUT_S)
+    assert all(r.returncode == 0 for r in runs), [r.log[-3000:] for r in runs]
+    for run in runs:
+        (line,) = [line for line in run.log.splitlines() if line.startswith("SYNCED ")]
+        assert json.loads(line.removeprefix("SYNCED ")) == {"same": True, "version": 3}, run.log[-3000:]
