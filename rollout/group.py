@@ -117,12 +117,18 @@ class EngineGroup:
     # ---- weight changes (the caller holds the worker's locks) ------------------------------------
 
     def prepare(
-        self, trees: Sequence[Mapping[str, object]], *, allow_cast: bool, check_finite: bool
+        self,
+        trees: Sequence[Mapping[str, object]],
+        *,
+        allow_cast: bool,
+        check_finite: bool,
+        origins: Mapping[str, object] | None = None,
     ) -> dict[int, PreparedSync]:
         """Every running engine's new leaves from its tree (:meth:`localize`), by engine index.
-        Changes nothing the engines serve."""
+        Changes nothing the engines serve. ``origins``: the tree :meth:`localize` was given,
+        whose arrays a later sync may pass again (its views of them are new each time)."""
         return {
-            index: w.prepare(trees[index], allow_cast=allow_cast, check_finite=check_finite)
+            index: w.prepare(trees[index], allow_cast=allow_cast, check_finite=check_finite, origins=origins)
             for index, w in self.live().items()
         }
 

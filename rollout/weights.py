@@ -162,15 +162,25 @@ class EngineWeights:
             return (*shape[:-1], self._kv_width)
         return shape
 
-    def prepare(self, flat: Mapping[str, object], *, allow_cast: bool, check_finite: bool) -> PreparedSync:
+    def prepare(
+        self,
+        flat: Mapping[str, object],
+        *,
+        allow_cast: bool,
+        check_finite: bool,
+        origins: Mapping[str, object] | None = None,
+    ) -> PreparedSync:
         """Validate ``flat`` and compute the engine's new leaves (device copies where needed).
         Changes nothing the engine serves.
 
         A leaf passed again as the very jax array a checked sync took it from is not read for
         NaN again. With unmerged adapters, such a base leaf whose engine leaf is still served is
         also kept as it is: a sync of the same base moves the adapters alone (and after a train
-        step's release, the released leaves besides)."""
+        step's release, the released leaves besides). ``origins``: the trainer's arrays by path
+        where ``flat`` holds new views of them (a pod's, :meth:`EngineGroup.localize`), which
+        "the very jax array" is judged by."""
         flat = self.with_adapters(flat)
+        origin = {**flat, **{path: x for path, x in (origins or {}).items() if path in flat}}
         plan = self.plan_for(flat, allow_cast)
         leaves = self.engine.weight_leaves()
         if self.adapters_only(flat):
@@ -180,13 +190,13 @@ class EngineWeights:
                 p.trainer_path
                 for p in plan.leaves
                 if p.trainer_path not in self._adapter_paths
-                and self._source(p.engine.index) is flat[p.trainer_path]
+                and self._source(p.engine.index) is origin[p.trainer_path]
                 and _live(leaves[p.engine.index])
             }
             if kept:
                 flat = {path: leaf for path, leaf in flat.items() if path not in kept}
                 plan = self.plan_for(flat, allow_cast, partial=True)
-        known = frozenset(p.engine.index for p in plan.leaves if self._source(p.engine.index) is flat[p.trainer_path])
+        known = frozenset(p.engine.index for p in plan.leaves if self._source(p.engine.index) is origin[p.trainer_path])
         updates = plan.execute(flat)
         if check_finite:  # what the engine would serve: a cast's overflow too
             self._check_values(plan, flat, updates, known)
@@ -199,9 +209,9 @@ class EngineWeights:
         jax.block_until_ready(list(updates.values()))
         copied = frozenset(p.engine.index for p in plan.copies)
         sources = {
-            p.engine.index: weakref.ref(flat[p.trainer_path])
+            p.engine.index: weakref.ref(origin[p.trainer_path])
             for p in plan.leaves
-            if isinstance(flat[p.trainer_path], jax.Array) and (check_finite or p.engine.index in known)
+            if isinstance(origin[p.trainer_path], jax.Array) and (check_finite or p.engine.index in known)
         }
         return PreparedSync(plan, leaves, frozenset(updates), copied, sources, plan.relabeled(flat, updates))
 

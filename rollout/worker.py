@@ -471,7 +471,9 @@ class RolloutWorker:
                     merged_bytes = sum(merged[adapter.kernel].nbytes for adapter in adapters)
                 trees, gathered = self._group.localize(merged, call)
                 try:
-                    prepared = self._group.prepare(trees, allow_cast=allow_cast, check_finite=check_finite)
+                    prepared = self._group.prepare(
+                        trees, allow_cast=allow_cast, check_finite=check_finite, origins=merged
+                    )
                 except SyncError as error:
                     raise _merge_overflow(error, flat, adapters) if lora else error from None
                 return prepared, gathered, merged_bytes

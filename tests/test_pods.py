@@ -129,10 +129,13 @@ def test_grpo_over_two_processes_steps_as_one_process(tmp_path):
     """``--local-processes 2``: each process generates half of every step's prompts (one CPU
     device each) and the update is one data-parallel step over both, its advantages scaled by
     the std of the whole step's rewards (``--scale-rewards batch``), not each process's. With
-    unmerged LoRA adapters: each sync takes the base again (aliased, across the processes) and
-    the adapters beside it, under the SPMD rule; whole-model syncs across processes are
-    tests/pod_program.py's."""
+    unmerged LoRA adapters on the tiny Llama: each sync passes the base again beside the
+    adapters, under the SPMD rule, and moves the adapters alone, as in one process; the untied
+    head, which the engine transposes, is copied at the first sync only (a pod's sync had copied
+    it every time). Whole-model syncs across processes are tests/pod_program.py's."""
     flags = (
+        "--preset",
+        "tiny-llama",
         "--steps",
         "3",
         "--scale-rewards",
@@ -145,7 +148,9 @@ def test_grpo_over_two_processes_steps_as_one_process(tmp_path):
     )
     two = run_grpo(tmp_path / "two", *flags, "--local-processes", "2")
     one = run_grpo(tmp_path / "one", *flags)
-    assert [r["step"] for r in two] == [1, 2, 3] and all(r["bytes_copied"] == 0 for r in two)
+    assert [r["step"] for r in two] == [1, 2, 3]
+    assert [r["bytes_copied"] for r in two] == [r["bytes_copied"] for r in one] and one[0]["bytes_copied"] > 0
+    assert [r["bytes_copied"] for r in one[1:]] == [0, 0]
     # Step 1: the same prompts, weights and global seeds, so the same samples and rewards, and
     # the same update up to the order of float reductions.
     assert (two[0]["reward"], two[0]["completion_tokens"]) == (one[0]["reward"], one[0]["completion_tokens"])
