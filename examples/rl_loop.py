@@ -97,6 +97,11 @@ QWEN25_3B = dict(
 )
 
 
+class UsageError(ValueError):
+    """A setting this job or machine cannot run (its devices): the command's usage error, with
+    the flags for the field names (:func:`cli`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     """What every algorithm's config has. A subclass adds its own fields and a
@@ -404,20 +409,24 @@ class Setup(NamedTuple):
 
 
 def worker_config(config: RLConfig, model_dir: Path, engine_devices: list | None = None) -> WorkerConfig:
-    """The rollout worker of a run: its engines on ``engine_devices`` (None: every local device,
-    ``config.dp_size`` engines, by default as many as they hold), the KV pool and batch the
-    run's steps need."""
-    if engine_devices is not None:
-        dp_size = len(engine_devices) // config.tp_size
-    else:
-        dp_size = config.dp_size or max(1, len(jax.local_devices()) // config.tp_size)
+    """The rollout worker of a run: ``config.dp_size`` engines (by default as many as the
+    devices hold) on the first ``dp_size x tp_size`` of ``engine_devices`` (None: the local
+    devices), the KV pool and batch the run's steps need."""
+    devices = list(jax.local_devices() if engine_devices is None else engine_devices)
+    dp_size = config.dp_size or len(devices) // config.tp_size
+    if dp_size < 1 or dp_size * config.tp_size > len(devices):
+        wants = f"tp_size {config.tp_size}"
+        if config.dp_size is not None:
+            wants = f"dp_size {dp_size} x {wants}"
+        have = "this process has" if engine_devices is None else "the engines have"
+        raise UsageError(f"{wants} needs {max(dp_size, 1) * config.tp_size} devices, but {have} {len(devices)}")
     return WorkerConfig(
         model_path=str(model_dir),
         dtype=config.dtype,
         load_format="dummy",
         tp_size=config.tp_size,
         dp_size=dp_size,
-        devices=None if engine_devices is None else tuple(engine_devices),
+        devices=tuple(devices[: dp_size * config.tp_size]),
         # The engine takes prompt + completion <= context_length - 2 tokens whole.
         max_total_tokens=config.kv_tokens,
         context_length=config.max_prompt_tokens + config.max_new_tokens + 2,
@@ -445,12 +454,12 @@ def set_up(
     with the worker's tokenizer. The worker is closed on leaving. Yields None, having started
     nothing, where the latest checkpoint is already at ``config.steps`` (said in a warning).
 
-    ``split_devices`` None (the synchronous loop): the engines on every local device
-    (``config.dp_size`` of them), the trainer's params placed as the engine places its weights
+    ``split_devices`` None (the synchronous loop): the engines on the local devices
+    (:func:`worker_config`), the trainer's params placed as the engine places its weights
     (syncs alias them). Given (the asynchronous loop), ``split_devices(tp_size)`` -> (trainer
-    devices, engine devices), called once the job is joined: the engines on theirs (as many as
-    ``tp_size`` divides them into), the trainer's params replicated over its own (syncs copy
-    them onto the engines' devices).
+    devices, engine devices), called once the job is joined: the engines on theirs (by the same
+    rule), the trainer's params replicated over its own (syncs copy them onto the engines'
+    devices).
     """
     output_dir = Path(config.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
@@ -839,6 +848,9 @@ def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
         raise SystemExit(f"{name} stopped: {error}") from None
     except RunDirError as error:  # says which file and what to do: no traceback
         raise SystemExit(f"{name}: {error}") from None
+    except UsageError as error:  # as argparse's usage errors: one line, exit status 2
+        print(f"{name}: error: {_as_flags(str(error), [f.name for f in dataclasses.fields(config)])}", file=sys.stderr)
+        raise SystemExit(2) from None
     except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
         latest = latest_checkpoint_step(Path(config.output_dir))
         if latest is None:

@@ -202,13 +202,37 @@ def test_decode_steps_reach_the_worker_and_are_not_part_of_a_runs_identity(tmp_p
 
 def test_a_runs_engines_take_every_device_unless_told(tmp_path):
     """``python -m examples.grpo`` on a host of 4 devices (this suite's) starts 4 engines; it
-    started one and the worker refused the other 3 devices."""
-    assert len(jax.local_devices()) == 4
-    assert worker_config(PRESETS["tiny"], tmp_path).dp_size == 4
-    assert worker_config(dataclasses.replace(PRESETS["tiny"], tp_size=2), tmp_path).dp_size == 2
-    assert worker_config(dataclasses.replace(PRESETS["tiny"], dp_size=1), tmp_path).dp_size == 1
+    started one and the worker refused the other 3 devices. ``--dp-size N`` takes the first
+    N x tp_size devices: the worker was given all 4 and refused them."""
+    devices = jax.local_devices()
+    assert len(devices) == 4
+
+    def groups(**settings):
+        return worker_config(dataclasses.replace(PRESETS["tiny"], **settings), tmp_path).device_groups()
+
+    assert groups() == [(d,) for d in devices]
+    assert groups(tp_size=2) == [tuple(devices[:2]), tuple(devices[2:])]
+    assert groups(dp_size=1) == [(devices[0],)]
+    assert groups(dp_size=1, tp_size=2) == [tuple(devices[:2])]
+    assert groups(tp_size=3) == [tuple(devices[:3])]
     with pytest.raises(ValueError, match="dp_size must be >= 1"):
         dataclasses.replace(PRESETS["tiny"], dp_size=0)
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(dp_size=3, tp_size=2), "--dp-size 3 x --tp-size 2 needs 6 devices, but this process has 4"),
+        (dict(tp_size=8), "--tp-size 8 needs 8 devices, but this process has 4"),
+    ],
+)
+def test_more_devices_than_the_process_has_is_a_usage_error_naming_the_flags(tmp_path, capsys, settings, message):
+    """It was the worker's traceback, saying ``set devices=`` (no flag), in every process."""
+    config = dataclasses.replace(PRESETS["tiny"], plot=False, **settings)
+    with pytest.raises(SystemExit) as exited:
+        cli("grpo", lambda config: worker_config(config, tmp_path), config)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"grpo: error: {message}\n"
 
 
 def test_lr_decay_spans_the_train_steps_after_the_warm_up():
