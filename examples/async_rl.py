@@ -26,6 +26,7 @@ from examples.rl_loop import (
     RLConfig,
     Rollout,
     Setup,
+    UsageError,
     recorded_summary,
     rollout_arrays,
     rollout_metrics,
@@ -42,9 +43,9 @@ def split_devices(tp_size: int) -> tuple[list, list]:
     devices = jax.local_devices()
     half = len(devices) // 2
     if half < 1 or half % tp_size:
-        raise ValueError(
-            f"--async-rollout puts the trainer and the engines on separate halves of the local devices: "
-            f"{len(devices)} device(s) cannot give the engines a multiple of tp_size={tp_size} "
+        raise UsageError(
+            f"async_rollout puts the trainer and the engines on separate halves of the local devices: "
+            f"{len(devices)} device(s) cannot give the engines a multiple of tp_size {tp_size} "
             "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4)"
         )
     return devices[:half], devices[half:]
@@ -54,10 +55,6 @@ def run_async(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Alg
     """:func:`examples.rl_loop.run` with rollouts generated one step ahead (see the module doc).
     It starts as that loop does (:func:`examples.rl_loop.set_up`: the output dir's claim, every
     preset's model family, resume), the engines and the trainer on separate devices."""
-    if config.tis_cap is None:
-        raise ValueError("--async-rollout trains on tokens of older weights: set --tis-cap")
-    if config.eval_every:
-        raise ValueError("--eval-every runs in the synchronous loop")
     with set_up(config, make_algorithm, split_devices) as setup:
         return _train_async(config, setup) if setup else recorded_summary(config, make_algorithm)
 

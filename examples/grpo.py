@@ -110,6 +110,12 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"lora_alpha must be > 0 (None: 2 x lora_rank), got {self.lora_alpha}")
         if self.async_rollout and self.max_turns > 1:
             raise ValueError("async_rollout generates single-turn completions: multi-turn episodes run synchronously")
+        if self.async_rollout and self.tis_cap is None:
+            raise ValueError("async_rollout trains on tokens of older weights: set tis_cap")
+        if self.async_rollout and self.eval_every:
+            raise ValueError("eval_every runs in the synchronous loop, not with async_rollout")
+        if self.async_rollout and self.local_processes > 1:
+            raise ValueError("async_rollout runs in one process: its trainer and engines split one process's devices")
         if self.lora_rank and self.routing_replay:
             raise ValueError("lora_rank with routing_replay is not supported: the routing probe needs the whole tree")
         super().__post_init__()

@@ -82,8 +82,8 @@ class PPOConfig(RLConfig):
     old_logprobs: str = "trainer"
 
     @property
-    def wants_logprobs(self) -> bool:
-        return super().wants_logprobs or self.old_logprobs == "engine"
+    def logprob_settings(self) -> tuple[str, ...]:
+        return super().logprob_settings + (("old_logprobs engine",) if self.old_logprobs == "engine" else ())
 
     def __post_init__(self):
         if self.samples_per_prompt < 1:

@@ -61,7 +61,7 @@ from models import (
 from models.registry import check_routing_recordable
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
 from rollout.config import DTYPES
-from rollout.launch import PROCESS_ID_ENV, join, launch_local
+from rollout.launch import NUM_PROCESSES_ENV, PROCESS_ID_ENV, join, launch_local
 from trainer_bridge import LoraConfig, SyncReport, apply_adapters, load_hf_params
 
 logger = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ QWEN25_3B = dict(
 
 
 class UsageError(ValueError):
-    """A setting this job or machine cannot run (its devices): the command's usage error, with
-    the flags for the field names (:func:`cli`)."""
+    """A setting this job or machine cannot run (its processes, its devices): the command's
+    usage error, with the flags for the field names (:func:`cli`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +190,28 @@ class RLConfig:
         return max(self.prompts_per_step, self.eval_prompts if self.eval_every else 0)
 
     @property
+    def logprob_settings(self) -> tuple[str, ...]:
+        """The settings given that need the engine's log-probs with every sample, as the
+        config's messages name them."""
+        given = {"return_logprobs": self.return_logprobs, "tis_cap": self.tis_cap is not None}
+        return tuple(name for name, on in given.items() if on)
+
+    @property
     def wants_logprobs(self) -> bool:
-        return self.return_logprobs or self.tis_cap is not None
+        return bool(self.logprob_settings)
+
+    def check_processes(self, processes: int, given_by: str) -> None:
+        """Refuse what cannot run over ``processes`` processes of one job (``given_by``: the
+        setting that asks for them), naming the settings."""
+        one_process = self.logprob_settings + (("check_consistency_every",) if self.check_consistency_every else ())
+        if processes > 1 and one_process:
+            verb = "runs" if len(one_process) == 1 else "run"
+            raise UsageError(f"{' and '.join(one_process)} {verb} in one process only, not with {given_by} {processes}")
+        if self.prompts_per_step % processes:
+            raise UsageError(
+                f"prompts_per_step {self.prompts_per_step} does not split over {given_by} {processes}: "
+                "each process generates an equal share"
+            )
 
     @property
     def unmerged_lora(self) -> LoraConfig | None:
@@ -256,6 +276,7 @@ class RLConfig:
             raise ValueError(f"max_operand must be a digit (0-9), got {self.max_operand}")
         if self.local_processes < 1:
             raise ValueError(f"local_processes must be >= 1, got {self.local_processes}")
+        self.check_processes(self.local_processes, "local_processes")
         if self.max_turns < 1 or self.turn_tokens < 1 or self.warm_start_steps < 0:
             raise ValueError("max_turns and turn_tokens must be >= 1, warm_start_steps >= 0")
         if self.max_turns > 1 and self.local_processes > 1:
@@ -474,12 +495,8 @@ def set_up(
     with output_dir_lock(output_dir) if lead else contextlib.nullcontext():
         join()
         latest = claim_output_dir(config, output_dir)
-        if jax.process_count() > 1 and (config.wants_logprobs or config.check_consistency_every):
-            raise ValueError("return_logprobs, tis_cap and check_consistency_every run in one process only")
-        if config.prompts_per_step % jax.process_count():
-            raise ValueError(
-                f"prompts_per_step={config.prompts_per_step} does not split over {jax.process_count()} processes"
-            )
+        # A pod's processes are known once joined (--local-processes were checked with the config).
+        config.check_processes(jax.process_count(), NUM_PROCESSES_ENV)
         if latest is not None and warn_if_trained(config, output_dir, latest):
             # Said before anything starts: a real model's engines take minutes to start.
             if lead:
@@ -835,7 +852,8 @@ def _as_flags(message: str, names: list[str]) -> str:
 
 def cli(name: str, main: Callable[[RLConfig], dict], config: RLConfig) -> None:
     """Run ``main(config)`` as a command: INFO logs of the loop, a ConsistencyError as the exit
-    message. ``--local-processes N`` (outside a job) runs the same command as N processes."""
+    message, a UsageError as a usage error (exit status 2). ``--local-processes N`` (outside a
+    job) runs the same command as N processes."""
     check_plotting(config)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("examples").setLevel(logging.INFO)
@@ -869,6 +887,8 @@ def _run_local(name: str, config: RLConfig) -> None:
     results = launch_local(["-m", f"examples.{name}", *sys.argv[1:]], config.local_processes)
     for result in results:
         print(f"--- process {result.process_id} ({result.ended}) ---\n{result.log}", end="")
-    failed = [r.process_id for r in results if r.returncode != 0]
+    failed = [r for r in results if r.returncode != 0]
     if failed:
-        raise SystemExit(f"{name}: process(es) {failed} failed")
+        print(f"{name}: process(es) {[r.process_id for r in failed]} failed", file=sys.stderr)
+        # The processes' own usage error (those the launcher stopped say nothing) is the command's.
+        raise SystemExit(2 if {r.returncode for r in failed} - {None} == {2} else 1)

@@ -12,12 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from examples import reporting, rl_loop
-from examples.async_rl import run_async
+from examples import ppo, reporting, rl_loop
+from examples.async_rl import run_async, split_devices
 from examples.grpo import GRPO, PRESETS, GRPOConfig, parse_args
 from examples.ppo import PPOConfig
 from examples.reporting import check_plotting, summarize
-from examples.rl_loop import EVAL_STREAM, Task, _evaluate, cli, set_up, step_seed, worker_config
+from examples.rl_loop import EVAL_STREAM, Task, UsageError, _evaluate, cli, set_up, step_seed, worker_config
 from examples.run_dir import (
     RunDirError,
     TrainState,
@@ -30,7 +30,7 @@ from examples.run_dir import (
     restore_or_init,
     save_train_state,
 )
-from rollout.launch import PROCESS_ID_ENV
+from rollout.launch import PROCESS_ID_ENV, ProcessResult
 
 
 def test_a_resume_in_an_output_dir_must_be_the_same_run(tmp_path, chat_dir, monkeypatch):
@@ -224,13 +224,24 @@ def test_a_runs_engines_take_every_device_unless_told(tmp_path):
     [
         (dict(dp_size=3, tp_size=2), "--dp-size 3 x --tp-size 2 needs 6 devices, but this process has 4"),
         (dict(tp_size=8), "--tp-size 8 needs 8 devices, but this process has 4"),
+        (
+            dict(async_rollout=True, tis_cap=2.0, tp_size=3),
+            "--async-rollout puts the trainer and the engines on separate halves of the local devices: 4 "
+            "device(s) cannot give the engines a multiple of --tp-size 3 "
+            "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4)",
+        ),
     ],
 )
 def test_more_devices_than_the_process_has_is_a_usage_error_naming_the_flags(tmp_path, capsys, settings, message):
     """It was the worker's traceback, saying ``set devices=`` (no flag), in every process."""
     config = dataclasses.replace(PRESETS["tiny"], plot=False, **settings)
+
+    def start(config):  # what set_up asks of the devices, once the job is joined
+        _, engine_devices = split_devices(config.tp_size) if config.async_rollout else (None, None)
+        return worker_config(config, tmp_path, engine_devices)
+
     with pytest.raises(SystemExit) as exited:
-        cli("grpo", lambda config: worker_config(config, tmp_path), config)
+        cli("grpo", start, config)
     assert exited.value.code == 2
     assert capsys.readouterr().err == f"grpo: error: {message}\n"
 
@@ -546,6 +557,78 @@ def test_flags_a_tiny_preset_cannot_use_are_refused_before_anything_starts(flags
     assert re.search(words, refused(flags, capsys))
     parse_args(["--preset", "tiny-tools", "--max-turns", "2"])
     parse_args(["--preset", "tiny-moe", "--routing-replay"])
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--tis-cap", "2"], "--tis-cap runs in one process only, not with --local-processes 2$"),
+        (
+            ["--return-logprobs", "--check-consistency-every", "1"],
+            "--return-logprobs and --check-consistency-every run in one process only",
+        ),
+        (["--prompts-per-step", "7"], "--prompts-per-step 7 does not split over --local-processes 2"),
+        (["--async-rollout", "--tis-cap", "2"], "--async-rollout runs in one process"),
+    ],
+)
+def test_settings_one_process_runs_are_refused_before_the_processes_start(flags, words, capsys):
+    """They were a traceback in every process, after the job joined, naming config fields."""
+    assert re.search(words, refused([*flags, "--local-processes", "2"], capsys))
+    parse_args([*flags, "--local-processes", "1"])
+
+
+def test_ppos_engine_old_logprobs_are_refused_over_processes_naming_the_flag(capsys):
+    """They are what asks for the engine's log-probs; the message named return_logprobs and tis_cap."""
+    with pytest.raises(SystemExit) as exited:
+        ppo.parse_args(["--old-logprobs", "engine", "--local-processes", "2"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("error: --old-logprobs engine runs in one process only, not with --local-processes 2")
+    ppo.parse_args(["--old-logprobs", "engine"])
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        ([], "--async-rollout trains on tokens of older weights: set --tis-cap$"),
+        (["--tis-cap", "2", "--eval-every", "5"], "--eval-every runs in the synchronous loop, not with --async"),
+    ],
+)
+def test_async_settings_are_refused_before_anything_starts(flags, words, capsys):
+    """They were a traceback from the loop."""
+    assert re.search(words, refused(["--async-rollout", *flags], capsys))
+
+
+USAGE_ERROR = "grpo: error: --tp-size 2 needs 2 devices, but this process has 1\n"
+
+
+@pytest.mark.parametrize(
+    "ends,status",
+    [([(None, ""), (2, USAGE_ERROR)], 2), ([(2, USAGE_ERROR), (1, "Traceback ...\n")], 1)],
+    ids=["usage-error", "another-failure"],
+)
+def test_a_usage_error_in_the_local_processes_is_the_commands(monkeypatch, capsys, ends, status):
+    """Each process says it in one line (exit status 2), and so does the launching command;
+    process 0, stopped by the launcher once process 1 failed, says nothing."""
+    monkeypatch.delenv(PROCESS_ID_ENV, raising=False)
+    results = [
+        ProcessResult(i, code, log, "" if code else "process 1 failed first") for i, (code, log) in enumerate(ends)
+    ]
+    monkeypatch.setattr(rl_loop, "launch_local", lambda argv, processes: results)
+    with pytest.raises(SystemExit) as exited:
+        cli("grpo", None, dataclasses.replace(PRESETS["tiny"], plot=False, local_processes=2))
+    assert exited.value.code == status
+    assert USAGE_ERROR in capsys.readouterr().out
+
+
+def test_a_pods_processes_are_checked_once_joined(tmp_path, monkeypatch):
+    """A pod's processes come from JAX_NUM_PROCESSES, not --local-processes: set_up refuses
+    what they cannot run, before any engine starts, as a usage error."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    config = dataclasses.replace(PRESETS["tiny"], output_dir=str(tmp_path), tis_cap=2.0)
+    with pytest.raises(UsageError, match="^tis_cap runs in one process only, not with JAX_NUM_PROCESSES 2$"):
+        with set_up(config, GRPO):
+            pass
 
 
 def test_the_help_gives_each_flag_its_value_under_each_preset(capsys):
