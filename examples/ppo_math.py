@@ -82,12 +82,15 @@ def masked_whiten(x: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.Array
 def clipped_value_loss(values, old_values, returns, mask, clip: float) -> tuple[jax.Array, jax.Array]:
     """``0.5 * max((V - R)^2, (V_clipped - R)^2)`` averaged over the mask, with ``V_clipped``
     the new value kept within ``clip`` of the rollout's; and the fraction of tokens where the
-    clipped term was the larger (PPO2's value clipping, as in OpenAI's baselines and TRL)."""
+    clip moved the value and the clipped term was the larger (PPO2's value clipping, as in
+    OpenAI's baselines and TRL)."""
     clipped = old_values + jnp.clip(values - old_values, -clip, clip)
     plain_err = jnp.square(values - returns)
     clipped_err = jnp.square(clipped - returns)
     loss = 0.5 * masked_mean(jnp.maximum(plain_err, clipped_err), mask)
-    return loss, masked_mean((clipped_err > plain_err).astype(jnp.float32), mask)
+    # Within the clip, old + (V - old) can round away from V: that is not clipping.
+    taken = (jnp.abs(values - old_values) > clip) & (clipped_err > plain_err)
+    return loss, masked_mean(taken.astype(jnp.float32), mask)
 
 
 def token_entropy(logits: jax.Array) -> jax.Array:
