@@ -231,9 +231,8 @@ class Pod:
         deadline = time.monotonic() + self.timeout_s
         values, missing = {}, []
         for p in range(self.process_count):
-            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
             try:
-                values[p] = client.blocking_key_value_get(prefix + str(p), remaining_ms)
+                values[p] = _read_by(client, prefix + str(p), deadline)
             except Exception:  # deadline exceeded, or the coordination service is gone
                 missing.append(p)
         if missing:
@@ -245,6 +244,16 @@ class Pod:
                 tuple(missing),
             )
         return {p: v for p, v in values.items()}
+
+
+def _read_by(client, key: str, deadline: float) -> str:
+    """``key``'s value, waited for until ``deadline`` (time.monotonic). Past it (the wait for
+    an earlier key took the time), a key already written is still read: a blocking read of 1 ms
+    timed out on it, and named processes that had arrived, this one included, as lost."""
+    remaining_ms = int((deadline - time.monotonic()) * 1000)
+    if remaining_ms > 0:
+        return client.blocking_key_value_get(key, remaining_ms)
+    return client.key_value_try_get(key)
 
 
 def gone_processes() -> frozenset[int]:
@@ -272,7 +281,7 @@ def announce_leaving(timeout_s: float) -> tuple[int, ...]:
         if p in _gone:
             continue
         try:
-            client.blocking_key_value_get(_LEAVING_PREFIX + str(p), max(1, int((deadline - time.monotonic()) * 1000)))
+            _read_by(client, _LEAVING_PREFIX + str(p), deadline)
         except Exception:  # deadline exceeded
             late.append(p)
     return tuple(late)

@@ -2,6 +2,8 @@
 runtime's key-value store in which the test writes process 1's keys. Real processes:
 tests/test_pods.py."""
 
+import types
+
 import pytest
 
 from rollout import pod as pod_module
@@ -24,6 +26,11 @@ class KeyValueStore:
     def blocking_key_value_get(self, key, timeout_ms):
         if key not in self.values:
             raise TimeoutError(f"{key}: deadline exceeded")
+        return self.values[key]
+
+    def key_value_try_get(self, key):
+        if key not in self.values:
+            raise KeyError(f"{key}: not found")
         return self.values[key]
 
 
@@ -119,3 +126,25 @@ def test_a_global_arrays_fingerprint_has_its_meshs_device_order():
         for d in (devices, devices[::-1])
     ]
     assert pod_module.tree_fingerprint({"w": local[0]}) == pod_module.tree_fingerprint({"w": local[1]})
+
+
+def test_a_late_process_is_named_alone_when_waiting_for_it_used_the_whole_timeout(store, monkeypatch):
+    """Process 1 of two, process 0 late: the wait for process 0's key takes the whole timeout,
+    and the keys read after it (this process's own) had a blocking read of 1 ms, which a real
+    coordination service times out on however present the key: the PodError named both
+    processes, this one too, as lost."""
+    clock = [100.0]
+    monkeypatch.setattr(pod_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    present_but_slow = store.blocking_key_value_get
+
+    def blocking_get(key, timeout_ms):
+        if key.endswith("/0"):  # the late process: waited for until the deadline
+            clock[0] += timeout_ms / 1000
+        elif timeout_ms < 50:  # a round trip to the service takes longer
+            raise TimeoutError(f"{key}: deadline exceeded")
+        return present_but_slow(key, timeout_ms)
+
+    monkeypatch.setattr(store, "blocking_key_value_get", blocking_get)
+    with pytest.raises(PodError, match=r"process\(es\) \[0\] did not reach this call") as late:
+        Pod(1, 2, 10.0, "rollout/0").agree("drop_kv")
+    assert late.value.processes == (0,) and pod_module.gone_processes() == {0}
