@@ -55,6 +55,26 @@ class ConsistencyReport:
     seconds: float  # generate + trainer forward
 
 
+def _held_whole(flat: Mapping[str, object]) -> dict[str, object]:
+    """``flat`` with each leaf replicated over several processes' devices replaced by this
+    process's copy: the Flax forward runs on this process's rows alone, and over global arrays
+    it would be a computation of every process, each with a batch of its own (with FSDP leaves
+    a collective that aborted a process). A leaf sharded over processes is refused."""
+    held = {}
+    for path, leaf in flat.items():
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            if not leaf.sharding.is_fully_replicated:
+                raise InvalidRequest(
+                    "params",
+                    f"'{path}' is sharded over several processes' devices ({leaf.sharding}): check_consistency "
+                    "recomputes this process's rows with the Flax model alone, so pass params this process "
+                    "holds whole (in a pod, compare your SPMD train step's log-probs with mismatch_stats)",
+                )
+            leaf = leaf.addressable_data(0)
+        held[path] = leaf
+    return held
+
+
 def mismatch_stats(engine_logprobs, trainer_logprobs, mask) -> dict[str, float]:
     """Mean and max |Δ log p|, the k3 KL estimate and the token count over ``mask`` ([B, T])."""
     mask = np.asarray(mask, dtype=bool)
@@ -116,7 +136,7 @@ def check_consistency(
             f"params holds LoRA factors ('{factor}'), which the Flax recompute does not apply: pass the tree with "
             "them merged (trainer_bridge.apply_adapters)",
         )
-    tree = unflatten_params(flat)  # nested, flat (dotted paths) or {"params": ...}
+    tree = unflatten_params(_held_whole(flat))  # nested, flat (dotted paths) or {"params": ...}
     start = time.perf_counter()
     batch = worker.generate(
         prompts,

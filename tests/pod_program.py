@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from rollout import PodError, RolloutWorker  # noqa: E402
+from rollout import InvalidRequest, PodError, RolloutWorker  # noqa: E402
 from rollout.launch import join, leave  # noqa: E402
 from tests.helpers import tiny_worker_config  # noqa: E402
 from trainer_bridge import SyncError, flatten_params, load_hf_params, restore_params, unflatten_params  # noqa: E402
@@ -96,6 +96,15 @@ def main(model_dir: str, out_dir: str) -> None:
         "seconds": time.perf_counter() - start,
     }
     results["fsdp_greedy"] = worker.generate(PROMPTS[mine], **GREEDY).completions
+    # The Flax recompute runs on this process's rows: over FSDP leaves it was a collective of
+    # both processes, each with a batch of its own (one aborted); replicated ones are read here.
+    try:
+        worker.check_consistency(unflatten_params(fsdp), PROMPTS[mine], max_new_tokens=4)
+    except InvalidRequest as exc:
+        results["consistency_fsdp"] = str(exc)
+    results["consistency_placed"] = worker.check_consistency(
+        unflatten_params(placed), PROMPTS[mine], max_new_tokens=4
+    ).max_abs_diff
     # The same layout on a mesh whose devices run in another order than jax.devices() (as
     # jax.make_mesh may order a TPU's), the processes' devices swapped.
     swapped = Mesh(np.array(jax.devices()[2:] + jax.devices()[:2]), ("fsdp",))

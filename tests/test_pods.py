@@ -76,6 +76,14 @@ def test_placed_tree_syncs_at_zero_bytes_and_an_fsdp_tree_through_one_reshard(po
     assert _both(pod, "swapped_fsdp_greedy") == _both(pod, "greedy")
 
 
+def test_a_consistency_check_reads_replicated_params_here_and_refuses_fsdp_ones(pod):
+    """Each process checks its own rows: a leaf sharded over the processes is named (the Flax
+    forward over it was a collective of processes with batches of their own, which aborted one)."""
+    for message in _both(pod, "consistency_fsdp"):
+        assert "'model.embed_tokens.embedding' is sharded over several processes' devices" in message, message
+    assert all(diff < 1e-3 for diff in _both(pod, "consistency_placed"))
+
+
 def test_checkpoint_written_by_two_processes_loads_in_two_processes(pod):
     greedy = _both(pod, "greedy")
     assert _both(pod, "halved_greedy") != greedy  # the load really changed the weights back
