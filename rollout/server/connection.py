@@ -39,13 +39,25 @@ class HeadDeadlineProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        # The client's side is IDLE only before a head is whole: on a new connection (timed
-        # from its opening) and after a response (timed from here, the next request's first byte).
-        if self._head_deadline is None and self.conn.their_state is h11.IDLE:
-            self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+        # Judged after the bytes are taken: they may end a body the app answered early (a 401
+        # before reading it), and h11 then starts the next cycle here, where uvicorn has just
+        # cancelled its keep-alive timer: the next head's deadline starts now.
         super().data_received(data)
+        self._time_the_next_head()
+
+    def on_response_complete(self) -> None:
+        # A head already started behind this response (pipelined) is timed from here.
+        super().on_response_complete()
+        if self.conn.trailing_data[0]:
+            self._time_the_next_head()
+
+    def _time_the_next_head(self) -> None:
+        # The client's side is IDLE only before a head is whole: a new connection's (timed from
+        # its opening) or the next request's.
         if self.conn.their_state is not h11.IDLE:
             self._cancel_deadline()
+        elif self._head_deadline is None and not self.transport.is_closing():
+            self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
 
     def _cancel_deadline(self) -> None:
         if self._head_deadline is not None:

@@ -745,14 +745,14 @@ def test_a_connection_whose_request_head_does_not_arrive_is_closed_at_the_header
     that sent nothing is closed without an answer, as an idle keep-alive connection is."""
     server = head_timeout_server(backend)
     try:
+        start = time.monotonic()  # before the server's connection_made, which starts the deadline
         with (
             socket.create_connection(("127.0.0.1", server.port), timeout=60) as silent,
             socket.create_connection(("127.0.0.1", server.port), timeout=60) as partial,
         ):
-            start = time.monotonic()
             partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-")
             assert silent.recv(1) == b""
-            assert time.monotonic() - start > 0.25  # the deadline (0.5 s), not at once
+            assert time.monotonic() - start > 0.45  # the deadline (0.5 s), not at once
             answers = partial.makefile("rb")
             status, headers, body = read_answer(answers)
             assert status == 408 and headers["connection"] == "close"
@@ -803,6 +803,31 @@ def test_a_request_head_trickled_byte_by_byte_is_cut_at_the_header_timeout(backe
             assert read_answer(kept.makefile("rb"))[0] == 200
             answer = trickle_until_closed(kept)
             assert answer == b"" or answer.startswith(b"HTTP/1.1 408 ")
+    finally:
+        server.close()
+
+
+def test_the_next_head_is_timed_after_an_early_answer_and_behind_a_pipelined_request(backend):
+    """A route that answers before reading the body (a 404): the body's last bytes end the
+    request after its response, where uvicorn had cancelled its keep-alive timer, and neither
+    timer ran: a silent client, or one that sent part of its next head, held the connection.
+    A head begun behind a pipelined request was timed by the keep-alive timer (75 s)."""
+    server = head_timeout_server(backend)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+            answers = connection.makefile("rb")
+            connection.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\nGET /health HTTP/1.1\r\nHo")
+            assert read_answer(answers)[0] == 200
+            rest = answers.read()
+            assert rest.startswith(b"HTTP/1.1 408 "), rest
+        for after_body in (b"", b"GET /health HTTP/1.1\r\nHo"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+                answers = connection.makefile("rb")
+                connection.sendall(b"POST /no-such-route HTTP/1.1\r\nHost: test\r\nContent-Length: 2\r\n\r\n")
+                assert read_answer(answers)[0] == 404
+                connection.sendall(b"{}" + after_body)
+                rest = answers.read()  # until the server closes it (a socket timeout fails the test)
+                assert rest == b"" or rest.startswith(b"HTTP/1.1 408 "), rest
     finally:
         server.close()
 
