@@ -55,6 +55,8 @@ def run_async(config: RLConfig, make_algorithm: Callable[[RLConfig, Policy], Alg
     """:func:`examples.rl_loop.run` with rollouts generated one step ahead (see the module doc).
     It starts as that loop does (:func:`examples.rl_loop.set_up`: the output dir's claim, every
     preset's model family, resume), the engines and the trainer on separate devices."""
+    if config.tis_cap is None:  # GRPOConfig refuses it with its flags; a config given here may not
+        raise UsageError("async_rollout trains on tokens of older weights: set tis_cap")
     with set_up(config, make_algorithm, split_devices) as setup:
         return _train_async(config, setup) if setup else recorded_summary(config, make_algorithm)
 

@@ -61,7 +61,7 @@ from models import (
 from models.registry import check_routing_recordable
 from rollout import ConsistencyError, RolloutBatch, RolloutWorker, WorkerConfig, mismatch_stats
 from rollout.config import DTYPES
-from rollout.launch import NUM_PROCESSES_ENV, PROCESS_ID_ENV, join, launch_local
+from rollout.launch import NUM_PROCESSES_ENV, PROCESS_ID_ENV, exit_status, join, launch_local
 from trainer_bridge import LoraConfig, SyncReport, apply_adapters, load_hf_params
 
 logger = logging.getLogger(__name__)
@@ -203,7 +203,14 @@ class RLConfig:
     def check_processes(self, processes: int, given_by: str) -> None:
         """Refuse what cannot run over ``processes`` processes of one job (``given_by``: the
         setting that asks for them), naming the settings."""
-        one_process = self.logprob_settings + (("check_consistency_every",) if self.check_consistency_every else ())
+        one_process = self.logprob_settings + tuple(
+            name
+            for name, given in (
+                ("check_consistency_every", self.check_consistency_every),
+                ("max_turns", self.max_turns > 1),  # the episodes' sessions are one process's
+            )
+            if given
+        )
         if processes > 1 and one_process:
             verb = "runs" if len(one_process) == 1 else "run"
             raise UsageError(f"{' and '.join(one_process)} {verb} in one process only, not with {given_by} {processes}")
@@ -279,8 +286,6 @@ class RLConfig:
         self.check_processes(self.local_processes, "local_processes")
         if self.max_turns < 1 or self.turn_tokens < 1 or self.warm_start_steps < 0:
             raise ValueError("max_turns and turn_tokens must be >= 1, warm_start_steps >= 0")
-        if self.max_turns > 1 and self.local_processes > 1:
-            raise ValueError("multi-turn episodes (max_turns > 1) run in one process")
         if self.warm_start_steps and self.max_turns == 1:
             raise ValueError("warm_start_steps shows worked tool episodes: it needs max_turns > 1")
         if self.preset not in TINY_MODELS and (self.model is None or self.dataset is None):
@@ -887,8 +892,8 @@ def _run_local(name: str, config: RLConfig) -> None:
     results = launch_local(["-m", f"examples.{name}", *sys.argv[1:]], config.local_processes)
     for result in results:
         print(f"--- process {result.process_id} ({result.ended}) ---\n{result.log}", end="")
-    failed = [r for r in results if r.returncode != 0]
+    failed = [r.process_id for r in results if r.returncode != 0]
     if failed:
-        print(f"{name}: process(es) {[r.process_id for r in failed]} failed", file=sys.stderr)
-        # The processes' own usage error (those the launcher stopped say nothing) is the command's.
-        raise SystemExit(2 if {r.returncode for r in failed} - {None} == {2} else 1)
+        print(f"{name}: process(es) {failed} failed", file=sys.stderr)
+        # The first failure's status (a usage error's 2), as rollout.launch exits.
+        raise SystemExit(exit_status(results))

@@ -116,9 +116,10 @@ def test_the_value_clip_fraction_counts_values_the_clip_moved_and_nothing_else()
     assert np.any(old + (values - old) != values), "the premise: rounding moves some values"
     assert float(clipped_value_loss(values, old, returns, mask, clip=0.2)[1]) == 0.0
 
-    # Row 0: 24 values moved past the clip, away from their returns (the clipped term is the
-    # larger: clipped), then 8 past it towards them (the plain term is: not clipped). Row 63,
-    # off the mask: 5 clipped ones that do not count.
+    # Row 0: 24 values moved past the clip towards returns beyond them (the clip pulls them back,
+    # away: the clipped term is the larger, clipped), then 8 that overshot their returns (the
+    # clip brings them closer: the plain term is the larger, not clipped). Row 63, off the mask:
+    # 5 clipped ones that do not count.
     values[0, :32] = old[0, :32] + 0.5
     returns[0, :24] = old[0, :24] + 1.0
     returns[0, 24:32] = old[0, 24:32] + 0.1

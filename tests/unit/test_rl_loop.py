@@ -605,14 +605,16 @@ USAGE_ERROR = "grpo: error: --tp-size 2 needs 2 devices, but this process has 1\
 @pytest.mark.parametrize(
     "ends,status",
     [([(None, ""), (2, USAGE_ERROR)], 2), ([(2, USAGE_ERROR), (1, "Traceback ...\n")], 1)],
-    ids=["usage-error", "another-failure"],
+    ids=["usage-error", "another-failure-first"],
 )
 def test_a_usage_error_in_the_local_processes_is_the_commands(monkeypatch, capsys, ends, status):
     """Each process says it in one line (exit status 2), and so does the launching command;
     process 0, stopped by the launcher once process 1 failed, says nothing."""
     monkeypatch.delenv(PROCESS_ID_ENV, raising=False)
+    # Process 1 ended first: the command's status is its (rollout.launch.exit_status).
     results = [
-        ProcessResult(i, code, log, "" if code else "process 1 failed first") for i, (code, log) in enumerate(ends)
+        ProcessResult(i, code, log, "" if code else "process 1 failed first", seconds=2.0 - i)
+        for i, (code, log) in enumerate(ends)
     ]
     monkeypatch.setattr(rl_loop, "launch_local", lambda argv, processes: results)
     with pytest.raises(SystemExit) as exited:
@@ -621,12 +623,15 @@ def test_a_usage_error_in_the_local_processes_is_the_commands(monkeypatch, capsy
     assert USAGE_ERROR in capsys.readouterr().out
 
 
-def test_a_pods_processes_are_checked_once_joined(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "preset,setting,name", [("tiny", {"tis_cap": 2.0}, "tis_cap"), ("tiny-tools", {}, "max_turns")]
+)
+def test_a_pods_processes_are_checked_once_joined(tmp_path, monkeypatch, preset, setting, name):
     """A pod's processes come from JAX_NUM_PROCESSES, not --local-processes: set_up refuses
     what they cannot run, before any engine starts, as a usage error."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    config = dataclasses.replace(PRESETS["tiny"], output_dir=str(tmp_path), tis_cap=2.0)
-    with pytest.raises(UsageError, match="^tis_cap runs in one process only, not with JAX_NUM_PROCESSES 2$"):
+    config = dataclasses.replace(PRESETS[preset], output_dir=str(tmp_path), **setting)
+    with pytest.raises(UsageError, match=f"^{name} runs in one process only, not with JAX_NUM_PROCESSES 2$"):
         with set_up(config, GRPO):
             pass
 
