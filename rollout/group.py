@@ -246,17 +246,26 @@ class EngineGroup:
         process's devices). One process: ``flat`` for every engine, 0. Several: leaves spread
         over processes are first resharded to :meth:`param_shardings` in one collective (every
         process runs it: the caller checked the SPMD rule), then each engine gets views of its
-        own devices' buffers, so what follows is local to each engine."""
+        own devices' buffers, so what follows is local to each engine. With unmerged adapters, a
+        base leaf every engine serves from that very array stays as given: the sync keeps it
+        (:meth:`EngineWeights.prepare`), so neither reshard nor views are made of it."""
         if not self.pod.multi_process:
             return [flat] * len(self.weights), 0
         adapters = {path: self.across_engines(s) for path, s in self.first.adapter_targets().items()}
         targets = {**self.param_shardings(), **adapters}
+        served = frozenset()
+        if adapters:
+            served = frozenset.intersection(*(w.served_base(flat) for w in self.live().values()))
+            # Every process must reshard the same leaves: one whose trainer passed a new array
+            # where the others passed the served one would start another collective.
+            self.pod.agree(f"{call} (served base)", hashlib.sha256("\n".join(sorted(served)).encode()).hexdigest()[:16])
         moving = [
             p
             for p, x in flat.items()
             if isinstance(x, jax.Array)
             and not x.is_fully_addressable
             and p in targets
+            and p not in served
             and (not x.sharding.is_equivalent_to(targets[p], x.ndim) or not _shards_listed(x))
         ]
         flat = dict(flat)
@@ -271,7 +280,9 @@ class EngineGroup:
             mesh = weights.engine.mesh
             trees.append(
                 {
-                    p: relabel(x, NamedSharding(mesh, x.sharding.spec)) if _on_group_mesh(x, self.mesh) else x
+                    p: relabel(x, NamedSharding(mesh, x.sharding.spec))
+                    if p not in served and _on_group_mesh(x, self.mesh)
+                    else x
                     for p, x in flat.items()
                 }
             )

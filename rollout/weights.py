@@ -243,6 +243,16 @@ class EngineWeights:
                 + ", ".join(f"{a} and {b}" for a, b in overflowing[:8])
             )
 
+    def served_base(self, flat: Mapping[str, object]) -> frozenset[str]:
+        """The base paths of ``flat`` (the trainer's arrays) that a sync with unmerged adapters
+        keeps as served (:meth:`prepare`): each one's engine leaf was synced from that very array
+        and is still live."""
+        if not self._adapter_paths or self.adapters_only(flat):
+            return frozenset()
+        leaves = self.engine.weight_leaves()
+        indices = {m.trainer: self._by_path[m.engine].index for m in self.mappings if m.trainer in flat}
+        return frozenset(path for path, i in indices.items() if self._source(i) is flat[path] and _live(leaves[i]))
+
     def _source(self, index: int):
         """The trainer array leaf ``index`` was last synced from (checked), if still alive."""
         ref = self._sources.get(index)

@@ -197,20 +197,24 @@ def test_memory_reads_take_an_array_device_put_across_processes():
         assert found["x"] == [[found["device"], 64 * 4]], found
 
 
-# Params a trainer put with jax.device_put from arrays on one device of each process (one device
-# a process, as multi-GPU jobs run): at jax 0.12 jax cannot list such an array's shards, which
-# the engines' views are made of (a sync failed in addressable_shards). tiny_worker_config's
-# engine, one device a process.
+# One device a process, as multi-GPU jobs run. Params a trainer put with jax.device_put from
+# arrays on one device of each process: at jax 0.12 jax cannot list such an array's shards,
+# which the engines' views are made of (a sync failed in addressable_shards). Then an FSDP base
+# beside unmerged adapters, passed again: it was gathered across the processes at every sync.
 SYNC_DEVICE_PUT = """
 import json, sys
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rollout import RolloutWorker
 from rollout.launch import join
 from tests.helpers import tiny_worker_config
-from trainer_bridge import flatten_params, load_hf_params, unflatten_params
+from trainer_bridge import LoraConfig, flatten_params, init_adapters, load_hf_params, unflatten_params
 join()
 model_dir = sys.argv[1]
-worker = RolloutWorker(tiny_worker_config(model_dir, load_format="dummy", devices=tuple(jax.local_devices())))
+lora = LoraConfig(rank=4, alpha=8.0)
+worker = RolloutWorker(
+    tiny_worker_config(model_dir, load_format="dummy", devices=tuple(jax.local_devices()), unmerged_lora=lora)
+)
 host = flatten_params(load_hf_params(model_dir))
 shardings = flatten_params(worker.param_shardings())
 greedy = dict(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -221,15 +225,34 @@ worker.sync_params(jax.tree_util.tree_map(lambda x: x * 0.5, unflatten_params(bu
 put = {p: jax.device_put(jnp.asarray(x), shardings[p]) for p, x in host.items()}
 report = worker.sync_params(unflatten_params(put))
 served = worker.generate([[5, 17, 42, 8]], **greedy).completions
-print("SYNCED", json.dumps({"same": served == expected, "version": report.version}), flush=True)
+mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+fsdp = {
+    p: jax.make_array_from_callback(
+        x.shape, NamedSharding(mesh, PartitionSpec("fsdp") if x.shape[0] % 2 == 0 else PartitionSpec()),
+        lambda i, x=x: x[i],
+    )
+    for p, x in host.items()
+}
+base = unflatten_params(fsdp)
+adapters = init_adapters(base, lora, jax.random.key(0))
+gathered = [worker.sync_params(base, adapters=adapters, lora=lora).bytes_gathered for _ in range(2)]
+result = {"same": served == expected, "version": report.version, "gathered": gathered}
+result["lora_same"] = worker.generate([[5, 17, 42, 8]], **greedy).completions == expected
+print("SYNCED", json.dumps(result), flush=True)
 worker.close()
 """
 
 
 @pytest.mark.newest_end
-def test_a_sync_takes_params_device_put_across_processes_of_one_device(qwen2_dir):
+def test_one_device_a_process_syncs_device_put_params_and_an_fsdp_base_once(qwen2_dir):
     runs = launch_local(["-c", SYNC_DEVICE_PUT, str(qwen2_dir)], 2, devices_per_process=1, timeout_s=LAUNCH_TIMEOUT_S)
     assert all(r.returncode == 0 for r in runs), [r.log[-3000:] for r in runs]
     for run in runs:
         (line,) = [line for line in run.log.splitlines() if line.startswith("SYNCED ")]
-        assert json.loads(line.removeprefix("SYNCED ")) == {"same": True, "version": 3}, run.log[-3000:]
+        synced = json.loads(line.removeprefix("SYNCED "))
+        assert synced["gathered"][0] > 0 and synced["gathered"][1] == 0, synced  # the base, once
+        assert {k: synced[k] for k in ("same", "version", "lora_same")} == {
+            "same": True,
+            "version": 3,
+            "lora_same": True,
+        }, run.log[-3000:]
