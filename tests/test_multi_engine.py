@@ -314,7 +314,7 @@ def test_a_failed_start_up_lets_the_process_exit(qwen2_dir, tmp_path):
         assert any("1 error in " in line for line in lines), "".join(lines)[-3000:]
         # The hang came after the summary: the exit is given a bound of its own, so the pinning
         # run (the workaround off) need not wait out a whole run's timeout.
-        process.wait(timeout=10)
+        process.wait(timeout=15)
     finally:
         process.kill()
         reader.join(timeout=10)

@@ -205,7 +205,8 @@ def replicate(value, sharding: jax.sharding.Sharding) -> jax.Array:
     processes, a value of this process's own (numpy, or an array on its devices), which every
     process holds the same, is built from each process's host copy: ``jax.device_put`` made of
     a one-device array put across processes, at jax 0.12, an array whose shards jax cannot list
-    (``addressable_shards`` raises), which a sync then could not read."""
+    (``addressable_shards`` raises), which a sync then could not read. Not for values traced
+    under ``jax.jit`` on that path: it reads the host copy."""
     if sharding.is_fully_addressable or (isinstance(value, jax.Array) and not value.is_fully_addressable):
         return jax.device_put(value, sharding)
     host = np.asarray(value)
