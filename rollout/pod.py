@@ -247,12 +247,15 @@ class Pod:
 
 
 def _read_by(client, key: str, deadline: float) -> str:
-    """``key``'s value, waited for until ``deadline`` (time.monotonic). Past it (the wait for
-    an earlier key took the time), a key already written is still read: a blocking read of 1 ms
-    timed out on it, and named processes that had arrived, this one included, as lost."""
+    """``key``'s value, waited for until ``deadline`` (time.monotonic). A key already written is
+    read however little time is left (the wait for an earlier key took it): a blocking read of a
+    few ms timed out on it, and named processes that had arrived, this one included, as lost."""
     remaining_ms = int((deadline - time.monotonic()) * 1000)
     if remaining_ms > 0:
-        return client.blocking_key_value_get(key, remaining_ms)
+        try:
+            return client.blocking_key_value_get(key, remaining_ms)
+        except Exception:  # timed out: it may still be there
+            pass
     return client.key_value_try_get(key)
 
 

@@ -174,10 +174,14 @@ def _normalized_index(index: tuple, shape: tuple[int, ...]) -> tuple:
 
 
 def same_slices(array: jax.Array, sharding: jax.sharding.Sharding) -> bool:
-    """True when every device of ``sharding`` holds, in ``array``, exactly its slice."""
+    """True when every device of ``sharding`` holds, in ``array``, exactly its slice. False for an
+    array whose shards jax cannot list (:func:`replicate`): it is copied, not relabeled."""
     shape = tuple(array.shape)
     expected = {d: _normalized_index(i, shape) for d, i in sharding.devices_indices_map(shape).items()}
-    held = {s.device: _normalized_index(s.index, shape) for s in array.addressable_shards}
+    try:
+        held = {s.device: _normalized_index(s.index, shape) for s in array.addressable_shards}
+    except ValueError:
+        return False
     return all(held.get(device) == index for device, index in expected.items())
 
 

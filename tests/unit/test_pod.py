@@ -128,7 +128,10 @@ def test_a_global_arrays_fingerprint_has_its_meshs_device_order():
     assert pod_module.tree_fingerprint({"w": local[0]}) == pod_module.tree_fingerprint({"w": local[1]})
 
 
-def test_a_late_process_is_named_alone_when_waiting_for_it_used_the_whole_timeout(store, monkeypatch):
+@pytest.mark.parametrize("arrives_before_deadline_s", [None, 0.01], ids=["never", "just-before-the-deadline"])
+def test_a_late_process_is_named_alone_when_waiting_for_it_used_the_timeout(
+    store, monkeypatch, arrives_before_deadline_s
+):
     """Process 1 of two, process 0 late: the wait for process 0's key takes the whole timeout,
     and the keys read after it (this process's own) had a blocking read of 1 ms, which a real
     coordination service times out on however present the key: the PodError named both
@@ -138,13 +141,18 @@ def test_a_late_process_is_named_alone_when_waiting_for_it_used_the_whole_timeou
     present_but_slow = store.blocking_key_value_get
 
     def blocking_get(key, timeout_ms):
-        if key.endswith("/0"):  # the late process: waited for until the deadline
-            clock[0] += timeout_ms / 1000
+        if key.endswith("/0"):  # the late process: waited for until (or nearly until) the deadline
+            clock[0] += timeout_ms / 1000 - (arrives_before_deadline_s or 0)
+            if arrives_before_deadline_s:
+                return "drop_kv||"
         elif timeout_ms < 50:  # a round trip to the service takes longer
             raise TimeoutError(f"{key}: deadline exceeded")
         return present_but_slow(key, timeout_ms)
 
     monkeypatch.setattr(store, "blocking_key_value_get", blocking_get)
+    if arrives_before_deadline_s:  # 10 ms left for this process's own key: read all the same
+        assert Pod(1, 2, 10.0, "rollout/0").agree("drop_kv") == ["", ""]
+        return
     with pytest.raises(PodError, match=r"process\(es\) \[0\] did not reach this call") as late:
         Pod(1, 2, 10.0, "rollout/0").agree("drop_kv")
     assert late.value.processes == (0,) and pod_module.gone_processes() == {0}
