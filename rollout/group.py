@@ -255,10 +255,17 @@ class EngineGroup:
         targets = {**self.param_shardings(), **adapters}
         served = frozenset()
         if adapters:
-            served = frozenset.intersection(*(w.served_base(flat) for w in self.live().values()))
-            # Every process must reshard the same leaves: one whose trainer passed a new array
-            # where the others passed the served one would start another collective.
-            self.pod.agree(f"{call} (served base)", hashlib.sha256("\n".join(sorted(served)).encode()).hexdigest()[:16])
+            # Every process must reshard the same leaves, so those every process serves stay: one
+            # whose trainer passed a new array where the others passed the served one reshards it
+            # with them (its engines still keep what they serve, by the trainer's array).
+            paths = sorted(flat)
+            here = frozenset.intersection(*(w.served_base(flat) for w in self.live().values()))
+            payloads = self.pod.agree(
+                f"{call} (served base)", payload=",".join(str(i) for i, p in enumerate(paths) if p in here)
+            )
+            served = frozenset(
+                paths[int(i)] for i in set.intersection(*(set(filter(None, x.split(","))) for x in payloads))
+            )
         moving = [
             p
             for p, x in flat.items()

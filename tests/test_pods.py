@@ -236,7 +236,10 @@ fsdp = {
 base = unflatten_params(fsdp)
 adapters = init_adapters(base, lora, jax.random.key(0))
 gathered = [worker.sync_params(base, adapters=adapters, lora=lora).bytes_gathered for _ in range(2)]
-result = {"same": served == expected, "version": report.version, "gathered": gathered}
+put_base = unflatten_params(put)  # served again: planned whole, its shards unlisted at jax 0.12
+put_adapters = init_adapters(put_base, lora, jax.random.key(1))
+put_gathered = [worker.sync_params(put_base, adapters=put_adapters, lora=lora).bytes_gathered for _ in range(2)]
+result = {"same": served == expected, "version": report.version, "gathered": gathered, "put_gathered": put_gathered}
 result["lora_same"] = worker.generate([[5, 17, 42, 8]], **greedy).completions == expected
 print("SYNCED", json.dumps(result), flush=True)
 worker.close()
@@ -251,6 +254,7 @@ def test_one_device_a_process_syncs_device_put_params_and_an_fsdp_base_once(qwen
         (line,) = [line for line in run.log.splitlines() if line.startswith("SYNCED ")]
         synced = json.loads(line.removeprefix("SYNCED "))
         assert synced["gathered"][0] > 0 and synced["gathered"][1] == 0, synced  # the base, once
+        assert synced["put_gathered"][1] == 0, synced
         assert {k: synced[k] for k in ("same", "version", "lora_same")} == {
             "same": True,
             "version": 3,
