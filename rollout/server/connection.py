@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 class HeadDeadlineProtocol(H11Protocol):
     """Closes a connection whose request head (request line and headers) has not arrived whole
     ``header_timeout_s`` after the connection opened, or after the first byte of a later request
-    on it (the keep-alive timeout governs the silence between requests).
+    on it (the keep-alive timeout governs the silence between requests). A body the app answered
+    without reading (a 404, a 401), and the head after it, are held to the same deadline.
 
     uvicorn times neither: its keep-alive timer starts after a response and stops at the next
     byte, so a client that sent nothing, or trickled header bytes, held its connection (and a
@@ -46,15 +47,18 @@ class HeadDeadlineProtocol(H11Protocol):
         self._time_the_next_head()
 
     def on_response_complete(self) -> None:
-        # A head already started behind this response (pipelined) is timed from here.
+        # A head already started behind this response (pipelined), or a body still coming that
+        # the app answered without reading, is timed from here.
         super().on_response_complete()
-        if self.conn.trailing_data[0]:
+        if self.conn.trailing_data[0] or self.conn.their_state is h11.SEND_BODY:
             self._time_the_next_head()
 
     def _time_the_next_head(self) -> None:
-        # The client's side is IDLE only before a head is whole: a new connection's (timed from
-        # its opening) or the next request's.
-        if self.conn.their_state is not h11.IDLE:
+        # The client's side is IDLE only before a head is whole (a new connection's, timed from
+        # its opening, or the next request's); SEND_BODY after the answer is a body no one reads,
+        # which uvicorn's keep-alive timer stops timing at its next byte.
+        answered_body = self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY
+        if self.conn.their_state is not h11.IDLE and not answered_body:
             self._cancel_deadline()
         elif self._head_deadline is None and not self.transport.is_closing():
             self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
@@ -68,7 +72,7 @@ class HeadDeadlineProtocol(H11Protocol):
         self._head_deadline = None
         if self.transport.is_closing():
             return
-        if self.conn.trailing_data[0]:  # part of a head came: the client may be reading
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # part of a head: it may read
             message = (
                 f"the request head (request line and headers) did not arrive whole within "
                 f"{self.header_timeout_s} s (ServerConfig.header_timeout_s)"
