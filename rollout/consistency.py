@@ -56,23 +56,40 @@ class ConsistencyReport:
 
 
 def _held_whole(flat: Mapping[str, object]) -> dict[str, object]:
-    """``flat`` with each leaf replicated over several processes' devices replaced by this
-    process's copy: the Flax forward runs on this process's rows alone, and over global arrays
-    it would be a computation of every process, each with a batch of its own (with FSDP leaves
-    a collective that aborted a process). A leaf sharded over processes is refused."""
+    """``flat`` with each leaf spread over several processes' devices replaced by the copy this
+    process holds (on its first device; a leaf placed by ``param_shardings()`` with tp > 1 is
+    split over this process's devices, whole on them): the Flax forward runs on this process's
+    rows alone, and over global arrays it would be a computation of every process, each with a
+    batch of its own (with FSDP leaves a collective that aborted a process). A leaf of which
+    this process holds only part is refused."""
     held = {}
     for path, leaf in flat.items():
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            if not leaf.sharding.is_fully_replicated:
+            whole = _this_process_copy(leaf)
+            if whole is None:
                 raise InvalidRequest(
                     "params",
                     f"'{path}' is sharded over several processes' devices ({leaf.sharding}): check_consistency "
                     "recomputes this process's rows with the Flax model alone, so pass params this process "
                     "holds whole (in a pod, compare your SPMD train step's log-probs with mismatch_stats)",
                 )
-            leaf = leaf.addressable_data(0)
+            leaf = jax.device_put(whole, jax.local_devices()[0])
         held[path] = leaf
     return held
+
+
+def _this_process_copy(leaf: jax.Array) -> np.ndarray | None:
+    """``leaf`` assembled from this process's shards, or None where they do not cover it."""
+    out = np.empty(leaf.shape, leaf.dtype)
+    covered = np.zeros(leaf.shape, bool)
+    try:
+        shards = leaf.addressable_shards
+    except ValueError:  # jax 0.12 lists no shards of some arrays (trainer_bridge.replicate)
+        return None
+    for shard in shards:
+        out[shard.index] = np.asarray(shard.data)
+        covered[shard.index] = True
+    return out if covered.all() else None
 
 
 def mismatch_stats(engine_logprobs, trainer_logprobs, mask) -> dict[str, float]:
@@ -177,7 +194,7 @@ def check_consistency(
         ],
         seconds=time.perf_counter() - start,
     )
-    _check_trainer_finite(report, trainer, batch.completion_mask, params, _float_dtype(tree))
+    _check_trainer_finite(report, trainer, batch.completion_mask, tree, _float_dtype(tree))
     for name, value, limit in (
         ("max |Δ log p|", report.max_abs_diff, atol),
         ("mean |Δ log p|", report.mean_abs_diff, mean_atol),

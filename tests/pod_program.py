@@ -105,6 +105,19 @@ def main(model_dir: str, out_dir: str) -> None:
     results["consistency_placed"] = worker.check_consistency(
         unflatten_params(placed), PROMPTS[mine], max_new_tokens=4
     ).max_abs_diff
+    # Split over each process's own devices, whole on them (param_shardings() with tp > 1).
+    per_process = Mesh(np.array(jax.devices()).reshape(2, 2), ("processes", "local"))
+    split = {
+        p: jax.make_array_from_callback(
+            x.shape,
+            NamedSharding(per_process, P(None, "local") if x.ndim == 2 and x.shape[1] % 2 == 0 else P()),
+            lambda i, x=x: x[i],
+        )
+        for p, x in host.items()
+    }
+    results["consistency_split"] = worker.check_consistency(
+        unflatten_params(split), PROMPTS[mine], max_new_tokens=4
+    ).max_abs_diff
     # The same layout on a mesh whose devices run in another order than jax.devices() (as
     # jax.make_mesh may order a TPU's), the processes' devices swapped.
     swapped = Mesh(np.array(jax.devices()[2:] + jax.devices()[:2]), ("fsdp",))
