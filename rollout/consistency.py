@@ -23,6 +23,7 @@ import numpy as np
 from models import completion_log_probs, flax_model_for
 from trainer_bridge import flatten_params, non_finite_leaves, unflatten_params
 from trainer_bridge.lora import is_factor_path
+from trainer_bridge.sync import held_slices, sharding_slices
 
 from .errors import InvalidRequest, RolloutError
 from .sampling import as_int
@@ -79,17 +80,15 @@ def _held_whole(flat: Mapping[str, object]) -> dict[str, object]:
 
 
 def _this_process_copy(leaf: jax.Array) -> np.ndarray | None:
-    """``leaf`` assembled from this process's shards, or None where they do not cover it."""
-    out = np.empty(leaf.shape, leaf.dtype)
-    covered = np.zeros(leaf.shape, bool)
-    try:
-        shards = leaf.addressable_shards
-    except ValueError:  # jax 0.12 lists no shards of some arrays (trainer_bridge.replicate)
+    """``leaf`` assembled from this process's shards, or None where they do not hold every slice
+    the sharding has (or cannot be listed)."""
+    held = held_slices(leaf)
+    if held is None or set(held.values()) != set(sharding_slices(leaf.sharding, leaf.shape).values()):
         return None
-    for shard in shards:
+    out = np.empty(leaf.shape, leaf.dtype)
+    for shard in leaf.addressable_shards:
         out[shard.index] = np.asarray(shard.data)
-        covered[shard.index] = True
-    return out if covered.all() else None
+    return out
 
 
 def mismatch_stats(engine_logprobs, trainer_logprobs, mask) -> dict[str, float]:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer_bridge.sync import device_order, relabel
+from trainer_bridge.sync import device_order, listed_shards, relabel
 
 from . import kv, stream
 from .config import WorkerConfig
@@ -273,7 +273,8 @@ class EngineGroup:
             and not x.is_fully_addressable
             and p in targets
             and p not in served
-            and (not x.sharding.is_equivalent_to(targets[p], x.ndim) or not _shards_listed(x))
+            # Shards jax cannot list (listed_shards) make no views; a jitted identity takes them.
+            and (not x.sharding.is_equivalent_to(targets[p], x.ndim) or listed_shards(x) is None)
         ]
         flat = dict(flat)
         gathered = 0
@@ -387,18 +388,6 @@ class EngineGroup:
             return live[chosen]
         others = sorted(live)
         return live[others[chosen % len(others)]]
-
-
-def _shards_listed(x: jax.Array) -> bool:
-    """Whether jax lists ``x``'s shards, which the engines' views are made of. jax 0.12 cannot
-    for an array ``jax.device_put`` made of a one-device array across processes of one device
-    each (``addressable_shards`` raises ValueError); a jitted identity still takes it, so it is
-    resharded into the engines' layout like a leaf placed otherwise."""
-    try:
-        x.addressable_shards
-    except ValueError:
-        return False
-    return True
 
 
 def _on_group_mesh(x, mesh: Mesh) -> bool:

@@ -173,16 +173,36 @@ def _normalized_index(index: tuple, shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
+def listed_shards(array: jax.Array) -> list | None:
+    """``array.addressable_shards``, or None where jax cannot list them: jax 0.12 cannot for an
+    array ``jax.device_put`` made of a one-device array across processes of one device each
+    (:func:`replicate` builds such arrays instead)."""
+    try:
+        return array.addressable_shards
+    except ValueError:
+        return None
+
+
+def held_slices(array: jax.Array) -> dict | None:
+    """Device -> the slice of ``array`` it holds, of this process's devices (None: the shards
+    cannot be listed, :func:`listed_shards`)."""
+    shards = listed_shards(array)
+    if shards is None:
+        return None
+    return {s.device: _normalized_index(s.index, tuple(array.shape)) for s in shards}
+
+
+def sharding_slices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict:
+    """Device -> the slice of an array of ``shape`` that ``sharding`` gives it, every process's."""
+    return {d: _normalized_index(i, tuple(shape)) for d, i in sharding.devices_indices_map(tuple(shape)).items()}
+
+
 def same_slices(array: jax.Array, sharding: jax.sharding.Sharding) -> bool:
     """True when every device of ``sharding`` holds, in ``array``, exactly its slice. False for an
-    array whose shards jax cannot list (:func:`replicate`): it is copied, not relabeled."""
-    shape = tuple(array.shape)
-    expected = {d: _normalized_index(i, shape) for d, i in sharding.devices_indices_map(shape).items()}
-    try:
-        held = {s.device: _normalized_index(s.index, shape) for s in array.addressable_shards}
-    except ValueError:
-        return False
-    return all(held.get(device) == index for device, index in expected.items())
+    array whose shards jax cannot list: it is copied, not relabeled."""
+    expected = sharding_slices(sharding, array.shape)
+    held = held_slices(array)
+    return held is not None and all(held.get(device) == index for device, index in expected.items())
 
 
 def relabel(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -33,7 +33,7 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+        self._time_the_next_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
