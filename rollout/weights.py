@@ -185,17 +185,9 @@ class EngineWeights:
         leaves = self.engine.weight_leaves()
         if self.adapters_only(flat):
             self._check_served_beside(self._slot_of(flat), leaves)
-        elif self._adapter_paths:
-            kept = {
-                p.trainer_path
-                for p in plan.leaves
-                if p.trainer_path not in self._adapter_paths
-                and self._source(p.engine.index) is origin[p.trainer_path]
-                and _live(leaves[p.engine.index])
-            }
-            if kept:
-                flat = {path: leaf for path, leaf in flat.items() if path not in kept}
-                plan = self.plan_for(flat, allow_cast, partial=True)
+        elif kept := self.served_base(origin, leaves):
+            flat = {path: leaf for path, leaf in flat.items() if path not in kept}
+            plan = self.plan_for(flat, allow_cast, partial=True)
         known = frozenset(p.engine.index for p in plan.leaves if self._source(p.engine.index) is origin[p.trainer_path])
         updates = plan.execute(flat)
         if check_finite:  # what the engine would serve: a cast's overflow too
@@ -243,13 +235,13 @@ class EngineWeights:
                 + ", ".join(f"{a} and {b}" for a, b in overflowing[:8])
             )
 
-    def served_base(self, flat: Mapping[str, object]) -> frozenset[str]:
+    def served_base(self, flat: Mapping[str, object], leaves: list | None = None) -> frozenset[str]:
         """The base paths of ``flat`` (the trainer's arrays) that a sync with unmerged adapters
-        keeps as served (:meth:`prepare`): each one's engine leaf was synced from that very array
-        and is still live."""
+        keeps as served (:meth:`prepare`): each one's engine leaf (of ``leaves``, None: the
+        engine's now) was synced from that very array and is still live."""
         if not self._adapter_paths or self.adapters_only(flat):
             return frozenset()
-        leaves = self.engine.weight_leaves()
+        leaves = self.engine.weight_leaves() if leaves is None else leaves
         indices = {m.trainer: self._by_path[m.engine].index for m in self.mappings if m.trainer in flat}
         return frozenset(path for path, i in indices.items() if self._source(i) is flat[path] and _live(leaves[i]))
 
